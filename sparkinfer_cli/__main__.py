@@ -1,0 +1,3 @@
+from sparkinfer_cli.cli import app
+
+app()

@@ -1,0 +1,52 @@
+"""What the engine hands a model for one forward pass, and the caches the model reads and writes.
+
+A forward pass runs any mix of sequences, each with some new tokens (a whole prompt, a prompt
+chunk, or one decode token). KV lives in a paged pool: a sequence owns a list of blocks (its block
+table); token at position p of the sequence sits in block `block_table[p // block_size]`, slot
+`p % block_size`. Hybrid (Gated-DeltaNet) models also keep one recurrent-state slot per sequence.
+The engine decides which blocks and slots a sequence owns (pure Python ints); the model only reads
+and writes them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class SequenceBatch:
+    token_ids: np.ndarray  # (N,) int32: the new tokens of every sequence, concatenated
+    start_positions: list[int]  # per sequence: tokens already in its cache
+    num_new_tokens: list[int]  # per sequence: how many of token_ids are its own
+    block_tables: list[np.ndarray]  # per sequence: int32 block ids covering start + new tokens
+    state_slots: list[int] = field(default_factory=list)  # per sequence (hybrid models only)
+    all_logits: bool = False  # True: logits of every new token; False: last token of each sequence
+
+    def __post_init__(self) -> None:
+        if len(self.start_positions) != len(self.num_new_tokens) or \
+                len(self.block_tables) != len(self.num_new_tokens):
+            raise ValueError("per-sequence lists of a SequenceBatch differ in length")
+        if sum(self.num_new_tokens) != len(self.token_ids):
+            raise ValueError("num_new_tokens does not add up to len(token_ids)")
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.num_new_tokens)
+
+    def token_offsets(self) -> np.ndarray:
+        """(num_seqs + 1,) start index of each sequence's tokens in token_ids."""
+        return np.concatenate([[0], np.cumsum(self.num_new_tokens)]).astype(np.int64)
+
+    def positions(self) -> np.ndarray:
+        """(N,) absolute position of every new token."""
+        return np.concatenate([np.arange(s, s + n) for s, n in
+                               zip(self.start_positions, self.num_new_tokens)]).astype(np.int32)
+
+    @classmethod
+    def single(cls, token_ids: np.ndarray, start: int, block_table: np.ndarray, state_slot: int = 0,
+               all_logits: bool = False) -> SequenceBatch:
+        ids = np.asarray(token_ids, dtype=np.int32)
+        return cls(ids, [start], [len(ids)], [np.asarray(block_table, dtype=np.int32)],
+                   [state_slot], all_logits)
