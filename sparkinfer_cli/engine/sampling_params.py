@@ -1,0 +1,44 @@
+"""SamplingParams: how one request turns logits into tokens and when it stops."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 1.0  # 0 → greedy
+    top_k: int = 0  # 0 → off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # llama.cpp/CTRL style: divide positive logits, multiply negative
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.max_tokens >= 1, "max_tokens must be at least 1"),
+            (self.temperature >= 0, "temperature must be >= 0"),
+            (self.top_k >= 0, "top_k must be >= 0"),
+            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+            (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
+            (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
+            (0 <= self.top_logprobs <= 20, "top_logprobs must be in [0, 20]"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
