@@ -1,0 +1,60 @@
+"""EngineConfig: the continuous-batching engine's knobs (seed README env vars), validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SCHED_POLICIES = ("continuous", "chunked", "priority")
+
+
+class QueueFullError(Exception):
+    """In-flight + queued requests reached max_queue_depth (HTTP 429)."""
+
+
+class RequestTooLargeError(ValueError):
+    """prompt + max_tokens can never fit in the context (HTTP 400)."""
+
+
+class EngineStoppedError(Exception):
+    """The engine is shutting down or stopped and accepts no new requests (HTTP 503)."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    ctx: int = 4096  # KV pool size in tokens over all sequences (CTX / --ctx)
+    block_size: int = 16
+    max_batch_tokens: int = 64  # decode tokens packed per step before a prefill may join
+    sched_policy: str = "continuous"  # continuous | chunked | priority
+    prefill_chunk_tokens: int = 512  # 0 = unlimited
+    prefill_mix_max: int = 2048  # longest prefill piece run alongside decodes (0 = always mix)
+    prefill_batched: bool = True  # False: prefills always advance in prefill_chunk_tokens pieces
+    max_queue_depth: int = 0  # in-flight + queued (0 = unlimited)
+    max_output_tokens: int = 4096
+    request_timeout_s: float = 0.0  # 0 = off
+    max_num_seqs: int = 64
+    prefix_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prefix_token_ids", tuple(int(t) for t in self.prefix_token_ids))
+        checks = [
+            (self.block_size >= 1, "block_size must be at least 1"),
+            (self.ctx >= self.block_size, "ctx must hold at least one KV block"),
+            (self.max_batch_tokens >= 1, "max_batch_tokens must be at least 1"),
+            (self.sched_policy in SCHED_POLICIES,
+             f"sched_policy must be one of {', '.join(SCHED_POLICIES)}, not {self.sched_policy!r}"),
+            (self.prefill_chunk_tokens >= 0, "prefill_chunk_tokens must be >= 0"),
+            (self.prefill_mix_max >= 0, "prefill_mix_max must be >= 0"),
+            (self.max_queue_depth >= 0, "max_queue_depth must be >= 0"),
+            (self.max_output_tokens >= 1, "max_output_tokens must be at least 1"),
+            (self.request_timeout_s >= 0, "request_timeout_s must be >= 0"),
+            (self.max_num_seqs >= 1, "max_num_seqs must be at least 1"),
+            (all(t >= 0 for t in self.prefix_token_ids), "prefix token ids must be >= 0"),
+            (len(self.prefix_token_ids) < self.ctx, "the prefix must be shorter than ctx"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.ctx // self.block_size

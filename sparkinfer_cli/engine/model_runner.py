@@ -1,0 +1,82 @@
+"""ModelRunner: SchedulerOutput → one model.forward → logits of the sequences that sample this step.
+
+It makes no policy decisions: it applies the cache operations the scheduler asked for, builds the
+SequenceBatch and runs the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+from sparkinfer_cli.engine.kv_cache import CacheOps
+from sparkinfer_cli.engine.scheduler import ScheduledSequence, SchedulerOutput
+from sparkinfer_cli.model.batch import SequenceBatch
+
+if TYPE_CHECKING:
+    from sparkinfer_cli.model.config import ModelConfig
+
+
+class ModelCache(Protocol):
+    num_blocks: int
+    block_size: int
+    num_state_slots: int
+
+    def copy_blocks(self, src: Sequence[int], dst: Sequence[int]) -> None: ...
+    def copy_state(self, src_slot: int, dst_slot: int) -> None: ...
+    def reset_state(self, slot: int) -> None: ...
+
+
+class Model(Protocol):
+    config: ModelConfig
+
+    def create_cache(self, num_blocks: int, block_size: int,
+                     num_state_slots: int) -> ModelCache: ...
+    def forward(self, batch: SequenceBatch, cache: ModelCache) -> np.ndarray: ...
+
+
+class ModelRunner:
+    def __init__(self, model: Model, cache: ModelCache):
+        self.model, self.cache = model, cache
+        self.is_hybrid = model.config.is_hybrid
+
+    def run(self, output: SchedulerOutput) -> dict[str, np.ndarray]:
+        """request id → (n_vocab,) logits, for each sequence whose piece ends its known tokens."""
+        self.apply_cache_ops(output.cache_ops)
+        if not output.sequences:
+            return {}
+        batch = self.prepare_batch(output.sequences)
+        logits = self.model.forward(batch, self.cache)  # (num_seqs, n_vocab)
+        return {seq.request_id: logits[i] for i, seq in enumerate(output.sequences)
+                if seq.needs_logits}
+
+    def apply_cache_ops(self, ops: CacheOps) -> None:
+        if ops.block_copies:
+            src, dst = zip(*ops.block_copies)
+            self.cache.copy_blocks(list(src), list(dst))
+        for src_slot, dst_slot in ops.state_copies:
+            self.cache.copy_state(src_slot, dst_slot)
+        for slot in ops.state_resets:
+            self.cache.reset_state(slot)
+
+    def prepare_batch(self, sequences: list[ScheduledSequence]) -> SequenceBatch:
+        token_ids = np.fromiter((t for s in sequences for t in s.token_ids), dtype=np.int32)  # (N,)
+        return SequenceBatch(
+            token_ids=token_ids,
+            start_positions=[s.start_position for s in sequences],
+            num_new_tokens=[len(s.token_ids) for s in sequences],
+            block_tables=[np.asarray(s.block_ids, dtype=np.int32) for s in sequences],
+            state_slots=[s.state_slot for s in sequences] if self.is_hybrid else [],
+        )
+
+    def prefill(self, token_ids: Sequence[int], block_ids: Sequence[int], state_slot: int,
+                chunk_tokens: int = 0) -> None:
+        """Computes KV (and recurrent state) of tokens outside the scheduler: the shared prefix."""
+        step = chunk_tokens or len(token_ids)
+        table = np.asarray(block_ids, dtype=np.int32)  # (num_blocks,)
+        for start in range(0, len(token_ids), step):
+            piece = np.asarray(token_ids[start:start + step], dtype=np.int32)  # (piece,)
+            self.model.forward(SequenceBatch.single(piece, start, table, max(state_slot, 0)),
+                               self.cache)

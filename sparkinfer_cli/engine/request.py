@@ -1,0 +1,160 @@
+"""Request: one generation's progress (two integers) and its output stream; RequestEvent: what
+the engine reports to the caller."""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable, Container
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from sparkinfer_cli.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from sparkinfer_cli.engine.kv_cache import KVBlocks
+    from sparkinfer_cli.engine.sampler import Sampler, SampleResult, TokenLogprob
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestEvent:
+    request_id: str
+    token_ids: list[int]  # tokens produced since the previous event
+    text: str  # text produced since the previous event (UTF-8 complete, stop strings removed)
+    finish_reason: str | None  # None while running; stop | length | abort | timeout | error
+    logprobs: list[TokenLogprob]  # one per token in token_ids when requested, else []
+    num_prompt_tokens: int
+    num_output_tokens: int
+    submitted_at: float  # time.monotonic()
+    scheduled_at: float | None
+    first_token_at: float | None
+    finished_at: float | None
+    error: str | None = None
+
+
+class TextPiece(Protocol):
+    def push(self, token_id: int) -> str: ...
+    def flush(self) -> str: ...
+
+
+class StopMatcher(Protocol):
+    def push(self, text: str) -> tuple[str, bool]: ...
+    def flush(self) -> str: ...
+
+
+class OutputStream:
+    """Sampled tokens → event deltas: detokenizes, removes stop strings, stops on stop tokens."""
+
+    def __init__(self, detokenizer: TextPiece, stop_matcher: StopMatcher,
+                 stop_token_ids: Container[int]):
+        self.detokenizer, self.stop_matcher = detokenizer, stop_matcher
+        self.stop_token_ids = stop_token_ids
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.logprobs: list[TokenLogprob] = []
+
+    def push(self, result: SampleResult, is_last: bool) -> str | None:
+        """Adds one token; returns the finish reason if it ends the generation."""
+        self.token_ids.append(result.token_id)
+        if result.logprob is not None:
+            self.logprobs.append(result.logprob)
+        if result.token_id in self.stop_token_ids:
+            self._flush()
+            return "stop"
+        text, stopped = self.stop_matcher.push(self.detokenizer.push(result.token_id))
+        self.text += text
+        if stopped:
+            return "stop"
+        return ("stop" if self._flush() else "length") if is_last else None
+
+    def _flush(self) -> bool:
+        """Emits held-back text at the end; True if that text completed a stop string."""
+        text, stopped = self.stop_matcher.push(self.detokenizer.flush())
+        self.text += text if stopped else text + self.stop_matcher.flush()
+        return stopped
+
+    def take(self) -> tuple[list[int], str, list[TokenLogprob]]:
+        delta = self.token_ids, self.text, self.logprobs
+        self.token_ids, self.text, self.logprobs = [], "", []
+        return delta
+
+
+@dataclass(eq=False)
+class Request:
+    """Progress is `num_computed_tokens` (tokens whose KV is in the cache) chasing `num_tokens`."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams  # max_tokens already capped by the engine
+    on_event: Callable[[RequestEvent], None] = lambda event: None
+    priority: int = 0
+    arrival_seq: int = 0
+    output: OutputStream | None = None
+    sampler: Sampler | None = None
+    deadline: float | None = None  # time.monotonic() after which the request times out
+    submitted_at: float = field(default_factory=time.monotonic)
+    token_ids: list[int] = field(init=False)  # prompt + output
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    kv: KVBlocks | None = None
+    last_scheduled: int = -1  # stamp of its latest scheduling: decodes rotate by it
+    scheduled_at: float | None = None
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_ids):]
+
+    @property
+    def num_kv_tokens(self) -> int:
+        """Positions reserved in the KV cache: prompt + max_tokens (the last sampled token is never
+        fed back, which leaves one position of headroom)."""
+        return len(self.prompt_ids) + self.params.max_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed_tokens < len(self.prompt_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_sample(self, result: SampleResult) -> str | None:
+        """Appends a sampled token; returns the finish reason if the generation is over."""
+        self.token_ids.append(result.token_id)
+        if self.first_token_at is None:
+            self.first_token_at = time.monotonic()
+        is_last = self.num_output_tokens >= self.params.max_tokens
+        if self.output is None:
+            return "length" if is_last else None
+        return self.output.push(result, is_last)
+
+    def take_event(self) -> RequestEvent:
+        token_ids, text, logprobs = self.output.take() if self.output else ([], "", [])
+        return RequestEvent(self.request_id, token_ids, text, self.finish_reason, logprobs,
+                            self.num_prompt_tokens, self.num_output_tokens, self.submitted_at,
+                            self.scheduled_at, self.first_token_at, self.finished_at, self.error)
