@@ -1,0 +1,135 @@
+"""Inline-PTX device intrinsics that numba.cuda lacks, each with a pure-Python twin for the simulator.
+
+Loads take any C-contiguous device array plus a *byte* offset into it, so one intrinsic serves uint8
+weight bytes, int8 activations and float32 vectors alike. `.nc` loads go through the read-only data
+cache: only use them on buffers no kernel in the same launch writes. Alignment is the caller's duty
+(u16: 2 bytes, u32: 4, v2: 8, v4: 16); a misaligned address faults on the GPU.
+
+Under NUMBA_ENABLE_CUDASIM=1 the same names are plain Python functions giving bit-identical results.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba.cuda.core import config
+
+IS_SIMULATOR: bool = bool(config.ENABLE_CUDASIM)
+
+if IS_SIMULATOR:
+
+    def _bytes(arr) -> np.ndarray:
+        # NOTE: inside a simulated kernel an array is a FakeWithinKernelCUDAArray around a numpy array.
+        inner = getattr(arr, "_item", arr)
+        ary = getattr(inner, "_ary", inner)
+        return np.asarray(ary).reshape(-1).view(np.uint8)
+
+    def _u32_at(b: np.ndarray, off: int) -> int:
+        return int(b[off]) | int(b[off + 1]) << 8 | int(b[off + 2]) << 16 | int(b[off + 3]) << 24
+
+    def ld_u16(arr, off):
+        b = _bytes(arr)
+        return np.uint32(int(b[off]) | int(b[off + 1]) << 8)
+
+    def ld_u32(arr, off):
+        return np.uint32(_u32_at(_bytes(arr), int(off)))
+
+    def ld_v2_u32(arr, off):
+        b, off = _bytes(arr), int(off)
+        return np.uint32(_u32_at(b, off)), np.uint32(_u32_at(b, off + 4))
+
+    def ld_v4_u32(arr, off):
+        b, off = _bytes(arr), int(off)
+        return tuple(np.uint32(_u32_at(b, off + 4 * i)) for i in range(4))
+
+    def dp4a(a, b, c):
+        a, b = int(a) & 0xFFFFFFFF, int(b) & 0xFFFFFFFF
+        acc = int(c)
+        for shift in (0, 8, 16, 24):
+            qa, qb = (a >> shift) & 0xFF, (b >> shift) & 0xFF
+            acc += (qa - 256 if qa > 127 else qa) * (qb - 256 if qb > 127 else qb)
+        return np.int32(acc)
+
+    def f16_bits_to_f32(h):
+        return np.float32(np.array([int(h) & 0xFFFF], np.uint16).view(np.float16)[0])
+
+    def bits_to_f32(u):
+        return np.array([int(u) & 0xFFFFFFFF], np.uint32).view(np.float32)[0]
+
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    _I16, _I32, _I64 = ir.IntType(16), ir.IntType(32), ir.IntType(64)
+
+    def _address(context, builder, arrty, arr, offty, off):
+        """i64 address of byte `off` in array `arr`."""
+        ary = context.make_array(arrty)(context, builder, value=arr)
+        base = builder.ptrtoint(ary.data, _I64)
+        return builder.add(base, context.cast(builder, off, offty, types.int64))
+
+    def _load(ptx: str, n_out: int, constraint: str):
+        """Build codegen for a load whose asm has `n_out` u32 outputs and one i64 address input."""
+        def codegen(context, builder, sig, args):
+            addr = _address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            ret_ir = _I32 if n_out == 1 else ir.LiteralStructType([_I32] * n_out)
+            asm = ir.InlineAsm(ir.FunctionType(ret_ir, [_I64]), ptx, constraint)
+            out = builder.call(asm, [addr])
+            if n_out == 1:
+                return out
+            return context.make_tuple(builder, sig.return_type,
+                                      [builder.extract_value(out, i) for i in range(n_out)])
+        return codegen
+
+    def _load_intrinsic(ptx: str, n_out: int, constraint: str):
+        ret = types.uint32 if n_out == 1 else types.UniTuple(types.uint32, n_out)
+
+        @intrinsic
+        def load(typingctx, arr, off):
+            if not isinstance(arr, types.Array) or not isinstance(off, types.Integer):
+                return None
+            return ret(arr, off), _load(ptx, n_out, constraint)
+        return load
+
+    ld_u16 = _load_intrinsic("ld.global.nc.u16 $0, [$1];", 1, "=r,l")
+    ld_u32 = _load_intrinsic("ld.global.nc.u32 $0, [$1];", 1, "=r,l")
+    ld_v2_u32 = _load_intrinsic("ld.global.nc.v2.u32 {$0, $1}, [$2];", 2, "=r,=r,l")
+    ld_v4_u32 = _load_intrinsic("ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];", 4,
+                                "=r,=r,=r,=r,l")
+
+    @intrinsic
+    def dp4a(typingctx, a, b, c):
+        """c + Σ a.byte[i]·b.byte[i], bytes as signed int8 (any integer args, truncated to 32 bits)."""
+        if not all(isinstance(t, types.Integer) for t in (a, b, c)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            vals = [context.cast(builder, v, t, types.int32) for v, t in zip(args, sig.args)]
+            asm = ir.InlineAsm(ir.FunctionType(_I32, [_I32] * 3),
+                               "dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r")
+            return builder.call(asm, vals)
+        return types.int32(a, b, c), codegen
+
+    @intrinsic
+    def f16_bits_to_f32(typingctx, h):
+        """The IEEE half in the low 16 bits of `h`, widened to float32."""
+        if not isinstance(h, types.Integer):
+            return None
+
+        def codegen(context, builder, sig, args):
+            bits = builder.trunc(context.cast(builder, args[0], sig.args[0], types.uint32), _I16)
+            asm = ir.InlineAsm(ir.FunctionType(ir.FloatType(), [_I16]), "cvt.f32.f16 $0, $1;",
+                               "=f,h")
+            return builder.call(asm, [bits])
+        return types.float32(h), codegen
+
+    @intrinsic
+    def bits_to_f32(typingctx, u):
+        """Reinterpret the low 32 bits of `u` as a float32."""
+        if not isinstance(u, types.Integer):
+            return None
+
+        def codegen(context, builder, sig, args):
+            bits = context.cast(builder, args[0], sig.args[0], types.uint32)
+            return builder.bitcast(bits, ir.FloatType())
+        return types.float32(u), codegen

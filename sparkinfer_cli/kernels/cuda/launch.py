@@ -1,0 +1,30 @@
+"""Launch helpers: grid arithmetic, argument checks, raw-bytes device buffers."""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def check_array(name: str, arr, dtype, shape: tuple[int, ...] | None = None) -> None:
+    """Raise ValueError unless `arr` is a C-contiguous array of `dtype` (and `shape` if given)."""
+    if np.dtype(arr.dtype) != np.dtype(dtype):
+        raise ValueError(f"{name}: dtype {arr.dtype}, expected {np.dtype(dtype)}")
+    if shape is not None and tuple(arr.shape) != tuple(shape):
+        raise ValueError(f"{name}: shape {tuple(arr.shape)}, expected {tuple(shape)}")
+    if not arr.flags["C_CONTIGUOUS"] if isinstance(arr, np.ndarray) else not arr.is_c_contiguous():
+        raise ValueError(f"{name}: must be C-contiguous")
+
+
+def to_device_bytes(raw: np.ndarray, stream=0):
+    """Upload raw bytes as a flat uint8 device array padded to 16 bytes (16-byte loads never overrun)."""
+    flat = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
+    dev = cuda.device_array(cdiv(flat.size, 16) * 16, np.uint8, stream=stream)  # (n_bytes + pad,)
+    if dev.size > flat.size:
+        dev[flat.size:].copy_to_device(np.zeros(dev.size - flat.size, np.uint8), stream=stream)
+    dev[: flat.size].copy_to_device(flat, stream=stream)
+    return dev

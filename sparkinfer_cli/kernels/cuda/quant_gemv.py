@@ -1,0 +1,467 @@
+"""Fused dequant × activation GEMV / small-batch GEMM over weights in their GGUF byte layout.
+
+y[slot, c, r] = Σ_k W[mat(slot)][r, k] · x[xgroup(slot), c, k]    for c < n_cols (1..8)
+
+- Weights stay in GGUF bytes (a flat uint8 device buffer, rows of `row_bytes`, matrices of
+  `n_rows` rows back to back: 3-D expert slabs work as-is). `slot_mat` picks the matrix of each
+  grid.y slot, so a MoE layer touches only its selected experts; `slot_x` picks the activation group.
+- Quantized types take activations quantized to int8 per 32 elements (llama.cpp's q8_1: scale d and
+  d·Σq), and dot products run on dp4a; float types (F32/F16/BF16) take float32 activations.
+- One warp per output row, lanes stride over "units" (a block or a fixed part of one); 16-byte loads
+  wherever the block layout is 16-byte aligned, 2/4-byte loads where it is not (Q8_0, Q6_K, ...).
+
+  unit layout per type (elements a lane handles at once):
+    Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 IQ4_NL : one 32-element block
+    Q4_K Q5_K : 64 elements (a pair of sub-blocks, 32 qs bytes)   IQ4_XS : one 32-element sub-block
+    Q6_K : 64 elements (16 ql/qh columns × 4 groups)               F32: 4, F16/BF16: 8 elements
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+from numba import cuda, float32, int32
+
+from sparkinfer_cli.ggml_types import BLOCK_GEOMETRY, GGMLType, row_bytes
+from sparkinfer_cli.kernels.cuda.intrinsics import (
+    bits_to_f32,
+    dp4a,
+    f16_bits_to_f32,
+    ld_u16,
+    ld_u32,
+    ld_v4_u32,
+)
+from sparkinfer_cli.kernels.cuda.launch import cdiv, check_array
+from sparkinfer_cli.kernels.cuda.warp import warp_max, warp_sum
+
+Q8_BLOCK = 32
+WARPS_PER_BLOCK = 4
+MAX_COLS = 8
+M4 = 0x0F0F0F0F
+M1 = 0x01010101
+M2 = 0x03030303
+_IQ4NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
+                         np.int8)
+IQ4NL_BYTES = _IQ4NL_VALUES.view(np.uint8).astype(np.int32)  # two's-complement byte patterns
+
+
+# ---------------------------------------------------------------- small device helpers
+@cuda.jit(device=True, inline=True)
+def _f16(u):
+    return f16_bits_to_f32(u & 0xFFFF)
+
+
+@cuda.jit(device=True, inline=True)
+def _u32_from_u16s(w, off):
+    """A 32-bit word at a 2-byte-aligned offset (GGUF blocks of 18/22/34/210 bytes)."""
+    return ld_u16(w, off) | (ld_u16(w, off + 2) << 16)
+
+
+@cuda.jit(device=True, inline=True)
+def _spread4(bits):
+    """4 bits → bit 0 of each of 4 bytes (multiply-and-mask; the shifted copies never overlap)."""
+    return (bits * 0x00204081) & M1
+
+
+@cuda.jit(device=True, inline=True)
+def _iq4_pack(q):
+    """Low nibbles of the 4 bytes of q → 4 IQ4_NL int8 values packed in one word."""
+    table = cuda.const.array_like(IQ4NL_BYTES)
+    return (table[q & 15] | (table[(q >> 8) & 15] << 8) | (table[(q >> 16) & 15] << 16)
+            | (table[(q >> 24) & 15] << 24))
+
+
+@cuda.jit(device=True, inline=True)
+def _k4_byte(s0, s1, s2, k):
+    word = s0 if k < 4 else (s1 if k < 8 else s2)
+    return (word >> (8 * (k & 3))) & 0xFF
+
+
+@cuda.jit(device=True, inline=True)
+def _scale_min_k4(j, s0, s1, s2):
+    """6-bit (scale, min) of sub-block j from the 12 packed bytes s0|s1|s2 (ggml get_scale_min_k4)."""
+    if j < 4:
+        return _k4_byte(s0, s1, s2, j) & 63, _k4_byte(s0, s1, s2, j + 4) & 63
+    hi = _k4_byte(s0, s1, s2, j + 4)
+    sc = (hi & 0xF) | ((_k4_byte(s0, s1, s2, j - 4) >> 6) << 4)
+    mn = (hi >> 4) | ((_k4_byte(s0, s1, s2, j) >> 6) << 4)
+    return sc, mn
+
+
+@cuda.jit(device=True, inline=True)
+def _dot_nibbles16(lo_src, hi_src, xlo, xhi, acc_lo, acc_hi):
+    """dp4a of low nibbles of 4 words with xlo and high nibbles with xhi."""
+    for i in range(4):
+        acc_lo = dp4a(lo_src[i] & M4, xlo[i], acc_lo)
+        acc_hi = dp4a((hi_src[i] >> 4) & M4, xhi[i], acc_hi)
+    return acc_lo, acc_hi
+
+
+# ---------------------------------------------------------------- 32-element blocks
+# Each unit returns the contribution of one block to one column; xo = element offset of the
+# block's first element in that column of the activations (so xo // 32 indexes xd / xs).
+@cuda.jit(device=True, inline=True)
+def _sum_q4_legacy(w, qo, xq, xo):
+    """Σ q·x over a 32-element block whose 16 nibble bytes start at 2-aligned byte qo."""
+    xa = ld_v4_u32(xq, xo)
+    xb = ld_v4_u32(xq, xo + 16)
+    s = 0
+    for j in range(4):
+        q = _u32_from_u16s(w, qo + 4 * j)
+        s = dp4a(q & M4, xa[j], s)
+        s = dp4a((q >> 4) & M4, xb[j], s)
+    return s
+
+
+@cuda.jit(device=True, inline=True)
+def _unit_q4_0(w, bo, part, xq, xd, xs, xo):
+    b = xo // Q8_BLOCK
+    s = float32(_sum_q4_legacy(w, bo + 2, xq, xo))
+    return _f16(ld_u16(w, bo)) * (xd[b] * s - float32(8.0) * xs[b])
+
+
+@cuda.jit(device=True, inline=True)
+def _unit_q4_1(w, bo, part, xq, xd, xs, xo):
+    b = xo // Q8_BLOCK
+    dm = ld_u32(w, bo)
+    s = float32(_sum_q4_legacy(w, bo + 4, xq, xo))
+    return _f16(dm) * xd[b] * s + _f16(dm >> 16) * xs[b]
+
+
+@cuda.jit(device=True, inline=True)
+def _sum_q5_legacy(w, qo, qh, xq, xo):
+    """Σ q5·x; 5th bits of elements j in bit j of qh."""
+    xa = ld_v4_u32(xq, xo)
+    xb = ld_v4_u32(xq, xo + 16)
+    s = 0
+    for j in range(4):
+        q = _u32_from_u16s(w, qo + 4 * j)
+        lo = (q & M4) | (_spread4((qh >> (4 * j)) & 0xF) << 4)
+        hi = ((q >> 4) & M4) | (_spread4((qh >> (16 + 4 * j)) & 0xF) << 4)
+        s = dp4a(hi, xb[j], dp4a(lo, xa[j], s))
+    return s
+
+
+@cuda.jit(device=True, inline=True)
+def _unit_q5_0(w, bo, part, xq, xd, xs, xo):
+    b = xo // Q8_BLOCK
+    s = float32(_sum_q5_legacy(w, bo + 6, _u32_from_u16s(w, bo + 2), xq, xo))
+    return _f16(ld_u16(w, bo)) * (xd[b] * s - float32(16.0) * xs[b])
+
+
+@cuda.jit(device=True, inline=True)
+def _unit_q5_1(w, bo, part, xq, xd, xs, xo):
+    b = xo // Q8_BLOCK
+    dm = ld_u32(w, bo)
+    s = float32(_sum_q5_legacy(w, bo + 8, ld_u32(w, bo + 4), xq, xo))
+    return _f16(dm) * xd[b] * s + _f16(dm >> 16) * xs[b]
+
+
+@cuda.jit(device=True, inline=True)
+def _unit_q8_0(w, bo, part, xq, xd, xs, xo):
+    xa = ld_v4_u32(xq, xo)
+    xb = ld_v4_u32(xq, xo + 16)
+    s = 0
+    for j in range(4):
+        s = dp4a(_u32_from_u16s(w, bo + 2 + 4 * j), xa[j], s)
+        s = dp4a(_u32_from_u16s(w, bo + 18 + 4 * j), xb[j], s)
+    return _f16(ld_u16(w, bo)) * xd[xo // Q8_BLOCK] * float32(s)
+
+
+@cuda.jit(device=True, inline=True)
+def _sum_iq4(w, qo, xq, xo, aligned4):
+    xa = ld_v4_u32(xq, xo)
+    xb = ld_v4_u32(xq, xo + 16)
+    s = 0
+    for j in range(4):
+        q = ld_u32(w, qo + 4 * j) if aligned4 else _u32_from_u16s(w, qo + 4 * j)
+        s = dp4a(_iq4_pack(q), xa[j], s)
+        s = dp4a(_iq4_pack(q >> 4), xb[j], s)
+    return s
+
+
+@cuda.jit(device=True, inline=True)
+def _unit_iq4_nl(w, bo, part, xq, xd, xs, xo):
+    s = float32(_sum_iq4(w, bo + 2, xq, xo, False))
+    return _f16(ld_u16(w, bo)) * xd[xo // Q8_BLOCK] * s
+
+
+@cuda.jit(device=True, inline=True)
+def _unit_iq4_xs(w, bo, ib, xq, xd, xs, xo):
+    head = ld_u32(w, bo)  # d (f16) | scales_h (u16)
+    ls = int32(((ld_u32(w, bo + 4) >> (4 * ib)) & 0xF) | (((head >> (16 + 2 * ib)) & 3) << 4)) - 32
+    xo += 32 * ib
+    s = float32(_sum_iq4(w, bo + 8 + 16 * ib, xq, xo, True))
+    return _f16(head) * float32(ls) * xd[xo // Q8_BLOCK] * s
+
+
+# ---------------------------------------------------------------- 256-element super-blocks
+@cuda.jit(device=True, inline=True)
+def _k4_combine(w, bo, c, xd, xs, b, s_lo, s_hi):
+    """Q4_K/Q5_K epilogue: (d·sc)·xd·Σqx − (dmin·m)·xs for sub-blocks 2c (s_lo) and 2c+1 (s_hi)."""
+    dm = ld_u32(w, bo)
+    s0 = ld_u32(w, bo + 4)
+    s1 = ld_u32(w, bo + 8)
+    s2 = ld_u32(w, bo + 12)
+    sc_lo, m_lo = _scale_min_k4(2 * c, s0, s1, s2)
+    sc_hi, m_hi = _scale_min_k4(2 * c + 1, s0, s1, s2)
+    lo = float32(sc_lo) * xd[b] * float32(s_lo) + float32(sc_hi) * xd[b + 1] * float32(s_hi)
+    return _f16(dm) * lo - _f16(dm >> 16) * (float32(m_lo) * xs[b] + float32(m_hi) * xs[b + 1])
+
+
+@cuda.jit(device=True, inline=True)
+def _unit_q4_k(w, bo, c, xq, xd, xs, xo):
+    qa = ld_v4_u32(w, bo + 16 + 32 * c)
+    qb = ld_v4_u32(w, bo + 32 + 32 * c)
+    x0 = xo + 64 * c
+    s_lo, s_hi = _dot_nibbles16(qa, qa, ld_v4_u32(xq, x0), ld_v4_u32(xq, x0 + 32), 0, 0)
+    s_lo, s_hi = _dot_nibbles16(qb, qb, ld_v4_u32(xq, x0 + 16), ld_v4_u32(xq, x0 + 48), s_lo, s_hi)
+    return _k4_combine(w, bo, c, xd, xs, x0 // Q8_BLOCK, s_lo, s_hi)
+
+
+@cuda.jit(device=True, inline=True)
+def _sum_q5_k16(q, qh, c, xlo, xhi, s_lo, s_hi):
+    """16 qs bytes (4 words) + their qh bytes: sub-block 2c from low nibbles, 2c+1 from high."""
+    for i in range(4):
+        lo = (q[i] & M4) | (((qh[i] >> (2 * c)) & M1) << 4)
+        hi = ((q[i] >> 4) & M4) | (((qh[i] >> (2 * c + 1)) & M1) << 4)
+        s_lo = dp4a(lo, xlo[i], s_lo)
+        s_hi = dp4a(hi, xhi[i], s_hi)
+    return s_lo, s_hi
+
+
+@cuda.jit(device=True, inline=True)
+def _unit_q5_k(w, bo, c, xq, xd, xs, xo):
+    x0 = xo + 64 * c
+    s_lo, s_hi = _sum_q5_k16(ld_v4_u32(w, bo + 48 + 32 * c), ld_v4_u32(w, bo + 16), c,
+                             ld_v4_u32(xq, x0), ld_v4_u32(xq, x0 + 32), 0, 0)
+    s_lo, s_hi = _sum_q5_k16(ld_v4_u32(w, bo + 64 + 32 * c), ld_v4_u32(w, bo + 32), c,
+                             ld_v4_u32(xq, x0 + 16), ld_v4_u32(xq, x0 + 48), s_lo, s_hi)
+    return _k4_combine(w, bo, c, xd, xs, x0 // Q8_BLOCK, s_lo, s_hi)
+
+
+@cuda.jit(device=True, inline=True)
+def _unit_q6_k(w, bo, part, xq, xd, xs, xo):
+    # part = 2n + h: half n of the block, ql/qh columns l in [16h, 16h + 16); groups g = 0..3 are
+    # elements 128n + 32g + l, with 6-bit values (ql nibble | 2 qh bits) − 32, scale sc[8n + 2g + h].
+    n = part >> 1
+    h = part & 1
+    la = bo + 64 * n + 16 * h
+    hq = bo + 128 + 32 * n + 16 * h
+    xbase = xo + 128 * n + 16 * h
+    total = float32(0.0)
+    for g in range(4):
+        xw = ld_v4_u32(xq, xbase + 32 * g)
+        s = 0
+        for i in range(4):
+            ql = _u32_from_u16s(w, la + 32 * (g & 1) + 4 * i)
+            v = ((ql >> (4 * (g >> 1))) & M4) | (((_u32_from_u16s(w, hq + 4 * i) >> (2 * g)) & M2) << 4)
+            s = dp4a(((v | 0x80808080) - 0x20202020) ^ 0x80808080, xw[i], s)  # bytes − 32
+        sc = int32((ld_u16(w, bo + 192 + 8 * n + 2 * g) >> (8 * h)) & 0xFF)  # signed int8 scale
+        sc = sc - 256 if sc > 127 else sc
+        total += float32(sc) * xd[xbase // Q8_BLOCK + g] * float32(s)
+    return _f16(ld_u16(w, bo + 208)) * total
+
+
+# ---------------------------------------------------------------- float weights (x in float32)
+@cuda.jit(device=True, inline=True)
+def _unit_f32(w, bo, part, x, xd, xs, xo):
+    wv = ld_v4_u32(w, bo)
+    xv = ld_v4_u32(x, 4 * xo)
+    s = float32(0.0)
+    for i in range(4):
+        s += bits_to_f32(wv[i]) * bits_to_f32(xv[i])
+    return s
+
+
+@cuda.jit(device=True, inline=True)
+def _unit_f16(w, bo, part, x, xd, xs, xo):
+    wv = ld_v4_u32(w, bo)
+    xa = ld_v4_u32(x, 4 * xo)
+    xb = ld_v4_u32(x, 4 * xo + 16)
+    s = float32(0.0)
+    for i in range(2):
+        s += _f16(wv[i]) * bits_to_f32(xa[2 * i]) + _f16(wv[i] >> 16) * bits_to_f32(xa[2 * i + 1])
+        s += (_f16(wv[i + 2]) * bits_to_f32(xb[2 * i])
+              + _f16(wv[i + 2] >> 16) * bits_to_f32(xb[2 * i + 1]))
+    return s
+
+
+@cuda.jit(device=True, inline=True)
+def _unit_bf16(w, bo, part, x, xd, xs, xo):
+    wv = ld_v4_u32(w, bo)
+    xa = ld_v4_u32(x, 4 * xo)
+    xb = ld_v4_u32(x, 4 * xo + 16)
+    s = float32(0.0)
+    for i in range(2):
+        s += (bits_to_f32(wv[i] << 16) * bits_to_f32(xa[2 * i])
+              + bits_to_f32(wv[i] & 0xFFFF0000) * bits_to_f32(xa[2 * i + 1]))
+        s += (bits_to_f32(wv[i + 2] << 16) * bits_to_f32(xb[2 * i])
+              + bits_to_f32(wv[i + 2] & 0xFFFF0000) * bits_to_f32(xb[2 * i + 1]))
+    return s
+
+
+# type → (unit fn, elements per unit-block, bytes per unit-block, units per block)
+_UNITS = {
+    GGMLType.Q4_0: (_unit_q4_0, 32, 18, 1),
+    GGMLType.Q4_1: (_unit_q4_1, 32, 20, 1),
+    GGMLType.Q5_0: (_unit_q5_0, 32, 22, 1),
+    GGMLType.Q5_1: (_unit_q5_1, 32, 24, 1),
+    GGMLType.Q8_0: (_unit_q8_0, 32, 34, 1),
+    GGMLType.IQ4_NL: (_unit_iq4_nl, 32, 18, 1),
+    GGMLType.IQ4_XS: (_unit_iq4_xs, 256, 136, 8),
+    GGMLType.Q4_K: (_unit_q4_k, 256, 144, 4),
+    GGMLType.Q5_K: (_unit_q5_k, 256, 176, 4),
+    GGMLType.Q6_K: (_unit_q6_k, 256, 210, 4),
+    GGMLType.F32: (_unit_f32, 4, 16, 1),
+    GGMLType.F16: (_unit_f16, 8, 16, 1),
+    GGMLType.BF16: (_unit_bf16, 8, 16, 1),
+}
+FLOAT_TYPES = frozenset({GGMLType.F32, GGMLType.F16, GGMLType.BF16})
+
+
+@functools.cache
+def _gemv_kernel(ggml_type: GGMLType, n_cols: int):
+    unit, blk_elems, blk_bytes, parts = _UNITS[ggml_type]
+
+    @cuda.jit(fastmath=True)
+    def gemv(w, row_bytes, n_rows, mat_bytes, k, slot_mat, slot_x, xq, xd, xs, y):
+        slot = cuda.blockIdx.y
+        lane = cuda.threadIdx.x % 32
+        row = cuda.blockIdx.x * WARPS_PER_BLOCK + cuda.threadIdx.x // 32
+        if row >= n_rows:
+            return
+        acc = cuda.local.array(n_cols, float32)  # (n_cols,)
+        for c in range(n_cols):
+            acc[c] = 0.0
+        base = slot_mat[slot] * mat_bytes + row * row_bytes
+        xrow = slot_x[slot] * n_cols * k
+        for u in range(lane, k // blk_elems * parts, 32):
+            blk = u // parts
+            for c in range(n_cols):
+                acc[c] += unit(w, base + blk * blk_bytes, u - blk * parts, xq, xd, xs,
+                               xrow + c * k + blk * blk_elems)
+        for c in range(n_cols):
+            total = warp_sum(acc[c])
+            if lane == 0:
+                y[(slot * n_cols + c) * n_rows + row] = total
+    return gemv
+
+
+@cuda.jit
+def _quantize_q8_kernel(x, n_blocks, xq, xd, xs):
+    # a warp per 32-element block (grid-stride): d = max|x|/127, q = round(x/d), s = d·Σq (q8_1)
+    lane = cuda.threadIdx.x % 32
+    n_warps = cuda.gridDim.x * cuda.blockDim.x // 32
+    for blk in range(cuda.grid(1) // 32, n_blocks, n_warps):
+        v = x[blk * 32 + lane]
+        amax = warp_max(abs(v))
+        d = amax / float32(127.0)
+        q = math.floor(v / d + float32(0.5)) if amax > 0 else float32(0.0)
+        total = warp_sum(q)
+        xq[blk * 32 + lane] = q
+        if lane == 0:
+            xd[blk] = d
+            xs[blk] = d * total
+
+
+class QuantizedActivations:
+    """Workspace for activations quantized to int8 per 32 elements: shape (n_groups, n_cols, k)."""
+
+    def __init__(self, n_groups: int, n_cols: int, k: int):
+        if k % Q8_BLOCK:
+            raise ValueError(f"activation length {k} is not a multiple of {Q8_BLOCK}")
+        self.shape = (n_groups, n_cols, k)
+        self.xq = cuda.device_array(n_groups * n_cols * k, np.int8)  # (n_groups·n_cols·k,)
+        self.xd = cuda.device_array(n_groups * n_cols * k // Q8_BLOCK, np.float32)  # (.../32,)
+        self.xs = cuda.device_array(n_groups * n_cols * k // Q8_BLOCK, np.float32)  # (.../32,)
+
+
+def quantize_activations(x, out: QuantizedActivations, stream=0) -> None:
+    """x: float32 device array of out.shape → out.xq / xd / xs."""
+    check_array("x", x, np.float32, out.shape)
+    n_blocks = x.size // Q8_BLOCK
+    grid = min(cdiv(n_blocks, 4), 1024)
+    _quantize_q8_kernel[grid, 128, stream](x.reshape(x.size), n_blocks, out.xq, out.xd, out.xs)
+
+
+class DeviceQuantMatrix:
+    """GGUF tensor bytes on the device: (n_mats, n_rows, k) of ggml_type, rows of row_bytes."""
+
+    def __init__(self, data, ggml_type: int, k: int, n_rows: int, n_mats: int = 1):
+        self.ggml_type = GGMLType(ggml_type)
+        if self.ggml_type not in _UNITS:
+            raise ValueError(f"no CUDA GEMV for ggml type {self.ggml_type.name}")
+        blk_elems = _UNITS[self.ggml_type][1]
+        if k % blk_elems:
+            raise ValueError(f"{self.ggml_type.name} GEMV needs k % {blk_elems} == 0, got k={k}")
+        self.k, self.n_rows, self.n_mats = k, n_rows, n_mats
+        self.row_bytes = row_bytes(self.ggml_type, k)
+        needs16 = BLOCK_GEOMETRY[self.ggml_type][1] % 16 == 0 or self.ggml_type in FLOAT_TYPES
+        if needs16 and self.row_bytes % 16:
+            raise ValueError(f"{self.ggml_type.name} rows must be 16-byte multiples for the CUDA "
+                             f"GEMV, got {self.row_bytes} bytes")
+        if data.size < n_mats * n_rows * self.row_bytes:
+            raise ValueError("device buffer smaller than the matrix")
+        self.data = data
+
+    @property
+    def takes_float_activations(self) -> bool:
+        return self.ggml_type in FLOAT_TYPES
+
+
+_ONE_SLOT = {}
+
+
+def _default_slots():
+    # NOTE: cached device array [0] reused by every single-matrix GEMV (graph-capture safe).
+    if "slots" not in _ONE_SLOT:
+        _ONE_SLOT["slots"] = cuda.to_device(np.zeros(1, np.int32))
+    return _ONE_SLOT["slots"]
+
+
+def gemv(w: DeviceQuantMatrix, x, y, *, slot_mat=None, slot_x=None, stream=0) -> None:
+    """y (n_slots, n_cols, n_rows) f32 ← W[slot_mat[s]] · x[slot_x[s]].
+
+    x is a QuantizedActivations for quantized weights, a float32 (n_groups, n_cols, k) device array
+    for F32/F16/BF16 weights. slot_mat/slot_x: int32 device arrays of length n_slots (default [0]).
+    """
+    slot_mat = _default_slots() if slot_mat is None else slot_mat
+    slot_x = _default_slots() if slot_x is None else slot_x
+    n_slots = slot_mat.size
+    if w.takes_float_activations:
+        _, n_cols, k = x.shape
+        check_array("x", x, np.float32)
+        xq, xd, xs = x.reshape(x.size), _default_slots(), _default_slots()
+    else:
+        _, n_cols, k = x.shape
+        xq, xd, xs = x.xq, x.xd, x.xs
+    if k != w.k or not 1 <= n_cols <= MAX_COLS:
+        raise ValueError(f"activations (·, {n_cols}, {k}) do not fit W (k={w.k}, ≤{MAX_COLS} cols)")
+    check_array("y", y, np.float32, (n_slots, n_cols, w.n_rows))
+    kernel = _gemv_kernel(w.ggml_type, n_cols)
+    grid = (cdiv(w.n_rows, WARPS_PER_BLOCK), n_slots)
+    kernel[grid, 32 * WARPS_PER_BLOCK, stream](
+        w.data, w.row_bytes, w.n_rows, w.n_rows * w.row_bytes, k, slot_mat, slot_x,
+        xq, xd, xs, y.reshape(y.size))
+
+
+# ---------------------------------------------------------------- numpy references
+def quantize_q8_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(q int8, d f32, s = d·Σq f32) per 32 elements along the last axis, as the kernel does."""
+    blocks = x.astype(np.float32).reshape(*x.shape[:-1], -1, Q8_BLOCK)  # (..., k/32, 32)
+    d = np.abs(blocks).max(axis=-1) / np.float32(127.0)  # (..., k/32)
+    safe = np.where(d > 0, d, np.float32(1.0))[..., None]
+    q = np.where(d[..., None] > 0, np.floor(blocks / safe + np.float32(0.5)), 0).astype(np.int8)
+    s = d * q.astype(np.float32).sum(axis=-1)
+    return q.reshape(x.shape), d.astype(np.float32), s.astype(np.float32)
+
+
+def gemv_reference(w_bytes: np.ndarray, ggml_type: int, k: int, x: np.ndarray) -> np.ndarray:
+    """dequantize(W) (n_rows, k) @ x (n_cols, k)ᵀ → (n_cols, n_rows), in float64."""
+    from gguf.quants import dequantize
+
+    w = dequantize(w_bytes.reshape(-1, row_bytes(ggml_type, k)), ggml_type).astype(np.float64)
+    return x.astype(np.float64) @ w.reshape(-1, k).T

@@ -1,0 +1,55 @@
+"""Warp shuffles and reductions shared by the CUDA kernels (all 32 lanes of a warp must take part).
+
+The simulator has no warp shuffles, so under NUMBA_ENABLE_CUDASIM=1 `shfl_xor` is a Python twin that
+exchanges values between the 32 simulated threads of a warp through a barrier. Reductions use the
+same xor butterfly in both modes, so float results are bit-identical.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from numba import cuda
+
+from sparkinfer_cli.kernels.cuda.intrinsics import IS_SIMULATOR
+
+WARP_SIZE = 32
+FULL_MASK = 0xFFFFFFFF
+
+if IS_SIMULATOR:
+    _warps: dict[tuple[int, int], tuple[list, threading.Barrier]] = {}
+    _warps_lock = threading.Lock()
+
+    def shfl_xor(v, offset):
+        t = threading.current_thread()
+        bx, by, _ = t._manager._block_dim
+        tid = t.threadIdx.x + bx * (t.threadIdx.y + by * t.threadIdx.z)
+        with _warps_lock:
+            vals, barrier = _warps.setdefault((id(t._manager), tid // WARP_SIZE),
+                                              ([None] * WARP_SIZE, threading.Barrier(WARP_SIZE)))
+        lane = tid % WARP_SIZE
+        vals[lane] = v
+        barrier.wait()
+        out = vals[lane ^ offset]
+        barrier.wait()  # nobody overwrites vals before every lane has read
+        return out
+
+else:
+
+    @cuda.jit(device=True, inline=True)
+    def shfl_xor(v, offset):
+        return cuda.shfl_xor_sync(FULL_MASK, v, offset)
+
+
+@cuda.jit(device=True, inline=True)
+def warp_sum(v):
+    for offset in (16, 8, 4, 2, 1):
+        v += shfl_xor(v, offset)
+    return v
+
+
+@cuda.jit(device=True, inline=True)
+def warp_max(v):
+    for offset in (16, 8, 4, 2, 1):
+        v = max(v, shfl_xor(v, offset))
+    return v

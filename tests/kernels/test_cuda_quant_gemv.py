@@ -1,0 +1,116 @@
+"""CUDA quantized GEMV vs gguf.quants.dequantize(W) @ x (simulator at tiny shapes; H200 at real ones)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")  # CI has no GPU; the H200 run sets it to 0
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from gguf.quants import quantize  # noqa: E402
+from numba import cuda  # noqa: E402
+
+from sparkinfer_cli.ggml_types import COMPUTE_TYPES, GGMLType, row_bytes  # noqa: E402
+from sparkinfer_cli.kernels.cuda import quant_gemv as qg  # noqa: E402
+from sparkinfer_cli.kernels.cuda.launch import to_device_bytes  # noqa: E402
+
+# byte offsets of the fp16 scale fields in one block, overwritten with sane values
+_SCALE_FIELDS = {
+    GGMLType.Q4_K: (0, 2), GGMLType.Q5_K: (0, 2), GGMLType.Q6_K: (208,),
+    GGMLType.IQ4_NL: (0,), GGMLType.IQ4_XS: (0,),
+}
+_QUANTIZABLE = {GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0,
+                GGMLType.BF16}
+
+
+def random_weights(ggml_type: GGMLType, n_rows: int, k: int, rng) -> np.ndarray:
+    """Valid GGUF bytes (n_rows, row_bytes) with weights of RMS ≈ 0.03 like real checkpoints."""
+    if ggml_type == GGMLType.F32:
+        return (rng.standard_normal((n_rows, k)) * 0.03).astype(np.float32).view(np.uint8)
+    if ggml_type == GGMLType.F16:
+        return (rng.standard_normal((n_rows, k)) * 0.03).astype(np.float16).view(np.uint8)
+    if ggml_type in _QUANTIZABLE:
+        return quantize((rng.standard_normal((n_rows, k)) * 0.03).astype(np.float32), ggml_type)
+    raw = rng.integers(0, 256, (n_rows, row_bytes(ggml_type, k)), dtype=np.uint8)
+    block_bytes = {GGMLType.Q4_K: 144, GGMLType.Q5_K: 176, GGMLType.Q6_K: 210,
+                   GGMLType.IQ4_NL: 18, GGMLType.IQ4_XS: 136}[ggml_type]
+    blocks = raw.reshape(n_rows, -1, block_bytes)  # (n_rows, blocks, block_bytes)
+    for off in _SCALE_FIELDS[ggml_type]:
+        scales = rng.uniform(1e-4, 4e-4, blocks.shape[:2]).astype(np.float16)
+        blocks[:, :, off:off + 2] = scales.view(np.uint8).reshape(*blocks.shape[:2], 2)
+    return raw
+
+
+def run_gemv(w_bytes, ggml_type, k, x, slot_mat=None, slot_x=None, n_mats=1):
+    """x: (n_groups, n_cols, k) float32 → y (n_slots, n_cols, n_rows) from the CUDA kernel."""
+    n_rows = w_bytes.size // row_bytes(ggml_type, k) // n_mats
+    w = qg.DeviceQuantMatrix(to_device_bytes(w_bytes), ggml_type, k, n_rows, n_mats)
+    x_dev = cuda.to_device(x)
+    if w.takes_float_activations:
+        act = x_dev
+    else:
+        act = qg.QuantizedActivations(*x.shape)
+        qg.quantize_activations(x_dev, act)
+    n_slots = 1 if slot_mat is None else len(slot_mat)
+    y = cuda.device_array((n_slots, x.shape[1], n_rows), np.float32)
+    dev = (lambda a: None if a is None else cuda.to_device(np.asarray(a, np.int32)))
+    qg.gemv(w, act, y, slot_mat=dev(slot_mat), slot_x=dev(slot_x))
+    return y.copy_to_host()
+
+
+def activations_seen_by_kernel(x: np.ndarray, ggml_type: GGMLType) -> np.ndarray:
+    if ggml_type in qg.FLOAT_TYPES:
+        return x
+    q, d, _ = qg.quantize_q8_reference(x)
+    return (q.reshape(*d.shape, 32) * d[..., None]).reshape(x.shape)
+
+
+def check_close(y, w_bytes, ggml_type, k, x):
+    """Tight check against the exact activations the kernel sees, loose against float32 x."""
+    ref = qg.gemv_reference(w_bytes, ggml_type, k, activations_seen_by_kernel(x, ggml_type))
+    w_abs = np.abs(qg.gemv_reference(w_bytes, ggml_type, k, np.eye(k, dtype=np.float32)))  # (k, n)
+    scale = np.abs(x.astype(np.float64)) @ w_abs  # (n_cols, n_rows): Σ|w||x|, the error yardstick
+    np.testing.assert_array_less(np.abs(y - ref), 2e-5 * scale + 1e-7)
+    loose = np.abs(y - qg.gemv_reference(w_bytes, ggml_type, k, x))
+    np.testing.assert_array_less(loose, 2e-2 * scale + 1e-6)
+
+
+@pytest.mark.parametrize("ggml_type", sorted(COMPUTE_TYPES), ids=lambda t: GGMLType(t).name)
+def test_gemv_matches_dequantized_reference(ggml_type):
+    rng = np.random.default_rng(int(ggml_type))
+    k, n_rows, n_cols = 256, 3, 2
+    w_bytes = random_weights(GGMLType(ggml_type), n_rows, k, rng)
+    x = rng.standard_normal((1, n_cols, k)).astype(np.float32)
+    y = run_gemv(w_bytes, ggml_type, k, x)
+    check_close(y[0], w_bytes, ggml_type, k, x[0])
+
+
+def test_gemv_slots_pick_expert_matrices_and_activation_groups():
+    rng = np.random.default_rng(7)
+    k, n_rows, n_mats = 256, 3, 4
+    ggml_type = GGMLType.Q4_K
+    w_bytes = random_weights(ggml_type, n_mats * n_rows, k, rng)
+    x = rng.standard_normal((2, 1, k)).astype(np.float32)
+    slot_mat, slot_x = [3, 0, 2], [1, 0, 1]
+    y = run_gemv(w_bytes, ggml_type, k, x, slot_mat, slot_x, n_mats)
+    per_mat = w_bytes.reshape(n_mats, n_rows, -1)
+    for s, (m, g) in enumerate(zip(slot_mat, slot_x)):
+        check_close(y[s], per_mat[m], ggml_type, k, x[g])
+
+
+def test_quantize_activations_matches_reference():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((1, 2, 64)).astype(np.float32)
+    x[0, 1, 32:] = 0.0  # an all-zero block must give d = 0, q = 0
+    act = qg.QuantizedActivations(*x.shape)
+    qg.quantize_activations(cuda.to_device(x), act)
+    q, d, s = qg.quantize_q8_reference(x)
+    np.testing.assert_array_equal(act.xq.copy_to_host().reshape(x.shape), q)
+    np.testing.assert_allclose(act.xd.copy_to_host(), d.reshape(-1), rtol=1e-6)
+    np.testing.assert_allclose(act.xs.copy_to_host(), s.reshape(-1), rtol=1e-5, atol=1e-6)
+
+
+def test_gemv_rejects_rows_that_are_not_whole_blocks():
+    with pytest.raises(ValueError, match="k % 256"):
+        qg.DeviceQuantMatrix(to_device_bytes(np.zeros(288, np.uint8)), GGMLType.Q4_K, 128, 1)
