@@ -1,0 +1,172 @@
+"""Every environment variable sparkinfer reads, typed, in one place (seed README, "Env").
+
+Each variable is an `EnvVar` whose `.get()` parses the current value (or returns the default when it
+is unset or empty) and raises `EnvError` naming the variable when the value does not parse.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+SCHED_POLICIES = ("continuous", "chunked", "priority")
+
+
+class EnvError(ValueError):
+    """An environment variable whose value cannot be used; the message names it."""
+
+
+def parse_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("expected 1/0/true/false/yes/no/on/off")
+
+
+def parse_non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError("must be >= 0")
+    return value
+
+
+def parse_positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError("must be >= 1")
+    return value
+
+
+def parse_non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0 or value == float("inf"):
+        raise ValueError("must be a finite number >= 0")
+    return value
+
+
+def parse_port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise ValueError("must be a TCP port in [0, 65535]")
+    return value
+
+
+def parse_sched_policy(text: str) -> str:
+    value = text.strip().lower()
+    if value not in SCHED_POLICIES:
+        raise ValueError(f"must be one of {', '.join(SCHED_POLICIES)}")
+    return value
+
+
+def parse_token_ids(text: str) -> tuple[int, ...]:
+    """'1,2, 3' → (1, 2, 3); token ids are non-negative."""
+    ids = tuple(int(part) for part in text.split(",") if part.strip())
+    if any(token_id < 0 for token_id in ids):
+        raise ValueError("token ids must be >= 0")
+    return ids
+
+
+@dataclass(frozen=True)
+class EnvVar(Generic[T]):
+    name: str
+    parse: Callable[[str], T]
+    default: T
+    help: str
+
+    def get(self, environ: Mapping[str, str] | None = None) -> T:
+        raw = (os.environ if environ is None else environ).get(self.name)
+        if raw is None or not raw.strip():
+            return self.default
+        try:
+            return self.parse(raw.strip())
+        except ValueError as exc:
+            raise EnvError(f"{self.name}={raw!r}: {exc}") from None
+
+
+CTX: EnvVar[int | None] = EnvVar(
+    "CTX", parse_non_negative_int, None,
+    "KV pool size in tokens, same as --ctx; 0 = the model's trained context length")
+HOST: EnvVar[str] = EnvVar("HOST", str, "127.0.0.1", "address the server binds")
+PORT: EnvVar[int] = EnvVar("PORT", parse_port, 8080, "TCP port the server listens on")
+SPARKINFER_ROOT: EnvVar[str] = EnvVar("SPARKINFER_ROOT", str, ".", "repository root")
+SPARKINFER_API_KEY: EnvVar[str | None] = EnvVar(
+    "SPARKINFER_API_KEY", str, None, "Bearer key required on every /v1/* route (same as --api-key)")
+SPARKINFER_BATCH_TOKENS: EnvVar[int] = EnvVar(
+    "SPARKINFER_BATCH_TOKENS", parse_positive_int, 64, "scheduler token budget per step")
+SPARKINFER_SCHED_POLICY: EnvVar[str] = EnvVar(
+    "SPARKINFER_SCHED_POLICY", parse_sched_policy, "continuous", "continuous | chunked | priority")
+SPARKINFER_PREFILL_CHUNK_TOKENS: EnvVar[int] = EnvVar(
+    "SPARKINFER_PREFILL_CHUNK_TOKENS", parse_non_negative_int, 512,
+    "prefill chunk size when batched prefill is unavailable (0 = unlimited)")
+SPARKINFER_PREFILL_MIX_MAX: EnvVar[int] = EnvVar(
+    "SPARKINFER_PREFILL_MIX_MAX", parse_non_negative_int, 2048,
+    "largest prompt that may mix with decode in one step (0 = always mix)")
+SPARKINFER_PREFILL_BATCHED: EnvVar[bool] = EnvVar(
+    "SPARKINFER_PREFILL_BATCHED", parse_bool, True, "batched prefill for prefixes and cold prompts")
+SPARKINFER_MAX_OUTPUT_TOKENS: EnvVar[int] = EnvVar(
+    "SPARKINFER_MAX_OUTPUT_TOKENS", parse_positive_int, 4096, "per-request generation cap")
+SPARKINFER_MAX_QUEUE_DEPTH: EnvVar[int] = EnvVar(
+    "SPARKINFER_MAX_QUEUE_DEPTH", parse_non_negative_int, 0,
+    "cap on in-flight + queued requests; beyond it 429 (0 = unlimited)")
+SPARKINFER_REQUEST_TIMEOUT_S: EnvVar[float] = EnvVar(
+    "SPARKINFER_REQUEST_TIMEOUT_S", parse_non_negative_float, 0.0,
+    "deadline from submission to finish; beyond it 504 (0 = disabled)")
+SPARKINFER_SHUTDOWN_GRACE_S: EnvVar[float] = EnvVar(
+    "SPARKINFER_SHUTDOWN_GRACE_S", parse_non_negative_float, 30.0,
+    "after SIGTERM/SIGINT, how long in-flight requests may run before the process force-exits")
+SPARKINFER_READ_TIMEOUT_S: EnvVar[float] = EnvVar(
+    "SPARKINFER_READ_TIMEOUT_S", parse_non_negative_float, 300.0,
+    "socket read timeout, reset on every byte received")
+SPARKINFER_WRITE_TIMEOUT_S: EnvVar[float] = EnvVar(
+    "SPARKINFER_WRITE_TIMEOUT_S", parse_non_negative_float, 300.0,
+    "socket write timeout, reset on every byte sent")
+SPARKINFER_SERVER_PREFIX_TOKEN_FILE: EnvVar[str | None] = EnvVar(
+    "SPARKINFER_SERVER_PREFIX_TOKEN_FILE", str, None, "JSON file [id, ...] of a shared prompt prefix")
+SPARKINFER_SERVER_PREFIX_TOKEN_IDS: EnvVar[tuple[int, ...]] = EnvVar(
+    "SPARKINFER_SERVER_PREFIX_TOKEN_IDS", parse_token_ids, (),
+    "comma-separated token ids of a shared prompt prefix")
+SPARKINFER_KV_INT8: EnvVar[bool | None] = EnvVar(
+    "SPARKINFER_KV_INT8", parse_bool, None, "int8 KV cache (unset = the model's default)")
+SPARKINFER_TOKENIZER_URL: EnvVar[str | None] = EnvVar(
+    "SPARKINFER_TOKENIZER_URL", str, None, "override where the tokenizer is downloaded from")
+
+ALL_VARS: tuple[EnvVar, ...] = (
+    CTX, HOST, PORT, SPARKINFER_ROOT, SPARKINFER_API_KEY, SPARKINFER_BATCH_TOKENS,
+    SPARKINFER_SCHED_POLICY, SPARKINFER_PREFILL_CHUNK_TOKENS, SPARKINFER_PREFILL_MIX_MAX,
+    SPARKINFER_PREFILL_BATCHED, SPARKINFER_MAX_OUTPUT_TOKENS, SPARKINFER_MAX_QUEUE_DEPTH,
+    SPARKINFER_REQUEST_TIMEOUT_S, SPARKINFER_SHUTDOWN_GRACE_S, SPARKINFER_READ_TIMEOUT_S,
+    SPARKINFER_WRITE_TIMEOUT_S, SPARKINFER_SERVER_PREFIX_TOKEN_FILE,
+    SPARKINFER_SERVER_PREFIX_TOKEN_IDS, SPARKINFER_KV_INT8, SPARKINFER_TOKENIZER_URL,
+)
+
+
+def prefix_token_ids(environ: Mapping[str, str] | None = None) -> tuple[int, ...]:
+    """The shared prefix from SPARKINFER_SERVER_PREFIX_TOKEN_FILE or _IDS (setting both is an error)."""
+    path = SPARKINFER_SERVER_PREFIX_TOKEN_FILE.get(environ)
+    ids = SPARKINFER_SERVER_PREFIX_TOKEN_IDS.get(environ)
+    if path is None:
+        return ids
+    if ids:
+        raise EnvError("set SPARKINFER_SERVER_PREFIX_TOKEN_FILE or SPARKINFER_SERVER_PREFIX_TOKEN_IDS, "
+                       "not both")
+    return _read_token_file(Path(path))
+
+
+def _read_token_file(path: Path) -> tuple[int, ...]:
+    name = SPARKINFER_SERVER_PREFIX_TOKEN_FILE.name
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise EnvError(f"{name}={str(path)!r}: cannot read a JSON list of token ids ({exc})") from None
+    is_id = (lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 0)
+    if not isinstance(data, list) or not all(is_id(x) for x in data):
+        raise EnvError(f"{name}={str(path)!r}: expected a JSON list of non-negative integers")
+    return tuple(data)

@@ -1,0 +1,165 @@
+"""The Sanic app: factory, route table, error mapping, auth hook, graceful shutdown, run_server."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from sanic import Request, Sanic
+from sanic.exceptions import SanicException
+from sanic.response import HTTPResponse, json
+
+from sparkinfer_cli.server import routes
+from sparkinfer_cli.server.async_engine import AsyncEngine
+from sparkinfer_cli.server.auth import check_request
+from sparkinfer_cli.server.config import ServerConfig, build_engine_config
+from sparkinfer_cli.server.metrics import ServerMetrics
+from sparkinfer_cli.server.protocol import ApiError
+
+log = logging.getLogger(__name__)
+
+FORCE_EXIT_SLACK_S = 5.0  # after the grace period, app.stop() gets this long before os._exit
+_app_numbers = itertools.count()
+
+ROUTES = (
+    (routes.health, "/health", "GET"),
+    (routes.metrics, "/metrics", "GET"),
+    (routes.models, "/v1/models", "GET"),
+    (routes.model, "/v1/models/<model_id:path>", "GET"),
+    (routes.info, "/v1/info", "GET"),
+    (routes.capacity, "/v1/capacity", "GET"),
+    (routes.tokenize, "/v1/tokenize", "POST"),
+    (routes.chat_completions, "/v1/chat/completions", "POST"),
+    (routes.completions, "/v1/completions", "POST"),
+)
+_ERROR_CODES = {404: "unknown_url", 405: "method_not_allowed", 408: "request_timeout",
+                413: "request_too_large", 503: "service_unavailable"}
+
+
+def create_app(engine: Any, tokenizer: Any, chat_template: Any,
+               server_config: ServerConfig | None = None) -> Sanic:
+    """An OpenAI-compatible app over a started engine (ContinuousBatchEngine or any object with
+    its submit/abort/stats/max_context interface)."""
+    config = server_config or ServerConfig()
+    app = Sanic(f"sparkinfer_{next(_app_numbers)}", configure_logging=False)
+    _configure_transport(app, config)
+    async_engine = AsyncEngine(engine, request_timeout_s=config.request_timeout_s,
+                               retry_after_s=config.retry_after_s)
+    async_engine.metrics = ServerMetrics(engine.stats, lambda: async_engine.is_accepting)
+    app.ctx.state = routes.ServerState(async_engine, tokenizer, chat_template, config,
+                                       async_engine.metrics, int(time.time()),
+                                       routes.TokenTexts(tokenizer))
+    for handler, uri, method in ROUTES:
+        app.add_route(handler, uri, methods=[method])
+    app.error_handler.add(Exception, _error_response)
+    app.on_request(_authenticate)
+    return app
+
+
+def _configure_transport(app: Sanic, config: ServerConfig) -> None:
+    app.config.REQUEST_MAX_SIZE = config.max_request_bytes
+    app.config.REQUEST_TIMEOUT = config.read_timeout_s  # Sanic resets it on every byte received
+    # NOTE: Sanic's response timeout also runs while a non-streaming generation computes, so it is
+    # off; stalled writes are bounded per send by write_timeout_s in routes._stream.
+    app.config.RESPONSE_TIMEOUT = 10 * 365 * 24 * 3600
+    app.config.GRACEFUL_SHUTDOWN_TIMEOUT = 1.0  # connections are drained before app.stop()
+    app.config.NOISY_EXCEPTIONS = False
+    app.config.MOTD = False
+    app.config.ACCESS_LOG = False
+
+
+async def _authenticate(request: Request) -> None:
+    check_request(request.path, request.headers.get("authorization"),
+                  request.app.ctx.state.config.api_key)
+
+
+def _error_response(request: Request, exc: Exception) -> HTTPResponse:
+    error = _as_api_error(exc)
+    return json(error.body(), status=error.status, headers=error.headers)
+
+
+def _as_api_error(exc: Exception) -> ApiError:
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, SanicException):
+        status = int(exc.status_code)
+        kind = "server_error" if status >= 500 else "invalid_request_error"
+        return ApiError(status, str(exc) or "request failed", type=kind,
+                        code=_ERROR_CODES.get(status), headers=getattr(exc, "headers", None))
+    log.error("unhandled error", exc_info=exc)
+    return ApiError(500, f"internal server error: {type(exc).__name__}", type="server_error",
+                    code="internal_error")
+
+
+# ---------------------------------------------------------------- running and stopping
+
+
+def serve(app: Sanic, config: ServerConfig) -> None:
+    """Serve until SIGTERM/SIGINT, then drain: new generation requests get 503, in-flight ones
+    finish, the process exits; after shutdown_grace_s it force-exits. A second signal exits now."""
+    app.register_listener(_install_signal_handlers, "after_server_start")
+    app.run(host=config.host, port=config.port, single_process=True, access_log=False,
+            motd=False, register_sys_signals=False)
+
+
+async def _install_signal_handlers(app: Sanic, loop: asyncio.AbstractEventLoop) -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda: asyncio.ensure_future(_drain_and_stop(app)))
+
+
+async def _drain_and_stop(app: Sanic) -> None:
+    state: routes.ServerState = app.ctx.state
+    if state.engine.is_draining:
+        log.warning("second shutdown signal: exiting now")
+        os._exit(1)
+    grace = state.config.shutdown_grace_s
+    log.info("shutdown signal: draining %d in-flight requests (grace %.0f s)",
+             state.engine.num_in_flight, grace)
+    state.engine.begin_drain()
+    timer = threading.Timer(grace + FORCE_EXIT_SLACK_S, os._exit, args=(1,))
+    timer.daemon = True
+    timer.start()
+    if not await state.engine.wait_idle(grace):
+        log.warning("grace period over with %d requests in flight; stopping anyway",
+                    state.engine.num_in_flight)
+    app.stop()
+
+
+def run_server(model_path: str | Path, host: str | None = None, port: int | None = None,
+               ctx: int | None = None, api_key: str | None = None, *, device: str = "cpu",
+               model_name: str | None = None, environ: Mapping[str, str] | None = None) -> None:
+    """`sparkinfer serve`: load the model, start the engine, serve until SIGTERM/SIGINT.
+    Arguments left None come from the environment (HOST, PORT, CTX, SPARKINFER_*)."""
+    from sparkinfer_cli.engine.engine import ContinuousBatchEngine
+    from sparkinfer_cli.gguf_file import GGUFFile
+    from sparkinfer_cli.model.loader import load_model
+    from sparkinfer_cli.tokenizer.chat_template import ChatTemplate
+    from sparkinfer_cli.tokenizer.tokenizer import Tokenizer
+
+    gguf = GGUFFile(model_path)
+    model = load_model(gguf, device)
+    tokenizer = Tokenizer.from_gguf(gguf)
+    server_config = ServerConfig.from_env(environ, host=host, port=port, api_key=api_key,
+                                          model_name=model_name or default_model_name(gguf))
+    engine_config = build_engine_config(ctx, model.config.context_length, environ)
+    engine = ContinuousBatchEngine(model, tokenizer, engine_config)
+    engine.start()
+    try:
+        serve(create_app(engine, tokenizer, ChatTemplate.from_tokenizer(tokenizer), server_config),
+              server_config)
+    finally:
+        engine.shutdown(wait=False)
+
+
+def default_model_name(gguf: Any) -> str:
+    """general.name lowercased with dashes ("Qwen3.6-35B-A3B" → "qwen3.6-35b-a3b"), else the stem."""
+    name = gguf.metadata.get("general.name") or Path(gguf.path).stem
+    return "-".join(str(name).lower().split())

@@ -1,0 +1,36 @@
+"""Bearer-token check for /v1/* routes (constant-time comparison; /health and /metrics stay open)."""
+
+from __future__ import annotations
+
+import hmac
+
+from sparkinfer_cli.server.protocol import ApiError
+
+PROTECTED_PREFIX = "/v1/"
+
+
+def bearer_token(authorization: str | None) -> str | None:
+    """'Bearer <token>' (scheme case-insensitive) → token; anything else → None."""
+    scheme, _, token = (authorization or "").strip().partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
+def is_authorized(authorization: str | None, api_key: str) -> bool:
+    token = bearer_token(authorization)
+    # compare_digest on bytes: constant time for equal lengths, no early exit on the first mismatch
+    return token is not None and hmac.compare_digest(token.encode(), api_key.encode())
+
+
+def check_request(path: str, authorization: str | None, api_key: str | None) -> None:
+    """Raise a 401 OpenAI error when a key is configured and the request does not carry it."""
+    if api_key is None or not path.startswith(PROTECTED_PREFIX):
+        return
+    if not is_authorized(authorization, api_key):
+        missing = bearer_token(authorization) is None
+        raise ApiError(
+            401,
+            "Missing API key: send 'Authorization: Bearer <key>'" if missing else "Invalid API key",
+            type="authentication_error", code="invalid_api_key",
+            headers={"WWW-Authenticate": 'Bearer realm="sparkinfer"'})

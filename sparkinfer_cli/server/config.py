@@ -1,0 +1,88 @@
+"""ServerConfig: how the HTTP layer behaves (address, auth, limits, timeouts, shutdown)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from sparkinfer_cli import env
+from sparkinfer_cli.engine.config import EngineConfig
+
+DEFAULT_CTX = 4096  # KV pool tokens when neither --ctx nor CTX is given
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    api_key: str | None = None  # None = no auth
+    model_name: str = "sparkinfer"  # the id /v1/models reports and responses echo
+    max_output_tokens: int = 4096  # SPARKINFER_MAX_OUTPUT_TOKENS: caps max_tokens
+    max_request_bytes: int = 16 * 1024 * 1024  # larger bodies get 413
+    read_timeout_s: float = 300.0  # reset on every byte received
+    write_timeout_s: float = 300.0  # reset on every byte sent
+    request_timeout_s: float = 0.0  # submission → finish deadline (504); 0 = off
+    shutdown_grace_s: float = 30.0  # after SIGTERM/SIGINT, then force exit
+    retry_after_s: int = 1  # Retry-After on 429 / 503
+    default_temperature: float = 1.0  # OpenAI's default when a request omits temperature
+    max_n: int = 16  # choices per request
+    parse_reasoning: bool = True  # split <think> into reasoning_content (when the vocab has it)
+
+    def __post_init__(self) -> None:
+        checks = [
+            (0 <= self.port <= 65535, "port must be in [0, 65535]"),
+            (self.api_key is None or bool(self.api_key), "api_key must not be empty"),
+            (self.max_output_tokens >= 1, "max_output_tokens must be >= 1"),
+            (self.max_request_bytes >= 1024, "max_request_bytes must be >= 1024"),
+            (self.read_timeout_s > 0 and self.write_timeout_s > 0, "timeouts must be > 0"),
+            (self.request_timeout_s >= 0, "request_timeout_s must be >= 0"),
+            (self.shutdown_grace_s >= 0, "shutdown_grace_s must be >= 0"),
+            (self.retry_after_s >= 0, "retry_after_s must be >= 0"),
+            (self.default_temperature >= 0, "default_temperature must be >= 0"),
+            (self.max_n >= 1, "max_n must be >= 1"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> ServerConfig:
+        """Defaults ← environment (HOST, PORT, SPARKINFER_*) ← explicit overrides (CLI flags)."""
+        values: dict[str, Any] = {
+            "host": env.HOST.get(environ), "port": env.PORT.get(environ),
+            "api_key": env.SPARKINFER_API_KEY.get(environ),
+            "max_output_tokens": env.SPARKINFER_MAX_OUTPUT_TOKENS.get(environ),
+            "read_timeout_s": env.SPARKINFER_READ_TIMEOUT_S.get(environ) or 300.0,
+            "write_timeout_s": env.SPARKINFER_WRITE_TIMEOUT_S.get(environ) or 300.0,
+            "request_timeout_s": env.SPARKINFER_REQUEST_TIMEOUT_S.get(environ),
+            "shutdown_grace_s": env.SPARKINFER_SHUTDOWN_GRACE_S.get(environ),
+        }
+        known = {f.name for f in fields(cls)}
+        unknown = set(overrides) - known
+        if unknown:
+            raise TypeError(f"unknown ServerConfig fields: {', '.join(sorted(unknown))}")
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+
+def build_engine_config(ctx: int | None, trained_context_length: int,
+                        environ: Mapping[str, str] | None = None, **overrides: Any) -> EngineConfig:
+    """EngineConfig from --ctx (else CTX, else 4096; 0 = the model's trained context length) and
+    the scheduler/admission variables of the environment."""
+    ctx = env.CTX.get(environ) if ctx is None else ctx
+    ctx = DEFAULT_CTX if ctx is None else (ctx or trained_context_length)
+    values: dict[str, Any] = {
+        "ctx": ctx,
+        "max_batch_tokens": env.SPARKINFER_BATCH_TOKENS.get(environ),
+        "sched_policy": env.SPARKINFER_SCHED_POLICY.get(environ),
+        "prefill_chunk_tokens": env.SPARKINFER_PREFILL_CHUNK_TOKENS.get(environ),
+        "prefill_mix_max": env.SPARKINFER_PREFILL_MIX_MAX.get(environ),
+        "prefill_batched": env.SPARKINFER_PREFILL_BATCHED.get(environ),
+        "max_queue_depth": env.SPARKINFER_MAX_QUEUE_DEPTH.get(environ),
+        "max_output_tokens": env.SPARKINFER_MAX_OUTPUT_TOKENS.get(environ),
+        "request_timeout_s": env.SPARKINFER_REQUEST_TIMEOUT_S.get(environ),
+        "prefix_token_ids": env.prefix_token_ids(environ),
+    }
+    values.update(overrides)
+    return EngineConfig(**values)

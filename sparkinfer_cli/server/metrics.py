@@ -1,0 +1,123 @@
+"""Prometheus metrics: request outcomes, token totals, live engine gauges and latency histograms.
+
+Each app owns its own CollectorRegistry, so several servers in one process (tests) do not collide.
+Names follow sparkinfer-server's counters and vLLM's histogram suffixes so existing dashboards fit.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+
+OUTCOMES = ("ok", "client_error", "overloaded", "timeout", "cancelled", "server_error")
+PREFIX = "sparkinfer"
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+# seconds; 1 ms .. ~40 min, dense where interactive latencies live
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                    5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
+                0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+
+
+def outcome_of_status(status: int) -> str:
+    if status < 400:
+        return "ok"
+    if status in (429, 503):
+        return "overloaded"
+    if status == 504:
+        return "timeout"
+    return "client_error" if status < 500 else "server_error"
+
+
+class ServerMetrics:
+    def __init__(self, stats: Callable[[], Any], is_accepting: Callable[[], bool]):
+        """stats() returns the engine's EngineStats; both are read at scrape time."""
+        disable_created_metrics()  # the *_created samples only double the exposition's size
+        self.registry = CollectorRegistry()
+        self._started = time.monotonic()
+        self._create_counters()
+        self._create_histograms()
+        self._create_gauges(stats, is_accepting)
+
+    def _create_counters(self) -> None:
+        r = self.registry
+        self.requests = Counter(f"{PREFIX}_requests", "generation requests received", registry=r)
+        self.streaming = Counter(f"{PREFIX}_requests_streaming", "streaming generation requests",
+                                 registry=r)
+        self.by_outcome = Counter(f"{PREFIX}_requests_by_outcome", "generation requests by outcome",
+                                  ["outcome"], registry=r)
+        self.tokens = Counter(f"{PREFIX}_tokens", "tokens processed", ["kind"], registry=r)
+        for outcome in OUTCOMES:
+            self.by_outcome.labels(outcome)
+        for kind in ("prompt", "completion"):
+            self.tokens.labels(kind)
+
+    def _create_histograms(self) -> None:
+        r = self.registry
+        self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds",
+                              "submission to first generated token", buckets=_LATENCY_BUCKETS,
+                              registry=r)
+        self.itl = Histogram(f"{PREFIX}_inter_token_latency_seconds",
+                             "time between consecutive generated tokens", buckets=_ITL_BUCKETS,
+                             registry=r)
+        self.e2e = Histogram(f"{PREFIX}_e2e_request_latency_seconds",
+                             "submission to finish of one engine request", buckets=_LATENCY_BUCKETS,
+                             registry=r)
+        self.queue_time = Histogram(f"{PREFIX}_request_queue_time_seconds",
+                                    "submission to first scheduling", buckets=_LATENCY_BUCKETS,
+                                    registry=r)
+
+    def _create_gauges(self, stats: Callable[[], Any], is_accepting: Callable[[], bool]) -> None:
+        live = {
+            "active_requests": ("requests running in the engine", lambda s: s.active_requests),
+            "queued_requests": ("requests waiting for admission", lambda s: s.queued_requests),
+            "free_kv_blocks": ("free KV cache blocks", lambda s: s.free_kv_blocks),
+            "total_kv_blocks": ("KV cache blocks in the pool", lambda s: s.total_kv_blocks),
+            "kv_cache_usage_perc": ("fraction of KV blocks in use",
+                                    lambda s: 1 - s.free_kv_blocks / max(s.total_kv_blocks, 1)),
+        }
+        for name, (doc, read) in live.items():
+            gauge = Gauge(f"{PREFIX}_{name}", doc, registry=self.registry)
+            gauge.set_function(lambda read=read: float(read(stats())))
+        Gauge(f"{PREFIX}_uptime_seconds", "seconds since the server started",
+              registry=self.registry).set_function(lambda: time.monotonic() - self._started)
+        Gauge(f"{PREFIX}_accepting_requests", "1 unless draining or stopped",
+              registry=self.registry).set_function(lambda: float(is_accepting()))
+
+    def count_request(self, outcome: str, *, streaming: bool) -> None:
+        self.requests.inc()
+        if streaming:
+            self.streaming.inc()
+        self.by_outcome.labels(outcome).inc()
+
+    def count_tokens(self, prompt: int, completion: int) -> None:
+        self.tokens.labels("prompt").inc(prompt)
+        self.tokens.labels("completion").inc(completion)
+
+    def observe_finished(self, event: Any) -> None:
+        """Latency histograms from one finished engine request's timestamps (time.monotonic)."""
+        if event.scheduled_at is not None:
+            self.queue_time.observe(max(event.scheduled_at - event.submitted_at, 0.0))
+        if event.first_token_at is not None:
+            self.ttft.observe(max(event.first_token_at - event.submitted_at, 0.0))
+        if event.finished_at is not None:
+            self.e2e.observe(max(event.finished_at - event.submitted_at, 0.0))
+
+    def observe_inter_token(self, gap_s: float, num_tokens: int) -> None:
+        for _ in range(num_tokens):
+            self.itl.observe(gap_s / num_tokens)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,511 @@
+"""OpenAI request and response shapes: validated request dataclasses, response builders, errors.
+
+Parsing is strict about types (a bool is not an int, numbers are finite) and lenient about fields
+it does not use (unknown keys are ignored, as OpenAI adds fields often). Every rejection is an
+`ApiError` carrying the OpenAI error object, so bad input never becomes a 500.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from sparkinfer_cli.engine.sampling_params import SamplingParams
+from sparkinfer_cli.server.tool_calls import arguments_for_template
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+TOOL_CHOICES = ("none", "auto", "required")
+RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "add_generation_prompt", "documents")
+MAX_STOP_STRINGS = 16
+MAX_TOP_LOGPROBS = 20
+
+
+class ApiError(Exception):
+    """An HTTP error with an OpenAI error object: {"error": {message, type, param, code}}."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: Mapping[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type = status, message, type
+        self.param, self.code, self.headers = param, code, dict(headers or {})
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def invalid(message: str, param: str | None = None, code: str = "invalid_value") -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+# ---------------------------------------------------------------- typed field access
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+
+
+def _is_bool(value: Any) -> bool:
+    return isinstance(value, bool)
+
+
+def _is_str(value: Any) -> bool:
+    return isinstance(value, str)
+
+
+def _is_object(value: Any) -> bool:
+    return isinstance(value, dict)
+
+
+_TYPE_NAMES: dict[Callable[[Any], bool], str] = {
+    _is_int: "an integer", _is_number: "a finite number", _is_bool: "a boolean",
+    _is_str: "a string", _is_object: "an object",
+}
+
+
+def _field(body: Mapping[str, Any], name: str, is_type: Callable[[Any], bool], default: Any = None,
+           *, param: str | None = None) -> Any:
+    """body[name] checked with is_type; a missing key or JSON null gives the default."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if not is_type(value):
+        raise invalid(f"'{param or name}' must be {_TYPE_NAMES[is_type]}", param or name,
+                      "invalid_type")
+    return value
+
+
+def _int_in(body: Mapping[str, Any], name: str, default: int | None, low: int,
+            high: int | None = None) -> int | None:
+    value = _field(body, name, _is_int, default)
+    if value is not None and (value < low or (high is not None and value > high)):
+        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise invalid(f"'{name}' must be {bound}, got {value}", name)
+    return value
+
+
+def _require_object(body: Any, what: str = "the request body") -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise invalid(f"{what} must be a JSON object", None, "invalid_type")
+    return body
+
+
+def parse_json_body(raw: bytes) -> dict[str, Any]:
+    if not raw:
+        raise invalid("the request body is empty; expected a JSON object", None, "invalid_json")
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise invalid(f"the request body is not valid JSON: {exc}", None, "invalid_json") from None
+    return _require_object(body)
+
+
+# ---------------------------------------------------------------- sampling (chat and completions)
+
+
+@dataclass(frozen=True)
+class SamplingFields:
+    temperature: float
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    stop: tuple[str, ...] = ()
+
+    def to_params(self, max_tokens: int, choice_index: int, top_logprobs: int | None) -> SamplingParams:
+        """SamplingParams for choice `choice_index`; choices of one seeded request get seed + index."""
+        seed = None if self.seed is None else (self.seed + choice_index) % 2**64
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens, temperature=self.temperature, top_k=self.top_k,
+                top_p=self.top_p, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+                presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                logit_bias=self.logit_bias, seed=seed, stop=self.stop,
+                logprobs=top_logprobs is not None, top_logprobs=top_logprobs or 0)
+        except ValueError as exc:
+            raise invalid(str(exc)) from None
+
+
+def parse_sampling(body: Mapping[str, Any], default_temperature: float,
+                   vocab_size: int) -> SamplingFields:
+    top_k = _field(body, "top_k", _is_int, 0)
+    return SamplingFields(
+        temperature=_field(body, "temperature", _is_number, default_temperature),
+        top_p=_field(body, "top_p", _is_number, 1.0),
+        top_k=0 if top_k == -1 else top_k,  # vLLM spells "off" as -1
+        min_p=_field(body, "min_p", _is_number, 0.0),
+        presence_penalty=_field(body, "presence_penalty", _is_number, 0.0),
+        frequency_penalty=_field(body, "frequency_penalty", _is_number, 0.0),
+        repetition_penalty=_field(body, "repetition_penalty", _is_number, 1.0),
+        seed=_field(body, "seed", _is_int),
+        logit_bias=_parse_logit_bias(body.get("logit_bias"), vocab_size),
+        stop=_parse_stop(body.get("stop")),
+    )
+
+
+def _parse_logit_bias(value: Any, vocab_size: int) -> dict[int, float]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise invalid("'logit_bias' must be an object mapping token ids to biases", "logit_bias",
+                      "invalid_type")
+    bias: dict[int, float] = {}
+    for key, amount in value.items():
+        token_id = int(key) if isinstance(key, str) and key.strip().isdigit() else -1
+        if not 0 <= token_id < vocab_size:
+            raise invalid(f"logit_bias key {key!r} is not a token id in [0, {vocab_size})",
+                          "logit_bias")
+        if not _is_number(amount) or not -100 <= amount <= 100:
+            raise invalid(f"logit_bias[{key!r}] must be a number in [-100, 100]", "logit_bias")
+        bias[token_id] = float(amount)
+    return bias
+
+
+def _parse_stop(value: Any) -> tuple[str, ...]:
+    stops = [value] if isinstance(value, str) else value
+    if stops is None:
+        return ()
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise invalid("'stop' must be a string or a list of strings", "stop", "invalid_type")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise invalid(f"'stop' may hold at most {MAX_STOP_STRINGS} strings", "stop")
+    return tuple(s for s in stops if s)
+
+
+def _parse_max_tokens(body: Mapping[str, Any]) -> int | None:
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    return _int_in(body, name, None, 1)
+
+
+def _parse_include_usage(body: Mapping[str, Any]) -> bool:
+    options = _field(body, "stream_options", _is_object, {})
+    return _field(options, "include_usage", _is_bool, False, param="stream_options.include_usage")
+
+
+# ---------------------------------------------------------------- chat completions
+
+
+@dataclass(frozen=True)
+class ChatCompletionRequest:
+    model: str | None
+    messages: list[dict[str, Any]]  # template-ready: content flattened, tool arguments as objects
+    stream: bool
+    include_usage: bool
+    n: int
+    max_tokens: int | None
+    sampling: SamplingFields
+    top_logprobs: int | None  # None = no logprobs; 0 = only the chosen token's
+    tools: list[dict[str, Any]] | None  # what the template renders (after tool_choice)
+    tool_choice: str
+    parallel_tool_calls: bool
+    template_kwargs: dict[str, Any]
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        return bool(self.tools)
+
+
+def parse_chat_request(body: dict[str, Any], *, default_temperature: float, vocab_size: int,
+                       max_n: int) -> ChatCompletionRequest:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise invalid("'messages' must be a non-empty list of message objects", "messages",
+                      "missing_required_parameter" if messages is None else "invalid_type")
+    tools, tool_choice = _parse_tools(body)
+    _check_response_format(body.get("response_format"))
+    return ChatCompletionRequest(
+        model=_field(body, "model", _is_str),
+        messages=[_parse_message(i, m) for i, m in enumerate(messages)],
+        stream=_field(body, "stream", _is_bool, False),
+        include_usage=_parse_include_usage(body),
+        n=_int_in(body, "n", 1, 1, max_n) or 1,
+        max_tokens=_parse_max_tokens(body),
+        sampling=parse_sampling(body, default_temperature, vocab_size),
+        top_logprobs=_parse_chat_logprobs(body),
+        tools=tools, tool_choice=tool_choice,
+        parallel_tool_calls=_field(body, "parallel_tool_calls", _is_bool, True),
+        template_kwargs=_parse_template_kwargs(body),
+    )
+
+
+def _parse_chat_logprobs(body: Mapping[str, Any]) -> int | None:
+    wanted = _field(body, "logprobs", _is_bool, False)
+    top = _int_in(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
+    if top is not None and top > 0 and not wanted:
+        raise invalid("'top_logprobs' requires 'logprobs': true", "top_logprobs")
+    return (top or 0) if wanted else None
+
+
+def _check_response_format(value: Any) -> None:
+    if value is None:
+        return
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind != "text":
+        raise invalid("'response_format' supports only {\"type\": \"text\"}: this server does not "
+                      "constrain decoding", "response_format", "unsupported_value")
+
+
+def _parse_template_kwargs(body: Mapping[str, Any]) -> dict[str, Any]:
+    kwargs = dict(_field(body, "chat_template_kwargs", _is_object, {}))
+    reserved = [k for k in kwargs if k in RESERVED_TEMPLATE_KWARGS]
+    if reserved:
+        raise invalid(f"chat_template_kwargs may not set {', '.join(reserved)}",
+                      "chat_template_kwargs")
+    if "enable_thinking" not in kwargs:
+        thinking = _field(body, "enable_thinking", _is_bool)
+        effort = _field(body, "reasoning_effort", _is_str)
+        if thinking is None and effort == "none":
+            thinking = False
+        if thinking is not None:
+            kwargs["enable_thinking"] = thinking
+    return kwargs
+
+
+def _parse_message(index: int, message: Any) -> dict[str, Any]:
+    where = f"messages[{index}]"
+    if not isinstance(message, dict):
+        raise invalid(f"{where} must be an object", where, "invalid_type")
+    role = message.get("role")
+    if role not in ROLES:
+        raise invalid(f"{where}.role must be one of {', '.join(ROLES)}", f"{where}.role")
+    is_assistant = role == "assistant"
+    out: dict[str, Any] = {
+        "role": "system" if role == "developer" else role,
+        "content": _flatten_content(message.get("content"), f"{where}.content", is_assistant),
+    }
+    name = _field(message, "name", _is_str, param=f"{where}.name")
+    if name is not None:
+        out["name"] = name
+    if is_assistant:
+        _add_assistant_fields(out, message, where)
+    if role == "tool":
+        out["tool_call_id"] = _field(message, "tool_call_id", _is_str, param=f"{where}.tool_call_id")
+    return out
+
+
+def _flatten_content(content: Any, where: str, may_be_null: bool) -> str:
+    """A string or a list of text parts → one string (text parts joined by newlines)."""
+    if isinstance(content, str):
+        return content
+    if content is None and may_be_null:
+        return ""
+    if not isinstance(content, list):
+        raise invalid(f"{where} must be a string or a list of content parts", where, "invalid_type")
+    texts = []
+    for i, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        text = part.get("text", part.get("refusal")) if isinstance(part, dict) else None
+        if kind not in ("text", "refusal", "input_text") or not isinstance(text, str):
+            raise invalid(f"{where}[{i}] must be a text part {{\"type\": \"text\", \"text\": ...}}; "
+                          "this model accepts text only", f"{where}[{i}]")
+        texts.append(text)
+    return "\n".join(texts)
+
+
+def _add_assistant_fields(out: dict[str, Any], message: Mapping[str, Any], where: str) -> None:
+    reasoning = message.get("reasoning_content", message.get("reasoning"))
+    if reasoning is not None:
+        out["reasoning_content"] = _flatten_content(reasoning, f"{where}.reasoning_content", True)
+    calls = message.get("tool_calls")
+    if calls is not None:
+        if not isinstance(calls, list):
+            raise invalid(f"{where}.tool_calls must be a list", f"{where}.tool_calls", "invalid_type")
+        out["tool_calls"] = [_parse_history_call(c, f"{where}.tool_calls[{i}]")
+                             for i, c in enumerate(calls)]
+
+
+def _parse_history_call(call: Any, where: str) -> dict[str, Any]:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise invalid(f"{where} must be {{\"type\": \"function\", \"function\": {{\"name\", "
+                      "\"arguments\"}}}}", where, "invalid_type")
+    arguments = function.get("arguments", {})
+    if not isinstance(arguments, (str, dict)):
+        raise invalid(f"{where}.function.arguments must be a JSON string", where, "invalid_type")
+    out = {"type": "function",
+           "function": {"name": function["name"], "arguments": arguments_for_template(arguments)}}
+    if isinstance(call.get("id"), str):
+        out["id"] = call["id"]
+    return out
+
+
+def _parse_tools(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]] | None, str]:
+    """(tools the template renders, tool_choice mode); a named choice renders only that tool."""
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise invalid("'tools' must be a list of function tools", "tools", "invalid_type")
+    tools = [_check_tool(i, t) for i, t in enumerate(tools or [])]
+    choice = body.get("tool_choice", "auto" if tools else "none")
+    if isinstance(choice, str) and choice in TOOL_CHOICES:
+        return (tools if choice != "none" and tools else None), _check_choice(choice, tools)
+    function = choice.get("function") if isinstance(choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str):
+        raise invalid("'tool_choice' must be none, auto, required or "
+                      "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
+    named = [t for t in tools if t["function"]["name"] == name]
+    if not named:
+        raise invalid(f"tool_choice names {name!r}, which is not in 'tools'", "tool_choice")
+    return named, "required"
+
+
+def _check_choice(choice: str, tools: list[dict[str, Any]]) -> str:
+    if choice == "required" and not tools:
+        raise invalid("tool_choice 'required' needs a non-empty 'tools' list", "tool_choice")
+    return choice
+
+
+def _check_tool(index: int, tool: Any) -> dict[str, Any]:
+    where = f"tools[{index}]"
+    function = tool.get("function") if isinstance(tool, dict) else None
+    if not isinstance(function, dict) or tool.get("type", "function") != "function":
+        raise invalid(f"{where} must be {{\"type\": \"function\", \"function\": {{...}}}}", where,
+                      "invalid_type")
+    name = function.get("name")
+    if not isinstance(name, str) or not name:
+        raise invalid(f"{where}.function.name must be a non-empty string", f"{where}.function.name")
+    if not isinstance(function.get("parameters", {}), dict):
+        raise invalid(f"{where}.function.parameters must be a JSON Schema object",
+                      f"{where}.function.parameters", "invalid_type")
+    if not isinstance(function.get("description", ""), str):
+        raise invalid(f"{where}.function.description must be a string",
+                      f"{where}.function.description", "invalid_type")
+    return {"type": "function", "function": function}
+
+
+# ---------------------------------------------------------------- legacy completions
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    model: str | None
+    prompts: list[str | list[int]]
+    stream: bool
+    include_usage: bool
+    n: int
+    max_tokens: int
+    sampling: SamplingFields
+    top_logprobs: int | None
+    echo: bool
+
+
+def parse_completion_request(body: dict[str, Any], *, default_temperature: float, vocab_size: int,
+                             max_n: int) -> CompletionRequest:
+    prompts = _parse_prompts(body.get("prompt"), vocab_size)
+    n = _int_in(body, "n", 1, 1, max_n) or 1
+    if len(prompts) * n > max_n:
+        raise invalid(f"prompts × n may be at most {max_n}", "n")
+    best_of = _field(body, "best_of", _is_int)
+    if best_of is not None and best_of != n:
+        raise invalid("'best_of' other than n is not supported", "best_of", "unsupported_value")
+    if body.get("suffix") is not None:
+        raise invalid("'suffix' is not supported", "suffix", "unsupported_value")
+    return CompletionRequest(
+        model=_field(body, "model", _is_str), prompts=prompts,
+        stream=_field(body, "stream", _is_bool, False), include_usage=_parse_include_usage(body),
+        n=n, max_tokens=_int_in(body, "max_tokens", 16, 1) or 16,
+        sampling=parse_sampling(body, default_temperature, vocab_size),
+        top_logprobs=_int_in(body, "logprobs", None, 0, MAX_TOP_LOGPROBS),
+        echo=_field(body, "echo", _is_bool, False),
+    )
+
+
+def _parse_prompts(prompt: Any, vocab_size: int) -> list[str | list[int]]:
+    """str | [str] | [int] | [[int]] → a list of prompts (text or token ids)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        return [_check_ids(prompt, vocab_size)]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        return [p if isinstance(p, str) else _parse_prompts(p, vocab_size)[0] for p in prompt]
+    raise invalid("'prompt' must be a string, a list of strings, a list of token ids or a list of "
+                  "token-id lists (non-empty)", "prompt",
+                  "missing_required_parameter" if prompt is None else "invalid_type")
+
+
+def _check_ids(ids: list[Any], vocab_size: int) -> list[int]:
+    if not all(_is_int(t) and 0 <= t < vocab_size for t in ids):
+        raise invalid(f"prompt token ids must be integers in [0, {vocab_size})", "prompt")
+    return ids
+
+
+# ---------------------------------------------------------------- tokenize
+
+
+def parse_tokenize_request(body: dict[str, Any]) -> str | None:
+    """The raw text to tokenize ('content' or 'prompt'), or None for a chat body ('messages')."""
+    for key in ("content", "prompt"):
+        if key in body:
+            return _field(body, key, _is_str, "")
+    return None
+
+
+# ---------------------------------------------------------------- responses
+
+
+@dataclass(frozen=True)
+class Timings:
+    ttft_ms: float
+    generation_ms: float
+    decode_tps: float
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    reasoning_tokens: int = 0
+    timings: Timings | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "completion_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
+        }
+        if self.timings is not None:
+            out.update(ttft_ms=round(self.timings.ttft_ms, 3),
+                       generation_ms=round(self.timings.generation_ms, 3),
+                       decode_tps=round(self.timings.decode_tps, 3))
+        return out
+
+
+@dataclass(frozen=True)
+class ResponseHeader:
+    """The fields shared by every chunk of one response (OpenAI keeps id and created constant)."""
+
+    id: str
+    model: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def chat(self, choices: list[dict[str, Any]], usage: Usage | None) -> dict[str, Any]:
+        return {"id": self.id, "object": "chat.completion", "created": self.created,
+                "model": self.model, "choices": choices,
+                "usage": usage.to_dict() if usage else None}
+
+    def chat_chunk(self, choices: list[dict[str, Any]], usage: Usage | None = None) -> dict[str, Any]:
+        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                "model": self.model, "choices": choices,
+                "usage": usage.to_dict() if usage else None}
+
+    def completion(self, choices: list[dict[str, Any]], usage: Usage | None) -> dict[str, Any]:
+        return {"id": self.id, "object": "text_completion", "created": self.created,
+                "model": self.model, "choices": choices,
+                "usage": usage.to_dict() if usage else None}
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))

@@ -1,0 +1,480 @@
+"""Route handlers: parse and validate, delegate to AsyncEngine, shape the stream.
+
+Streaming and non-streaming share one path: each engine event goes through a response builder
+that returns the SSE chunk for it; a non-streaming response is the builder's fold of the same
+events. Streaming responses wait for the first event before sending headers, so errors that
+happen before any token (429, 504 in the queue, 400) still get a real HTTP status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from sanic import Request
+from sanic.response import HTTPResponse, json, raw
+
+from sparkinfer_cli.server.async_engine import AsyncEngine, Generation
+from sparkinfer_cli.server.config import ServerConfig
+from sparkinfer_cli.server.metrics import CONTENT_TYPE, ServerMetrics, outcome_of_status
+from sparkinfer_cli.server.protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    ResponseHeader,
+    Timings,
+    Usage,
+    dumps,
+    invalid,
+    parse_chat_request,
+    parse_completion_request,
+    parse_json_body,
+    parse_tokenize_request,
+)
+from sparkinfer_cli.server.stream_router import (
+    THINK_OPEN,
+    RoutedText,
+    StreamRouter,
+    prompt_opens_thinking,
+)
+
+log = logging.getLogger(__name__)
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+MIN_LOGPROB = -9999.0  # OpenAI's floor; -inf is not valid JSON
+
+
+@dataclass
+class ServerState:
+    """What every handler needs; lives on app.ctx.state."""
+
+    engine: AsyncEngine
+    tokenizer: Any
+    template: Any
+    config: ServerConfig
+    metrics: ServerMetrics
+    started_at: int
+    token_texts: TokenTexts
+
+    @property
+    def max_context(self) -> int:
+        return int(self.engine.engine.max_context)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.tokenizer.vocab_size)
+
+    @property
+    def parses_reasoning(self) -> bool:
+        """Thinking models name <think> in their template or vocabulary."""
+        if not self.config.parse_reasoning:
+            return False
+        return THINK_OPEN in (getattr(self.template, "source", "") or "") or \
+            self.tokenizer.id_of(THINK_OPEN) is not None
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.ctx.state
+
+
+# ---------------------------------------------------------------- info routes
+
+
+async def health(request: Request) -> HTTPResponse:
+    if _state(request).engine.is_draining:
+        return json({"status": "draining"}, status=503)
+    return json({"status": "ok"})
+
+
+def _model_card(state: ServerState) -> dict[str, Any]:
+    return {"id": state.config.model_name, "object": "model", "created": state.started_at,
+            "owned_by": "sparkinfer", "context_length": state.max_context,
+            "max_model_len": state.max_context}
+
+
+async def models(request: Request) -> HTTPResponse:
+    return json({"object": "list", "data": [_model_card(_state(request))]})
+
+
+async def model(request: Request, model_id: str) -> HTTPResponse:
+    state = _state(request)
+    if model_id != state.config.model_name:
+        raise ApiError(404, f"the model {model_id!r} does not exist", param="model",
+                       code="model_not_found")
+    return json(_model_card(state))
+
+
+async def info(request: Request) -> HTTPResponse:
+    state = _state(request)
+    return json({"model": state.config.model_name, "max_context": state.max_context,
+                 "max_output_tokens": state.config.max_output_tokens})
+
+
+async def capacity(request: Request) -> HTTPResponse:
+    state = _state(request)
+    stats = state.engine.engine.stats()
+    return json({"active_requests": stats.active_requests,
+                 "queued_requests": stats.queued_requests,
+                 "in_flight_http_requests": state.engine.num_in_flight,
+                 "free_kv_blocks": stats.free_kv_blocks, "total_kv_blocks": stats.total_kv_blocks,
+                 "max_queue_depth": stats.max_queue_depth,
+                 "accepting_requests": state.engine.is_accepting})
+
+
+async def metrics(request: Request) -> HTTPResponse:
+    return raw(_state(request).metrics.render(), content_type=CONTENT_TYPE)
+
+
+async def tokenize(request: Request) -> HTTPResponse:
+    state = _state(request)
+    body = parse_json_body(request.body)
+    text = parse_tokenize_request(body)
+    if text is None:
+        chat = _parse_chat(state, body)
+        text = _render_prompt(state, chat)
+    ids = state.tokenizer.encode(text)
+    return json({"count": len(ids), "tokens": ids, "max_context": state.max_context})
+
+
+# ---------------------------------------------------------------- generation routes
+
+
+Handler = Callable[[Request], Awaitable["HTTPResponse | None"]]
+
+
+def counted(handler: Handler) -> Handler:
+    """Count every generation request once, by outcome (ok, client_error, overloaded, ...)."""
+
+    @functools.wraps(handler)
+    async def wrapped(request: Request) -> HTTPResponse | None:
+        request.ctx.outcome, request.ctx.streaming = None, False
+        outcome = "server_error"
+        try:
+            response = await handler(request)  # None: it streamed its own response
+            outcome = request.ctx.outcome or outcome_of_status(response.status if response else 200)
+            return response
+        except ApiError as exc:
+            outcome = outcome_of_status(exc.status)
+            raise
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        finally:
+            _state(request).metrics.count_request(outcome, streaming=request.ctx.streaming)
+
+    return wrapped
+
+
+@counted
+async def chat_completions(request: Request) -> HTTPResponse | None:
+    state = _state(request)
+    chat = _parse_chat(state, parse_json_body(request.body))
+    request.ctx.streaming = chat.stream
+    prompt = _render_prompt(state, chat)
+    prompt_ids = state.tokenizer.encode(prompt)
+    max_tokens = _max_tokens(state, chat.max_tokens, len(prompt_ids))
+    header = ResponseHeader(f"chatcmpl-{uuid.uuid4().hex}", chat.model or state.config.model_name)
+    builder = ChatResponse(header, chat, state, len(prompt_ids), prompt_opens_thinking(prompt))
+    choices = [(prompt_ids, chat.sampling.to_params(max_tokens, i, chat.top_logprobs))
+               for i in range(chat.n)]
+    return await _respond(request, state.engine.generate(choices, header.id), builder, chat.stream)
+
+
+@counted
+async def completions(request: Request) -> HTTPResponse | None:
+    state = _state(request)
+    req = parse_completion_request(parse_json_body(request.body),
+                                   default_temperature=state.config.default_temperature,
+                                   vocab_size=state.vocab_size, max_n=state.config.max_n)
+    request.ctx.streaming = req.stream
+    prompts = [p if isinstance(p, list) else state.tokenizer.encode(p) for p in req.prompts]
+    header = ResponseHeader(f"cmpl-{uuid.uuid4().hex}", req.model or state.config.model_name)
+    choices = []
+    for ids in prompts:
+        max_tokens = _max_tokens(state, req.max_tokens, len(ids))
+        choices += [(ids, req.sampling.to_params(max_tokens, j, req.top_logprobs))
+                    for j in range(req.n)]
+    texts = [state.tokenizer.decode(ids) if req.echo else "" for ids in prompts]
+    builder = CompletionResponse(header, state, [len(ids) for ids in prompts], req.n, texts,
+                                 req.top_logprobs, req.include_usage)
+    return await _respond(request, state.engine.generate(choices, header.id), builder, req.stream)
+
+
+def _parse_chat(state: ServerState, body: dict[str, Any]) -> ChatCompletionRequest:
+    return parse_chat_request(body, default_temperature=state.config.default_temperature,
+                              vocab_size=state.vocab_size, max_n=state.config.max_n)
+
+
+def _render_prompt(state: ServerState, chat: ChatCompletionRequest) -> str:
+    try:
+        return state.template.render(chat.messages, tools=chat.tools, add_generation_prompt=True,
+                                     **chat.template_kwargs)
+    except Exception as exc:  # the template only sees request data: a failure is bad input
+        raise invalid(f"the chat template cannot render these messages: {exc}", "messages") \
+            from None
+
+
+def _max_tokens(state: ServerState, requested: int | None, num_prompt_tokens: int) -> int:
+    """The request's max_tokens capped by SPARKINFER_MAX_OUTPUT_TOKENS; when omitted, as many as
+    fit in the context. A prompt that leaves no room is a 400 naming both numbers."""
+    room = state.max_context - num_prompt_tokens
+    if room < 1:
+        raise ApiError(400, f"the prompt has {num_prompt_tokens} tokens, but the context limit is "
+                            f"{state.max_context} tokens", param="messages",
+                       code="context_length_exceeded")
+    return min(requested or room, state.config.max_output_tokens)
+
+
+async def _respond(request: Request, generation: Generation, builder: Any,
+                   stream: bool) -> HTTPResponse | None:
+    state = _state(request)
+    try:
+        async with generation:
+            if stream:
+                return await _stream(request, generation, builder, state.config.write_timeout_s)
+            async for index, event in generation:
+                builder.push(index, event)
+            return json(builder.response())
+    finally:
+        state.metrics.count_tokens(*builder.token_counts())
+
+
+async def _stream(request: Request, generation: Generation, builder: Any,
+                  write_timeout_s: float) -> None:
+    events = aiter(generation)
+    index, event = await anext(events)  # errors before the first token keep their HTTP status
+    response = await request.respond(content_type="text/event-stream", headers=SSE_HEADERS)
+
+    async def send(chunks: list[dict[str, Any] | None]) -> None:
+        data = "".join(f"data: {dumps(c)}\n\n" for c in chunks if c is not None)
+        if data:
+            await asyncio.wait_for(response.send(data), write_timeout_s)
+
+    try:
+        await send([builder.push(index, event)])
+        async for index, event in events:
+            await send([builder.push(index, event)])
+        await send([builder.usage_chunk()])
+        await response.send("data: [DONE]\n\n")
+    except ApiError as exc:  # headers are out: report in-band, as an SSE error event
+        request.ctx.outcome = outcome_of_status(exc.status)
+        await response.send(f"data: {dumps(exc.body())}\n\n")
+    except asyncio.TimeoutError:
+        request.ctx.outcome = "cancelled"  # the client stopped reading
+        log.warning("a streaming client did not read for %.0f s; cancelled", write_timeout_s)
+    await response.eof()
+
+
+# ---------------------------------------------------------------- response builders
+
+
+class TokenTexts:
+    """Token id → text and bytes for logprobs (cached; vocabularies repeat tokens a lot)."""
+
+    def __init__(self, tokenizer: Any):
+        self._tokenizer = tokenizer
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+
+    def entry(self, token_id: int) -> tuple[str, list[int]]:
+        if token_id not in self._cache:
+            data = self._tokenizer.token_bytes(token_id)
+            self._cache[token_id] = (data.decode("utf-8", errors="replace"), list(data))
+        return self._cache[token_id]
+
+    def chat_logprob(self, lp: Any, top_k: int) -> dict[str, Any]:
+        text, data = self.entry(lp.token_id)
+        top = [{"token": t, "logprob": max(v, MIN_LOGPROB), "bytes": b}
+               for (t, b), v in ((self.entry(i), v) for i, v in lp.top[:top_k])]
+        return {"token": text, "logprob": max(lp.logprob, MIN_LOGPROB), "bytes": data,
+                "top_logprobs": top}
+
+
+def _timings(events: list[Any]) -> Timings | None:
+    firsts = [e.first_token_at for e in events if e.first_token_at is not None]
+    if not firsts:
+        return None
+    submitted, first = min(e.submitted_at for e in events), min(firsts)
+    finished = max(e.finished_at or time.monotonic() for e in events)
+    decode_tokens = sum(max(e.num_output_tokens - 1, 0) for e in events)
+    generation_s = max(finished - first, 0.0)
+    return Timings(ttft_ms=(first - submitted) * 1000, generation_ms=generation_s * 1000,
+                   decode_tps=decode_tokens / generation_s if generation_s > 0 else 0.0)
+
+
+class ChatChoice:
+    """One choice of a chat completion: routes its events into deltas and keeps the fold."""
+
+    def __init__(self, index: int, router: StreamRouter, texts: TokenTexts,
+                 top_logprobs: int | None, parallel_tool_calls: bool):
+        self.index, self.router, self.texts = index, router, texts
+        self.top_logprobs, self.parallel_tool_calls = top_logprobs, parallel_tool_calls
+        self.routed = RoutedText()
+        self.logprobs: list[dict[str, Any]] = []
+        self.last_event: Any = None
+        self.num_reasoning_tokens = 0
+        self.finish_reason: str | None = None
+
+    def push(self, event: Any) -> dict[str, Any] | None:
+        """The streaming choice delta for this event, or None when there is nothing to send."""
+        is_first = self.last_event is None
+        self.last_event = event
+        if self.router.in_reasoning:
+            self.num_reasoning_tokens += len(event.token_ids)
+        routed = self.router.push(event.text)
+        if event.finish_reason is not None:
+            routed.extend(self.router.finish())
+        routed.tool_calls = self._admit_calls(routed.tool_calls)
+        self.routed.extend(routed)
+        logprobs = self._logprobs(event)
+        if event.finish_reason is not None:
+            self.finish_reason = "tool_calls" if self.routed.tool_calls and \
+                event.finish_reason == "stop" else event.finish_reason
+        delta = self._delta(routed, is_first)
+        if not (delta or logprobs or self.finish_reason):
+            return None
+        return {"index": self.index, "delta": delta,
+                "logprobs": {"content": logprobs} if logprobs else None,
+                "finish_reason": self.finish_reason}
+
+    def _admit_calls(self, calls: list[Any]) -> list[Any]:
+        if self.parallel_tool_calls:
+            return calls
+        return calls[:max(1 - len(self.routed.tool_calls), 0)]
+
+    def _logprobs(self, event: Any) -> list[dict[str, Any]]:
+        if self.top_logprobs is None:
+            return []
+        entries = [self.texts.chat_logprob(lp, self.top_logprobs) for lp in event.logprobs]
+        self.logprobs += entries
+        return entries
+
+    def _delta(self, routed: RoutedText, is_first: bool) -> dict[str, Any]:
+        delta: dict[str, Any] = {"role": "assistant"} if is_first else {}
+        if routed.reasoning:
+            delta["reasoning_content"] = delta["reasoning"] = routed.reasoning
+        if routed.content:
+            delta["content"] = routed.content
+        if routed.tool_calls:
+            first = len(self.routed.tool_calls) - len(routed.tool_calls)
+            delta["tool_calls"] = [{"index": first + k, **call.to_dict()}
+                                   for k, call in enumerate(routed.tool_calls)]
+        return delta
+
+    def message(self) -> dict[str, Any]:
+        routed = self.routed
+        message: dict[str, Any] = {"role": "assistant",
+                                   "content": routed.content or (None if routed.tool_calls else "")}
+        if routed.reasoning:
+            message["reasoning_content"] = message["reasoning"] = routed.reasoning
+        if routed.tool_calls:
+            message["tool_calls"] = [call.to_dict() for call in routed.tool_calls]
+        return {"index": self.index, "message": message,
+                "logprobs": {"content": self.logprobs} if self.top_logprobs is not None else None,
+                "finish_reason": self.finish_reason}
+
+
+class ChatResponse:
+    def __init__(self, header: ResponseHeader, chat: ChatCompletionRequest, state: ServerState,
+                 num_prompt_tokens: int, thinking_open: bool):
+        texts = state.token_texts
+        self.header, self.include_usage = header, chat.include_usage
+        self.num_prompt_tokens = num_prompt_tokens
+        self.choices = [ChatChoice(i, StreamRouter(reasoning=state.parses_reasoning,
+                                                   thinking_open=thinking_open, tools=chat.tools),
+                                   texts, chat.top_logprobs, chat.parallel_tool_calls)
+                        for i in range(chat.n)]
+
+    def push(self, index: int, event: Any) -> dict[str, Any] | None:
+        delta = self.choices[index].push(event)
+        if delta is None:
+            return None
+        chunk = self.header.chat_chunk([delta])
+        if not self.include_usage:
+            del chunk["usage"]
+        return chunk
+
+    def usage(self) -> Usage:
+        events = [c.last_event for c in self.choices if c.last_event is not None]
+        return Usage(self.num_prompt_tokens, sum(e.num_output_tokens for e in events),
+                     sum(c.num_reasoning_tokens for c in self.choices), _timings(events))
+
+    def usage_chunk(self) -> dict[str, Any] | None:
+        return self.header.chat_chunk([], self.usage()) if self.include_usage else None
+
+    def response(self) -> dict[str, Any]:
+        return self.header.chat([c.message() for c in self.choices], self.usage())
+
+    def token_counts(self) -> tuple[int, int]:
+        return self.num_prompt_tokens, self.usage().completion_tokens
+
+
+class CompletionResponse:
+    """Legacy /v1/completions: choice index = prompt index × n + sample index."""
+
+    def __init__(self, header: ResponseHeader, state: ServerState, prompt_lengths: list[int],
+                 n: int, echo_texts: list[str], top_logprobs: int | None, include_usage: bool):
+        self.header, self.include_usage = header, include_usage
+        self.prompt_lengths, self.top_logprobs = prompt_lengths, top_logprobs
+        self.texts_of = state.token_texts
+        count = len(prompt_lengths) * n
+        self.texts = [echo_texts[i // n] for i in range(count)]
+        self.pending_echo = [bool(t) for t in self.texts]
+        self.logprobs: list[dict[str, list[Any]]] = [
+            {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+            for _ in range(count)]
+        self.last_events: list[Any] = [None] * count
+
+    def push(self, index: int, event: Any) -> dict[str, Any] | None:
+        offset = len(self.texts[index])
+        text = self.texts[index] if self.pending_echo[index] else ""
+        self.pending_echo[index] = False
+        self.texts[index] += event.text
+        self.last_events[index] = event
+        logprobs = self._logprobs(index, event, offset)
+        if not (text + event.text or logprobs or event.finish_reason):
+            return None
+        choice = {"index": index, "text": text + event.text, "logprobs": logprobs,
+                  "finish_reason": event.finish_reason}
+        chunk = self.header.completion([choice], None)
+        if not self.include_usage:
+            del chunk["usage"]
+        return chunk
+
+    def _logprobs(self, index: int, event: Any, offset: int) -> dict[str, list[Any]] | None:
+        if self.top_logprobs is None:
+            return None
+        part: dict[str, list[Any]] = {k: [] for k in self.logprobs[index]}
+        for lp in event.logprobs:
+            text, _ = self.texts_of.entry(lp.token_id)
+            part["tokens"].append(text)
+            part["token_logprobs"].append(max(lp.logprob, MIN_LOGPROB))
+            part["top_logprobs"].append({self.texts_of.entry(i)[0]: max(v, MIN_LOGPROB)
+                                         for i, v in lp.top[:self.top_logprobs]})
+            part["text_offset"].append(offset)
+            offset += len(text)
+        for key, values in part.items():
+            self.logprobs[index][key] += values
+        return part
+
+    def usage(self) -> Usage:
+        events = [e for e in self.last_events if e is not None]
+        return Usage(sum(self.prompt_lengths), sum(e.num_output_tokens for e in events),
+                     timings=_timings(events))
+
+    def usage_chunk(self) -> dict[str, Any] | None:
+        return self.header.completion([], self.usage()) if self.include_usage else None
+
+    def response(self) -> dict[str, Any]:
+        choices = [{"index": i, "text": text,
+                    "logprobs": self.logprobs[i] if self.top_logprobs is not None else None,
+                    "finish_reason": e.finish_reason if e else None}
+                   for i, (text, e) in enumerate(zip(self.texts, self.last_events))]
+        return self.header.completion(choices, self.usage())
+
+    def token_counts(self) -> tuple[int, int]:
+        return sum(self.prompt_lengths), self.usage().completion_tokens
