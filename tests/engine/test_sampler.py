@@ -1,0 +1,244 @@
+"""Sampler against independent float64 references: exact distributions, hand-computed penalties."""
+
+from __future__ import annotations
+
+import math
+import tracemalloc
+
+import numpy as np
+import pytest
+
+from sparkinfer_cli.engine.sampler import Sampler, thread_workspace, truncate
+from sparkinfer_cli.engine.sampling_params import SamplingParams
+
+LOGITS_12 = np.array([2.0, 1.1, 3.2, -0.5, 0.4, 2.9, -1.7, 1.6, 0.0, -3.0, 2.4, 0.9],
+                     dtype=np.float32)
+
+
+# ---- reference: plain Python, float64, one token at a time --------------------------------------
+def reference_distribution(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
+    """{token: probability} after top-k → top-p → min-p → temperature (llama.cpp's chain)."""
+    values = [float(v) for v in logits]
+    order = sorted(range(len(values)), key=lambda i: (-values[i], i))
+    kept = order[:top_k] if top_k > 0 else order
+    if top_p < 1.0:
+        probs = softmax({i: values[i] for i in kept})
+        total, cut = 0.0, []
+        for i in kept:
+            cut.append(i)
+            total += probs[i]
+            if total >= top_p:
+                break
+        kept = cut
+    if min_p > 0.0:
+        probs = softmax({i: values[i] for i in kept})
+        kept = [i for i in kept if probs[i] >= min_p * max(probs.values())]
+    return softmax({i: values[i] / temperature for i in kept})
+
+
+def softmax(scores):
+    peak = max(scores.values())
+    exps = {i: math.exp(s - peak) for i, s in scores.items()}
+    total = sum(exps.values())
+    return {i: e / total for i, e in exps.items()}
+
+
+def chi_square_critical(df, z=4.75):
+    """Wilson–Hilferty quantile of chi-square at upper tail ≈ 1e-6 (z = 4.75)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def draw_counts(params, logits, n_draws):
+    sampler = Sampler(params, len(logits))
+    return np.bincount([sampler.sample(logits, [], []).token_id for _ in range(n_draws)],
+                       minlength=len(logits))
+
+
+CONFIGS = [
+    dict(temperature=0.6),
+    dict(temperature=1.7),
+    dict(temperature=1.0, top_k=4),
+    dict(temperature=0.8, top_p=0.75),
+    dict(temperature=1.0, min_p=0.2),
+    dict(temperature=1.3, top_k=7, top_p=0.9, min_p=0.1),
+]
+N_DRAWS = 8000
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_sampled_distribution_matches_reference(config):
+    expected = reference_distribution(LOGITS_12, **config)
+    n_draws = N_DRAWS
+    counts = draw_counts(SamplingParams(seed=1234, **config), LOGITS_12, n_draws)
+    outside = [t for t in np.flatnonzero(counts) if t not in expected]
+    assert not outside, f"tokens {outside} were drawn but the reference removes them"
+    chi2 = sum((counts[t] - n_draws * p) ** 2 / (n_draws * p) for t, p in expected.items())
+    df = max(1, len(expected) - 1)
+    assert chi2 < chi_square_critical(df), f"chi-square {chi2:.1f} with {df} dof; counts {counts}"
+
+
+def test_reference_cuts_are_not_on_a_boundary():
+    """The top-p / min-p configs above must not sit within float error of a cut, or the test
+    would depend on rounding rather than on the rule."""
+    probs = softmax(dict(enumerate(LOGITS_12.astype(float))))
+    running = np.cumsum(sorted(probs.values(), reverse=True))
+    assert np.min(np.abs(running - 0.75)) > 1e-3 and np.min(np.abs(running - 0.9)) > 1e-3
+
+
+def test_chi_square_check_detects_a_wrong_temperature():
+    """The statistical check has power: draws at T=1.0 fail against the T=0.8 reference."""
+    n_draws = N_DRAWS
+    counts = draw_counts(SamplingParams(seed=5, temperature=1.0), LOGITS_12, n_draws)
+    expected = reference_distribution(LOGITS_12, temperature=0.85)
+    chi2 = sum((counts[t] - n_draws * p) ** 2 / (n_draws * p) for t, p in expected.items())
+    assert chi2 > chi_square_critical(len(expected) - 1)
+
+
+@pytest.mark.parametrize("scale", [0.3, 3.0, 12.0])  # flat → needs the full sort; peaked → head
+@pytest.mark.parametrize("top_p", [0.5, 0.95])
+def test_truncate_large_vocab_matches_reference(scale, top_p):
+    rng = np.random.default_rng(7)
+    logits = (rng.standard_normal(6000) * scale).astype(np.float32)
+    for top_k, min_p in [(0, 0.0), (3000, 0.0), (0, 0.001), (500, 0.01)]:
+        ids = truncate(logits, top_k, top_p, min_p, thread_workspace(len(logits)))
+        expected = reference_distribution(logits, 1.0, top_k, top_p, min_p)
+        got = set(range(len(logits))) if ids is None else set(ids.tolist())
+        assert got == set(expected), (top_k, min_p, len(got), len(expected))
+
+
+def test_truncate_ties_keep_lower_token_ids():
+    logits = np.array([1.0, 5.0, 3.0, 5.0, 3.0, 3.0, 0.0], dtype=np.float32)
+    ws = thread_workspace(len(logits))
+    assert truncate(logits, 3, 1.0, 0.0, ws).tolist() == [1, 2, 3]
+    assert truncate(logits, 4, 1.0, 0.0, ws).tolist() == [1, 2, 3, 4]
+    assert truncate(logits, 0, 1.0, 0.0, ws) is None
+
+
+def test_greedy_takes_argmax_and_lowest_id_on_ties():
+    logits = np.array([0.5, 2.0, -1.0, 2.0, 1.9], dtype=np.float32)
+    sampler = Sampler(SamplingParams(temperature=0.0, top_k=2, top_p=0.1), len(logits))
+    assert [sampler.sample(logits, [], []).token_id for _ in range(5)] == [1] * 5
+
+
+# ---- penalties and bias: hand-computed --------------------------------------------------------
+def test_repetition_penalty_divides_positive_and_multiplies_negative():
+    logits = np.array([2.0, -1.0, 0.5, 3.0, -2.0, 1.0], dtype=np.float32)
+    sampler = Sampler(SamplingParams(repetition_penalty=2.0), len(logits))
+    # token 0 appears twice (penalised once), 1 in the prompt, 4 in the output; 3 and 5 unseen
+    out = sampler.process_logits(logits, prompt_ids=[0, 1, 0], output_ids=[4, 2])
+    np.testing.assert_array_equal(out, [1.0, -2.0, 0.25, 3.0, -4.0, 1.0])
+    np.testing.assert_array_equal(logits, [2.0, -1.0, 0.5, 3.0, -2.0, 1.0])  # input untouched
+
+
+def test_repetition_penalty_window_is_last_64_tokens_of_prompt_and_output():
+    logits = np.full(8, 4.0, dtype=np.float32)
+    sampler = Sampler(SamplingParams(repetition_penalty=4.0), len(logits))
+    prompt = [1] + [2] * 70 + [3]  # token 1 falls out of the window, 3 stays
+    out = sampler.process_logits(logits, prompt, [5] * 10)
+    np.testing.assert_array_equal(out, [4, 4, 1, 1, 4, 1, 4, 4])
+    out = sampler.process_logits(logits, prompt, [6] * 64)  # only the output is in the window
+    np.testing.assert_array_equal(out, [4, 4, 4, 4, 4, 4, 1, 4])
+
+
+def test_presence_and_frequency_penalties_count_generated_tokens_only():
+    logits = np.zeros(5, dtype=np.float32)
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
+    out = Sampler(params, 5).process_logits(logits, prompt_ids=[0, 0, 4], output_ids=[1, 2, 2, 2])
+    # token 1: 1×0.25 + 0.5; token 2: 3×0.25 + 0.5; prompt tokens 0 and 4 untouched
+    np.testing.assert_allclose(out, [0.0, -0.75, -1.25, 0.0, 0.0])
+
+
+def test_penalties_then_bias_combine_in_order():
+    logits = np.array([3.0, -1.0, 0.0], dtype=np.float32)
+    params = SamplingParams(repetition_penalty=1.5, presence_penalty=1.0, frequency_penalty=0.5,
+                            logit_bias={0: 2.0, 2: -0.5})
+    out = Sampler(params, 3).process_logits(logits, [1], [0, 0])
+    np.testing.assert_allclose(out, [3.0 / 1.5 - 2 * 0.5 - 1.0 + 2.0, -1.5, -0.5], rtol=1e-6)
+
+
+def test_logit_bias_minus_100_bans_even_the_argmax():
+    logits = np.array([0.0, 0.1, 50.0, 0.2], dtype=np.float32)
+    greedy = Sampler(SamplingParams(temperature=0.0, logit_bias={2: -100}), 4)
+    assert greedy.sample(logits, [], []).token_id == 3
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=3, logit_bias={2: -100}), 4)
+    drawn = {sampler.sample(logits, [], []).token_id for _ in range(500)}
+    assert drawn == {0, 1, 3}
+
+
+def test_logit_bias_outside_vocabulary_is_a_clear_error():
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        Sampler(SamplingParams(logit_bias={10: 1.0}), 10)
+
+
+def test_everything_banned_is_a_clear_error():
+    sampler = Sampler(SamplingParams(logit_bias={0: -100, 1: -100}), 2)
+    with pytest.raises(ValueError, match="banned"):
+        sampler.sample(np.zeros(2, dtype=np.float32), [], [])
+
+
+def test_wrong_logits_shape_is_rejected():
+    with pytest.raises(ValueError, match="shape"):
+        Sampler(SamplingParams(), 4).sample(np.zeros(5, dtype=np.float32), [], [])
+
+
+# ---- seed --------------------------------------------------------------------------------------
+def sequence(params, n_vocab=200, steps=60):
+    rng = np.random.default_rng(99)  # the "model": fixed logits per step, independent of the seed
+    sampler, out = Sampler(params, n_vocab), []
+    for _ in range(steps):
+        logits = rng.standard_normal(n_vocab).astype(np.float32)
+        out.append(sampler.sample(logits, [1, 2], out).token_id)
+    return out
+
+
+def test_same_seed_same_sequence_other_seed_other_sequence():
+    params = dict(temperature=1.2, top_p=0.95, repetition_penalty=1.1)
+    assert sequence(SamplingParams(seed=42, **params)) == sequence(SamplingParams(seed=42, **params))
+    assert sequence(SamplingParams(seed=42, **params)) != sequence(SamplingParams(seed=43, **params))
+
+
+def test_no_seed_is_random():
+    assert sequence(SamplingParams(temperature=1.0)) != sequence(SamplingParams(temperature=1.0))
+
+
+# ---- logprobs ----------------------------------------------------------------------------------
+def test_logprobs_are_log_softmax_of_processed_logits_before_temperature():
+    logits = np.array([1.0, 3.0, 2.0, 3.0, -1.0, 0.5], dtype=np.float32)
+    params = SamplingParams(temperature=0.3, top_k=2, logit_bias={4: 5.0}, seed=0,
+                            logprobs=True, top_logprobs=3)
+    result = Sampler(params, len(logits)).sample(logits, [], [])
+    processed = logits.astype(np.float64) + np.array([0, 0, 0, 0, 5.0, 0])
+    reference = processed - np.log(np.exp(processed).sum())
+    assert result.logprob.token_id == result.token_id
+    assert result.logprob.logprob == pytest.approx(reference[result.token_id], abs=1e-6)
+    assert [t for t, _ in result.logprob.top] == [4, 1, 3]  # 4 after bias, then the tie by id
+    np.testing.assert_allclose([lp for _, lp in result.logprob.top], reference[[4, 1, 3]],
+                               atol=1e-6)
+
+
+def test_logprobs_off_gives_none_and_zero_top_gives_empty_list():
+    logits = np.array([0.0, 1.0], dtype=np.float32)
+    assert Sampler(SamplingParams(), 2).sample(logits, [], []).logprob is None
+    result = Sampler(SamplingParams(logprobs=True), 2).sample(logits, [], [])
+    assert result.logprob.top == []
+
+
+# ---- cost on a real vocabulary size -----------------------------------------------------------
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.0),
+                                    SamplingParams(temperature=0.7, top_p=0.9, min_p=0.02,
+                                                   repetition_penalty=1.1, logprobs=True,
+                                                   top_logprobs=5),
+                                    SamplingParams(temperature=1.0, top_p=0.95)])
+def test_sampling_allocates_no_vocabulary_sized_arrays(params):
+    """Fresh 600 KB temporaries cost more (page faults) than the arithmetic on a 152k vocab."""
+    n_vocab = 151936
+    rng = np.random.default_rng(0)
+    logits = (rng.standard_normal(n_vocab) * 2).astype(np.float32)  # (n_vocab,)
+    logits[rng.choice(n_vocab, 40, replace=False)] += 14  # a model's few likely tokens
+    sampler = Sampler(params, n_vocab)
+    sampler.sample(logits, [5, 6], [7])  # creates this thread's workspace
+    tracemalloc.start()
+    sampler.sample(logits, [5, 6], [7])
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert peak < 64 * 1024, f"peak {peak} bytes: a vocabulary-sized temporary was allocated"
