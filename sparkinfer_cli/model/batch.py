@@ -15,6 +15,20 @@ from dataclasses import dataclass, field
 import numpy as np
 
 
+@dataclass(frozen=True)
+class SequenceSpan:
+    start: int  # tokens already in the cache
+    lo: int  # this sequence's new tokens are token_ids[lo:hi]
+    hi: int
+    block_table: np.ndarray
+    state_slot: int
+
+    @property
+    def end(self) -> int:
+        """Sequence length after this pass."""
+        return self.start + self.hi - self.lo
+
+
 @dataclass
 class SequenceBatch:
     token_ids: np.ndarray  # (N,) int32: the new tokens of every sequence, concatenated
@@ -43,6 +57,19 @@ class SequenceBatch:
         """(N,) absolute position of every new token."""
         return np.concatenate([np.arange(s, s + n) for s, n in
                                zip(self.start_positions, self.num_new_tokens)]).astype(np.int32)
+
+    def spans(self) -> list[SequenceSpan]:
+        """Where each sequence's new tokens sit in token_ids, with its cache coordinates."""
+        offsets = self.token_offsets()
+        slots = self.state_slots or [0] * self.num_seqs
+        return [SequenceSpan(self.start_positions[i], int(offsets[i]), int(offsets[i + 1]),
+                             self.block_tables[i], slots[i]) for i in range(self.num_seqs)]
+
+    def logit_rows(self) -> np.ndarray:
+        """Indices into token_ids of the rows whose logits the caller wants."""
+        if self.all_logits:
+            return np.arange(len(self.token_ids))
+        return self.token_offsets()[1:] - 1
 
     @classmethod
     def single(cls, token_ids: np.ndarray, start: int, block_table: np.ndarray, state_slot: int = 0,

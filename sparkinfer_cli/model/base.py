@@ -1,0 +1,70 @@
+"""CausalLM: the shape every supported model shares.
+
+    x = token_embd(ids)
+    for each layer:  x = x + mixer(norm₁(x));  x = x + ffn(norm₂(x))
+    logits = output(output_norm(x))
+
+Architecture files only say which mixer (attention or Gated DeltaNet) and which FFN (dense or MoE)
+each layer has, and how its tensors are named.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from sparkinfer_cli.gguf_file import GGUFFile
+from sparkinfer_cli.model.batch import SequenceBatch
+from sparkinfer_cli.model.cache import ModelCache
+from sparkinfer_cli.model.config import ModelConfig
+from sparkinfer_cli.model.layers import Embedding, Forward, Linear, RMSNorm
+from sparkinfer_cli.model.weights import Weights
+
+Mixer = Callable[[np.ndarray, Forward], np.ndarray]
+FFN = Callable[[np.ndarray], np.ndarray]
+
+
+@dataclass
+class DecoderLayer:
+    attn_norm: RMSNorm
+    mixer: Mixer
+    ffn_norm: RMSNorm
+    ffn: FFN
+
+    def __call__(self, x: np.ndarray, fwd: Forward) -> np.ndarray:
+        x = x + self.mixer(self.attn_norm(x), fwd)
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class CausalLM:
+    """Base of every architecture; subclasses implement `build_layer`."""
+
+    def __init__(self, gguf: GGUFFile, config: ModelConfig):
+        self.config = config
+        w = Weights(gguf, config.n_layer)
+        E, V = config.n_embd, config.n_vocab
+        self.token_embd = Embedding(w.get("token_embd.weight", (E, V)))
+        self.layers = [self.build_layer(w, i) for i in range(config.n_layer)]
+        self.output_norm = RMSNorm(w.get("output_norm.weight", (E,)), config.rms_eps)
+        self.output = Linear(w.get("token_embd.weight") if config.tied_embeddings
+                             else w.get("output.weight", (E, V)))
+        w.check_all_used()
+
+    def build_layer(self, w: Weights, layer: int) -> DecoderLayer:
+        raise NotImplementedError
+
+    def norm(self, w: Weights, name: str) -> RMSNorm:
+        return RMSNorm(w.get(name, (self.config.n_embd,)), self.config.rms_eps)
+
+    def create_cache(self, num_blocks: int, block_size: int, num_state_slots: int) -> ModelCache:
+        return ModelCache(self.config, num_blocks, block_size, num_state_slots)
+
+    def forward(self, batch: SequenceBatch, cache: ModelCache) -> np.ndarray:
+        """Logits (num_seqs, V) for each sequence's last new token, or (N, V) if all_logits."""
+        fwd = Forward(batch.positions(), batch.spans(), cache)
+        x = self.token_embd(batch.token_ids)  # (N, n_embd)
+        for layer in self.layers:
+            x = layer(x, fwd)
+        return self.output(self.output_norm(x[batch.logit_rows()]))  # (rows, n_vocab)

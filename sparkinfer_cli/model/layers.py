@@ -1,0 +1,119 @@
+"""Building blocks of every model: quantized linear, embedding, RMSNorm, attention, SwiGLU FFN.
+
+Quantization is a layer: a Linear computes with its GGUF tensor's own block format, so model code
+never branches on ggml types.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from sparkinfer_cli.kernels.cpu import ops
+from sparkinfer_cli.kernels.cpu.quant import embedding_rows, matmul
+from sparkinfer_cli.model.batch import SequenceSpan
+from sparkinfer_cli.model.cache import ModelCache
+from sparkinfer_cli.model.config import ModelConfig
+from sparkinfer_cli.model.weights import QTensor, Weights
+
+
+class Linear:
+    """y = x · Wᵀ (+ b) with W in its GGUF encoding. x: (T, in) → (T, out)."""
+
+    def __init__(self, weight: QTensor, bias: QTensor | None = None):
+        self.weight = weight
+        self.bias = bias.as_f32() if bias is not None else None
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[1]
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        w = self.weight
+        y = matmul(w.raw, w.ggml_type, w.ne0, np.ascontiguousarray(x, dtype=np.float32))
+        return y + self.bias if self.bias is not None else y
+
+
+class Embedding:
+    def __init__(self, weight: QTensor):
+        self.weight = weight
+
+    def __call__(self, ids: np.ndarray) -> np.ndarray:
+        w = self.weight
+        return embedding_rows(w.raw, w.ggml_type, w.ne0, ids)  # (T, n_embd)
+
+
+class RMSNorm:
+    def __init__(self, weight: QTensor, eps: float):
+        self.weight, self.eps = weight.as_f32(), eps
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        return ops.rms_norm(x, self.weight, self.eps)
+
+
+@dataclass(frozen=True)
+class Forward:
+    """What every layer needs to know about the current pass besides its input."""
+    positions: np.ndarray  # (N,) absolute position of each new token
+    spans: list[SequenceSpan]
+    cache: ModelCache
+
+
+class Attention:
+    """GQA softmax attention over the paged KV cache (llama / qwen2 / qwen3 / qwen3moe).
+
+    Optional per arch: q/k/v biases (qwen2), per-head q/k RMSNorm before RoPE (qwen3*).
+    """
+
+    def __init__(self, w: Weights, cfg: ModelConfig, layer: int, qkv_bias: bool, qk_norm: bool):
+        p, E = f"blk.{layer}.", cfg.n_embd
+        q_dim, kv_dim = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
+        bias = (lambda n, d: w.get(p + n + ".bias", (d,))) if qkv_bias else (lambda n, d: None)
+        self.attn_q = Linear(w.get(p + "attn_q.weight", (E, q_dim)), bias("attn_q", q_dim))
+        self.attn_k = Linear(w.get(p + "attn_k.weight", (E, kv_dim)), bias("attn_k", kv_dim))
+        self.attn_v = Linear(w.get(p + "attn_v.weight", (E, kv_dim)), bias("attn_v", kv_dim))
+        self.attn_output = Linear(w.get(p + "attn_output.weight", (q_dim, E)))
+        hd = cfg.head_dim
+        self.attn_q_norm = RMSNorm(w.get(p + "attn_q_norm.weight", (hd,)), cfg.rms_eps) \
+            if qk_norm else None
+        self.attn_k_norm = RMSNorm(w.get(p + "attn_k_norm.weight", (hd,)), cfg.rms_eps) \
+            if qk_norm else None
+        self.layer, self.cfg = layer, cfg
+
+    def project_qkv(self, x: np.ndarray, fwd: Forward) -> tuple[np.ndarray, ...]:
+        """Normalised, rotated q (N, H, D) and k, v (N, H_kv, D)."""
+        cfg, N = self.cfg, len(x)
+        q = self.attn_q(x).reshape(N, cfg.n_head, cfg.head_dim)
+        k = self.attn_k(x).reshape(N, cfg.n_head_kv, cfg.head_dim)
+        v = self.attn_v(x).reshape(N, cfg.n_head_kv, cfg.head_dim)
+        if self.attn_q_norm is not None:
+            q, k = self.attn_q_norm(q), self.attn_k_norm(k)
+        q = ops.rope(q, fwd.positions, cfg.n_rot, cfg.rope_base, cfg.rope_style)
+        k = ops.rope(k, fwd.positions, cfg.n_rot, cfg.rope_base, cfg.rope_style)
+        return q, k, v
+
+    def attend(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, fwd: Forward) -> np.ndarray:
+        """Write k, v into each sequence's cache, attend, return (N, H·D)."""
+        out = np.empty_like(q)  # (N, H, D)
+        for s in fwd.spans:
+            fwd.cache.write_kv(self.layer, s.block_table, s.start, k[s.lo:s.hi], v[s.lo:s.hi])
+            keys, values = fwd.cache.read_kv(self.layer, s.block_table, s.end)
+            out[s.lo:s.hi] = ops.causal_attention(q[s.lo:s.hi], keys, values, s.start)
+        return out.reshape(len(q), -1)
+
+    def __call__(self, x: np.ndarray, fwd: Forward) -> np.ndarray:
+        q, k, v = self.project_qkv(x, fwd)
+        return self.attn_output(self.attend(q, k, v, fwd))
+
+
+class SwiGLU:
+    """down(silu(gate(x)) ⊙ up(x)); `prefix` is e.g. 'blk.3.ffn_' or 'blk.3.ffn_' + 'shexp' names."""
+
+    def __init__(self, w: Weights, prefix: str, suffix: str, n_embd: int, n_ff: int):
+        self.ffn_gate = Linear(w.get(f"{prefix}gate{suffix}.weight", (n_embd, n_ff)))
+        self.ffn_up = Linear(w.get(f"{prefix}up{suffix}.weight", (n_embd, n_ff)))
+        self.ffn_down = Linear(w.get(f"{prefix}down{suffix}.weight", (n_ff, n_embd)))
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        return self.ffn_down(ops.swiglu(self.ffn_gate(x), self.ffn_up(x)))

@@ -1,0 +1,19 @@
+"""load_model: GGUF file → the architecture's Model (the module named like general.architecture)."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+from sparkinfer_cli.gguf_file import GGUFFile
+from sparkinfer_cli.model.base import CausalLM
+from sparkinfer_cli.model.config import ModelConfig
+
+
+def load_model(path: str | Path | GGUFFile, device: str = "cpu") -> CausalLM:
+    gguf = path if isinstance(path, GGUFFile) else GGUFFile(path)
+    config = ModelConfig.from_gguf(gguf)  # refuses unsupported architectures
+    if device != "cpu":
+        raise ValueError(f"device {device!r} is not available in this build (use 'cpu')")
+    module = importlib.import_module(f"sparkinfer_cli.model.{config.arch}")
+    return module.Model(gguf, config)

@@ -1,0 +1,72 @@
+"""Weights: GGUF tensors handed out by name, with shape/type checks and an exhaustive-use check."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from sparkinfer_cli.ggml_types import COMPUTE_TYPES, GGMLType
+from sparkinfer_cli.gguf_file import GGUFError, GGUFFile
+
+
+@dataclass(frozen=True)
+class QTensor:
+    """A weight in its GGUF encoding: `raw` is the zero-copy view GGUFFile.raw returns."""
+    name: str
+    ggml_type: int
+    shape: tuple[int, ...]  # ggml order, ne0 (input features) first
+    raw: np.ndarray
+
+    @property
+    def ne0(self) -> int:
+        return self.shape[0]
+
+    def as_f32(self) -> np.ndarray:
+        """Small F32 tensors (norms, biases, ssm params) as a float32 array in numpy order."""
+        if self.ggml_type != GGMLType.F32:
+            from sparkinfer_cli.kernels.cpu.quant import dequantize
+            return dequantize(self.raw, self.ggml_type, self.ne0)
+        return np.asarray(self.raw)
+
+
+class Weights:
+    """Hands out the tensors of one file; everything not taken by the model is an error."""
+
+    def __init__(self, gguf: GGUFFile, n_layer: int):
+        self.gguf = gguf
+        self.taken: set[str] = set()
+        # NextN/MTP blocks past the trunk are never executed (ARCHITECTURES.md §4.3)
+        self.ignored = {n for n in gguf.tensors if _block_index(n) is not None
+                        and _block_index(n) >= n_layer}
+
+    def has(self, name: str) -> bool:
+        return name in self.gguf.tensors
+
+    def get(self, name: str, shape: tuple[int, ...] | None = None) -> QTensor:
+        info = self.gguf.tensor(name)  # raises "missing tensor"
+        if shape is not None and tuple(info.shape) != tuple(shape):
+            raise GGUFError(f"{self.gguf.path}: tensor {name!r} has shape {list(info.shape)}, "
+                            f"expected {list(shape)}")
+        if info.ggml_type not in COMPUTE_TYPES:
+            raise GGUFError(f"{self.gguf.path}: tensor {name!r} has type {info.type_name}, "
+                            "which this engine cannot compute with yet "
+                            f"(supported: {', '.join(sorted(t.name for t in COMPUTE_TYPES))})")
+        self.taken.add(name)
+        return QTensor(name, info.ggml_type, info.shape, self.gguf.raw(name))
+
+    def optional(self, name: str, shape: tuple[int, ...] | None = None) -> QTensor | None:
+        return self.get(name, shape) if self.has(name) else None
+
+    def check_all_used(self) -> None:
+        unused = sorted(set(self.gguf.tensors) - self.taken - self.ignored)
+        if unused:
+            more = f" and {len(unused) - 5} more" if len(unused) > 5 else ""
+            raise GGUFError(f"{self.gguf.path}: unexpected tensors for architecture "
+                            f"{self.gguf.architecture}: {', '.join(unused[:5])}{more}")
+
+
+def _block_index(name: str) -> int | None:
+    m = re.match(r"blk\.(\d+)\.", name)
+    return int(m.group(1)) if m else None
