@@ -74,6 +74,7 @@ def _configure_transport(app: Sanic, config: ServerConfig) -> None:
     app.config.NOISY_EXCEPTIONS = False
     app.config.MOTD = False
     app.config.ACCESS_LOG = False
+    app.config.TOUCHUP = False  # TouchUp rewrites Sanic's class once: a second app would break
 
 
 async def _authenticate(request: Request) -> None:

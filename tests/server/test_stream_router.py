@@ -1,0 +1,157 @@
+"""StreamRouter and tool-call parsing: hand-written expected splits, checked at every split point."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+
+from sparkinfer_cli.server.stream_router import StreamRouter, prompt_opens_thinking
+from sparkinfer_cli.server.tool_calls import arguments_for_template, parse_tool_calls
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}, "zip": {"type": "string"},
+        "metric": {"type": "boolean"}, "hours": {"type": ["array", "null"]}}}}}
+TOOLS = [WEATHER_TOOL]
+
+XML_CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n"
+            "<parameter=days>\n3\n</parameter>\n<parameter=zip>\n01234\n</parameter>\n"
+            "<parameter=metric>\nTrue\n</parameter>\n<parameter=hours>\n[1, 2]\n</parameter>\n"
+            "</function>\n</tool_call>")
+XML_ARGS = {"city": "New York", "days": 3, "zip": "01234", "metric": True, "hours": [1, 2]}
+JSON_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+# (router options, generated text, expected content, expected reasoning, expected calls)
+CASES = {
+    "qwen3_thinking": (dict(reasoning=True), "<think>\nThe user wants X.\n</think>\n\nHello!",
+                       "Hello!", "The user wants X.", []),
+    "qwen35_prompt_opened_think": (dict(reasoning=True, thinking_open=True),
+                                   "Step 1.\nStep 2.\n</think>\n\nAnswer: 42",
+                                   "Answer: 42", "Step 1.\nStep 2.", []),
+    "no_reasoning_parser": (dict(reasoning=False), "<think>\nx\n</think>\n\nHi",
+                            "<think>\nx\n</think>\n\nHi", "", []),
+    "think_after_text_is_content": (dict(reasoning=True), "Hi <think>not a thought</think>",
+                                    "Hi <think>not a thought</think>", "", []),
+    "second_think_is_content": (dict(reasoning=True), "<think>a</think>b<think>c</think>",
+                                "b<think>c</think>", "a", []),
+    "empty_thought": (dict(reasoning=True), "<think>\n\n</think>\n\nOnly content.",
+                      "Only content.", "", []),
+    "thought_cut_by_length": (dict(reasoning=True, thinking_open=True), "I am still thinking \n",
+                              "", "I am still thinking", []),
+    "partial_marker_at_end": (dict(reasoning=True, tools=TOOLS), "a <thi and <tool_ca",
+                              "a <thi and <tool_ca", "", []),
+    "json_tool_call": (dict(reasoning=True, tools=TOOLS), "Let me check.\n" + JSON_CALL,
+                       "Let me check.\n", "", [("get_weather", {"city": "Paris"})]),
+    "xml_tool_call_typed_by_schema": (dict(reasoning=True, tools=TOOLS), XML_CALL, "", "",
+                                      [("get_weather", XML_ARGS)]),
+    "think_then_xml_call": (dict(reasoning=True, thinking_open=True, tools=TOOLS),
+                            "Need weather.\n</think>\n\n" + XML_CALL, "", "Need weather.",
+                            [("get_weather", XML_ARGS)]),
+    "parallel_calls": (dict(reasoning=True, tools=TOOLS), JSON_CALL + "\n" + JSON_CALL, "", "",
+                       [("get_weather", {"city": "Paris"})] * 2),
+    "no_tools_means_literal": (dict(reasoning=True), JSON_CALL, JSON_CALL, "", []),
+    "unparseable_call_is_content": (dict(reasoning=True, tools=TOOLS),
+                                    "<tool_call>\n{not json}\n</tool_call>",
+                                    "<tool_call>\n{not json}\n</tool_call>", "", []),
+    "unterminated_xml_call_at_eos": (dict(reasoning=True, tools=TOOLS),
+                                     "<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n"
+                                     "</parameter>\n</function>\n",
+                                     "", "", [("get_weather", {"city": "Rome"})]),
+    "truncated_json_call_is_content": (dict(reasoning=True, tools=TOOLS),
+                                       '<tool_call>\n{"name": "get_weather", "argu',
+                                       '<tool_call>\n{"name": "get_weather", "argu', "", []),
+    "unicode_content": (dict(reasoning=True), "<think>🤔 ü</think>日本語 ✓", "日本語 ✓", "🤔 ü", []),
+}
+
+
+def route(options: dict, pieces: list[str]) -> tuple[str, str, list[tuple[str, dict]]]:
+    router = StreamRouter(**options)
+    content, reasoning, calls = "", "", []
+    for routed in [router.push(p) for p in pieces] + [router.finish()]:
+        content += routed.content
+        reasoning += routed.reasoning
+        calls += [(c.name, json.loads(c.arguments)) for c in routed.tool_calls]
+    return content, reasoning, calls
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_every_two_piece_split_routes_like_the_expected_text(name: str) -> None:
+    options, text, *expected = CASES[name]
+    for cut in range(len(text) + 1):
+        assert route(options, [text[:cut], text[cut:]]) == tuple(expected), f"split at {cut}"
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_one_character_per_push(name: str) -> None:
+    options, text, *expected = CASES[name]
+    assert route(options, list(text)) == tuple(expected)
+
+
+def test_every_three_piece_split_of_a_short_text() -> None:
+    text = "<think>ab</think>c<tool_call>\n<function=f>\n</function>\n</tool_call>"
+    expected = ("c", "ab", [("f", {})])
+    for i, j in itertools.combinations(range(len(text) + 1), 2):
+        assert route(dict(reasoning=True, tools=TOOLS), [text[:i], text[i:j], text[j:]]) == \
+            expected, (i, j)
+
+
+def test_text_is_released_as_soon_as_it_cannot_start_a_marker() -> None:
+    router = StreamRouter(reasoning=True, tools=TOOLS)
+    assert router.push("Hello").content == "Hello"
+    assert router.push(" <").content == " "  # "<" may begin <tool_call>
+    assert router.push("b>").content == "<b>"
+
+
+def test_in_reasoning_tracks_the_state() -> None:
+    router = StreamRouter(reasoning=True, thinking_open=True)
+    assert router.in_reasoning
+    router.push("x</think>")
+    assert not router.in_reasoning
+
+
+@pytest.mark.parametrize("prompt, opened", [
+    ("<|im_start|>assistant\n<think>\n", True),
+    ("<|im_start|>assistant\n<think>\n\n</think>\n\n", False),
+    ("<|im_start|>assistant\n", False),
+])
+def test_prompt_opens_thinking(prompt: str, opened: bool) -> None:
+    assert prompt_opens_thinking(prompt) is opened
+
+
+def test_tool_call_ids_are_unique_and_openai_shaped() -> None:
+    calls = parse_tool_calls(JSON_CALL[len("<tool_call>"):-len("</tool_call>")], TOOLS) + \
+        parse_tool_calls(JSON_CALL[len("<tool_call>"):-len("</tool_call>")], TOOLS)
+    assert calls[0].id != calls[1].id and calls[0].id.startswith("call_")
+    assert calls[0].to_dict() == {"id": calls[0].id, "type": "function", "function": {
+        "name": "get_weather", "arguments": '{"city": "Paris"}'}}
+
+
+@pytest.mark.parametrize("body, expected", [
+    ('{"name": "f", "arguments": "{\\"a\\": 1}"}', [("f", {"a": 1})]),  # arguments as a string
+    ('{"name": "f", "parameters": {"a": 1}}', [("f", {"a": 1})]),
+    ('{"name": "f"}', [("f", {})]),
+    ('{"arguments": {}}', None),
+    ('[1, 2]', None),
+    ("<function=f>\n<parameter=x>\nNaN\n</parameter>\n</function>", [("f", {"x": "NaN"})]),
+    ("<function=f>\n<parameter=a>\n1\n</parameter>\n</function>\n<function=g>\n</function>",
+     [("f", {"a": 1}), ("g", {})]),
+    ("<function=f>\n<parameter=text>\nline 1\nline 2\n</parameter>\n</function>",
+     [("f", {"text": "line 1\nline 2"})]),
+])
+def test_parse_tool_calls(body: str, expected: list | None) -> None:
+    calls = parse_tool_calls(body, None)
+    got = None if calls is None else [(c.name, json.loads(c.arguments)) for c in calls]
+    assert got == expected
+
+
+@pytest.mark.parametrize("arguments, expected", [
+    ('{"city": "Paris"}', {"city": "Paris"}),
+    ({"city": "Paris"}, {"city": "Paris"}),
+    ("not json", "not json"),
+    ("[1]", "[1]"),
+])
+def test_arguments_for_template(arguments, expected) -> None:
+    assert arguments_for_template(arguments) == expected
