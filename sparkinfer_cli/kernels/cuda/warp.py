@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 
-from numba import cuda
+from numba import cuda, float32
 
 from sparkinfer_cli.kernels.cuda.intrinsics import IS_SIMULATOR
 
@@ -53,3 +53,23 @@ def warp_max(v):
     for offset in (16, 8, 4, 2, 1):
         v = max(v, shfl_xor(v, offset))
     return v
+
+
+@cuda.jit(device=True, inline=True)
+def block_sum(v, scratch):
+    """Sum over the whole block; scratch: a float32 shared array of ≥ 33 entries. All threads call it."""
+    warp = cuda.threadIdx.x // WARP_SIZE
+    lane = cuda.threadIdx.x % WARP_SIZE
+    v = warp_sum(v)
+    if lane == 0:
+        scratch[warp] = v
+    cuda.syncthreads()
+    if warp == 0:
+        n_warps = cuda.blockDim.x // WARP_SIZE
+        v = warp_sum(scratch[lane] if lane < n_warps else float32(0.0))
+        if lane == 0:
+            scratch[32] = v
+    cuda.syncthreads()
+    total = scratch[32]
+    cuda.syncthreads()  # scratch may be reused right after
+    return total

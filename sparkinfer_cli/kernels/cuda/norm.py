@@ -1,0 +1,73 @@
+"""RMSNorm on the GPU: plain, fused with the residual add, and gated by silu(z) (GDN output norm).
+
+Rows are independent: one block per row of `d` elements. The same kernel serves per-head q/k norms
+(rows = tokens × heads, d = head_dim) since the weight index is the position within the row.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import cuda, float32
+
+from sparkinfer_cli.kernels.cuda.intrinsics import IS_SIMULATOR
+from sparkinfer_cli.kernels.cuda.launch import check_array
+from sparkinfer_cli.kernels.cuda.warp import block_sum
+
+THREADS = 32 if IS_SIMULATOR else 256  # kernels are blockDim-generic; the simulator is slow
+
+
+@cuda.jit(fastmath=True)
+def _rms_norm_kernel(x, residual, w, out, d, eps, mode):
+    # mode 0: out = norm(x)·w;  1: h = x + residual, residual ← h, out = norm(h)·w;
+    # mode 2: out = norm(x)·w·silu(residual)  (residual holds the gate z)
+    scratch = cuda.shared.array(33, float32)
+    base = cuda.blockIdx.x * d
+    partial = float32(0.0)
+    for i in range(cuda.threadIdx.x, d, cuda.blockDim.x):
+        v = x[base + i]
+        if mode == 1:
+            v += residual[base + i]
+            residual[base + i] = v
+        partial += v * v
+    inv = float32(1.0) / math.sqrt(block_sum(partial, scratch) / d + eps)
+    for i in range(cuda.threadIdx.x, d, cuda.blockDim.x):
+        v = residual[base + i] if mode == 1 else x[base + i]
+        y = v * inv * w[i]
+        if mode == 2:
+            z = residual[base + i]
+            y *= z / (float32(1.0) + math.exp(-z))
+        out[base + i] = y
+
+
+def _launch(x, residual, w, out, eps: float, mode: int, stream) -> None:
+    d = w.shape[0]
+    check_array("w", w, np.float32)
+    for name, arr in (("x", x), ("out", out), ("residual", residual)):
+        check_array(name, arr, np.float32, x.shape)
+    if x.size % d:
+        raise ValueError(f"x of {x.size} elements is not a whole number of rows of {d}")
+    _rms_norm_kernel[x.size // d, THREADS, stream](
+        x.reshape(x.size), residual.reshape(x.size), w, out.reshape(x.size), d, float32(eps), mode)
+
+
+def rms_norm(x, w, out, eps: float, stream=0) -> None:
+    """out = x / sqrt(mean(x²) + eps) · w over rows of len(w)."""
+    _launch(x, x, w, out, eps, 0, stream)
+
+
+def add_rms_norm(x, residual, w, out, eps: float, stream=0) -> None:
+    """residual += x, then out = rms_norm(residual) (the pre-norm of the next sub-layer)."""
+    _launch(x, residual, w, out, eps, 1, stream)
+
+
+def rms_norm_silu_gate(x, z, w, out, eps: float, stream=0) -> None:
+    """out = rms_norm(x)·w·silu(z), per row of len(w) (Gated DeltaNet output norm)."""
+    _launch(x, z, w, out, eps, 2, stream)
+
+
+def rms_norm_reference(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    rows = x.astype(np.float64).reshape(-1, w.shape[0])  # (rows, d)
+    y = rows / np.sqrt((rows * rows).mean(axis=1, keepdims=True) + eps) * w
+    return y.reshape(x.shape)

@@ -1,0 +1,32 @@
+"""CUDA RMSNorm variants vs float64 numpy."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")  # CI has no GPU; the H200 run sets it to 0
+
+import numpy as np  # noqa: E402
+from numba import cuda  # noqa: E402
+
+from sparkinfer_cli.kernels.cuda import norm  # noqa: E402
+
+
+def test_rms_norm_add_and_gate():
+    rng = np.random.default_rng(0)
+    x, r, z = (rng.standard_normal((3, 96)).astype(np.float32) for _ in range(3))
+    w = rng.uniform(0.5, 1.5, 96).astype(np.float32)
+    out = cuda.device_array_like(x)
+    norm.rms_norm(cuda.to_device(x), cuda.to_device(w), out, 1e-6)
+    np.testing.assert_allclose(out.copy_to_host(), norm.rms_norm_reference(x, w, 1e-6), rtol=1e-5)
+
+    res = cuda.to_device(r)
+    norm.add_rms_norm(cuda.to_device(x), res, cuda.to_device(w), out, 1e-6)
+    np.testing.assert_allclose(res.copy_to_host(), x + r, rtol=1e-6)
+    np.testing.assert_allclose(out.copy_to_host(), norm.rms_norm_reference(x + r, w, 1e-6),
+                               rtol=1e-5)
+
+    w_head = w[:32].copy()  # per-head norm: rows of 32 inside each token
+    norm.rms_norm_silu_gate(cuda.to_device(x), cuda.to_device(z), cuda.to_device(w_head), out, 1e-6)
+    ref = norm.rms_norm_reference(x, w_head, 1e-6) * z / (1 + np.exp(-z.astype(np.float64)))
+    np.testing.assert_allclose(out.copy_to_host(), ref, rtol=1e-5, atol=1e-6)
