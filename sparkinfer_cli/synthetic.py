@@ -26,7 +26,7 @@ import numpy as np
 
 from sparkinfer_cli.ggml_types import BLOCK_GEOMETRY, COMPUTE_TYPES, GGMLType, tensor_bytes
 
-ARCHITECTURES = ("qwen3", "qwen3moe", "qwen35", "qwen35moe", "qwen3next")
+ARCHITECTURES = ("qwen3", "qwen3moe", "qwen35", "qwen35moe", "qwen3next", "qwen2", "llama")
 HYBRID_ARCHITECTURES = ("qwen35", "qwen35moe", "qwen3next")
 MOE_ARCHITECTURES = ("qwen3moe", "qwen35moe", "qwen3next")
 SHARED_EXPERT_ARCHITECTURES = ("qwen35moe", "qwen3next")
@@ -135,6 +135,10 @@ PRESETS: dict[str, SyntheticSpec] = {
     "tiny-qwen35moe": SyntheticSpec(name="tiny-qwen35moe", arch="qwen35moe", n_layer=4,
                                     n_head_kv=1, n_expert=4, n_expert_used=2, n_ff_exp=64,
                                     n_ff_shexp=256, rope_sections=(3, 3, 2, 0), **_TINY_HYBRID),
+    "tiny-qwen2": SyntheticSpec(name="tiny-qwen2", arch="qwen2", n_layer=2, n_head_kv=2,
+                                rope_base=1e6, n_ff=512, tied_embeddings=True, **_TINY),
+    "tiny-llama": SyntheticSpec(name="tiny-llama", arch="llama", n_layer=2, n_head_kv=2,
+                                rope_base=1e4, n_ff=512, tied_embeddings=True, **_TINY),
     "tiny-qwen3next": SyntheticSpec(name="tiny-qwen3next", arch="qwen3next", n_layer=2,
                                     n_head_kv=1, n_ff=512, n_expert=4, n_expert_used=2,
                                     n_ff_exp=64, n_ff_shexp=256, full_attention_interval=2,
@@ -201,10 +205,15 @@ def _attention_shapes(s: SyntheticSpec) -> Shapes:
     # hybrids: attn_q rows are [query head h | gate head h] per head, hence twice the rows
     q_rows = s.n_head * s.head_dim * (2 if s.is_hybrid else 1)
     kv_rows = s.n_head_kv * s.head_dim
-    return [("attn_q.weight", (s.n_embd, q_rows)), ("attn_k.weight", (s.n_embd, kv_rows)),
-            ("attn_v.weight", (s.n_embd, kv_rows)),
-            ("attn_output.weight", (s.n_head * s.head_dim, s.n_embd)),
-            ("attn_q_norm.weight", (s.head_dim,)), ("attn_k_norm.weight", (s.head_dim,))]
+    shapes: Shapes = [("attn_q.weight", (s.n_embd, q_rows)), ("attn_k.weight", (s.n_embd, kv_rows)),
+                      ("attn_v.weight", (s.n_embd, kv_rows)),
+                      ("attn_output.weight", (s.n_head * s.head_dim, s.n_embd))]
+    if s.arch == "qwen2":
+        shapes += [("attn_q.bias", (q_rows,)), ("attn_k.bias", (kv_rows,)),
+                   ("attn_v.bias", (kv_rows,))]
+    elif s.arch != "llama":  # the Qwen3 families normalise q and k per head
+        shapes += [("attn_q_norm.weight", (s.head_dim,)), ("attn_k_norm.weight", (s.head_dim,))]
+    return shapes
 
 
 def _gdn_shapes(s: SyntheticSpec) -> Shapes:
@@ -370,6 +379,8 @@ def _value_sampler(name: str, spec: SyntheticSpec) -> Callable[[np.random.Genera
         return lambda rng, n: -rng.uniform(1.0, 16.0, n)
     if name.endswith("ssm_dt.bias"):  # inverse softplus of dt ~ logU(1e-3, 0.1), as HF inits it
         return lambda rng, n: np.log(np.expm1(np.exp(rng.uniform(np.log(1e-3), np.log(0.1), n))))
+    if name.endswith(".bias") and "attn_" in name:  # qwen2's q/k/v biases
+        return lambda rng, n: rng.normal(0.0, 0.1, n)
     if name.endswith("ssm_conv1d.weight"):
         return lambda rng, n: rng.uniform(-0.5, 0.5, n)
     return lambda rng, n: rng.normal(0.0, WEIGHT_STD, n)
