@@ -46,7 +46,7 @@ SPECIAL_TOKENS = (
 )  # Qwen's added tokens in id order (151643… for Qwen3, 248044… for Qwen3.5/3.6)
 
 
-# ---- specification ----------------------------------------------------------------------------
+# ---- specification -------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class SyntheticSpec:
     """Everything that decides a synthetic file except the random seed."""
@@ -86,7 +86,8 @@ class SyntheticSpec:
         if self.is_moe and not 0 < self.n_expert_used <= self.n_expert:
             raise ValueError(f"{self.arch} needs 0 < n_expert_used <= n_expert")
         if self.is_hybrid and (self.ssm_n_group <= 0 or self.ssm_n_v_heads % self.ssm_n_group):
-            raise ValueError("hybrid models need H_v (ssm_n_v_heads) a multiple of H_k (ssm_n_group)")
+            raise ValueError("hybrid models need H_v (ssm_n_v_heads) to be a multiple of "
+                             "H_k (ssm_n_group)")
         if not 256 <= self.special_token_base <= self.n_vocab - len(SPECIAL_TOKENS):
             raise ValueError(f"special_token_base must leave room for 256 byte tokens and "
                              f"{len(SPECIAL_TOKENS)} special tokens in n_vocab={self.n_vocab}")
@@ -246,7 +247,7 @@ def _moe_shapes(s: SyntheticSpec) -> Shapes:
     return shapes
 
 
-# ---- quant types (GGUF.md §4: llama-quantize rules) ---------------------------------------------
+# ---- quant types (GGUF.md §4: llama-quantize rules) ----------------------------------------------
 Q = GGMLType
 # llama-quantize's replacement when a row is not a whole number of 256-blocks
 _ROW_FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0, Q.IQ4_XS: Q.IQ4_NL}
@@ -320,7 +321,7 @@ _RECIPE_RULES: dict[str, Callable[[SyntheticSpec, list[str]], list[GGMLType]]] =
 _FILE_TYPES = {"q4_k_m": 15, "ud-q4_k_m": 15, "q8_0": 7, "f32": 0, "all-types": 15}
 
 
-# ---- weight values --------------------------------------------------------------------------------
+# ---- weight values -------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class BlockScales:
     """Where a block keeps its fp16 scale(s) and the range they are drawn from."""

@@ -50,7 +50,7 @@ def test_qwen3_30b_preset_matches_the_anchor_file():
         assert q6 == want, suffix
 
 
-# ---- tiny presets ------------------------------------------------------------------------------
+# ---- tiny presets --------------------------------------------------------------------------------
 @pytest.mark.parametrize("family", FAMILIES)
 def test_tiny_plan_equals_llama_quantize_q4_k_m_fixture(family):
     """Same dims as the oracle fixtures, so names, shapes and llama-quantize's per-tensor Q4_K_M
@@ -144,7 +144,7 @@ def test_write_streams_in_chunks_with_progress(tmp_path, monkeypatch):
     assert {n for _, n in seen} == {size} and not list(tmp_path.glob("*.partial"))
 
 
-# ---- tokenizer and routing ------------------------------------------------------------------------
+# ---- tokenizer and routing -----------------------------------------------------------------------
 @pytest.mark.parametrize("preset,eos_id", [("tiny-qwen3", 482), ("qwen3-30b-a3b", 151645),
                                            ("qwen3.6-35b-a3b", 248046)])
 def test_vocabulary_is_a_valid_byte_level_bpe(preset, eos_id):

@@ -1,4 +1,4 @@
-"""Gated DeltaNet CPU kernels vs float64 numpy references written here from ARCHITECTURES.md §4.4.2."""
+"""Gated DeltaNet CPU kernels vs float64 numpy references written here (ARCHITECTURES.md §4.4.2)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 ARCHITECTURES.md §4.4.2–4.4.3. The state of v-head h is S_h (dk × dv, HF index S[i][j]) in float32,
 stored as `state[h, i, j]`. Per token, with kh the q/k head of v-head h:
 
-    S_h ← exp(g_h)·S_h;  δ = β_h·(v_h − S_hᵀ k_kh);  S_h ← S_h + k_kh ⊗ δ;  o_h = S_hᵀ q_kh / sqrt(dk)
+    S_h ← exp(g_h)·S_h;  δ = β_h·(v_h − S_hᵀ k_kh);  S_h ← S_h + k_kh ⊗ δ;  o_h = S_hᵀ q_kh/√dk
 
 `gated_delta_recurrent` runs that loop exactly (decode, and llama.cpp's own prefill);
 `gated_delta_chunked` is the chunked WY form for long prefills, equal within float32 rounding.
