@@ -111,7 +111,10 @@ def serve(app: Sanic, config: ServerConfig) -> None:
             motd=False, register_sys_signals=False)
 
 
-async def _install_signal_handlers(app: Sanic, loop: asyncio.AbstractEventLoop) -> None:
+async def _install_signal_handlers(app: Sanic) -> None:
+    loop = asyncio.get_running_loop()
+    log.info("serving %s on http://%s:%s", app.ctx.state.config.model_name,
+                app.ctx.state.config.host, app.ctx.state.config.port)
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: asyncio.ensure_future(_drain_and_stop(app)))
 
@@ -145,6 +148,7 @@ def run_server(model_path: str | Path, host: str | None = None, port: int | None
     from sparkinfer_cli.tokenizer.chat_template import ChatTemplate
     from sparkinfer_cli.tokenizer.tokenizer import Tokenizer
 
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     gguf = GGUFFile(model_path)
     model = load_model(gguf, device)
     tokenizer = Tokenizer.from_gguf(gguf)
