@@ -7,18 +7,25 @@ import os
 os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")  # CI has no GPU; the H200 run sets it to 0
 
 import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 from numba import cuda  # noqa: E402
 
 from sparkinfer_cli.kernels.cuda import attention  # noqa: E402
 
 
-def test_kv_store_then_paged_decode_matches_reference():
+@pytest.mark.parametrize("block_size, n_kv, head_dim, n_heads, lens, split_len", [
+    (8, 1, 32, 2, (19, 5), 12),
+    pytest.param(16, 2, 256, 16, (3000, 700), 512, marks=pytest.mark.gpu),  # Qwen3.6 attention
+])
+def test_kv_store_then_paged_decode_matches_reference(block_size, n_kv, head_dim, n_heads, lens,
+                                                      split_len):
     rng = np.random.default_rng(6)
-    n_blocks, block_size, n_kv, head_dim, n_heads = 6, 8, 1, 32, 2
+    per_seq = -(-max(lens) // block_size)
+    n_blocks = 2 * per_seq
     k_cache = cuda.to_device(np.zeros((n_blocks, block_size, n_kv, head_dim), np.float16))
     v_cache = cuda.to_device(np.zeros((n_blocks, block_size, n_kv, head_dim), np.float16))
-    block_table = np.array([[4, 1, 3], [0, 5, 2]], np.int32)  # scattered blocks per sequence
-    seq_lens = np.array([19, 5], np.int32)
+    block_table = rng.permutation(n_blocks).astype(np.int32).reshape(2, per_seq)  # scattered
+    seq_lens = np.array(lens, np.int32)
     positions = [(s, p) for s in range(2) for p in range(seq_lens[s])]
     slots = np.array([block_table[s, p // block_size] * block_size + p % block_size
                       for s, p in positions], np.int32)
@@ -28,7 +35,7 @@ def test_kv_store_then_paged_decode_matches_reference():
                        cuda.to_device(slots))
     q = rng.standard_normal((2, n_heads, head_dim)).astype(np.float32)
     out = cuda.device_array_like(q)
-    ws = attention.DecodeWorkspace(2, n_heads, head_dim, max_context=24, split_len=12)
+    ws = attention.DecodeWorkspace(2, n_heads, head_dim, max(lens) + 5, split_len)
     attention.paged_decode_attention(cuda.to_device(q), k_cache, v_cache,
                                      cuda.to_device(block_table), cuda.to_device(seq_lens), out, ws)
     ref = attention.paged_decode_attention_reference(q, k_cache.copy_to_host(),

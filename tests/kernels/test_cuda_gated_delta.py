@@ -7,6 +7,7 @@ import os
 os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")  # CI has no GPU; the H200 run sets it to 0
 
 import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 from numba import cuda  # noqa: E402
 
 from sparkinfer_cli.kernels.cuda import gated_delta as gd  # noqa: E402
@@ -28,19 +29,22 @@ def test_conv_silu_step_shifts_state():
     np.testing.assert_array_equal(dev_state.copy_to_host()[1], state[1])
 
 
-def test_delta_rule_step_matches_reference_for_both_head_maps():
+@pytest.mark.parametrize("n_seqs, n_k, n_v, dk, dv", [
+    (1, 1, 2, 32, 8),
+    pytest.param(3, 16, 32, 128, 128, marks=pytest.mark.gpu),  # Qwen3.6 GDN
+])
+def test_delta_rule_step_matches_reference_for_both_head_maps(n_seqs, n_k, n_v, dk, dv):
     rng = np.random.default_rng(9)
-    n_k, n_v, dk, dv = 1, 2, 32, 8
-    u = rng.standard_normal((1, 2 * n_k * dk + n_v * dv)).astype(np.float32)
-    a, b = (rng.standard_normal((1, n_v)).astype(np.float32) for _ in range(2))
+    u = rng.standard_normal((n_seqs, 2 * n_k * dk + n_v * dv)).astype(np.float32)
+    a, b = (rng.standard_normal((n_seqs, n_v)).astype(np.float32) for _ in range(2))
     ssm_a = -rng.uniform(0.5, 2, n_v).astype(np.float32)
     dt_bias = rng.standard_normal(n_v).astype(np.float32)
-    state = rng.standard_normal((1, n_v, dv, dk)).astype(np.float32) * 0.1
+    state = rng.standard_normal((n_seqs, n_v, dv, dk)).astype(np.float32) * 0.1
     for head_map_mod in (True, False):
-        dev_state, out = cuda.to_device(state), cuda.device_array((1, n_v, dv), np.float32)
+        dev_state, out = cuda.to_device(state), cuda.device_array((n_seqs, n_v, dv), np.float32)
         gd.delta_rule_step(cuda.to_device(u), cuda.to_device(a), cuda.to_device(b),
                            cuda.to_device(ssm_a), cuda.to_device(dt_bias), dev_state,
-                           cuda.to_device(np.zeros(1, np.int32)), out, n_k_heads=n_k,
+                           cuda.to_device(np.arange(n_seqs, dtype=np.int32)), out, n_k_heads=n_k,
                            head_map_mod=head_map_mod, eps=1e-6)
         ref_out, ref_state = gd.delta_rule_step_reference(u, a, b, ssm_a, dt_bias, state, n_k,
                                                           head_map_mod, 1e-6)

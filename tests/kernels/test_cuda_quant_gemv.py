@@ -114,3 +114,23 @@ def test_quantize_activations_matches_reference():
 def test_gemv_rejects_rows_that_are_not_whole_blocks():
     with pytest.raises(ValueError, match="k % 256"):
         qg.DeviceQuantMatrix(to_device_bytes(np.zeros(288, np.uint8)), GGMLType.Q4_K, 128, 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ggml_type, k, n_rows, n_mats, n_slots, n_cols", [
+    (GGMLType.Q4_K, 2048, 512, 256, 8, 1),     # Qwen3.6 ffn_gate/up_exps, top-8
+    (GGMLType.Q5_K, 512, 2048, 256, 8, 1),     # ffn_down_exps
+    (GGMLType.Q8_0, 2048, 8192, 1, 1, 4),      # GDN attn_qkv, batch 4
+    (GGMLType.Q6_K, 2048, 151936, 1, 1, 8),    # Qwen3 output, batch 8
+    (GGMLType.IQ4_XS, 4096, 4096, 1, 1, 3),
+    (GGMLType.BF16, 4096, 4096, 1, 1, 2),
+])
+def test_gemv_real_shapes(ggml_type, k, n_rows, n_mats, n_slots, n_cols):
+    rng = np.random.default_rng(12)
+    w_bytes = random_weights(ggml_type, n_mats * n_rows, k, rng).reshape(n_mats, n_rows, -1)
+    x = rng.standard_normal((1, n_cols, k)).astype(np.float32)
+    slot_mat = rng.choice(n_mats, n_slots, replace=False)
+    y = run_gemv(w_bytes, ggml_type, k, x, slot_mat, [0] * n_slots, n_mats)
+    rows = np.sort(rng.choice(n_rows, min(n_rows, 512), replace=False))  # reference on a subset
+    for s, m in enumerate(slot_mat):
+        check_close(y[s][:, rows], w_bytes[m][rows], ggml_type, k, x[0])

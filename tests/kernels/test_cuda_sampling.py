@@ -7,14 +7,16 @@ import os
 os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")  # CI has no GPU; the H200 run sets it to 0
 
 import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 from numba import cuda  # noqa: E402
 
 from sparkinfer_cli.kernels.cuda import sampling  # noqa: E402
 
 
-def test_greedy_and_filtered_sampling():
+@pytest.mark.parametrize("n_vocab", [300, pytest.param(248320, marks=pytest.mark.gpu)])
+def test_greedy_and_filtered_sampling(n_vocab):
     rng = np.random.default_rng(10)
-    logits = rng.standard_normal((4, 300)).astype(np.float32) * 3
+    logits = rng.standard_normal((4, n_vocab)).astype(np.float32) * 3
     logits[0, 17] = logits[0, 250] = 50.0  # greedy tie → lowest id
     temperature = np.array([0.0, 0.7, 1.0, 1.3], np.float32)
     top_k = np.array([0, 5, 3, 6], np.int32)

@@ -51,6 +51,7 @@ def kv_store(k, v, k_cache, v_cache, slot_mapping, stream=0) -> None:
 @functools.cache
 def _split_kernel(head_dim: int):
     per_lane = head_dim // 32
+    acc_len = WARPS * head_dim
 
     @cuda.jit(fastmath=True)
     def decode_split(q, k_cache, v_cache, block_table, seq_lens, n_kv, block_size, split_len,
@@ -84,7 +85,7 @@ def _split_kernel(head_dim: int):
             m = m_new
         sm_m = cuda.shared.array(WARPS, float32)
         sm_l = cuda.shared.array(WARPS, float32)
-        sm_acc = cuda.shared.array(WARPS * head_dim, float32)  # (warps, head_dim)
+        sm_acc = cuda.shared.array(acc_len, float32)  # (warps, head_dim)
         if lane == 0:
             sm_m[warp] = m
             sm_l[warp] = l_sum

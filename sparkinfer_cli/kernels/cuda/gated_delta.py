@@ -74,10 +74,10 @@ def _delta_kernel(dk: int, dv: int):
             kv[e] = u[row + key_dim + kh * dk + lane + 32 * e]
             sq += qv[e] * qv[e]
             sk += kv[e] * kv[e]
-        q_scale = float32(1.0) / math.sqrt((warp_sum(sq) + eps) * dk)
+        q_scale = float32(1.0) / math.sqrt((warp_sum(sq) + eps) * float32(dk))
         k_scale = float32(1.0) / math.sqrt(warp_sum(sk) + eps)
         t = a[seq * n_v_heads + h] + dt_bias[h]
-        softplus = t if t > 20.0 else math.log(float32(1.0) + math.exp(t))
+        softplus = t if t > float32(20.0) else math.log(float32(1.0) + math.exp(t))
         decay = math.exp(ssm_a[h] * softplus)
         beta = float32(1.0) / (float32(1.0) + math.exp(-b[seq * n_v_heads + h]))
         s_base = (state_slots[seq] * n_v_heads + h) * dv * dk

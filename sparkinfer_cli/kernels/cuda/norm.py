@@ -31,7 +31,7 @@ def _rms_norm_kernel(x, residual, w, out, d, eps, mode):
             v += residual[base + i]
             residual[base + i] = v
         partial += v * v
-    inv = float32(1.0) / math.sqrt(block_sum(partial, scratch) / d + eps)
+    inv = float32(1.0) / math.sqrt(block_sum(partial, scratch) / float32(d) + eps)
     for i in range(cuda.threadIdx.x, d, cuda.blockDim.x):
         v = residual[base + i] if mode == 1 else x[base + i]
         y = v * inv * w[i]

@@ -1,0 +1,59 @@
+"""CUDA graph replay of a GEMV → RMSNorm → SwiGLU chain equals the eager chain (H200 only)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+
+def test_graph_replay_matches_eager_and_is_cheap_on_the_host():
+    os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "0")
+    from numba import cuda
+
+    from sparkinfer_cli.ggml_types import GGMLType
+    from sparkinfer_cli.kernels.cuda import activation, graphs, norm
+    from sparkinfer_cli.kernels.cuda import quant_gemv as qg
+    from sparkinfer_cli.kernels.cuda.launch import to_device_bytes
+    from test_cuda_quant_gemv import random_weights
+
+    rng = np.random.default_rng(11)
+    k, n = 2048, 1024
+    w = qg.DeviceQuantMatrix(to_device_bytes(random_weights(GGMLType.Q4_K, 2 * n, k, rng)),
+                             GGMLType.Q4_K, k, 2 * n)
+    stream = cuda.stream()
+    x = cuda.to_device(rng.standard_normal((1, 1, k)).astype(np.float32))
+    act = qg.QuantizedActivations(1, 1, k)
+    y = cuda.device_array((1, 1, 2 * n), np.float32)
+    normed = cuda.device_array((1, 1, 2 * n), np.float32)
+    out = cuda.device_array(n, np.float32)
+    weight = cuda.to_device(np.ones(2 * n, np.float32))
+
+    def chain(s):
+        qg.quantize_activations(x, act, stream=s)
+        qg.gemv(w, act, y, stream=s)
+        norm.rms_norm(y, weight, normed, 1e-6, stream=s)
+        flat = normed.reshape(2 * n)
+        activation.swiglu(flat[:n], flat[n:], out, stream=s)
+
+    chain(stream)
+    stream.synchronize()
+    eager = out.copy_to_host()
+    out.copy_to_device(np.zeros(n, np.float32))
+    graph = graphs.capture(chain, stream)
+    graph.replay()
+    stream.synchronize()
+    np.testing.assert_array_equal(out.copy_to_host(), eager)
+
+    n_replays = 2000
+    t0 = time.perf_counter()
+    for _ in range(n_replays):
+        graph.replay()
+    host_us = (time.perf_counter() - t0) / n_replays * 1e6
+    stream.synchronize()
+    print(f"graph of 5 kernels: {host_us:.1f} us host time per replay")
+    assert host_us < 50
