@@ -55,17 +55,18 @@ def draw_counts(params, logits, n_draws):
 
 
 CONFIGS = [
-    dict(temperature=0.6),
-    dict(temperature=1.7),
-    dict(temperature=1.0, top_k=4),
-    dict(temperature=0.8, top_p=0.75),
-    dict(temperature=1.0, min_p=0.2),
-    dict(temperature=1.3, top_k=7, top_p=0.9, min_p=0.1),
+    {"temperature": 0.6},
+    {"temperature": 1.7},
+    {"temperature": 1.0, "top_k": 4},
+    {"temperature": 0.8, "top_p": 0.75},
+    {"temperature": 1.0, "min_p": 0.2},
+    {"temperature": 1.3, "top_k": 7, "top_p": 0.9, "min_p": 0.1},
 ]
 N_DRAWS = 8000
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+@pytest.mark.parametrize("config", CONFIGS,
+                         ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
 def test_sampled_distribution_matches_reference(config):
     expected = reference_distribution(LOGITS_12, **config)
     n_draws = N_DRAWS
@@ -192,9 +193,10 @@ def sequence(params, n_vocab=200, steps=60):
 
 
 def test_same_seed_same_sequence_other_seed_other_sequence():
-    params = dict(temperature=1.2, top_p=0.95, repetition_penalty=1.1)
-    assert sequence(SamplingParams(seed=42, **params)) == sequence(SamplingParams(seed=42, **params))
-    assert sequence(SamplingParams(seed=42, **params)) != sequence(SamplingParams(seed=43, **params))
+    def params(seed):
+        return SamplingParams(seed=seed, temperature=1.2, top_p=0.95, repetition_penalty=1.1)
+    assert sequence(params(42)) == sequence(params(42))
+    assert sequence(params(42)) != sequence(params(43))
 
 
 def test_no_seed_is_random():
