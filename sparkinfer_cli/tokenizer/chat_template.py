@@ -98,7 +98,7 @@ class ChatTemplate:
     @classmethod
     def from_tokenizer(cls, tok: Tokenizer) -> ChatTemplate:
         def text_of(token_id: int | None) -> str | None:
-            return None if token_id is None else tok.token_bytes(token_id).decode("utf-8", "replace")
+            return None if token_id is None else tok.decode([token_id])
 
         return cls(tok.chat_template, bos_token=text_of(tok.bos_id), eos_token=text_of(tok.eos_id))
 

@@ -164,7 +164,8 @@ class Tokenizer:
             if key not in metadata:
                 raise ValueError(f"GGUF metadata has no {key}")
         tokens = metadata["tokenizer.ggml.tokens"]
-        return cls(tokens, metadata.get("tokenizer.ggml.token_type", [TokenType.NORMAL] * len(tokens)),
+        token_types = metadata.get("tokenizer.ggml.token_type", [TokenType.NORMAL] * len(tokens))
+        return cls(tokens, token_types,
                    metadata["tokenizer.ggml.merges"], metadata["tokenizer.ggml.pre"],
                    bos_id=metadata.get("tokenizer.ggml.bos_token_id"),
                    eos_id=metadata.get("tokenizer.ggml.eos_token_id"),

@@ -34,7 +34,8 @@ def gguf_tokenizer_metadata(tokenizer_json: Path, pre: str, vocab_size: int | No
                             eos_token: str | None = None) -> dict[str, Any]:
     spec = json.loads(Path(tokenizer_json).read_text(encoding="utf-8"))
     hf = HFTokenizer.from_file(str(tokenizer_json))
-    entries: dict[int, tuple[str, int]] = {i: (t, NORMAL) for t, i in spec["model"]["vocab"].items()}
+    vocab = spec["model"]["vocab"]
+    entries: dict[int, tuple[str, int]] = {i: (t, NORMAL) for t, i in vocab.items()}
     for added in spec["added_tokens"]:
         entries[added["id"]] = _added_token_entry(hf, added)
     size = max(vocab_size or 0, max(entries) + 1)

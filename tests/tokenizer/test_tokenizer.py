@@ -4,13 +4,22 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from shared_tokenizers import (FIXTURES, qwen3_tokenizer, real_goldens, tokenizer_from_gguf,
-                               tokenizer_goldens)
+from shared_tokenizers import (
+    FIXTURES,
+    qwen3_tokenizer,
+    real_goldens,
+    tokenizer_from_gguf,
+    tokenizer_goldens,
+)
 from tokenizers import Tokenizer as HFTokenizer
 
-from sparkinfer_cli.gguf_file import GGUFFile
-from sparkinfer_cli.tokenizer.tokenizer import (BYTE_TO_CHAR, Tokenizer, TokenType, byte_level_encode,
-                                                clean_up_spaces)
+from sparkinfer_cli.tokenizer.tokenizer import (
+    BYTE_TO_CHAR,
+    Tokenizer,
+    TokenType,
+    byte_level_encode,
+    clean_up_spaces,
+)
 
 TINY_FAMILIES = ["qwen3", "qwen3moe", "qwen35", "qwen35moe", "qwen3next"]
 MODES = [("ids_special", True), ("ids_nospecial", False)]
@@ -126,7 +135,7 @@ TINY_STRINGS = [
     "Hello world",
     "def f(x):\n    return x**2  # 日本語\r\n",
     "<|im_start|>user\n<think>hi</think>\n<tool_call>{}</tool_call><|im_end|>",
-    "cafe\u0301 nai\u0308ve\t 12345 it's",  # decomposed accents: qwen35's regex keeps marks in words
+    "cafe\u0301 nai\u0308ve\t 12345 it's",  # decomposed accents (qwen35 keeps marks in words)
     "emoji 👩\u200d👩\u200d👧 ✔️  spaces   \n\n",
 ]
 
