@@ -145,7 +145,7 @@ class Tokenizer:
         self.token_types = self._effective_types(token_types)
         eog_extra = {self._checked_id(eot_id), self._checked_id(eom_id)} - {None}
         self.eog_ids = frozenset(self._eog_by_text() | eog_extra | ({self.eos_id} - {None}))
-        self._bytes = [self._piece_bytes(i) for i in range(self.vocab_size)]
+        self._bytes: list[bytes | None] = [None] * self.vocab_size  # filled on first use
         self._hf = self._build_hf(merges)
         self._encode_lock = threading.Lock()
 
@@ -176,7 +176,7 @@ class Tokenizer:
 
     @staticmethod
     def _index_tokens(tokens: list[str]) -> dict[str, int]:
-        index = {t: i for i, t in enumerate(tokens)}
+        index = dict(zip(tokens, range(len(tokens))))
         if len(index) != len(tokens):
             dup = next(t for i, t in enumerate(tokens) if index[t] != i)
             raise ValueError(f"duplicate token in vocabulary: {dup!r} has ids "
@@ -191,7 +191,7 @@ class Tokenizer:
 
     def _effective_types(self, token_types: Sequence[int]) -> list[int]:
         # NOTE: llama.cpp forces control-looking EOG/FIM tokens to CONTROL whatever the file says.
-        types = [int(t) for t in token_types[:self.vocab_size]]
+        types = list(map(int, token_types[:self.vocab_size]))
         forced = _EOG_TEXTS | _FIM_OTHER_TEXTS | {t for group in _FIM_EOG_TEXTS for t in group}
         for text in forced:
             token_id = self.token_to_id.get(text)
@@ -259,7 +259,10 @@ class Tokenizer:
         if not 0 <= token_id < self.vocab_size:
             raise ValueError(f"token id {token_id} is outside the vocabulary "
                              f"(size {self.vocab_size})")
-        return self._bytes[token_id]
+        piece = self._bytes[token_id]
+        if piece is None:
+            piece = self._bytes[token_id] = self._piece_bytes(token_id)
+        return piece
 
     def is_special(self, token_id: int) -> bool:
         """CONTROL / UNKNOWN tokens: markup that `skip_special` hides."""
