@@ -49,11 +49,13 @@ class EngineConfig:
             (self.request_timeout_s >= 0, "request_timeout_s must be >= 0"),
             (self.max_num_seqs >= 1, "max_num_seqs must be at least 1"),
             (all(t >= 0 for t in self.prefix_token_ids), "prefix token ids must be >= 0"),
-            (len(self.prefix_token_ids) < self.ctx, "the prefix must be shorter than ctx"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        if -(-len(self.prefix_token_ids) // self.block_size) >= self.num_blocks:
+            raise ValueError("the shared prefix leaves no KV block for requests: "
+                             "raise ctx or shorten the prefix")
 
     @property
     def num_blocks(self) -> int:

@@ -9,8 +9,7 @@ from the token list, without any cache: the oracle.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -89,21 +88,21 @@ class FakeCache:
 
 
 class FakeModel:
-    """Greedy-deterministic model; counts computed tokens; can fail or block on demand."""
+    """Greedy-deterministic model; counts computed tokens; can fail or call a hook on demand."""
 
     def __init__(self, hybrid: bool = False):
         self.config = FakeConfig(is_hybrid=hybrid)
         self.num_forward_tokens = 0
         self.batch_sizes: list[int] = []
         self.fail_on_token: int | None = None  # forward raises when this token id is fed
-        self.gate: threading.Event | None = None  # forward waits on it when set
+        self.before_forward: Callable[[SequenceBatch], None] | None = None
 
     def create_cache(self, num_blocks: int, block_size: int, num_state_slots: int) -> FakeCache:
         return FakeCache(num_blocks, block_size, num_state_slots)
 
     def forward(self, batch: SequenceBatch, cache: FakeCache) -> np.ndarray:
-        if self.gate is not None:
-            self.gate.wait(timeout=10)
+        if self.before_forward is not None:
+            self.before_forward(batch)
         if self.fail_on_token is not None and self.fail_on_token in batch.token_ids:
             raise RuntimeError("injected model failure")
         self.num_forward_tokens += len(batch.token_ids)

@@ -41,11 +41,6 @@ def test_create_policy(name, cls):
     assert type(create_policy(EngineConfig(sched_policy=name))) is cls
 
 
-def test_unknown_policy_is_a_config_error():
-    with pytest.raises(ValueError, match="sched_policy"):
-        EngineConfig(sched_policy="fifo")
-
-
 def test_continuous_batched_prefill_runs_whole_beside_decodes():
     harness = _with_decoder("continuous")
     assert _prefill_pieces(harness, harness.add([3] * 40, 4)) == [(40, 1)]

@@ -1,0 +1,269 @@
+"""ContinuousBatchEngine: one thread runs schedule → forward → sample → update; callers submit and
+abort from any thread and receive RequestEvents through their on_event callback."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from sparkinfer_cli.engine.config import (
+    EngineConfig,
+    EngineStoppedError,
+    QueueFullError,
+    RequestTooLargeError,
+)
+from sparkinfer_cli.engine.kv_cache import CacheOps, KVCacheManager
+from sparkinfer_cli.engine.model_runner import Model, ModelRunner
+from sparkinfer_cli.engine.policy import create_policy
+from sparkinfer_cli.engine.request import OutputStream, Request, RequestEvent
+from sparkinfer_cli.engine.sampler import Sampler
+from sparkinfer_cli.engine.sampling_params import SamplingParams
+from sparkinfer_cli.engine.scheduler import Scheduler, SchedulerOutput
+from sparkinfer_cli.engine.stop import StopStringMatcher
+from sparkinfer_cli.tokenizer.detokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:
+    from sparkinfer_cli.tokenizer.tokenizer import Tokenizer
+
+__all__ = ["ContinuousBatchEngine", "EngineConfig", "EngineStats", "EngineStoppedError",
+           "QueueFullError", "RequestEvent", "RequestTooLargeError"]
+
+log = logging.getLogger(__name__)
+IDLE_POLL_S = 0.05  # upper bound on how long the loop sleeps while some request cannot run yet
+
+
+@dataclass
+class EngineStats:
+    active_requests: int
+    queued_requests: int
+    free_kv_blocks: int
+    total_kv_blocks: int
+    max_queue_depth: int
+    accepting_requests: bool
+
+
+class ContinuousBatchEngine:
+    def __init__(self, model: Model, tokenizer: Tokenizer, config: EngineConfig):
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.n_vocab = model.config.n_vocab
+        if any(t >= self.n_vocab for t in config.prefix_token_ids):
+            raise ValueError(f"prefix token ids must be in [0, {self.n_vocab})")
+        num_slots = config.max_num_seqs + int(bool(config.prefix_token_ids))
+        cache = model.create_cache(config.num_blocks, config.block_size, num_slots)
+        num_kv_slots = num_slots if model.config.is_hybrid else 0
+        self.kv = KVCacheManager(config.num_blocks, config.block_size, num_kv_slots,
+                                 config.prefix_token_ids)
+        self.scheduler = Scheduler(config, self.kv, create_policy(config))
+        self.runner = ModelRunner(model, cache)
+        self._lock = threading.Condition()
+        self._inbox: list[Request] = []
+        self._aborts: list[str] = []
+        self._live_ids: set[str] = set()  # submitted and not finished (the queue depth)
+        self._accepting, self._stopping = True, False
+        self._arrivals = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._warmed = threading.Event()
+        self._warm_error: BaseException | None = None
+
+    @property
+    def max_context(self) -> int:
+        """The longest prompt + output one request may have."""
+        return min(self.kv.max_request_tokens, self.model.config.context_length)
+
+    # ---- caller side (any thread) ----------------------------------------------------------------
+    def start(self) -> None:
+        """Starts the engine thread; returns once the shared prefix is warm."""
+        if self._thread is not None:
+            raise RuntimeError("engine already started")
+        self._thread = threading.Thread(target=self._loop, name="sparkinfer-engine", daemon=True)
+        self._thread.start()
+        self._warmed.wait()
+        if self._warm_error is not None:
+            raise RuntimeError(f"warming the shared prefix failed: {self._warm_error}")
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams,
+               on_event: Callable[[RequestEvent], None], *, priority: int = 0,
+               request_id: str | None = None) -> str:
+        """Queues a request; returns its id. max_tokens is capped at max_output_tokens; a higher
+        priority runs sooner under the priority policy. Raises ValueError (bad prompt),
+        RequestTooLargeError, EngineStoppedError or QueueFullError; nothing is allocated then."""
+        params = dataclasses.replace(params, max_tokens=min(params.max_tokens,
+                                                            self.config.max_output_tokens))
+        self._check_prompt(prompt_ids, params)
+        with self._lock:
+            if not self._accepting:
+                raise EngineStoppedError("the engine is shutting down and accepts no new requests")
+            depth = self.config.max_queue_depth
+            if depth and len(self._live_ids) >= depth:
+                raise QueueFullError(f"queue full: {len(self._live_ids)} requests in flight or "
+                                     f"queued (max_queue_depth={depth})")
+            request = self._create_request(prompt_ids, params, on_event, priority, request_id)
+            self._live_ids.add(request.request_id)
+            self._inbox.append(request)
+            self._lock.notify()
+        return request.request_id
+
+    def abort(self, request_id: str) -> None:
+        """Ends the request (final event "abort") and frees its KV within one engine step."""
+        with self._lock:
+            if request_id in self._live_ids:
+                self._aborts.append(request_id)
+                self._lock.notify()
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            num_live, accepting = len(self._live_ids), self._accepting
+        num_active = len(self.scheduler.running)
+        return EngineStats(active_requests=num_active,
+                           queued_requests=max(num_live - num_active, 0),
+                           free_kv_blocks=self.kv.num_free_blocks,
+                           total_kv_blocks=self.config.num_blocks,
+                           max_queue_depth=self.config.max_queue_depth,
+                           accepting_requests=accepting)
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Stops accepting requests; the thread finishes those in flight, then exits."""
+        with self._lock:
+            self._accepting, self._stopping = False, True
+            self._lock.notify()
+        thread = self._thread
+        if wait and thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    def _check_prompt(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise ValueError("the prompt must contain at least one token")
+        if any(not 0 <= t < self.n_vocab for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be in [0, {self.n_vocab})")
+        if len(prompt_ids) + params.max_tokens > self.max_context:
+            raise RequestTooLargeError(
+                f"this request needs {len(prompt_ids)} prompt tokens + max_tokens "
+                f"{params.max_tokens} = {len(prompt_ids) + params.max_tokens} tokens, but the "
+                f"context limit is {self.max_context} tokens")
+
+    def _create_request(self, prompt_ids: list[int], params: SamplingParams,
+                        on_event: Callable[[RequestEvent], None], priority: int,
+                        request_id: str | None) -> Request:
+        arrival = next(self._arrivals)
+        request_id = request_id or f"req-{arrival}"
+        if request_id in self._live_ids:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else
+                                                 set(self.tokenizer.eog_ids))
+        output = OutputStream(IncrementalDetokenizer(self.tokenizer, skip_special=True),
+                              StopStringMatcher(params.stop), frozenset(stop_ids))
+        request = Request(request_id, list(prompt_ids), params, on_event, priority, arrival, output,
+                          Sampler(params, self.n_vocab))
+        if self.config.request_timeout_s:
+            request.deadline = request.submitted_at + self.config.request_timeout_s
+        return request
+
+    # ---- engine thread ---------------------------------------------------------------------------
+    def step(self) -> bool:
+        """One iteration: schedule, run the model, sample, update, report. False: nothing to run."""
+        output = self.scheduler.schedule()
+        try:
+            logits = self.runner.run(output)
+        except Exception as exc:  # a failed forward pass ends the requests it carried
+            log.exception("model forward failed")
+            self._fail_step(output, exc)
+            return True
+        self.scheduler.update_from_output(output)
+        for request_id, row in logits.items():
+            self._append_sample(self.scheduler.requests[request_id], row)
+        return not output.is_empty
+
+    def _append_sample(self, request: Request, logits: np.ndarray) -> None:
+        try:
+            assert request.sampler is not None
+            result = request.sampler.sample(logits, request.prompt_ids, request.output_ids)
+            reason = request.append_sample(result)
+        except Exception as exc:
+            log.exception("sampling failed for %s", request.request_id)
+            self._finish(request, "error", f"sampling failed: {exc}")
+            return
+        if reason is not None:
+            self._finish(request, reason)
+        else:
+            self._emit(request)
+
+    def _fail_step(self, output: SchedulerOutput, exc: Exception) -> None:
+        for seq in output.sequences:
+            self._finish(self.scheduler.requests[seq.request_id], "error",
+                         f"model forward failed: {exc}")
+
+    def _finish(self, request: Request, reason: str, error: str | None = None) -> None:
+        self.scheduler.finish(request, reason, error)
+        with self._lock:
+            self._live_ids.discard(request.request_id)
+            self._lock.notify_all()
+        self._emit(request)
+
+    def _emit(self, request: Request) -> None:
+        try:
+            request.on_event(request.take_event())
+        except Exception:  # NOTE: a broken consumer must not stop the engine; drop its request
+            log.exception("on_event callback failed for %s; aborting it", request.request_id)
+            if not request.is_finished:
+                self._finish(request, "abort", "on_event callback failed")
+
+    def _loop(self) -> None:
+        try:
+            self._warm_prefix()
+        except Exception as exc:
+            log.exception("warming the shared prefix failed")
+            self._warm_error = exc
+            return
+        finally:
+            self._warmed.set()
+        while True:
+            try:
+                if not self._take_commands():
+                    return
+                if self.scheduler.has_unfinished and not self.step():
+                    with self._lock:  # NOTE: nothing can run until a request ends or is aborted
+                        self._lock.wait(IDLE_POLL_S)
+            except Exception as exc:  # an engine bug: end what is in flight, keep serving
+                log.exception("engine step failed")
+                for request in list(self.scheduler.requests.values()):
+                    self._finish(request, "error", f"engine failure: {exc}")
+
+    def _take_commands(self) -> bool:
+        """Moves submissions and aborts into the scheduler; sleeps while idle. False: exit."""
+        with self._lock:
+            while not (self._inbox or self._aborts or self.scheduler.has_unfinished):
+                if self._stopping:
+                    return False
+                self._lock.wait()
+            inbox, self._inbox = self._inbox, []
+            aborts, self._aborts = self._aborts, []
+        for request in inbox:
+            self.scheduler.add(request)
+        for request_id in aborts:
+            if request_id in self.scheduler.requests:
+                self._finish(self.scheduler.requests[request_id], "abort")
+        self._expire_deadlines()
+        return True
+
+    def _expire_deadlines(self) -> None:
+        now = time.monotonic()
+        for request in list(self.scheduler.requests.values()):
+            if request.deadline is not None and now >= request.deadline:
+                self._finish(request, "timeout", "the request exceeded its time limit")
+
+    def _warm_prefix(self) -> None:
+        prefix = self.kv.prefix
+        if prefix is None:
+            return
+        self.runner.apply_cache_ops(CacheOps(state_resets=[prefix.state_slot]
+                                             if self.kv.is_hybrid else []))
+        chunk = 0 if self.config.prefill_batched else self.config.prefill_chunk_tokens
+        self.runner.prefill(self.kv.prefix_token_ids, prefix.block_ids, prefix.state_slot, chunk)

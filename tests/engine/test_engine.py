@@ -1,0 +1,426 @@
+"""ContinuousBatchEngine end to end on its real thread, with FakeModel (oracle: expected_greedy)
+and with the tiny qwen3 GGUF fixture (oracle: the llama.cpp / transformers greedy goldens)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+from fake_model import EOS_ID, N_VOCAB, FakeModel, expected_greedy, make_tokenizer
+
+from sparkinfer_cli.engine.config import (
+    EngineConfig,
+    EngineStoppedError,
+    QueueFullError,
+    RequestTooLargeError,
+)
+from sparkinfer_cli.engine.engine import ContinuousBatchEngine, RequestEvent
+from sparkinfer_cli.engine.sampling_params import SamplingParams
+
+WAIT_S = 20.0  # generous bound on the engine thread; the tests finish in milliseconds
+TOKENIZER = make_tokenizer()
+PREFIX = tuple(range(20))  # 20 tokens: 2 full blocks of 8 + a partial one
+
+
+class Collector:
+    """on_event sink: every event by request id, and a wait for final events."""
+
+    def __init__(self):
+        self.events: dict[str, list[RequestEvent]] = defaultdict(list)
+        self._done = threading.Condition()
+
+    def __call__(self, event: RequestEvent) -> None:
+        with self._done:
+            self.events[event.request_id].append(event)
+            self._done.notify_all()
+
+    def final(self, request_id: str) -> RequestEvent:
+        with self._done:
+            assert self._done.wait_for(lambda: self._is_done(request_id), WAIT_S), "no final event"
+            return self.events[request_id][-1]
+
+    def _is_done(self, request_id: str) -> bool:
+        events = self.events.get(request_id)
+        return bool(events) and events[-1].finish_reason is not None
+
+    def tokens(self, request_id: str) -> list[int]:
+        return [t for e in self.events[request_id] for t in e.token_ids]
+
+    def text(self, request_id: str) -> str:
+        return "".join(e.text for e in self.events[request_id])
+
+
+@pytest.fixture
+def engines():
+    """engines(model=None, **config) → a started engine; all are shut down after the test."""
+    created = []
+
+    def create(model=None, start=True, **config):
+        config = {"ctx": 1024, "block_size": 8, **config}
+        engine = ContinuousBatchEngine(model or FakeModel(), TOKENIZER, EngineConfig(**config))
+        created.append(engine)
+        if start:
+            engine.start()
+        return engine
+
+    yield create
+    for engine in created:
+        engine.shutdown(wait=True)
+
+
+def greedy(max_tokens: int, **kwargs) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kwargs)
+
+
+def _prompts(n: int, prefix: tuple[int, ...] = ()) -> list[list[int]]:
+    return [[*prefix, *[(7 * i + j) % (N_VOCAB - 2) for j in range(1 + (5 * i) % 23)]]
+            for i in range(n)]
+
+
+def _wait_idle(engine: ContinuousBatchEngine) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while engine.stats().active_requests or engine.stats().queued_requests:
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+@pytest.mark.parametrize("policy", ["continuous", "chunked", "priority"])
+def test_concurrent_requests_match_their_solo_outputs(engines, hybrid, policy):
+    model = FakeModel(hybrid=hybrid)
+    engine = engines(model, start=False, sched_policy=policy, max_batch_tokens=8,
+                     prefill_chunk_tokens=8, prefill_mix_max=16, max_num_seqs=12)
+    sink, prompts = Collector(), _prompts(24)
+    ids = [engine.submit(p, greedy(1 + i % 17), sink, priority=i % 3)
+           for i, p in enumerate(prompts)]
+    initial_free = engine.stats().free_kv_blocks
+    engine.start()  # every request is queued before the first step: batches are full
+    for request_id, prompt, i in zip(ids, prompts, range(len(ids))):
+        final = sink.final(request_id)
+        assert final.finish_reason == "length" and final.error is None
+        assert sink.tokens(request_id) == expected_greedy(prompt, 1 + i % 17)
+    assert max(model.batch_sizes) > 1
+    _wait_idle(engine)
+    assert engine.stats().free_kv_blocks == initial_free == engine.stats().total_kv_blocks
+
+
+def test_submissions_from_many_threads(engines):
+    engine, sink = engines(), Collector()
+    prompts, ids = _prompts(32), [None] * 32
+
+    def submit(i: int) -> None:
+        ids[i] = engine.submit(prompts[i], greedy(6), sink)
+
+    threads = [threading.Thread(target=submit, args=(i,)) for i in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(ids)) == 32
+    for request_id, prompt in zip(ids, prompts):
+        sink.final(request_id)
+        assert sink.tokens(request_id) == expected_greedy(prompt, 6)
+
+
+def test_events_carry_text_counts_and_timestamps(engines):
+    engine, sink = engines(), Collector()
+    request_id = engine.submit([0, 52, 53, 1], greedy(12, logprobs=True, top_logprobs=2), sink)
+    final = sink.final(request_id)
+    events = sink.events[request_id]
+    output = expected_greedy([0, 52, 53, 1], 12)
+    assert sink.tokens(request_id) == output
+    assert sink.text(request_id) == TOKENIZER.decode(output)
+    assert [e.num_output_tokens for e in events] == list(range(1, 13))
+    assert all(e.num_prompt_tokens == 4 and len(e.logprobs) == len(e.token_ids) for e in events)
+    assert [lp.token_id for e in events for lp in e.logprobs] == output
+    assert final.submitted_at <= final.scheduled_at <= final.first_token_at <= final.finished_at
+    assert all(e.finished_at is None for e in events[:-1])
+
+
+def test_incomplete_utf8_is_held_back():
+    """The two byte tokens of "é": the first event has no text, the second has all of it."""
+    from sparkinfer_cli.engine.request import OutputStream
+    from sparkinfer_cli.engine.stop import StopStringMatcher
+    from sparkinfer_cli.tokenizer.detokenizer import IncrementalDetokenizer
+
+    stream = OutputStream(IncrementalDetokenizer(TOKENIZER), StopStringMatcher(()), {EOS_ID})
+    first_half, second_half = 52, 53  # the two bytes of "é"
+    assert TOKENIZER.decode([first_half, second_half]) == "é"
+    assert stream.push(_sample(first_half), False) is None and stream.take()[1] == ""
+    assert stream.push(_sample(second_half), False) is None and stream.take()[1] == "é"
+
+
+def _sample(token_id: int):
+    from sparkinfer_cli.engine.sampler import SampleResult
+
+    return SampleResult(token_id, None)
+
+
+def test_end_of_generation_token_stops_unless_ignored(engines):
+    engine, sink = engines(), Collector()
+    eos_first = greedy(10, logit_bias={EOS_ID: 50.0})
+    stopped = engine.submit([1, 2], eos_first, sink)
+    final = sink.final(stopped)
+    assert final.finish_reason == "stop" and sink.tokens(stopped) == [EOS_ID]
+    assert sink.text(stopped) == ""  # the end-of-generation token has no text
+    ignored = engine.submit([1, 2], greedy(10, logit_bias={EOS_ID: 50.0}, ignore_eos=True), sink)
+    assert sink.final(ignored).finish_reason == "length" and sink.tokens(ignored) == [EOS_ID] * 10
+
+
+def test_stop_token_ids_and_stop_strings(engines):
+    engine, sink = engines(), Collector()
+    prompt = [3, 30, 4]
+    output = expected_greedy(prompt, 20)
+    by_id = engine.submit(prompt, greedy(20, stop_token_ids=(output[4],)), sink)
+    assert sink.final(by_id).finish_reason == "stop"
+    assert sink.tokens(by_id) == output[:output.index(output[4]) + 1]
+    text = TOKENIZER.decode(output)
+    stop = text[6:9]
+    by_text = engine.submit(prompt, greedy(20, stop=(stop,)), sink)
+    assert sink.final(by_text).finish_reason == "stop"
+    assert sink.text(by_text) == text[:text.index(stop)]
+
+
+def test_max_tokens_is_capped_by_max_output_tokens(engines):
+    engine, sink = engines(max_output_tokens=5), Collector()
+    request_id = engine.submit([1, 2, 3], greedy(100), sink)
+    assert sink.final(request_id).finish_reason == "length"
+    assert sink.tokens(request_id) == expected_greedy([1, 2, 3], 5)
+
+
+def test_request_larger_than_the_context_is_refused_at_submit(engines):
+    engine, sink = engines(ctx=64), Collector()
+    assert engine.max_context == 64
+    with pytest.raises(RequestTooLargeError, match=r"60 prompt tokens.*max_tokens 10.*64"):
+        engine.submit([1] * 60, greedy(10), sink)
+    fits = engine.submit([1] * 54, greedy(10), sink)  # exactly the context
+    assert sink.final(fits).finish_reason == "length" and len(sink.tokens(fits)) == 10
+    _wait_idle(engine)
+    assert engine.stats().free_kv_blocks == 8
+
+
+def test_requests_wait_for_kv_and_all_complete(engines):
+    engine, sink = engines(ctx=64), Collector()  # room for one request at a time
+    ids = [engine.submit(p, greedy(30), sink) for p in _prompts(5)]
+    for request_id, prompt in zip(ids, _prompts(5)):
+        assert sink.final(request_id).finish_reason == "length"
+        assert sink.tokens(request_id) == expected_greedy(prompt, 30)
+    _wait_idle(engine)
+    assert engine.stats().free_kv_blocks == 8
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_prefix_cache_prefills_only_the_suffix(engines, hybrid):
+    model = FakeModel(hybrid=hybrid)
+    engine, sink = engines(model, prefix_token_ids=PREFIX), Collector()
+    assert model.num_forward_tokens == len(PREFIX)  # warmed once at start
+    initial_free = engine.stats().free_kv_blocks
+    assert initial_free == engine.stats().total_kv_blocks - 3
+    hits, misses = _prompts(10, PREFIX), [[40, *PREFIX, 1], list(PREFIX)]
+    ids = [engine.submit(p, greedy(4), sink) for p in hits + misses]
+    for request_id, prompt in zip(ids, hits + misses):
+        assert sink.final(request_id).finish_reason == "length"
+        assert sink.tokens(request_id) == expected_greedy(prompt, 4)
+    computed = len(PREFIX) + sum(len(p) - len(PREFIX) for p in hits) + \
+        sum(len(p) for p in misses) + 3 * len(ids)
+    assert model.num_forward_tokens == computed
+    _wait_idle(engine)
+    assert engine.stats().free_kv_blocks == initial_free
+
+
+def test_queue_depth_overflow_is_refused_before_allocation(engines):
+    release = threading.Event()
+    model = FakeModel()
+    model.before_forward = lambda batch: release.wait(WAIT_S)
+    engine, sink = engines(model, max_queue_depth=2), Collector()
+    first, second = (engine.submit([i], greedy(3), sink) for i in (1, 2))
+    free = engine.stats().free_kv_blocks
+    with pytest.raises(QueueFullError, match="max_queue_depth=2"):
+        engine.submit([3], greedy(3), sink)
+    assert engine.stats().free_kv_blocks == free
+    release.set()
+    sink.final(first), sink.final(second)
+    third = engine.submit([3], greedy(3), sink)
+    assert sink.final(third).finish_reason == "length"
+
+
+def test_abort_mid_decode_mid_prefill_and_while_queued(engines):
+    model = FakeModel()
+    engine = engines(model, prefill_batched=False, prefill_chunk_tokens=4, max_num_seqs=2,
+                     prefix_token_ids=PREFIX)
+    sink = Collector()
+    initial_free = engine.stats().free_kv_blocks
+    ids: list[str] = []
+
+    def abort_at_second_prefill_chunk(batch) -> None:
+        if 4 in batch.start_positions:  # positions 4..7 of the 40-token prompt
+            for request_id in ids:
+                engine.abort(request_id)
+
+    model.before_forward = abort_at_second_prefill_chunk
+    ids.append(engine.submit([*PREFIX, 1], greedy(200), sink))
+    while not sink.events[ids[0]]:
+        time.sleep(0.001)
+    ids += [engine.submit([2] * 40, greedy(200), sink), engine.submit([3] * 10, greedy(200), sink)]
+    decoding, prefilling, queued = (sink.final(i) for i in ids)
+    assert [e.finish_reason for e in (decoding, prefilling, queued)] == ["abort"] * 3
+    assert decoding.num_output_tokens > 1
+    assert prefilling.num_output_tokens == 0 and prefilling.scheduled_at is not None
+    assert queued.scheduled_at is None
+    _wait_idle(engine)
+    assert engine.stats().free_kv_blocks == initial_free
+    engine.abort("no-such-request")  # unknown ids are ignored
+
+
+def test_abort_from_the_event_callback(engines):
+    engine, sink = engines(), Collector()
+
+    def on_event(event: RequestEvent) -> None:
+        sink(event)
+        if event.num_output_tokens == 3 and event.finish_reason is None:
+            engine.abort(event.request_id)
+
+    request_id = engine.submit([1, 2], greedy(1000), on_event)
+    final = sink.final(request_id)
+    assert final.finish_reason == "abort" and final.num_output_tokens == 3
+    assert sink.tokens(request_id) == expected_greedy([1, 2], 3)
+
+
+def test_timeout_finishes_running_and_queued_requests(engines):
+    model = FakeModel()
+    model.before_forward = lambda batch: time.sleep(0.005)
+    engine, sink = engines(model, ctx=64, request_timeout_s=0.1), Collector()
+    running = engine.submit([1] * 10, greedy(50), sink)
+    queued = engine.submit([2] * 10, greedy(50), sink)  # no KV left until `running` ends
+    for request_id in (running, queued):
+        final = sink.final(request_id)
+        assert final.finish_reason == "timeout" and final.error
+        assert final.finished_at - final.submitted_at >= 0.1
+    _wait_idle(engine)
+    assert engine.stats().free_kv_blocks == 8
+
+
+def test_model_failure_ends_its_requests_and_the_engine_goes_on(engines):
+    model = FakeModel()
+    model.fail_on_token = 33
+    engine, sink = engines(model), Collector()
+    failed = engine.submit([1, 33], greedy(5), sink)
+    final = sink.final(failed)
+    assert final.finish_reason == "error" and "injected model failure" in final.error
+    fine = engine.submit([1, 2], greedy(5), sink)
+    assert sink.final(fine).finish_reason == "length"
+    _wait_idle(engine)
+    assert engine.stats().free_kv_blocks == engine.stats().total_kv_blocks
+
+
+def test_failing_callback_aborts_only_its_request(engines):
+    engine, sink = engines(), Collector()
+
+    def broken(event: RequestEvent) -> None:
+        raise RuntimeError("consumer went away")
+
+    engine.submit([1, 2], greedy(50), broken)
+    healthy = engine.submit([3, 4], greedy(20), sink)
+    assert sink.final(healthy).finish_reason == "length"
+    _wait_idle(engine)
+    assert engine.stats().free_kv_blocks == engine.stats().total_kv_blocks
+
+
+def test_shutdown_finishes_in_flight_requests_and_refuses_new_ones(engines):
+    engine, sink = engines(), Collector()
+    ids = [engine.submit(p, greedy(20), sink) for p in _prompts(6)]
+    engine.shutdown(wait=True)
+    assert all(sink.events[i][-1].finish_reason == "length" for i in ids)
+    assert not engine._thread.is_alive()
+    stats = engine.stats()
+    assert not stats.accepting_requests and stats.active_requests == stats.queued_requests == 0
+    with pytest.raises(EngineStoppedError):
+        engine.submit([1], greedy(1), sink)
+
+
+def test_prefix_outside_the_vocabulary_is_a_config_error():
+    with pytest.raises(ValueError, match="prefix token ids"):
+        ContinuousBatchEngine(FakeModel(), TOKENIZER, EngineConfig(prefix_token_ids=(N_VOCAB,)))
+
+
+@pytest.mark.parametrize("config, match", [
+    ({"sched_policy": "fifo"}, "sched_policy"),
+    ({"ctx": 64, "block_size": 16, "prefix_token_ids": tuple(range(49))}, "prefix"),
+    ({"max_batch_tokens": 0}, "max_batch_tokens"),
+    ({"request_timeout_s": -1.0}, "request_timeout_s"),
+])
+def test_invalid_configs(config, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**config)
+
+
+@pytest.mark.parametrize("prompt, params, match", [
+    ([], greedy(1), "at least one token"),
+    ([1, N_VOCAB], greedy(1), "token ids"),
+])
+def test_invalid_submissions(engines, prompt, params, match):
+    engine = engines()
+    with pytest.raises(ValueError, match=match):
+        engine.submit(prompt, params, Collector())
+
+
+def test_duplicate_request_id_is_refused(engines):
+    release = threading.Event()
+    model = FakeModel()
+    model.before_forward = lambda batch: release.wait(WAIT_S)
+    engine, sink = engines(model), Collector()
+    engine.submit([1], greedy(2), sink, request_id="chat-1")
+    with pytest.raises(ValueError, match="already in flight"):
+        engine.submit([1], greedy(2), sink, request_id="chat-1")
+    release.set()
+    sink.final("chat-1")
+
+
+# ---- the real tiny model ------------------------------------------------------------------------
+TINY = Path(__file__).parents[1] / "fixtures" / "tiny" / "qwen3"
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3():
+    from sparkinfer_cli.gguf_file import GGUFFile
+    from sparkinfer_cli.model.loader import load_model
+    from sparkinfer_cli.tokenizer.tokenizer import Tokenizer
+
+    gguf = GGUFFile(TINY / "qwen3-F32.gguf")
+    return load_model(gguf), Tokenizer.from_gguf(gguf), json.loads(
+        (TINY / "qwen3.goldens.json").read_text())
+
+
+def test_tiny_qwen3_batched_outputs_equal_solo_outputs(tiny_qwen3):
+    """18 concurrent requests (greedy and seeded sampling) produce exactly their solo outputs, and
+    the solo outputs of the golden prompts are llama.cpp's greedy continuations."""
+    model, tokenizer, goldens = tiny_qwen3
+    engine = ContinuousBatchEngine(model, tokenizer, EngineConfig(ctx=2048, block_size=16))
+    engine.start()
+    try:
+        prompts = [goldens["prompt_short"], goldens["prompt_long"]] + \
+            [[(37 * i + 11 * j) % 480 for j in range(3 + 5 * i)] for i in range(16)]
+        params = [SamplingParams(max_tokens=N_TINY, temperature=0.0, ignore_eos=True)] * 9 + \
+            [SamplingParams(max_tokens=N_TINY, temperature=1.0, seed=i) for i in range(9)]
+        solo = [_run_alone(engine, prompt, p) for prompt, p in zip(prompts, params)]
+        assert solo[0] == goldens["llama_cpp"]["F32"]["greedy_short"][:N_TINY]
+        assert solo[1] == goldens["llama_cpp"]["F32"]["greedy_long"][:N_TINY]
+        sink = Collector()
+        ids = [engine.submit(prompt, p, sink) for prompt, p in zip(prompts, params)]
+        assert [sink.tokens(sink.final(i).request_id) for i in ids] == solo
+        _wait_idle(engine)
+        assert engine.stats().free_kv_blocks == engine.stats().total_kv_blocks
+    finally:
+        engine.shutdown()
+
+
+N_TINY = 8  # tokens per request: the CPU reference model takes ~10 ms a step
+
+
+def _run_alone(engine: ContinuousBatchEngine, prompt: list[int], params: SamplingParams):
+    sink = Collector()
+    return sink.tokens(sink.final(engine.submit(prompt, params, sink)).request_id)
