@@ -156,10 +156,10 @@ class ContinuousBatchEngine:
         request_id = request_id or f"req-{arrival}"
         if request_id in self._live_ids:
             raise ValueError(f"request id {request_id!r} is already in flight")
-        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else
-                                                 set(self.tokenizer.eog_ids))
+        eog_ids = () if params.ignore_eos else self.tokenizer.eog_ids
+        stop_ids = frozenset(int(t) for t in (*params.stop_token_ids, *eog_ids) if t is not None)
         output = OutputStream(IncrementalDetokenizer(self.tokenizer, skip_special=True),
-                              StopStringMatcher(params.stop), frozenset(stop_ids))
+                              StopStringMatcher(params.stop), stop_ids)
         request = Request(request_id, list(prompt_ids), params, on_event, priority, arrival, output,
                           Sampler(params, self.n_vocab))
         if self.config.request_timeout_s:

@@ -100,6 +100,7 @@ class Request:
     deadline: float | None = None  # time.monotonic() after which the request times out
     submitted_at: float = field(default_factory=time.monotonic)
     token_ids: list[int] = field(init=False)  # prompt + output
+    output_ids: list[int] = field(default_factory=list)  # NOTE: kept apart for the sampler
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     kv: KVBlocks | None = None
@@ -123,11 +124,7 @@ class Request:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - len(self.prompt_ids)
-
-    @property
-    def output_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_ids):]
+        return len(self.output_ids)
 
     @property
     def num_kv_tokens(self) -> int:
@@ -146,6 +143,7 @@ class Request:
     def append_sample(self, result: SampleResult) -> str | None:
         """Appends a sampled token; returns the finish reason if the generation is over."""
         self.token_ids.append(result.token_id)
+        self.output_ids.append(result.token_id)
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
         is_last = self.num_output_tokens >= self.params.max_tokens
