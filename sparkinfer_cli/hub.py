@@ -27,6 +27,7 @@ from huggingface_hub.errors import (
     EntryNotFoundError,
     GatedRepoError,
     HfHubHTTPError,
+    LocalEntryNotFoundError,
     RepositoryNotFoundError,
 )
 from rich.console import Console
@@ -74,42 +75,51 @@ def download(repo: str = DEFAULT_REPO, file: str | None = DEFAULT_FILE,
     return paths[0]
 
 
+def hub_endpoint() -> str:
+    """The hub's address (HF_ENDPOINT, as huggingface_hub read it)."""
+    return constants.ENDPOINT
+
+
 def hub_offline_reason() -> str | None:
     """Why the hub cannot be used right now, or None when it can (or a proxy hides the answer)."""
     if constants.HF_HUB_OFFLINE:
         return "HF_HUB_OFFLINE is set"
     if any(os.environ.get(v) for v in PROXY_VARIABLES):
         return None  # only the proxy can tell; huggingface_hub will report its errors
-    url = urlsplit(constants.ENDPOINT)
+    endpoint = hub_endpoint()
+    url = urlsplit(endpoint)
     port = url.port or (443 if url.scheme == "https" else 80)
     try:
         with socket.create_connection((url.hostname, port), timeout=constants.HF_HUB_ETAG_TIMEOUT):
             return None
     except OSError as exc:
-        return f"cannot reach {constants.ENDPOINT} ({exc or type(exc).__name__})"
+        return f"cannot reach {endpoint} ({exc or type(exc).__name__})"
 
 
 def list_repo_files(repo: str) -> list[str]:
     try:
-        return HfApi(endpoint=constants.ENDPOINT).list_repo_files(repo)
+        return HfApi(endpoint=hub_endpoint()).list_repo_files(repo)
     except GatedRepoError:
-        raise HubError(f"{repo} is gated: accept its terms on {constants.ENDPOINT}/{repo} and "
+        raise HubError(f"{repo} is gated: accept its terms on {hub_endpoint()}/{repo} and "
                        "log in (`hf auth login` or HF_TOKEN)") from None
     except RepositoryNotFoundError:
-        raise HubError(f"repository {repo} does not exist on {constants.ENDPOINT} (or it is "
+        raise HubError(f"repository {repo} does not exist on {hub_endpoint()} (or it is "
                        "private: log in with `hf auth login` or set HF_TOKEN)") from None
     except HfHubHTTPError as exc:
-        raise HubError(f"{constants.ENDPOINT} answered with an error for {repo}: {exc}") from None
+        raise HubError(f"{hub_endpoint()} answered with an error for {repo}: {exc}") from None
     except NETWORK_ERRORS as exc:
-        raise HubError(f"cannot list {repo} on {constants.ENDPOINT}: {exc}") from None
+        raise HubError(f"cannot list {repo} on {hub_endpoint()}: {exc}") from None
 
 
 def _fetch_file(repo: str, name: str, dest_dir: Path | None) -> Path:
     try:
         return Path(hf_hub_download(repo, name, local_dir=dest_dir,
                                     cache_dir=None if dest_dir else constants.HF_HUB_CACHE,
-                                    endpoint=constants.ENDPOINT,
+                                    endpoint=hub_endpoint(),
                                     etag_timeout=constants.HF_HUB_ETAG_TIMEOUT))
+    except LocalEntryNotFoundError as exc:  # the hub stopped answering (an EntryNotFoundError too)
+        raise HubError(f"downloading {repo}/{name} failed: {exc}; run the same command again "
+                       "to resume") from None
     except EntryNotFoundError:
         raise HubError(f"{name} is not in {repo}") from None
     except HfHubHTTPError as exc:
@@ -164,7 +174,7 @@ def _gguf_groups(files: list[str]) -> dict[str, list[str]]:
 
 def _matching_groups(groups: dict[str, list[str]], pattern: str) -> list[str]:
     """Groups that `pattern` names: an exact file name, a glob, or a case-insensitive part of the
-    path. Of several, those where it stands between separators, then the shortest names."""
+    path; of several parts, the one whose quant label is exactly the pattern."""
     exact = [k for k, names in groups.items() if pattern == k or pattern in names]
     if exact:
         return exact
@@ -172,12 +182,17 @@ def _matching_groups(groups: dict[str, list[str]], pattern: str) -> list[str]:
     matches = [k for k, names in groups.items()
                if any(_matches(n, pattern, is_glob) for n in names)
                and (not _is_projector(k) or "mmproj" in pattern.lower())]
-    if is_glob or len(matches) <= 1:
-        return matches
-    delimited = re.compile(rf"(^|[-./]){re.escape(pattern)}([-./]|$)", re.IGNORECASE)
-    ranked = sorted(matches, key=lambda k: (not delimited.search(k), len(k)))
-    best = (bool(delimited.search(ranked[0])), len(ranked[0]))
-    return [k for k in ranked if (bool(delimited.search(k)), len(k)) == best]
+    labels = quant_labels(groups)
+    return [k for k in matches if labels[k].lower() == pattern.lower()] or matches
+
+
+def quant_labels(groups: dict[str, list[str]]) -> dict[str, str]:
+    """What tells a repo's models apart: the name after the part all share, up to a separator,
+    e.g. "UD-Q4_K_M" for Qwen3.6-35B-A3B-UD-Q4_K_M.gguf beside Qwen3.6-35B-A3B-Q8_0.gguf."""
+    stems = {k: PurePosixPath(k).name.removesuffix(".gguf") for k in groups}
+    shared = os.path.commonprefix([s for k, s in stems.items() if not _is_projector(k)])
+    shared = shared[:max(shared.rfind("-"), shared.rfind(".")) + 1]
+    return {k: stem.removeprefix(shared) for k, stem in stems.items()}
 
 
 def _matches(name: str, pattern: str, is_glob: bool) -> bool:
