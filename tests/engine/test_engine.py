@@ -4,6 +4,7 @@ and with the tiny qwen3 GGUF fixture (oracle: the llama.cpp / transformers greed
 from __future__ import annotations
 
 import json
+import random
 import threading
 import time
 from collections import defaultdict
@@ -248,6 +249,27 @@ def test_queue_depth_overflow_is_refused_before_allocation(engines):
     assert sink.final(third).finish_reason == "length"
 
 
+def test_stats_count_active_and_queued_requests(engines):
+    entered, release = threading.Event(), threading.Event()
+    model = FakeModel()
+
+    def block(batch) -> None:
+        entered.set()
+        release.wait(WAIT_S)
+
+    model.before_forward = block
+    engine, sink = engines(model, max_num_seqs=1, max_queue_depth=5), Collector()
+    ids = [engine.submit([i], greedy(2), sink) for i in (1, 2, 3)]
+    assert entered.wait(WAIT_S)
+    stats = engine.stats()
+    assert (stats.active_requests, stats.queued_requests) == (1, 2)
+    assert stats.total_kv_blocks == 128 and stats.free_kv_blocks == 127
+    assert stats.max_queue_depth == 5 and stats.accepting_requests
+    release.set()
+    for request_id in ids:
+        sink.final(request_id)
+
+
 def test_abort_mid_decode_mid_prefill_and_while_queued(engines):
     model = FakeModel()
     engine = engines(model, prefill_batched=False, prefill_chunk_tokens=4, max_num_seqs=2,
@@ -274,6 +296,46 @@ def test_abort_mid_decode_mid_prefill_and_while_queued(engines):
     _wait_idle(engine)
     assert engine.stats().free_kv_blocks == initial_free
     engine.abort("no-such-request")  # unknown ids are ignored
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_random_mix_of_outcomes_returns_every_block_and_slot(engines, hybrid):
+    """Finished, stopped, aborted (queued, mid-prefill, mid-decode) and failed requests, with and
+    without the prefix: one final event each, correct tokens, and all KV back at the end."""
+    rng = random.Random(7)
+    model = FakeModel(hybrid=hybrid)
+    model.fail_on_token = 50
+    engine = engines(model, start=False, ctx=512, prefix_token_ids=PREFIX, max_num_seqs=6,
+                     prefill_batched=False, prefill_chunk_tokens=8, max_batch_tokens=4)
+    sink, abort_after, prompts = Collector(), {}, {}
+
+    def on_event(event: RequestEvent) -> None:
+        sink(event)
+        if event.finish_reason is None and event.num_output_tokens >= abort_after[event.request_id]:
+            engine.abort(event.request_id)
+
+    for i in range(40):
+        prompt = [rng.randrange(48) for _ in range(rng.randint(1, 30))]
+        prompt = [*PREFIX, *prompt] if rng.random() < 0.5 else prompt
+        prompt += [50] if rng.random() < 0.1 else []
+        request_id = engine.submit(prompt, greedy(rng.randint(1, 20)), on_event)
+        abort_after[request_id] = rng.choice([0, 1, 3, 1000])  # 0: abort at submit
+        prompts[request_id] = prompt
+        if abort_after[request_id] == 0:
+            engine.abort(request_id)
+    initial_free = engine.stats().free_kv_blocks
+    engine.start()
+    outcomes = defaultdict(int)
+    for request_id, prompt in prompts.items():
+        final = sink.final(request_id)
+        outcomes[final.finish_reason] += 1
+        assert sum(e.finish_reason is not None for e in sink.events[request_id]) == 1
+        tokens = sink.tokens(request_id)
+        assert tokens == expected_greedy(prompt, len(tokens))
+    assert set(outcomes) == {"length", "abort", "error"}
+    _wait_idle(engine)
+    assert engine.stats().free_kv_blocks == initial_free
+    assert engine.kv.slot_pool.num_free_slots == (6 if hybrid else 0)
 
 
 def test_abort_from_the_event_callback(engines):
