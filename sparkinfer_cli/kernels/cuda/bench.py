@@ -17,6 +17,7 @@ from numba import cuda
 from sparkinfer_cli.ggml_types import GGMLType, row_bytes
 from sparkinfer_cli.kernels.cuda import graphs
 from sparkinfer_cli.kernels.cuda import quant_gemv as qg
+from sparkinfer_cli.kernels.cuda.launch import to_device_bytes
 
 ROTATE_BYTES = 512 << 20
 EXPERTS, TOP_K = 256, 8
@@ -55,7 +56,7 @@ def measure(ggml_type, k, n_rows, n_mats, n_slots, n_cols, rng, stream):
     mat_bytes = n_mats * n_rows * rb
     n_copies = int(min(16, max(2, -(-ROTATE_BYTES // mat_bytes))))
     host = _random_bytes(ggml_type, mat_bytes, rng)
-    mats = [qg.DeviceQuantMatrix(cuda.to_device(host), ggml_type, k, n_rows, n_mats)
+    mats = [qg.DeviceQuantMatrix(to_device_bytes(host), ggml_type, k, n_rows, n_mats)
             for _ in range(n_copies)]
     slot_sets = [cuda.to_device(rng.choice(n_mats, n_slots, replace=n_mats < n_slots).astype(
         np.int32)) for _ in range(n_copies)]

@@ -49,6 +49,21 @@ if IS_SIMULATOR:
             acc += (qa - 256 if qa > 127 else qa) * (qb - 256 if qb > 127 else qb)
         return np.int32(acc)
 
+    def byte_perm(a, b, s):
+        src = (int(a) & 0xFFFFFFFF) | (int(b) & 0xFFFFFFFF) << 32
+        out = 0
+        for n in range(4):
+            sel = (int(s) >> (4 * n)) & 0xF
+            byte = (src >> (8 * (sel & 7))) & 0xFF
+            if sel & 8:  # sign-replicate mode of prmt
+                byte = 0xFF if byte & 0x80 else 0
+            out |= byte << (8 * n)
+        return np.uint32(out)
+
+    def funnel_shift_r(lo, hi, shift):
+        both = (int(lo) & 0xFFFFFFFF) | (int(hi) & 0xFFFFFFFF) << 32
+        return np.uint32((both >> min(int(shift), 32)) & 0xFFFFFFFF)
+
     def f16_bits_to_f32(h):
         return np.float32(np.array([int(h) & 0xFFFF], np.uint16).view(np.float16)[0])
 
@@ -61,6 +76,9 @@ else:
     from numba.cuda.extending import intrinsic
 
     _I16, _I32, _I64 = ir.IntType(16), ir.IntType(32), ir.IntType(64)
+    # NOTE: loads are only used on buffers no kernel writes while it runs, so marking them readnone
+    # lets LLVM share one load between the columns of a small-batch GEMV (and hoist it out of loops).
+    _PURE = ("readnone", "nounwind")
 
     def _address(context, builder, arrty, arr, offty, off):
         """i64 address of byte `off` in array `arr`."""
@@ -74,7 +92,7 @@ else:
             addr = _address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
             ret_ir = _I32 if n_out == 1 else ir.LiteralStructType([_I32] * n_out)
             asm = ir.InlineAsm(ir.FunctionType(ret_ir, [_I64]), ptx, constraint)
-            out = builder.call(asm, [addr])
+            out = builder.call(asm, [addr], attrs=_PURE)
             if n_out == 1:
                 return out
             return context.make_tuple(builder, sig.return_type,
@@ -109,6 +127,25 @@ else:
                                "dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r")
             return builder.call(asm, vals)
         return types.int32(a, b, c), codegen
+
+    def _u32_op(ptx: str):
+        """An intrinsic (u32, u32, u32) -> u32 running one 3-operand PTX instruction."""
+        @intrinsic
+        def op(typingctx, a, b, c):
+            if not all(isinstance(t, types.Integer) for t in (a, b, c)):
+                return None
+
+            def codegen(context, builder, sig, args):
+                vals = [context.cast(builder, v, t, types.uint32) for v, t in zip(args, sig.args)]
+                asm = ir.InlineAsm(ir.FunctionType(_I32, [_I32] * 3), ptx, "=r,r,r,r")
+                return builder.call(asm, vals)
+            return types.uint32(a, b, c), codegen
+        return op
+
+    # prmt: byte n of the result = byte (s.nibble[n] & 7) of b:a, sign-replicated if nibble bit 3
+    byte_perm = _u32_op("prmt.b32 $0, $1, $2, $3;")
+    # (hi:lo) >> min(shift, 32), the low 32 bits
+    funnel_shift_r = _u32_op("shf.r.clamp.b32 $0, $1, $2, $3;")
 
     @intrinsic
     def f16_bits_to_f32(typingctx, h):

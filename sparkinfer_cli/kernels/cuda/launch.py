@@ -21,10 +21,12 @@ def check_array(name: str, arr, dtype, shape: tuple[int, ...] | None = None) -> 
 
 
 def to_device_bytes(raw: np.ndarray, stream=0):
-    """Upload raw bytes as a flat uint8 device array padded to 16 bytes (16-byte loads never overrun)."""
+    """Upload raw bytes as a flat uint8 device array with 16 to 31 zero bytes of tail padding.
+
+    The padding lets GEMV kernels read aligned words that straddle the end of the last row.
+    """
     flat = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
-    dev = cuda.device_array(cdiv(flat.size, 16) * 16, np.uint8, stream=stream)  # (n_bytes + pad,)
-    if dev.size > flat.size:
-        dev[flat.size:].copy_to_device(np.zeros(dev.size - flat.size, np.uint8), stream=stream)
+    dev = cuda.device_array(cdiv(flat.size + 16, 16) * 16, np.uint8, stream=stream)  # (n + pad,)
+    dev[flat.size:].copy_to_device(np.zeros(dev.size - flat.size, np.uint8), stream=stream)
     dev[: flat.size].copy_to_device(flat, stream=stream)
     return dev

@@ -27,14 +27,16 @@ from numba import cuda, float32, int32
 from sparkinfer_cli.ggml_types import BLOCK_GEOMETRY, GGMLType, row_bytes
 from sparkinfer_cli.kernels.cuda.intrinsics import (
     bits_to_f32,
+    byte_perm,
     dp4a,
     f16_bits_to_f32,
+    funnel_shift_r,
     ld_u16,
     ld_u32,
     ld_v4_u32,
 )
 from sparkinfer_cli.kernels.cuda.launch import cdiv, check_array
-from sparkinfer_cli.kernels.cuda.warp import warp_max, warp_sum
+from sparkinfer_cli.kernels.cuda.warp import shfl_xor, warp_max, warp_sum
 
 Q8_BLOCK = 32
 WARPS_PER_BLOCK = 4
@@ -44,7 +46,7 @@ M1 = 0x01010101
 M2 = 0x03030303
 _IQ4NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
                          np.int8)
-IQ4NL_BYTES = _IQ4NL_VALUES.view(np.uint8).astype(np.int32)  # two's-complement byte patterns
+IQ4NL_WORDS = tuple(int(w) for w in _IQ4NL_VALUES.view(np.uint32))  # the table as 4 LE words
 
 
 # ---------------------------------------------------------------- small device helpers
@@ -66,11 +68,19 @@ def _spread4(bits):
 
 
 @cuda.jit(device=True, inline=True)
-def _iq4_pack(q):
-    """Low nibbles of the 4 bytes of q → 4 IQ4_NL int8 values packed in one word."""
-    table = cuda.const.array_like(IQ4NL_BYTES)
-    return (table[q & 15] | (table[(q >> 8) & 15] << 8) | (table[(q >> 16) & 15] << 16)
-            | (table[(q >> 24) & 15] << 24))
+def _iq4_lookup(q):
+    """8 nibbles of q → (IQ4_NL values of the low nibbles, of the high nibbles), 4 int8 each.
+
+    prmt selects by a nibble's low 3 bits from table bytes 0-7 and 8-15; a second prmt keeps the
+    right half by the nibble's bit 3; two more regroup the even (low) and odd (high) nibbles.
+    """
+    pick = 0x32103210 | ((q & 0x88888888) >> 1)
+    sel = q & 0x77777777  # PTX prmt reads selector bit 3 as "replicate sign": keep it clear
+    t0 = byte_perm(byte_perm(IQ4NL_WORDS[0], IQ4NL_WORDS[1], sel),
+                   byte_perm(IQ4NL_WORDS[2], IQ4NL_WORDS[3], sel), pick)
+    t1 = byte_perm(byte_perm(IQ4NL_WORDS[0], IQ4NL_WORDS[1], sel >> 16),
+                   byte_perm(IQ4NL_WORDS[2], IQ4NL_WORDS[3], sel >> 16), pick >> 16)
+    return byte_perm(t0, t1, 0x6420), byte_perm(t0, t1, 0x7531)
 
 
 @cuda.jit(device=True, inline=True)
@@ -103,22 +113,41 @@ def _dot_nibbles16(lo_src, hi_src, xlo, xhi, acc_lo, acc_hi):
 # Each unit returns the contribution of one block to one column; xo = element offset of the
 # block's first element in that column of the activations (so xo // 32 indexes xd / xs).
 @cuda.jit(device=True, inline=True)
-def _sum_q4_legacy(w, qo, xq, xo):
-    """Σ q·x over a 32-element block whose 16 nibble bytes start at 2-aligned byte qo."""
+def _words4_aligned(w, off):
+    """4 consecutive u32 words at a 4-aligned byte offset."""
+    return ld_u32(w, off), ld_u32(w, off + 4), ld_u32(w, off + 8), ld_u32(w, off + 12)
+
+
+@cuda.jit(device=True, inline=True)
+def _words4_unaligned(w, off):
+    """4 consecutive u32 words at a 2-aligned byte offset: 5 aligned loads + funnel shifts.
+
+    NOTE: may read up to 4 bytes past off + 16 (to_device_bytes pads buffers by 16 bytes).
+    """
+    base = off - (off & 3)
+    shift = (off & 3) * 8
+    a0, a1, a2 = ld_u32(w, base), ld_u32(w, base + 4), ld_u32(w, base + 8)
+    a3, a4 = ld_u32(w, base + 12), ld_u32(w, base + 16)
+    return (funnel_shift_r(a0, a1, shift), funnel_shift_r(a1, a2, shift),
+            funnel_shift_r(a2, a3, shift), funnel_shift_r(a3, a4, shift))
+
+
+@cuda.jit(device=True, inline=True)
+def _sum_q4_legacy(q, xq, xo):
+    """Σ q·x over a 32-element block from its 16 nibble bytes (4 words)."""
     xa = ld_v4_u32(xq, xo)
     xb = ld_v4_u32(xq, xo + 16)
     s = 0
     for j in range(4):
-        q = _u32_from_u16s(w, qo + 4 * j)
-        s = dp4a(q & M4, xa[j], s)
-        s = dp4a((q >> 4) & M4, xb[j], s)
+        s = dp4a(q[j] & M4, xa[j], s)
+        s = dp4a((q[j] >> 4) & M4, xb[j], s)
     return s
 
 
 @cuda.jit(device=True, inline=True)
 def _unit_q4_0(w, bo, part, xq, xd, xs, xo):
     b = xo // Q8_BLOCK
-    s = float32(_sum_q4_legacy(w, bo + 2, xq, xo))
+    s = float32(_sum_q4_legacy(_words4_unaligned(w, bo + 2), xq, xo))
     return _f16(ld_u16(w, bo)) * (xd[b] * s - float32(8.0) * xs[b])
 
 
@@ -126,20 +155,19 @@ def _unit_q4_0(w, bo, part, xq, xd, xs, xo):
 def _unit_q4_1(w, bo, part, xq, xd, xs, xo):
     b = xo // Q8_BLOCK
     dm = ld_u32(w, bo)
-    s = float32(_sum_q4_legacy(w, bo + 4, xq, xo))
+    s = float32(_sum_q4_legacy(_words4_aligned(w, bo + 4), xq, xo))
     return _f16(dm) * xd[b] * s + _f16(dm >> 16) * xs[b]
 
 
 @cuda.jit(device=True, inline=True)
-def _sum_q5_legacy(w, qo, qh, xq, xo):
-    """Σ q5·x; 5th bits of elements j in bit j of qh."""
+def _sum_q5_legacy(q, qh, xq, xo):
+    """Σ q5·x from 16 nibble bytes (4 words); 5th bits of elements j in bit j of qh."""
     xa = ld_v4_u32(xq, xo)
     xb = ld_v4_u32(xq, xo + 16)
     s = 0
     for j in range(4):
-        q = _u32_from_u16s(w, qo + 4 * j)
-        lo = (q & M4) | (_spread4((qh >> (4 * j)) & 0xF) << 4)
-        hi = ((q >> 4) & M4) | (_spread4((qh >> (16 + 4 * j)) & 0xF) << 4)
+        lo = (q[j] & M4) | (_spread4((qh >> (4 * j)) & 0xF) << 4)
+        hi = ((q[j] >> 4) & M4) | (_spread4((qh >> (16 + 4 * j)) & 0xF) << 4)
         s = dp4a(hi, xb[j], dp4a(lo, xa[j], s))
     return s
 
@@ -147,7 +175,7 @@ def _sum_q5_legacy(w, qo, qh, xq, xo):
 @cuda.jit(device=True, inline=True)
 def _unit_q5_0(w, bo, part, xq, xd, xs, xo):
     b = xo // Q8_BLOCK
-    s = float32(_sum_q5_legacy(w, bo + 6, _u32_from_u16s(w, bo + 2), xq, xo))
+    s = float32(_sum_q5_legacy(_words4_unaligned(w, bo + 6), _u32_from_u16s(w, bo + 2), xq, xo))
     return _f16(ld_u16(w, bo)) * (xd[b] * s - float32(16.0) * xs[b])
 
 
@@ -155,7 +183,7 @@ def _unit_q5_0(w, bo, part, xq, xd, xs, xo):
 def _unit_q5_1(w, bo, part, xq, xd, xs, xo):
     b = xo // Q8_BLOCK
     dm = ld_u32(w, bo)
-    s = float32(_sum_q5_legacy(w, bo + 8, ld_u32(w, bo + 4), xq, xo))
+    s = float32(_sum_q5_legacy(_words4_aligned(w, bo + 8), ld_u32(w, bo + 4), xq, xo))
     return _f16(dm) * xd[b] * s + _f16(dm >> 16) * xs[b]
 
 
@@ -163,28 +191,28 @@ def _unit_q5_1(w, bo, part, xq, xd, xs, xo):
 def _unit_q8_0(w, bo, part, xq, xd, xs, xo):
     xa = ld_v4_u32(xq, xo)
     xb = ld_v4_u32(xq, xo + 16)
+    qa = _words4_unaligned(w, bo + 2)
+    qb = _words4_unaligned(w, bo + 18)
     s = 0
     for j in range(4):
-        s = dp4a(_u32_from_u16s(w, bo + 2 + 4 * j), xa[j], s)
-        s = dp4a(_u32_from_u16s(w, bo + 18 + 4 * j), xb[j], s)
+        s = dp4a(qb[j], xb[j], dp4a(qa[j], xa[j], s))
     return _f16(ld_u16(w, bo)) * xd[xo // Q8_BLOCK] * float32(s)
 
 
 @cuda.jit(device=True, inline=True)
-def _sum_iq4(w, qo, xq, xo, aligned4):
+def _sum_iq4(q, xq, xo):
     xa = ld_v4_u32(xq, xo)
     xb = ld_v4_u32(xq, xo + 16)
     s = 0
     for j in range(4):
-        q = ld_u32(w, qo + 4 * j) if aligned4 else _u32_from_u16s(w, qo + 4 * j)
-        s = dp4a(_iq4_pack(q), xa[j], s)
-        s = dp4a(_iq4_pack(q >> 4), xb[j], s)
+        lo, hi = _iq4_lookup(q[j])
+        s = dp4a(hi, xb[j], dp4a(lo, xa[j], s))
     return s
 
 
 @cuda.jit(device=True, inline=True)
 def _unit_iq4_nl(w, bo, part, xq, xd, xs, xo):
-    s = float32(_sum_iq4(w, bo + 2, xq, xo, False))
+    s = float32(_sum_iq4(_words4_unaligned(w, bo + 2), xq, xo))
     return _f16(ld_u16(w, bo)) * xd[xo // Q8_BLOCK] * s
 
 
@@ -193,7 +221,7 @@ def _unit_iq4_xs(w, bo, ib, xq, xd, xs, xo):
     head = ld_u32(w, bo)  # d (f16) | scales_h (u16)
     ls = int32(((ld_u32(w, bo + 4) >> (4 * ib)) & 0xF) | (((head >> (16 + 2 * ib)) & 3) << 4)) - 32
     xo += 32 * ib
-    s = float32(_sum_iq4(w, bo + 8 + 16 * ib, xq, xo, True))
+    s = float32(_sum_iq4(_words4_aligned(w, bo + 8 + 16 * ib), xq, xo))
     return _f16(head) * float32(ls) * xd[xo // Q8_BLOCK] * s
 
 
@@ -248,16 +276,17 @@ def _unit_q6_k(w, bo, part, xq, xd, xs, xo):
     # elements 128n + 32g + l, with 6-bit values (ql nibble | 2 qh bits) − 32, scale sc[8n + 2g + h].
     n = part >> 1
     h = part & 1
-    la = bo + 64 * n + 16 * h
-    hq = bo + 128 + 32 * n + 16 * h
+    ql_lo = _words4_unaligned(w, bo + 64 * n + 16 * h)        # ql[l]
+    ql_hi = _words4_unaligned(w, bo + 64 * n + 32 + 16 * h)   # ql[l + 32]
+    qh = _words4_unaligned(w, bo + 128 + 32 * n + 16 * h)
     xbase = xo + 128 * n + 16 * h
     total = float32(0.0)
     for g in range(4):
         xw = ld_v4_u32(xq, xbase + 32 * g)
         s = 0
         for i in range(4):
-            ql = _u32_from_u16s(w, la + 32 * (g & 1) + 4 * i)
-            v = ((ql >> (4 * (g >> 1))) & M4) | (((_u32_from_u16s(w, hq + 4 * i) >> (2 * g)) & M2) << 4)
+            ql = ql_hi[i] if g & 1 else ql_lo[i]
+            v = ((ql >> (4 * (g >> 1))) & M4) | (((qh[i] >> (2 * g)) & M2) << 4)
             s = dp4a(((v | 0x80808080) - 0x20202020) ^ 0x80808080, xw[i], s)  # bytes − 32
         sc = int32((ld_u16(w, bo + 192 + 8 * n + 2 * g) >> (8 * h)) & 0xFF)  # signed int8 scale
         sc = sc - 256 if sc > 127 else sc
@@ -326,28 +355,56 @@ FLOAT_TYPES = frozenset({GGMLType.F32, GGMLType.F16, GGMLType.BF16})
 def _gemv_kernel(ggml_type: GGMLType, n_cols: int):
     unit, blk_elems, blk_bytes, parts = _UNITS[ggml_type]
 
+    @cuda.jit(device=True, inline=True)
+    def accumulate(acc, w, base, u, k, xq, xd, xs, xrow):
+        blk = u // parts
+        for c in range(n_cols):
+            acc[c] += unit(w, base + blk * blk_bytes, u - blk * parts, xq, xd, xs,
+                           xrow + c * k + blk * blk_elems)
+
     @cuda.jit(fastmath=True)
-    def gemv(w, row_bytes, n_rows, mat_bytes, k, slot_mat, slot_x, xq, xd, xs, y):
+    def gemv(w, row_bytes, n_rows, mat_bytes, k, lanes_per_row, slot_mat, slot_x, xq, xd, xs, y):
+        # a row per `lanes_per_row` lanes (32, or fewer for short rows), two units in flight per lane
         slot = cuda.blockIdx.y
         lane = cuda.threadIdx.x % 32
-        row = cuda.blockIdx.x * WARPS_PER_BLOCK + cuda.threadIdx.x // 32
-        if row >= n_rows:
+        rows_per_warp = 32 // lanes_per_row
+        first = (cuda.blockIdx.x * WARPS_PER_BLOCK + cuda.threadIdx.x // 32) * rows_per_warp
+        if first >= n_rows:
             return
+        row = first + lane // lanes_per_row
+        sub = lane % lanes_per_row
         acc = cuda.local.array(n_cols, float32)  # (n_cols,)
         for c in range(n_cols):
             acc[c] = 0.0
-        base = slot_mat[slot] * mat_bytes + row * row_bytes
-        xrow = slot_x[slot] * n_cols * k
-        for u in range(lane, k // blk_elems * parts, 32):
-            blk = u // parts
-            for c in range(n_cols):
-                acc[c] += unit(w, base + blk * blk_bytes, u - blk * parts, xq, xd, xs,
-                               xrow + c * k + blk * blk_elems)
+        if row < n_rows:
+            base = slot_mat[slot] * mat_bytes + row * row_bytes
+            xrow = slot_x[slot] * n_cols * k
+            n_units = k // blk_elems * parts
+            u = sub
+            while u + lanes_per_row < n_units:
+                accumulate(acc, w, base, u, k, xq, xd, xs, xrow)
+                accumulate(acc, w, base, u + lanes_per_row, k, xq, xd, xs, xrow)
+                u += 2 * lanes_per_row
+            if u < n_units:
+                accumulate(acc, w, base, u, k, xq, xd, xs, xrow)
         for c in range(n_cols):
-            total = warp_sum(acc[c])
-            if lane == 0:
+            total = acc[c]
+            for offset in (16, 8, 4, 2, 1):
+                if offset < lanes_per_row:
+                    total += shfl_xor(total, offset)
+            if sub == 0 and row < n_rows:
                 y[(slot * n_cols + c) * n_rows + row] = total
     return gemv
+
+
+def lanes_per_row(ggml_type: GGMLType, k: int) -> int:
+    """Lanes sharing one row: 32, or the power of two ≥ the row's unit count for short rows."""
+    _, blk_elems, _, parts = _UNITS[ggml_type]
+    n_units = k // blk_elems * parts
+    lanes = 1
+    while lanes < min(n_units, 32):
+        lanes *= 2
+    return lanes
 
 
 @cuda.jit
@@ -441,10 +498,10 @@ def gemv(w: DeviceQuantMatrix, x, y, *, slot_mat=None, slot_x=None, stream=0) ->
     if k != w.k or not 1 <= n_cols <= MAX_COLS:
         raise ValueError(f"activations (·, {n_cols}, {k}) do not fit W (k={w.k}, ≤{MAX_COLS} cols)")
     check_array("y", y, np.float32, (n_slots, n_cols, w.n_rows))
-    kernel = _gemv_kernel(w.ggml_type, n_cols)
-    grid = (cdiv(w.n_rows, WARPS_PER_BLOCK), n_slots)
-    kernel[grid, 32 * WARPS_PER_BLOCK, stream](
-        w.data, w.row_bytes, w.n_rows, w.n_rows * w.row_bytes, k, slot_mat, slot_x,
+    lanes = lanes_per_row(w.ggml_type, k)
+    grid = (cdiv(w.n_rows, WARPS_PER_BLOCK * (32 // lanes)), n_slots)
+    _gemv_kernel(w.ggml_type, n_cols)[grid, 32 * WARPS_PER_BLOCK, stream](
+        w.data, w.row_bytes, w.n_rows, w.n_rows * w.row_bytes, k, lanes, slot_mat, slot_x,
         xq, xd, xs, y.reshape(y.size))
 
 
