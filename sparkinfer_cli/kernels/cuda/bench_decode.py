@@ -94,7 +94,7 @@ class Buffers:
         self.pos, self.seq_len = zeros(1, dtype=np.int32), zeros(1, dtype=np.int32)
         self.slot = zeros(1, dtype=np.int32)
         n_blocks = cdiv(max_ctx + 1, BLOCK)
-        self.block_table = cuda.to_device(np.arange(n_blocks, dtype=np.int32)[None])
+        self.block_table = cuda.to_device(np.arange(n_blocks, dtype=np.int32).reshape(1, -1))
         self.ws = attention.DecodeWorkspace(1, N_HEADS, HEAD_DIM, max_ctx + 1)
         self.logits = zeros(1, 1, N_VOCAB)
         self.temp, self.top_k = zeros(1), zeros(1, dtype=np.int32)
@@ -116,7 +116,7 @@ class MoE:
         self.sh_inp = wt.quant(GGMLType.F32, E, 1)
 
     def __call__(self, b: Buffers, s):
-        norm.add_rms_norm(b.delta, b.h, self.norm, b.x, EPS, stream=s)
+        norm.add_rms_norm(b.delta, b.h, self.norm, b.x.reshape(E), EPS, stream=s)
         qg.quantize_activations(b.x, b.act_e, stream=s)
         qg.gemv(self.router, b.x, b.router, stream=s)
         moe.router_topk(b.router.reshape(1, N_EXPERTS), TOP_K, b.ids, b.w, stream=s)
@@ -151,7 +151,7 @@ class GDNLayer:
         self.moe = MoE(wt, rng)
 
     def __call__(self, b: Buffers, s):
-        norm.add_rms_norm(b.delta, b.h, self.norm, b.x, EPS, stream=s)
+        norm.add_rms_norm(b.delta, b.h, self.norm, b.x.reshape(E), EPS, stream=s)
         qg.quantize_activations(b.x, b.act_e, stream=s)
         for w, y in ((self.qkv, b.mixed), (self.gate, b.z), (self.alpha, b.a), (self.beta, b.b)):
             qg.gemv(w, b.act_e, y, stream=s)
@@ -180,7 +180,7 @@ class AttnLayer:
         self.moe = MoE(wt, rng)
 
     def __call__(self, b: Buffers, s):
-        norm.add_rms_norm(b.delta, b.h, self.norm, b.x, EPS, stream=s)
+        norm.add_rms_norm(b.delta, b.h, self.norm, b.x.reshape(E), EPS, stream=s)
         qg.quantize_activations(b.x, b.act_e, stream=s)
         for w, y in ((self.q, b.q), (self.k, b.k), (self.v, b.v)):
             qg.gemv(w, b.act_e, y, stream=s)
@@ -211,12 +211,60 @@ def build(max_ctx: int):
     def token(s):
         for layer in layers:
             layer(b, s)
-        norm.add_rms_norm(b.delta, b.h, out_norm, b.x, EPS, stream=s)
+        norm.add_rms_norm(b.delta, b.h, out_norm, b.x.reshape(E), EPS, stream=s)
         qg.quantize_activations(b.x, b.act_e, stream=s)
         qg.gemv(output, b.act_e, b.logits, stream=s)
         sampling.sample(b.logits.reshape(1, N_VOCAB), b.temp, b.top_k, b.top_p, b.min_p, b.unif,
                         b.token, stream=s)
-    return token, b
+    return token, b, layers
+
+
+def graph_us(record, stream, reps: int = 50) -> float:
+    """GPU µs per record() call, from a graph of `reps` back-to-back calls."""
+    g = graphs.capture(lambda s: [record(s) for _ in range(reps)], stream)
+    g.replay()
+    start, end = cuda.event(), cuda.event()
+    start.record(stream)
+    g.replay()
+    end.record(stream)
+    end.synchronize()
+    g.close()
+    return cuda.event_elapsed_time(start, end) * 1e3 / reps
+
+
+def profile(layers, b: Buffers, stream) -> dict[str, float]:
+    """Per-op GPU time (µs) of the pieces of a token, each replayed alone."""
+    gdn, attn = layers[0], layers[3]
+    ops = {
+        "gdn layer (no MoE)": lambda s: GDNLayer.__call__(_NoMoE(gdn), b, s),
+        "attention layer (no MoE)": lambda s: AttnLayer.__call__(_NoMoE(attn), b, s),
+        "MoE block": lambda s: gdn.moe(b, s),
+        "delta_rule_step": lambda s: gated_delta.delta_rule_step(
+            b.u, b.a.reshape(1, H_V), b.b.reshape(1, H_V), gdn.ssm_a, gdn.dt, gdn.state,
+            b.state_slot, b.o, n_k_heads=H_K, head_map_mod=True, eps=EPS, stream=s),
+        "conv_silu_step": lambda s: gated_delta.conv_silu_step(
+            b.mixed.reshape(1, CONV), gdn.conv_w, gdn.conv_state, b.state_slot, b.u, stream=s),
+        "add_rms_norm 2048": lambda s: norm.add_rms_norm(b.delta, b.h, gdn.norm, b.x.reshape(E),
+                                                         EPS, stream=s),
+        "quantize 2048": lambda s: qg.quantize_activations(b.x, b.act_e, stream=s),
+        "router_topk 256→8": lambda s: moe.router_topk(b.router.reshape(1, N_EXPERTS), TOP_K,
+                                                       b.ids, b.w, stream=s),
+        "swiglu 8x512": lambda s: activation.swiglu(b.g, b.up, b.ffa, stream=s),
+        "paged attention (ctx as set)": lambda s: attention.paged_decode_attention(
+            b.qg, attn.k_cache, attn.v_cache, b.block_table, b.seq_len, b.attn, b.ws, stream=s),
+        "sample greedy 248320": lambda s: sampling.sample(
+            b.logits.reshape(1, N_VOCAB), b.temp, b.top_k, b.top_p, b.min_p, b.unif, b.token,
+            stream=s),
+    }
+    return {name: graph_us(op, stream) for name, op in ops.items()}
+
+
+class _NoMoE:
+    """A layer's attributes with its MoE call turned into a no-op (to time the mixer alone)."""
+
+    def __init__(self, layer):
+        self.__dict__.update(layer.__dict__)
+        self.moe = lambda b, s: None
 
 
 def main() -> None:
@@ -225,7 +273,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     stream = cuda.stream()
-    token, b = build(max(args.ctx))
+    token, b, layers = build(max(args.ctx))
     token(stream)  # compile + warm
     stream.synchronize()
     t0 = time.perf_counter()
@@ -254,6 +302,9 @@ def main() -> None:
                                   "host_us_per_replay": host_us})
         print(f"ctx {ctx}: {ms:.3f} ms/token = {1e3 / ms:.0f} tok/s (graph replay host "
               f"{host_us:.0f} us); eager {eager_ms:.1f} ms/token", flush=True)
+    results["profile_us"] = profile(layers, b, stream)
+    for name, us in results["profile_us"].items():
+        print(f"  {name:30s} {us:8.2f} us", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

@@ -2,7 +2,7 @@
 
 State layout per slot: conv (conv_dim, K-1) float32 (oldest sample first); recurrent
 (H_v, dv, dk) float32 = S[h][j][i], i (the k index) contiguous, so a warp owning value column j
-reads its dk rows coalesced (ARCHITECTURES.md §8). Sequences address their state through
+reads its dk rows coalesced; grid (H_v, n_seqs, dv / 4), a warp per column (ARCHITECTURES.md §8). Sequences address their state through
 state_slots[seq].
 """
 
@@ -81,20 +81,22 @@ def _delta_kernel(dk: int, dv: int):
         decay = math.exp(ssm_a[h] * softplus)
         beta = float32(1.0) / (float32(1.0) + math.exp(-b[seq * n_v_heads + h]))
         s_base = (state_slots[seq] * n_v_heads + h) * dv * dk
-        for j in range(warp, dv, WARPS):
-            col = s_base + j * dk + lane
-            proj = float32(0.0)
-            for e in range(per_lane):
-                proj += state[col + 32 * e] * decay * kv[e]
-            delta = beta * (u[row + 2 * key_dim + h * dv + j] - warp_sum(proj) * k_scale)
-            o = float32(0.0)
-            for e in range(per_lane):
-                s_new = state[col + 32 * e] * decay + kv[e] * k_scale * delta
-                state[col + 32 * e] = s_new
-                o += s_new * qv[e]
-            o = warp_sum(o)
-            if lane == 0:
-                out[(seq * n_v_heads + h) * dv + j] = o * q_scale
+        j = cuda.blockIdx.z * WARPS + warp  # one value column per warp
+        if j >= dv:
+            return
+        col = s_base + j * dk + lane
+        proj = float32(0.0)
+        for e in range(per_lane):
+            proj += state[col + 32 * e] * decay * kv[e]
+        delta = beta * (u[row + 2 * key_dim + h * dv + j] - warp_sum(proj) * k_scale)
+        o = float32(0.0)
+        for e in range(per_lane):
+            s_new = state[col + 32 * e] * decay + kv[e] * k_scale * delta
+            state[col + 32 * e] = s_new
+            o += s_new * qv[e]
+        o = warp_sum(o)
+        if lane == 0:
+            out[(seq * n_v_heads + h) * dv + j] = o * q_scale
     return delta_step
 
 
@@ -113,7 +115,7 @@ def delta_rule_step(u, a, b, ssm_a, dt_bias, state, state_slots, out, *, n_k_hea
         raise ValueError(f"u {u.shape} is not (n_seqs, 2·H_k·dk + H_v·dv)")
     check_array("a", a, np.float32, (n_seqs, n_v_heads))
     check_array("b", b, np.float32, (n_seqs, n_v_heads))
-    _delta_kernel(dk, dv)[(n_v_heads, n_seqs), 32 * WARPS, stream](
+    _delta_kernel(dk, dv)[(n_v_heads, n_seqs, cdiv(dv, WARPS)), 32 * WARPS, stream](
         u.reshape(u.size), a.reshape(a.size), b.reshape(b.size), ssm_a, dt_bias,
         state.reshape(state.size), state_slots, n_k_heads, head_map_mod, float32(eps),
         out.reshape(out.size))
