@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -80,6 +81,24 @@ def generate(prompt: str = typer.Argument(..., help="The prompt (a user message 
                                   pick_device(device))
         run_generate(request, err)
     except (ValueError, RuntimeError) as exc:  # GGUFError, HubError, template errors are these
+        _fail(str(exc))
+
+
+@app.command()
+def bench(model: Optional[str] = typer.Option(None, "-m", "--model", help="GGUF path or known name."),
+          synthetic: Optional[str] = typer.Option(None, "--synthetic",
+                                                  help="Synthetic preset, e.g. qwen3.6-35b-a3b."),
+          ctx: list[int] = typer.Option([], "--ctx", help="Prefill sizes / decode depths (repeatable)."),
+          concurrency: list[int] = typer.Option([], "--concurrency", help="Concurrent sequences."),
+          out_dir: Path = typer.Option(Path("bench/results"), "--out", help="Results directory."),
+          device: str = typer.Option("auto", "--device", help="auto | cpu | cuda")):
+    """Measure prefill and decode speed; write results (md + json + png) under bench/results/."""
+    from sparkinfer_cli.bench import BenchRequest, run_bench
+    try:
+        request = BenchRequest(model, synthetic, pick_device(device), tuple(ctx),
+                               tuple(concurrency), out_dir, " ".join(["sparkinfer"] + sys.argv[1:]))
+        run_bench(request, err)
+    except (ValueError, RuntimeError) as exc:
         _fail(str(exc))
 
 
