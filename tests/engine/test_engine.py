@@ -10,6 +10,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import numpy as np
 import pytest
 from fake_model import EOS_ID, N_VOCAB, FakeModel, expected_greedy, make_tokenizer
 
@@ -458,26 +459,39 @@ def tiny_qwen3():
 
 
 def test_tiny_qwen3_batched_outputs_equal_solo_outputs(tiny_qwen3):
-    """18 concurrent requests (greedy and seeded sampling) produce exactly their solo outputs, and
-    the solo outputs of the golden prompts are llama.cpp's greedy continuations."""
+    """18 concurrent requests (greedy and seeded sampling) produce exactly their solo outputs, with
+    and without a shared prefix; the solo outputs of the golden prompts are llama.cpp's greedy."""
     model, tokenizer, goldens = tiny_qwen3
-    engine = ContinuousBatchEngine(model, tokenizer, EngineConfig(ctx=2048, block_size=16))
-    engine.start()
+    prefix = goldens["prompt_long"][:21]  # one full block of 16 + a partial one
+    prompts = [goldens["prompt_short"], goldens["prompt_long"]] + \
+        [[*(prefix if i % 2 else []), *[(37 * i + 11 * j) % 480 for j in range(3 + 5 * i)]]
+         for i in range(16)]
+    params = [SamplingParams(max_tokens=N_TINY, temperature=0.0, ignore_eos=True, logprobs=True)] \
+        * 9 + [SamplingParams(max_tokens=N_TINY, temperature=1.0, seed=i, logprobs=True)
+               for i in range(9)]
+    plain = ContinuousBatchEngine(model, tokenizer, EngineConfig(ctx=2048, block_size=16))
+    shared = ContinuousBatchEngine(model, tokenizer, EngineConfig(ctx=2048, block_size=16,
+                                                                  prefix_token_ids=tuple(prefix)))
+    for engine in (plain, shared):
+        engine.start()
     try:
-        prompts = [goldens["prompt_short"], goldens["prompt_long"]] + \
-            [[(37 * i + 11 * j) % 480 for j in range(3 + 5 * i)] for i in range(16)]
-        params = [SamplingParams(max_tokens=N_TINY, temperature=0.0, ignore_eos=True)] * 9 + \
-            [SamplingParams(max_tokens=N_TINY, temperature=1.0, seed=i) for i in range(9)]
-        solo = [_run_alone(engine, prompt, p) for prompt, p in zip(prompts, params)]
-        assert solo[0] == goldens["llama_cpp"]["F32"]["greedy_short"][:N_TINY]
-        assert solo[1] == goldens["llama_cpp"]["F32"]["greedy_long"][:N_TINY]
-        sink = Collector()
-        ids = [engine.submit(prompt, p, sink) for prompt, p in zip(prompts, params)]
-        assert [sink.tokens(sink.final(i).request_id) for i in ids] == solo
-        _wait_idle(engine)
-        assert engine.stats().free_kv_blocks == engine.stats().total_kv_blocks
+        solo = [_run_alone(plain, prompt, p) for prompt, p in zip(prompts, params)]
+        assert solo[0][0] == goldens["llama_cpp"]["F32"]["greedy_short"][:N_TINY]
+        assert solo[1][0] == goldens["llama_cpp"]["F32"]["greedy_long"][:N_TINY]
+        for engine in (plain, shared):
+            sink = Collector()
+            ids = [engine.submit(prompt, p, sink) for prompt, p in zip(prompts, params)]
+            for request_id, (tokens, logprobs) in zip(ids, solo):
+                sink.final(request_id)
+                assert sink.tokens(request_id) == tokens
+                # logprobs see KV mix-ups that leave the argmax alone
+                np.testing.assert_allclose(_logprobs(sink, request_id), logprobs, atol=1e-4)
+            _wait_idle(engine)
+        assert plain.stats().free_kv_blocks == plain.stats().total_kv_blocks
+        assert shared.stats().free_kv_blocks == shared.stats().total_kv_blocks - 2
     finally:
-        engine.shutdown()
+        plain.shutdown()
+        shared.shutdown()
 
 
 N_TINY = 8  # tokens per request: the CPU reference model takes ~10 ms a step
@@ -485,4 +499,9 @@ N_TINY = 8  # tokens per request: the CPU reference model takes ~10 ms a step
 
 def _run_alone(engine: ContinuousBatchEngine, prompt: list[int], params: SamplingParams):
     sink = Collector()
-    return sink.tokens(sink.final(engine.submit(prompt, params, sink)).request_id)
+    request_id = sink.final(engine.submit(prompt, params, sink)).request_id
+    return sink.tokens(request_id), _logprobs(sink, request_id)
+
+
+def _logprobs(sink: Collector, request_id: str) -> list[float]:
+    return [lp.logprob for e in sink.events[request_id] for lp in e.logprobs]
