@@ -25,7 +25,8 @@ def test_greedy_and_filtered_sampling(n_vocab):
     uniform = np.array([0.5, 0.97, 0.6, 0.3], np.float32)
     out = cuda.device_array(4, np.int32)
     arrays = (logits, temperature, top_k, top_p, min_p, uniform)
-    sampling.sample(*(cuda.to_device(a) for a in arrays), out)
+    ws = sampling.SamplingWorkspace(4, n_vocab)
+    sampling.sample(*(cuda.to_device(a) for a in arrays), out, ws)
     got = out.copy_to_host()
     np.testing.assert_array_equal(got, sampling.sample_reference(*arrays))
     assert got[0] == 17

@@ -100,6 +100,7 @@ class Buffers:
         self.temp, self.top_k = zeros(1), zeros(1, dtype=np.int32)
         self.top_p, self.min_p, self.unif = zeros(1), zeros(1), zeros(1)
         self.token = zeros(1, dtype=np.int32)
+        self.sampling = sampling.SamplingWorkspace(1, N_VOCAB)
 
 
 class MoE:
@@ -215,7 +216,7 @@ def build(max_ctx: int):
         qg.quantize_activations(b.x, b.act_e, stream=s)
         qg.gemv(output, b.act_e, b.logits, stream=s)
         sampling.sample(b.logits.reshape(1, N_VOCAB), b.temp, b.top_k, b.top_p, b.min_p, b.unif,
-                        b.token, stream=s)
+                        b.token, b.sampling, stream=s)
     return token, b, layers
 
 
@@ -254,7 +255,7 @@ def profile(layers, b: Buffers, stream) -> dict[str, float]:
             b.qg, attn.k_cache, attn.v_cache, b.block_table, b.seq_len, b.attn, b.ws, stream=s),
         "sample greedy 248320": lambda s: sampling.sample(
             b.logits.reshape(1, N_VOCAB), b.temp, b.top_k, b.top_p, b.min_p, b.unif, b.token,
-            stream=s),
+            b.sampling, stream=s),
     }
     return {name: graph_us(op, stream) for name, op in ops.items()}
 
