@@ -17,8 +17,11 @@ from __future__ import annotations
 import numpy as np
 
 from sparkinfer_cli.kernels.cpu import ops
-from sparkinfer_cli.kernels.cpu.gated_delta import (causal_conv1d_silu, gated_delta_recurrent,
-                                                    l2_normalize)
+from sparkinfer_cli.kernels.cpu.gated_delta import (
+    causal_conv1d_silu,
+    gated_delta_recurrent,
+    l2_normalize,
+)
 from sparkinfer_cli.model.batch import SequenceSpan
 from sparkinfer_cli.model.config import ModelConfig
 from sparkinfer_cli.model.layers import Forward, Linear, RMSNorm
@@ -95,7 +98,8 @@ def _beta_alpha_projections(w: Weights, p: str, cfg: ModelConfig) -> tuple[QTens
     ssm_ba = w.get(p + "ssm_ba.weight", (E, 2 * H_v))
     # ssm_ba rows, per k-head group g: [b_g (r) | a_g (r)]; v-head g·r + i is entry i of group g
     b, a = _group_rows(H_k, (H_v // H_k, H_v // H_k))
-    return select_rows(ssm_ba, b, p + "ssm_beta.weight"), select_rows(ssm_ba, a, p + "ssm_alpha.weight")
+    return (select_rows(ssm_ba, b, p + "ssm_beta.weight"),
+            select_rows(ssm_ba, a, p + "ssm_alpha.weight"))
 
 
 def _group_rows(n_groups: int, widths: tuple[int, ...]) -> list[np.ndarray]:

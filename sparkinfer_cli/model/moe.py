@@ -32,30 +32,35 @@ class ExpertLinear:
         return matmul(w.raw[expert], w.ggml_type, w.ne0, x)
 
 
+class SharedExpert:
+    """sigmoid(ffn_gate_inp_shexp · y) · SwiGLU_shexp(y): one scalar gate per token."""
+
+    def __init__(self, w: Weights, cfg: ModelConfig, layer: int):
+        p, E = f"blk.{layer}.ffn_", cfg.n_embd
+        self.shexp = SwiGLU(w, p, "_shexp", E, cfg.n_ff_shexp or cfg.n_ff)  # llama.cpp's fallback
+        self.ffn_gate_inp_shexp = _shared_gate(w, p + "gate_inp_shexp.weight", E)  # (n_embd,)
+
+    def __call__(self, y: np.ndarray) -> np.ndarray:
+        gate = ops.sigmoid(y @ self.ffn_gate_inp_shexp)  # (T,)
+        return self.shexp(y) * gate[:, None]
+
+
 class MoE:
-    """Routed SwiGLU experts, plus a sigmoid-gated shared expert when the file has one."""
+    """Routed SwiGLU experts, plus a gated shared expert (qwen35moe / qwen3next)."""
 
     def __init__(self, w: Weights, cfg: ModelConfig, layer: int, shared_expert: bool):
         p, E, n = f"blk.{layer}.ffn_", cfg.n_embd, cfg.n_expert
         ff = cfg.n_ff_exp or cfg.n_ff // cfg.n_expert_used  # llama.cpp's fallback width
         self.n_expert, self.n_expert_used = n, cfg.n_expert_used
         self.ffn_gate_inp = Linear(w.get(p + "gate_inp.weight", (E, n)))
-        # --fuse-gate-up-exps files hold one tensor: per expert the gate rows, then the up rows
-        fused = w.optional(p + "gate_up_exps.weight", (E, 2 * ff, n))
-        self.ffn_gate_up_exps = ExpertLinear(fused) if fused is not None else None
-        self.ffn_gate_exps = None if fused else ExpertLinear(w.get(p + "gate_exps.weight", (E, ff, n)))
-        self.ffn_up_exps = None if fused else ExpertLinear(w.get(p + "up_exps.weight", (E, ff, n)))
+        gate, up = _gate_and_up_experts(w, p, E, ff, n)
+        self.ffn_gate_exps, self.ffn_up_exps = ExpertLinear(gate), ExpertLinear(up)
         self.ffn_down_exps = ExpertLinear(w.get(p + "down_exps.weight", (ff, E, n)))
-        self.shexp = SwiGLU(w, p, "_shexp", E, cfg.n_ff_shexp) if shared_expert else None
-        self.ffn_gate_inp_shexp = _shared_gate(w, p + "gate_inp_shexp.weight", E) \
-            if shared_expert else None
+        self.shared = SharedExpert(w, cfg, layer) if shared_expert else None
 
     def __call__(self, y: np.ndarray) -> np.ndarray:
         out = self.routed(y)  # (T, n_embd)
-        if self.shexp is not None:
-            gate = ops.sigmoid(y @ self.ffn_gate_inp_shexp)  # (T,) one scalar per token
-            out = out + self.shexp(y) * gate[:, None]
-        return out
+        return out + self.shared(y) if self.shared is not None else out
 
     def routed(self, y: np.ndarray) -> np.ndarray:
         T, k = len(y), self.n_expert_used
@@ -70,11 +75,18 @@ class MoE:
         return per_slot.reshape(T, k, -1).sum(axis=1)
 
     def expert(self, e: int, x: np.ndarray) -> np.ndarray:
-        if self.ffn_gate_up_exps is not None:
-            gate, up = np.split(self.ffn_gate_up_exps(e, x), 2, axis=1)  # (n, ff) each
-        else:
-            gate, up = self.ffn_gate_exps(e, x), self.ffn_up_exps(e, x)
-        return self.ffn_down_exps(e, ops.swiglu(gate, up))  # (n, n_embd)
+        hidden = ops.swiglu(self.ffn_gate_exps(e, x), self.ffn_up_exps(e, x))  # (n, ff)
+        return self.ffn_down_exps(e, hidden)  # (n, n_embd)
+
+
+def _gate_and_up_experts(w: Weights, p: str, E: int, ff: int, n: int) -> tuple[QTensor, QTensor]:
+    """ffn_gate_exps and ffn_up_exps, or both as views of a fused ffn_gate_up_exps
+    (--fuse-gate-up-exps: per expert, the ff gate rows, then the ff up rows)."""
+    fused = w.optional(p + "gate_up_exps.weight", (E, 2 * ff, n))
+    if fused is None:
+        return w.get(p + "gate_exps.weight", (E, ff, n)), w.get(p + "up_exps.weight", (E, ff, n))
+    return (QTensor(p + "gate_exps.weight", fused.ggml_type, (E, ff, n), fused.raw[:, :ff]),
+            QTensor(p + "up_exps.weight", fused.ggml_type, (E, ff, n), fused.raw[:, ff:]))
 
 
 def _shared_gate(w: Weights, name: str, n_embd: int) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""qwen3moe / qwen35moe / qwen35 / qwen3next against llama.cpp's oracle logits (tests/fixtures/tiny).
+"""qwen3moe / qwen35moe / qwen35 / qwen3next vs llama.cpp's oracle logits (tests/fixtures/tiny).
 
 Bars (tests/fixtures/ORACLE_README.md):
 - `lc_<V>_deqf32_logits_*` is llama.cpp itself on the dequantized weights with float activations,

@@ -87,7 +87,7 @@ def test_batched_sequences_equal_each_alone(synthetic_model, preset: str) -> Non
     got = _two_mixed_passes(model, cache, seqs, tables, slots, first)
     for i, (ours, ref) in enumerate(zip(got, alone)):
         delta = float(np.abs(ours - ref).max())
-        assert delta <= SAME_TOL, f"{preset}: sequence {i} in a batch vs alone max |Δ| = {delta:.3g}"
+        assert delta <= SAME_TOL, f"{preset}: sequence {i} batched vs alone max |Δ| = {delta:.3g}"
 
 
 def _two_mixed_passes(model, cache, seqs, tables, slots, first) -> list[np.ndarray]:
