@@ -14,12 +14,12 @@ pytestmark = pytest.mark.gpu
 def test_graph_replay_matches_eager_and_is_cheap_on_the_host():
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "0")
     from numba import cuda
+    from test_cuda_quant_gemv import random_weights
 
     from sparkinfer_cli.ggml_types import GGMLType
     from sparkinfer_cli.kernels.cuda import activation, graphs, norm
     from sparkinfer_cli.kernels.cuda import quant_gemv as qg
     from sparkinfer_cli.kernels.cuda.launch import to_device_bytes
-    from test_cuda_quant_gemv import random_weights
 
     rng = np.random.default_rng(11)
     k, n = 2048, 1024

@@ -1,4 +1,4 @@
-"""CUDA quantized GEMV vs gguf.quants.dequantize(W) @ x (simulator at tiny shapes; H200 at real ones)."""
+"""CUDA quantized GEMV vs gguf.quants.dequantize(W) @ x (simulator: tiny shapes; H200: real)."""
 
 from __future__ import annotations
 
@@ -54,7 +54,8 @@ def run_gemv(w_bytes, ggml_type, k, x, slot_mat=None, slot_x=None, n_mats=1):
         qg.quantize_activations(x_dev, act)
     n_slots = 1 if slot_mat is None else len(slot_mat)
     y = cuda.device_array((n_slots, x.shape[1], n_rows), np.float32)
-    dev = (lambda a: None if a is None else cuda.to_device(np.asarray(a, np.int32)))
+    def dev(a):
+        return None if a is None else cuda.to_device(np.asarray(a, np.int32))
     qg.gemv(w, act, y, slot_mat=dev(slot_mat), slot_x=dev(slot_x))
     return y.copy_to_host()
 

@@ -1,4 +1,4 @@
-"""Elementwise activations: SwiGLU (silu(gate)·up) and the sigmoid output gate of gated attention."""
+"""Elementwise activations: SwiGLU (silu(gate)·up) and the sigmoid gate of gated attention."""
 
 from __future__ import annotations
 

@@ -37,12 +37,12 @@ def _kv_store_kernel(k, v, k_cache, v_cache, slot_mapping, row_len):
 
 
 def kv_store(k, v, k_cache, v_cache, slot_mapping, stream=0) -> None:
-    """k, v: float32 (n_tokens, n_kv_heads, head_dim) → caches at slot_mapping (int32, block·bs+off)."""
+    """k, v: float32 (n_tokens, n_kv_heads, head_dim) → caches at slot_mapping (block·bs + off)."""
     n_tokens, n_kv, head_dim = k.shape
     check_array("v", v, np.float32, k.shape)
     check_array("slot_mapping", slot_mapping, np.int32, (n_tokens,))
     if k_cache.shape[2:] != (n_kv, head_dim) or k_cache.dtype != np.float16:
-        raise ValueError(f"cache {k_cache.shape} {k_cache.dtype} does not hold ({n_kv}, {head_dim})")
+        raise ValueError(f"cache {k_cache.shape} {k_cache.dtype} cannot hold ({n_kv}, {head_dim})")
     _kv_store_kernel[cdiv(k.size, THREADS), THREADS, stream](
         k.reshape(k.size), v.reshape(v.size), k_cache.reshape(k_cache.size),
         v_cache.reshape(v_cache.size), slot_mapping, n_kv * head_dim)

@@ -1,4 +1,4 @@
-"""Time one Qwen3.6-35B-A3B decode token (batch 1) made of this package's kernels, as one CUDA graph.
+"""Time one Qwen3.6-35B-A3B decode token (batch 1) of this package's kernels as one CUDA graph.
 
 python -m sparkinfer_cli.kernels.cuda.bench_decode --ctx 512 32768
 40 layers (30 Gated DeltaNet + 10 gated attention, each followed by a 256-expert top-8 MoE with a
@@ -18,9 +18,17 @@ import numpy as np
 from numba import cuda, uint32
 
 from sparkinfer_cli.ggml_types import GGMLType, row_bytes
-from sparkinfer_cli.kernels.cuda import activation, attention, gated_delta, graphs, moe, norm
+from sparkinfer_cli.kernels.cuda import (
+    activation,
+    attention,
+    gated_delta,
+    graphs,
+    moe,
+    norm,
+    rope,
+    sampling,
+)
 from sparkinfer_cli.kernels.cuda import quant_gemv as qg
-from sparkinfer_cli.kernels.cuda import rope, sampling
 from sparkinfer_cli.kernels.cuda.launch import cdiv
 
 E, N_VOCAB, N_EXPERTS, TOP_K, FF = 2048, 248320, 256, 8, 512
@@ -73,18 +81,19 @@ class Buffers:
 
     def __init__(self, max_ctx: int):
         self.h, self.delta, self.x = zeros(E), zeros(E), zeros(1, 1, E)
-        self.act_e, self.act_v = qg.QuantizedActivations(1, 1, E), qg.QuantizedActivations(1, 1, 4096)
+        self.act_e = qg.QuantizedActivations(1, 1, E)
+        self.act_v = qg.QuantizedActivations(1, 1, 4096)
         self.mixed, self.u, self.z = zeros(1, 1, CONV), zeros(1, CONV), zeros(1, 1, 4096)
-        self.a, self.b, self.o, self.y = zeros(1, 1, H_V), zeros(1, 1, H_V), zeros(1, H_V, DK), zeros(
-            1, 1, 4096)
-        self.router, self.ids, self.w = zeros(1, 1, N_EXPERTS), zeros(1, TOP_K, dtype=np.int32), zeros(
-            1, TOP_K)
+        self.a, self.b = zeros(1, 1, H_V), zeros(1, 1, H_V)
+        self.o, self.y = zeros(1, H_V, DK), zeros(1, 1, 4096)
+        self.router = zeros(1, 1, N_EXPERTS)
+        self.ids, self.w = zeros(1, TOP_K, dtype=np.int32), zeros(1, TOP_K)
         self.g, self.up, self.ffa = zeros(TOP_K, 1, FF), zeros(TOP_K, 1, FF), zeros(TOP_K, 1, FF)
         self.act_ff = qg.QuantizedActivations(TOP_K, 1, FF)
         self.down = zeros(TOP_K, 1, E)
         self.sg, self.su, self.sa = zeros(1, 1, FF), zeros(1, 1, FF), zeros(1, 1, FF)
-        self.act_sff, self.shared, self.gate1 = qg.QuantizedActivations(1, 1, FF), zeros(1, 1, E), zeros(
-            1, 1, 1)
+        self.act_sff = qg.QuantizedActivations(1, 1, FF)
+        self.shared, self.gate1 = zeros(1, 1, E), zeros(1, 1, 1)
         self.slot_x = cuda.to_device(np.arange(TOP_K, dtype=np.int32))
         self.zero8 = zeros(TOP_K, dtype=np.int32)
         self.state_slot = zeros(1, dtype=np.int32)

@@ -2,7 +2,8 @@
 
 State layout per slot: conv (conv_dim, K-1) float32 (oldest sample first); recurrent
 (H_v, dv, dk) float32 = S[h][j][i], i (the k index) contiguous, so a warp owning value column j
-reads its dk rows coalesced; grid (H_v, n_seqs, dv / 4), a warp per column (ARCHITECTURES.md §8). Sequences address their state through
+reads its dk rows coalesced; grid (H_v, n_seqs, dv / 4), a warp per column (ARCHITECTURES.md §8).
+Sequences address their state through
 state_slots[seq].
 """
 
@@ -110,7 +111,7 @@ def delta_rule_step(u, a, b, ssm_a, dt_bias, state, state_slots, out, *, n_k_hea
     n_seqs, n_v_heads, dv = out.shape
     dk = state.shape[3]
     if dk % 32 or state.shape[1:3] != (n_v_heads, dv):
-        raise ValueError(f"state {state.shape} does not fit (slots, {n_v_heads}, {dv}, dk % 32 == 0)")
+        raise ValueError(f"state {state.shape} is not (slots, {n_v_heads}, {dv}, dk % 32 == 0)")
     if u.shape != (n_seqs, 2 * n_k_heads * dk + n_v_heads * dv):
         raise ValueError(f"u {u.shape} is not (n_seqs, 2·H_k·dk + H_v·dv)")
     check_array("a", a, np.float32, (n_seqs, n_v_heads))
@@ -122,7 +123,7 @@ def delta_rule_step(u, a, b, ssm_a, dt_bias, state, state_slots, out, *, n_k_hea
 
 
 def delta_rule_step_reference(u, a, b, ssm_a, dt_bias, state, n_k_heads, head_map_mod, eps):
-    """float64 numpy twin of delta_rule_step for state (n_seqs, H_v, dv, dk); returns (out, state)."""
+    """float64 numpy twin of delta_rule_step, state (n_seqs, H_v, dv, dk) → (out, new state)."""
     n_seqs, n_v_heads, dv, dk = state.shape
     key_dim = n_k_heads * dk
     s = state.astype(np.float64).copy()

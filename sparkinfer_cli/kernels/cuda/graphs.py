@@ -1,9 +1,10 @@
-"""CUDA graph capture of a chain of numba kernel launches over static buffers (cuda.core GraphBuilder).
+"""CUDA graph capture of a chain of numba kernel launches over static buffers (cuda.core).
 
-Usage: run the chain once eagerly (compiles every kernel and creates lazily-allocated buffers; neither
-may happen while capturing), then `g = capture(record, stream)` where `record(s)` launches the chain
-on stream-like `s`, and `g.replay()` per step. Arguments are frozen at capture: anything that changes
-per step (positions, lengths, block tables, token ids) must live in device buffers the graph reads.
+Usage: run the chain once eagerly (compiles every kernel and creates lazily-allocated buffers;
+neither may happen while capturing), then `g = capture(record, stream)` where `record(s)` launches
+the chain on stream-like `s`, and `g.replay()` per step. Arguments are frozen at capture: anything
+that changes per step (positions, lengths, block tables, token ids) must live in device buffers
+the graph reads.
 """
 
 from __future__ import annotations

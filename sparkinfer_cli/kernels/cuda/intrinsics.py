@@ -1,4 +1,4 @@
-"""Inline-PTX device intrinsics that numba.cuda lacks, each with a pure-Python twin for the simulator.
+"""Inline-PTX device intrinsics that numba.cuda lacks, each with a pure-Python simulator twin.
 
 Loads take any C-contiguous device array plus a *byte* offset into it, so one intrinsic serves uint8
 weight bytes, int8 activations and float32 vectors alike. `.nc` loads go through the read-only data
@@ -18,7 +18,7 @@ IS_SIMULATOR: bool = bool(config.ENABLE_CUDASIM)
 if IS_SIMULATOR:
 
     def _bytes(arr) -> np.ndarray:
-        # NOTE: inside a simulated kernel an array is a FakeWithinKernelCUDAArray around a numpy array.
+        # NOTE: in a simulated kernel an array is a FakeWithinKernelCUDAArray around a numpy array.
         inner = getattr(arr, "_item", arr)
         ary = getattr(inner, "_ary", inner)
         return np.asarray(ary).reshape(-1).view(np.uint8)
@@ -77,7 +77,7 @@ else:
 
     _I16, _I32, _I64 = ir.IntType(16), ir.IntType(32), ir.IntType(64)
     # NOTE: loads are only used on buffers no kernel writes while it runs, so marking them readnone
-    # lets LLVM share one load between the columns of a small-batch GEMV (and hoist it out of loops).
+    # lets LLVM share one load between the columns of a small-batch GEMV and hoist it from loops.
     _PURE = ("readnone", "nounwind")
 
     def _address(context, builder, arrty, arr, offty, off):
@@ -117,7 +117,7 @@ else:
 
     @intrinsic
     def dp4a(typingctx, a, b, c):
-        """c + Σ a.byte[i]·b.byte[i], bytes as signed int8 (any integer args, truncated to 32 bits)."""
+        """c + Σ a.byte[i]·b.byte[i], bytes as signed int8 (integer args truncated to 32 bits)."""
         if not all(isinstance(t, types.Integer) for t in (a, b, c)):
             return None
 

@@ -1,4 +1,4 @@
-"""MoE on the GPU: router softmax + top-k, and the weighted combine of the selected experts' outputs.
+"""MoE on the GPU: router softmax + top-k, and the weighted combine of the chosen experts' outputs.
 
 Expert GEMVs themselves are quant_gemv.gemv with slot_mat = the selected expert ids (flattened
 (n_tokens, k)) and slot_x = the token of each slot, so only the chosen experts' rows are read.

@@ -4,7 +4,7 @@ y[slot, c, r] = Σ_k W[mat(slot)][r, k] · x[xgroup(slot), c, k]    for c < n_co
 
 - Weights stay in GGUF bytes (a flat uint8 device buffer, rows of `row_bytes`, matrices of
   `n_rows` rows back to back: 3-D expert slabs work as-is). `slot_mat` picks the matrix of each
-  grid.y slot, so a MoE layer touches only its selected experts; `slot_x` picks the activation group.
+  grid.y slot, so a MoE layer touches only its selected experts; `slot_x` picks the activations.
 - Quantized types take activations quantized to int8 per 32 elements (llama.cpp's q8_1: scale d and
   d·Σq), and dot products run on dp4a; float types (F32/F16/BF16) take float32 activations.
 - One warp per output row, lanes stride over "units" (a block or a fixed part of one); 16-byte loads
@@ -91,7 +91,7 @@ def _k4_byte(s0, s1, s2, k):
 
 @cuda.jit(device=True, inline=True)
 def _scale_min_k4(j, s0, s1, s2):
-    """6-bit (scale, min) of sub-block j from the 12 packed bytes s0|s1|s2 (ggml get_scale_min_k4)."""
+    """6-bit (scale, min) of sub-block j from the 12 packed bytes s0|s1|s2 (get_scale_min_k4)."""
     if j < 4:
         return _k4_byte(s0, s1, s2, j) & 63, _k4_byte(s0, s1, s2, j + 4) & 63
     hi = _k4_byte(s0, s1, s2, j + 4)
@@ -273,7 +273,7 @@ def _unit_q5_k(w, bo, c, xq, xd, xs, xo):
 @cuda.jit(device=True, inline=True)
 def _unit_q6_k(w, bo, part, xq, xd, xs, xo):
     # part = 2n + h: half n of the block, ql/qh columns l in [16h, 16h + 16); groups g = 0..3 are
-    # elements 128n + 32g + l, with 6-bit values (ql nibble | 2 qh bits) − 32, scale sc[8n + 2g + h].
+    # elements 128n + 32g + l, 6-bit values (ql nibble | 2 qh bits) − 32, scale sc[8n + 2g + h].
     n = part >> 1
     h = part & 1
     ql_lo = _words4_unaligned(w, bo + 64 * n + 16 * h)        # ql[l]
@@ -364,7 +364,7 @@ def _gemv_kernel(ggml_type: GGMLType, n_cols: int):
 
     @cuda.jit(fastmath=True)
     def gemv(w, row_bytes, n_rows, mat_bytes, k, lanes_per_row, slot_mat, slot_x, xq, xd, xs, y):
-        # a row per `lanes_per_row` lanes (32, or fewer for short rows), two units in flight per lane
+        # a row per `lanes_per_row` lanes (32, fewer for short rows), two units in flight per lane
         slot = cuda.blockIdx.y
         lane = cuda.threadIdx.x % 32
         rows_per_warp = 32 // lanes_per_row

@@ -1,7 +1,7 @@
 """NEOX-style rotary embedding, partial (first n_rot dims of each head), in place.
 
-Pair i < n_rot/2 rotates elements (i, i + n_rot/2) by θ = pos · base^(-2i/n_rot); the angle is formed
-in float64 so positions up to 256k keep full float32 accuracy in cos/sin.
+Pair i < n_rot/2 rotates elements (i, i + n_rot/2) by θ = pos · base^(-2i/n_rot); the angle is
+formed in float64 so positions up to 256k keep full float32 accuracy in cos/sin.
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ def rope_neox(x, positions, n_rot: int, base: float, stream=0) -> None:
         x.reshape(x.size), positions, n_heads, head_dim, n_rot, math.log(base))
 
 
-def rope_neox_reference(x: np.ndarray, positions: np.ndarray, n_rot: int, base: float) -> np.ndarray:
+def rope_neox_reference(x: np.ndarray, positions: np.ndarray, n_rot: int,
+                        base: float) -> np.ndarray:
     half = n_rot // 2
     theta = positions[:, None].astype(np.float64) * base ** (-2.0 * np.arange(half) / n_rot)
     c, s = np.cos(theta)[:, None, :], np.sin(theta)[:, None, :]  # (n_tokens, 1, half)

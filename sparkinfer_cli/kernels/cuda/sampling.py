@@ -143,7 +143,8 @@ def sample(logits, temperature, top_k, top_p, min_p, uniform, out_ids, ws: Sampl
                              ("top_p", top_p, np.float32), ("min_p", min_p, np.float32),
                              ("uniform", uniform, np.float32), ("out_ids", out_ids, np.int32)):
         check_array(name, arr, dtype, (n_seqs,))
-    if cdiv(n_vocab, CHUNK) != ws.n_chunks or ws.cand_v.size < n_seqs * ws.n_chunks * MAX_CANDIDATES:
+    n_cand = n_seqs * ws.n_chunks * MAX_CANDIDATES
+    if cdiv(n_vocab, CHUNK) != ws.n_chunks or ws.cand_v.size < n_cand:
         raise ValueError("sampling workspace was sized for another vocabulary or batch")
     _chunk_topk_kernel[(ws.n_chunks, n_seqs), THREADS, stream](
         logits.reshape(logits.size), n_vocab, CHUNK, ws.no_ids, temperature, top_k, ws.cand_v,

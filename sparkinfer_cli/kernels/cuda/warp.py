@@ -57,7 +57,7 @@ def warp_max(v):
 
 @cuda.jit(device=True, inline=True)
 def block_sum(v, scratch):
-    """Sum over the whole block; scratch: a float32 shared array of ≥ 33 entries. All threads call it."""
+    """Sum over the whole block (all threads call it); scratch: float32 shared array[≥ 33]."""
     warp = cuda.threadIdx.x // WARP_SIZE
     lane = cuda.threadIdx.x % WARP_SIZE
     v = warp_sum(v)
