@@ -30,3 +30,19 @@ def test_rms_norm_add_and_gate():
     norm.rms_norm_silu_gate(cuda.to_device(x), cuda.to_device(z), cuda.to_device(w_head), out, 1e-6)
     ref = norm.rms_norm_reference(x, w_head, 1e-6) * z / (1 + np.exp(-z.astype(np.float64)))
     np.testing.assert_allclose(out.copy_to_host(), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_add_rms_norm_with_fused_q8_quantization():
+    from sparkinfer_cli.kernels.cuda import quant_gemv as qg
+
+    rng = np.random.default_rng(1)
+    x, r = (rng.standard_normal((2, 64)).astype(np.float32) for _ in range(2))
+    w = rng.uniform(0.5, 1.5, 64).astype(np.float32)
+    out, act = cuda.device_array_like(x), qg.QuantizedActivations(1, 2, 64)
+    norm.add_rms_norm(cuda.to_device(x), cuda.to_device(r), cuda.to_device(w), out, 1e-6, act=act)
+    y = out.copy_to_host()
+    np.testing.assert_allclose(y, norm.rms_norm_reference(x + r, w, 1e-6), rtol=1e-5)
+    q, d, s = qg.quantize_q8_reference(y)  # the kernel's own float output, quantized in numpy
+    np.testing.assert_array_equal(act.xq.copy_to_host().reshape(2, 64), q)
+    np.testing.assert_allclose(act.xd.copy_to_host(), d.reshape(-1), rtol=1e-6)
+    np.testing.assert_allclose(act.xs.copy_to_host(), s.reshape(-1), rtol=1e-5, atol=1e-6)

@@ -135,3 +135,25 @@ def test_gemv_real_shapes(ggml_type, k, n_rows, n_mats, n_slots, n_cols):
     rows = np.sort(rng.choice(n_rows, min(n_rows, 512), replace=False))  # reference on a subset
     for s, m in enumerate(slot_mat):
         check_close(y[s][:, rows], w_bytes[m][rows], ggml_type, k, x[0])
+
+
+def test_fused_swiglu_gemv_over_expert_slots():
+    rng = np.random.default_rng(13)
+    k, n_rows, n_mats = 256, 3, 3
+    ggml_type = GGMLType.Q4_K
+    gate_bytes, up_bytes = (random_weights(ggml_type, n_mats * n_rows, k, rng) for _ in range(2))
+    x = rng.standard_normal((1, 1, k)).astype(np.float32)
+    gate, up = (qg.DeviceQuantMatrix(to_device_bytes(b), ggml_type, k, n_rows, n_mats)
+                for b in (gate_bytes, up_bytes))
+    act = qg.QuantizedActivations(1, 1, k)
+    qg.quantize_activations(cuda.to_device(x), act)
+    slot_mat = [2, 0]
+    y = cuda.device_array((2, 1, n_rows), np.float32)
+    qg.gemv(gate, act, y, slot_mat=cuda.to_device(np.array(slot_mat, np.int32)),
+            slot_x=cuda.to_device(np.zeros(2, np.int32)), up=up)
+    xk = activations_seen_by_kernel(x[0], ggml_type)
+    for s, m in enumerate(slot_mat):
+        g = qg.gemv_reference(gate_bytes.reshape(n_mats, n_rows, -1)[m], ggml_type, k, xk)
+        u = qg.gemv_reference(up_bytes.reshape(n_mats, n_rows, -1)[m], ggml_type, k, xk)
+        np.testing.assert_allclose(y.copy_to_host()[s], g / (1 + np.exp(-g)) * u, rtol=1e-4,
+                                   atol=1e-6)

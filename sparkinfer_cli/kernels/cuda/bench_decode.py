@@ -126,19 +126,16 @@ class MoE:
         self.sh_inp = wt.quant(GGMLType.F32, E, 1)
 
     def __call__(self, b: Buffers, s):
-        norm.add_rms_norm(b.delta, b.h, self.norm, b.x.reshape(E), EPS, stream=s)
-        qg.quantize_activations(b.x, b.act_e, stream=s)
+        norm.add_rms_norm(b.delta, b.h, self.norm, b.x.reshape(E), EPS, stream=s,
+                          act=b.act_e)
         qg.gemv(self.router, b.x, b.router, stream=s)
         moe.router_topk(b.router.reshape(1, N_EXPERTS), TOP_K, b.ids, b.w, stream=s)
         # every expert slot reads the token's activations through slot_x = 0
-        qg.gemv(self.gate, b.act_e, b.g, slot_mat=self.experts, slot_x=b.zero8, stream=s)
-        qg.gemv(self.up, b.act_e, b.up, slot_mat=self.experts, slot_x=b.zero8, stream=s)
-        activation.swiglu(b.g, b.up, b.ffa, stream=s)
+        qg.gemv(self.gate, b.act_e, b.ffa, slot_mat=self.experts, slot_x=b.zero8, up=self.up,
+                stream=s)
         qg.quantize_activations(b.ffa, b.act_ff, stream=s)
         qg.gemv(self.down, b.act_ff, b.down, slot_mat=self.experts, slot_x=b.slot_x, stream=s)
-        qg.gemv(self.sh_gate, b.act_e, b.sg, stream=s)
-        qg.gemv(self.sh_up, b.act_e, b.su, stream=s)
-        activation.swiglu(b.sg, b.su, b.sa, stream=s)
+        qg.gemv(self.sh_gate, b.act_e, b.sa, up=self.sh_up, stream=s)
         qg.quantize_activations(b.sa, b.act_sff, stream=s)
         qg.gemv(self.sh_down, b.act_sff, b.shared, stream=s)
         qg.gemv(self.sh_inp, b.x, b.gate1, stream=s)
@@ -161,8 +158,8 @@ class GDNLayer:
         self.moe = MoE(wt, rng)
 
     def __call__(self, b: Buffers, s):
-        norm.add_rms_norm(b.delta, b.h, self.norm, b.x.reshape(E), EPS, stream=s)
-        qg.quantize_activations(b.x, b.act_e, stream=s)
+        norm.add_rms_norm(b.delta, b.h, self.norm, b.x.reshape(E), EPS, stream=s,
+                          act=b.act_e)
         for w, y in ((self.qkv, b.mixed), (self.gate, b.z), (self.alpha, b.a), (self.beta, b.b)):
             qg.gemv(w, b.act_e, y, stream=s)
         gated_delta.conv_silu_step(b.mixed.reshape(1, CONV), self.conv_w, self.conv_state,
@@ -190,8 +187,8 @@ class AttnLayer:
         self.moe = MoE(wt, rng)
 
     def __call__(self, b: Buffers, s):
-        norm.add_rms_norm(b.delta, b.h, self.norm, b.x.reshape(E), EPS, stream=s)
-        qg.quantize_activations(b.x, b.act_e, stream=s)
+        norm.add_rms_norm(b.delta, b.h, self.norm, b.x.reshape(E), EPS, stream=s,
+                          act=b.act_e)
         for w, y in ((self.q, b.q), (self.k, b.k), (self.v, b.v)):
             qg.gemv(w, b.act_e, y, stream=s)
         q, gate = b.q.reshape(8192)[:4096], b.q.reshape(8192)[4096:]
@@ -221,8 +218,8 @@ def build(max_ctx: int):
     def token(s):
         for layer in layers:
             layer(b, s)
-        norm.add_rms_norm(b.delta, b.h, out_norm, b.x.reshape(E), EPS, stream=s)
-        qg.quantize_activations(b.x, b.act_e, stream=s)
+        norm.add_rms_norm(b.delta, b.h, out_norm, b.x.reshape(E), EPS, stream=s,
+                          act=b.act_e)
         qg.gemv(output, b.act_e, b.logits, stream=s)
         sampling.sample(b.logits.reshape(1, N_VOCAB), b.temp, b.top_k, b.top_p, b.min_p, b.unif,
                         b.token, b.sampling, stream=s)

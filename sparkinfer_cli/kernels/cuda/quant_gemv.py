@@ -352,18 +352,23 @@ FLOAT_TYPES = frozenset({GGMLType.F32, GGMLType.F16, GGMLType.BF16})
 
 
 @functools.cache
-def _gemv_kernel(ggml_type: GGMLType, n_cols: int):
+def _gemv_kernel(ggml_type: GGMLType, n_cols: int, swiglu: bool = False):
+    """swiglu: also dot the same rows of a second matrix w2 (up) and write silu(W·x) · (W2·x)."""
     unit, blk_elems, blk_bytes, parts = _UNITS[ggml_type]
+    n_acc = 2 * n_cols if swiglu else n_cols
 
     @cuda.jit(device=True, inline=True)
-    def accumulate(acc, w, base, u, k, xq, xd, xs, xrow):
+    def accumulate(acc, w, w2, base, u, k, xq, xd, xs, xrow):
         blk = u // parts
         for c in range(n_cols):
-            acc[c] += unit(w, base + blk * blk_bytes, u - blk * parts, xq, xd, xs,
-                           xrow + c * k + blk * blk_elems)
+            xo = xrow + c * k + blk * blk_elems
+            acc[c] += unit(w, base + blk * blk_bytes, u - blk * parts, xq, xd, xs, xo)
+            if swiglu:
+                acc[n_cols + c] += unit(w2, base + blk * blk_bytes, u - blk * parts, xq, xd, xs, xo)
 
     @cuda.jit(fastmath=True)
-    def gemv(w, row_bytes, n_rows, mat_bytes, k, lanes_per_row, slot_mat, slot_x, xq, xd, xs, y):
+    def gemv(w, w2, row_bytes, n_rows, mat_bytes, k, lanes_per_row, slot_mat, slot_x, xq, xd, xs,
+             y):
         # a row per `lanes_per_row` lanes (32, fewer for short rows), two units in flight per lane
         slot = cuda.blockIdx.y
         lane = cuda.threadIdx.x % 32
@@ -373,8 +378,8 @@ def _gemv_kernel(ggml_type: GGMLType, n_cols: int):
             return
         row = first + lane // lanes_per_row
         sub = lane % lanes_per_row
-        acc = cuda.local.array(n_cols, float32)  # (n_cols,)
-        for c in range(n_cols):
+        acc = cuda.local.array(n_acc, float32)  # (n_cols,) or (gate cols, up cols)
+        for c in range(n_acc):
             acc[c] = 0.0
         if row < n_rows:
             base = slot_mat[slot] * mat_bytes + row * row_bytes
@@ -382,17 +387,20 @@ def _gemv_kernel(ggml_type: GGMLType, n_cols: int):
             n_units = k // blk_elems * parts
             u = sub
             while u + lanes_per_row < n_units:
-                accumulate(acc, w, base, u, k, xq, xd, xs, xrow)
-                accumulate(acc, w, base, u + lanes_per_row, k, xq, xd, xs, xrow)
+                accumulate(acc, w, w2, base, u, k, xq, xd, xs, xrow)
+                accumulate(acc, w, w2, base, u + lanes_per_row, k, xq, xd, xs, xrow)
                 u += 2 * lanes_per_row
             if u < n_units:
-                accumulate(acc, w, base, u, k, xq, xd, xs, xrow)
-        for c in range(n_cols):
-            total = acc[c]
+                accumulate(acc, w, w2, base, u, k, xq, xd, xs, xrow)
+        for c in range(n_acc):
             for offset in (16, 8, 4, 2, 1):
                 if offset < lanes_per_row:
-                    total += shfl_xor(total, offset)
-            if sub == 0 and row < n_rows:
+                    acc[c] += shfl_xor(acc[c], offset)
+        if sub == 0 and row < n_rows:
+            for c in range(n_cols):
+                total = acc[c]
+                if swiglu:
+                    total = total / (float32(1.0) + math.exp(-total)) * acc[n_cols + c]
                 y[(slot * n_cols + c) * n_rows + row] = total
     return gemv
 
@@ -479,12 +487,17 @@ def _default_slots():
     return _ONE_SLOT["slots"]
 
 
-def gemv(w: DeviceQuantMatrix, x, y, *, slot_mat=None, slot_x=None, stream=0) -> None:
+def gemv(w: DeviceQuantMatrix, x, y, *, slot_mat=None, slot_x=None,
+         up: DeviceQuantMatrix | None = None, stream=0) -> None:
     """y (n_slots, n_cols, n_rows) f32 ← W[slot_mat[s]] · x[slot_x[s]].
 
     x is a QuantizedActivations for quantized weights, a float32 (n_groups, n_cols, k) device array
     for F32/F16/BF16 weights. slot_mat/slot_x: int32 device arrays of length n_slots (default [0]).
+    up: a second matrix of the same type and shape; then y = silu(W·x) ⊙ (up·x) (fused SwiGLU).
     """
+    if up is not None and (up.ggml_type, up.k, up.n_rows, up.n_mats) != (
+            w.ggml_type, w.k, w.n_rows, w.n_mats):
+        raise ValueError("gate and up matrices must share type and shape for the fused SwiGLU")
     slot_mat = _default_slots() if slot_mat is None else slot_mat
     slot_x = _default_slots() if slot_x is None else slot_x
     n_slots = slot_mat.size
@@ -500,9 +513,9 @@ def gemv(w: DeviceQuantMatrix, x, y, *, slot_mat=None, slot_x=None, stream=0) ->
     check_array("y", y, np.float32, (n_slots, n_cols, w.n_rows))
     lanes = lanes_per_row(w.ggml_type, k)
     grid = (cdiv(w.n_rows, WARPS_PER_BLOCK * (32 // lanes)), n_slots)
-    _gemv_kernel(w.ggml_type, n_cols)[grid, 32 * WARPS_PER_BLOCK, stream](
-        w.data, w.row_bytes, w.n_rows, w.n_rows * w.row_bytes, k, lanes, slot_mat, slot_x,
-        xq, xd, xs, y.reshape(y.size))
+    _gemv_kernel(w.ggml_type, n_cols, up is not None)[grid, 32 * WARPS_PER_BLOCK, stream](
+        w.data, w.data if up is None else up.data, w.row_bytes, w.n_rows, w.n_rows * w.row_bytes,
+        k, lanes, slot_mat, slot_x, xq, xd, xs, y.reshape(y.size))
 
 
 # ---------------------------------------------------------------- numpy references
