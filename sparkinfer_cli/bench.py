@@ -1,0 +1,242 @@
+"""`sparkinfer bench`: prefill, batch-1 decode and concurrent-decode throughput of one model on
+one device, each against its roofline; results under bench/results/ (bench_report.py).
+
+Split by concern: bench_measure.py times the figures, bench_roofline.py knows the machine's peaks
+and what a pass must move, bench_report.py writes md + json + png.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from rich.table import Table
+
+from sparkinfer_cli.bench_measure import DepthBench, Measurement, Settings, measure_throughput
+from sparkinfer_cli.bench_report import BenchReport, ResultRow, percent, write_report
+from sparkinfer_cli.bench_roofline import MachinePeaks, ModelCost, machine_peaks, roofline
+
+if TYPE_CHECKING:
+    from sparkinfer_cli.gguf_file import GGUFFile
+    from sparkinfer_cli.model.base import CausalLM
+    from sparkinfer_cli.model.config import ModelConfig
+    from sparkinfer_cli.tokenizer.tokenizer import Tokenizer
+
+DEVICES = ("cpu", "cuda")
+DEFAULT_CTX = {"cuda": (512, 4096, 16384, 32768), "cpu": (64, 512)}  # a 2-core CPU can't do 32k
+DEFAULT_CONCURRENCY = {"cuda": (1, 8, 32, 64), "cpu": (1, 4)}
+SETTINGS = {
+    "cuda": Settings(decode_steps=64, prefill_chunk_tokens=4096, throughput_prompt_tokens=128),
+    "cpu": Settings(decode_steps=16, prefill_chunk_tokens=512, throughput_prompt_tokens=16),
+}
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    model: str | None  # path, demo name or hub ref (None with no synthetic: the default model)
+    synthetic: str | None  # preset of sparkinfer_cli.synthetic, written on first use
+    device: str  # cpu | cuda
+    ctx: tuple[int, ...] = ()  # prefill sizes = decode depths (empty: the device's defaults)
+    concurrency: tuple[int, ...] = ()  # concurrent sequences (empty: the device's defaults)
+    out_dir: Path = Path("bench/results")
+    command: str = "sparkinfer bench"
+
+    def __post_init__(self) -> None:
+        from sparkinfer_cli.synthetic import resolve_preset
+
+        if self.model is not None and self.synthetic is not None:
+            raise ValueError("give a model (-m) or a synthetic preset (--synthetic), not both")
+        if self.synthetic is not None:
+            resolve_preset(self.synthetic)  # ValueError naming the known presets
+        if self.device not in DEVICES:
+            raise ValueError(f"bench runs on one of {', '.join(DEVICES)}, not {self.device!r}")
+        if any(c < 1 for c in self.ctx):
+            raise ValueError(f"--ctx values must be at least 1 token, got {list(self.ctx)}")
+        if any(n < 1 for n in self.concurrency):
+            raise ValueError(f"--concurrency values must be at least 1, "
+                             f"got {list(self.concurrency)}")
+
+    @property
+    def ctx_values(self) -> tuple[int, ...]:
+        return self.ctx or DEFAULT_CTX[self.device]
+
+    @property
+    def concurrency_values(self) -> tuple[int, ...]:
+        return self.concurrency or DEFAULT_CONCURRENCY[self.device]
+
+    @property
+    def settings(self) -> Settings:
+        return SETTINGS[self.device]
+
+
+def run_bench(request: BenchRequest, console: Console) -> list[Path]:
+    """Measures, prints a table, writes the result files and returns their paths."""
+    from sparkinfer_cli.gguf_file import GGUFFile
+    from sparkinfer_cli.model.config import ModelConfig
+
+    path, label = resolve_bench_model(request, console)
+    gguf = GGUFFile(path)
+    config = ModelConfig.from_gguf(gguf)
+    check_fits(request, config)
+    model, tokenizer = _load(gguf, request.device, console)
+    with console.status("measuring the machine's peaks"):
+        peaks = machine_peaks(request.device)
+    report = _new_report(request, label, path, peaks, ModelCost.from_gguf(gguf, config))
+    measurements = run_measurements(request, model, tokenizer, console)
+    report.load_average["after"] = list(os.getloadavg())
+    report.results = [_row(m, report.cost, peaks) for m in measurements]
+    files = write_report(report, request.out_dir)
+    console.print(results_table(report))
+    for note in report.notes:
+        console.print(f"[yellow]{note}[/]")
+    console.print("wrote " + ", ".join(str(f) for f in files))
+    return files
+
+
+def check_fits(request: BenchRequest, config: ModelConfig) -> None:
+    """Refuses depths and concurrent requests the model's context cannot hold, before any work."""
+    s, limit = request.settings, config.context_length
+    for c in request.ctx_values:
+        if c + s.decode_steps > limit:
+            raise ValueError(f"--ctx {c} plus {s.decode_steps} decode steps exceeds the model's "
+                             f"context of {limit} tokens")
+    longest = s.throughput_prompt_tokens + max(request.concurrency_values) + s.decode_steps
+    if longest > limit:
+        raise ValueError(f"--concurrency {max(request.concurrency_values)} needs requests of "
+                         f"{longest} tokens, more than the model's context of {limit}")
+
+
+# ---- model ---------------------------------------------------------------------------------------
+def synthetic_path(preset: str) -> Path:
+    from sparkinfer_cli.demo_models import cache_dir
+
+    return cache_dir().parent / "synthetic" / f"{preset}.gguf"
+
+
+def resolve_bench_model(request: BenchRequest, console: Console) -> tuple[Path, str]:
+    """(GGUF path, the label results are filed under)."""
+    from sparkinfer_cli.demo_models import DEMO_MODELS
+    from sparkinfer_cli.hub import HubError, resolve_model
+
+    if request.synthetic is not None:
+        return ensure_synthetic(request.synthetic, console), request.synthetic
+    try:
+        path, note = resolve_model(request.model, prefer_gpu=request.device == "cuda")
+    except HubError as exc:
+        raise ValueError(str(exc)) from exc
+    if note:
+        console.print(f"[yellow]{note}[/]")
+    demo = next((name for name, asset in DEMO_MODELS.items() if asset.filename == path.name), None)
+    return path, demo or path.stem
+
+
+def ensure_synthetic(preset: str, console: Console) -> Path:
+    from sparkinfer_cli.synthetic import write_synthetic
+
+    path = synthetic_path(preset)
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with Progress(TextColumn("writing {task.description}"), BarColumn(), DownloadColumn(),
+                  TimeElapsedColumn(), console=console) as progress:
+        task = progress.add_task(path.name, total=None)
+        write_synthetic(path, preset, progress=lambda done, total: progress.update(
+            task, completed=done, total=total))
+    return path
+
+
+def _load(gguf: GGUFFile, device: str, console: Console) -> tuple[CausalLM, Tokenizer]:
+    from sparkinfer_cli.model.loader import load_model
+    from sparkinfer_cli.tokenizer.tokenizer import Tokenizer
+
+    with console.status(f"loading {gguf.path.name} on {device}"):
+        return load_model(gguf, device), Tokenizer.from_gguf(gguf)
+
+
+# ---- measuring -----------------------------------------------------------------------------------
+def run_measurements(request: BenchRequest, model: CausalLM, tokenizer: Tokenizer,
+                     console: Console) -> list[Measurement]:
+    """Warm-up, then prefill + decode at each ctx, then throughput at each concurrency."""
+    num_figures = 2 * len(request.ctx_values) + len(request.concurrency_values)
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console) as progress:
+        task = progress.add_task("warm-up", total=num_figures)
+
+        def timed(label: str, measure: Callable[[], Measurement]) -> Measurement:
+            progress.update(task, description=label)
+            result = measure()
+            progress.advance(task)
+            return result
+
+        results = _depth_figures(request, model, timed)
+        results += [timed(f"throughput, {n} sequences",
+                          partial(measure_throughput, model, tokenizer, n, request.settings))
+                    for n in request.concurrency_values]
+    return results
+
+
+Timed = Callable[[str, Callable[[], Measurement]], Measurement]
+
+
+def _depth_figures(request: BenchRequest, model: CausalLM, timed: Timed) -> list[Measurement]:
+    """Prefill and decode at each depth (their KV cache is gone before the engine makes its own)."""
+    depths = DepthBench(model, max(request.ctx_values), request.settings)
+    depths.warm_up()
+    results = []
+    for c in request.ctx_values:
+        results.append(timed(f"prefill {c} tokens", partial(depths.prefill, c)))
+        results.append(timed(f"decode after {c} tokens", partial(depths.decode, c)))
+    return results
+
+
+def _row(m: Measurement, cost: ModelCost, peaks: MachinePeaks) -> ResultRow:
+    fraction, bound = roofline(cost, peaks, m.tokens_per_pass, m.tok_s)
+    return ResultRow(m.kind, m.ctx, m.concurrency, m.tok_s, fraction, bound)
+
+
+# ---- report --------------------------------------------------------------------------------------
+def _new_report(request: BenchRequest, label: str, path: Path, peaks: MachinePeaks,
+                cost: ModelCost) -> BenchReport:
+    return BenchReport(
+        model=label, model_file=path.name, device=peaks.name, device_kind=request.device,
+        commit=git_commit(), date=datetime.now().astimezone().isoformat(timespec="seconds"),
+        command=request.command, peaks=peaks, cost=cost, settings=request.settings,
+        load_average={"before": list(os.getloadavg())})
+
+
+def git_commit() -> str:
+    try:
+        proc = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent,
+                              capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return proc.stdout.strip() if proc.returncode == 0 else "unknown"
+
+
+def results_table(report: BenchReport) -> Table:
+    load = report.load_average["before"][0]
+    table = Table(title=f"{report.model} on {report.device} (load average {load:.1f})")
+    for name in ("figure", "ctx", "concurrency", "tok/s", "roofline", "bound", "llama.cpp"):
+        table.add_column(name, justify="left" if name in ("figure", "bound") else "right")
+    anchored = {(r.kind, r.ctx, r.concurrency): a for a, r in report.anchors()}
+    for r in report.results:
+        a = anchored.get((r.kind, r.ctx, r.concurrency))
+        ref = f"{a.tok_s:,.1f} ({r.tok_s / a.tok_s:.2f}×)" if a else "—"
+        table.add_row(r.kind, str(r.ctx), str(r.concurrency), f"{r.tok_s:,.1f}",
+                      percent(r.roofline_fraction), r.bound, ref)
+    return table

@@ -1,0 +1,178 @@
+"""The three timed figures of `sparkinfer bench`, each through the real model (and, for throughput,
+the real ContinuousBatchEngine): prefill of a prompt, batch-1 decode after it, and the decode
+throughput of N sequences together. Prompts are seeded random token ids, never zeros.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from sparkinfer_cli.model.batch import SequenceBatch
+
+if TYPE_CHECKING:
+    from sparkinfer_cli.engine.engine import ContinuousBatchEngine
+    from sparkinfer_cli.engine.request import RequestEvent
+    from sparkinfer_cli.engine.sampling_params import SamplingParams
+    from sparkinfer_cli.model.base import CausalLM
+    from sparkinfer_cli.model.cache import ModelCache
+    from sparkinfer_cli.tokenizer.tokenizer import Tokenizer
+
+BLOCK_SIZE = 16
+PREFILL_REPEATS = 3  # at most; a repeat starts only while the budget below is not spent
+PREFILL_BUDGET_S = 10.0
+WARMUP_TOKENS = 8
+WARMUP_ROUNDS = 2
+
+
+@dataclass(frozen=True)
+class Settings:
+    decode_steps: int  # batch-1 decode steps timed per depth (median), and the throughput window
+    prefill_chunk_tokens: int  # longest prompt piece in one forward pass
+    throughput_prompt_tokens: int  # prompt of each concurrent sequence
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Measurement:
+    kind: str  # prefill | decode | throughput
+    ctx: int  # prompt tokens (prefill), depth (decode), prompt of each sequence (throughput)
+    concurrency: int
+    tok_s: float
+    tokens_per_pass: int  # tokens one forward pass carries (for the roofline)
+
+
+def random_ids(rng: np.random.Generator, n_vocab: int, n: int) -> np.ndarray:
+    return rng.integers(0, n_vocab, size=n, dtype=np.int32)  # (n,)
+
+
+class DepthBench:
+    """Prefill and batch-1 decode over one KV cache long enough for the deepest context."""
+
+    def __init__(self, model: CausalLM, max_ctx: int, settings: Settings):
+        self.model, self.settings = model, settings
+        self.rng = np.random.default_rng(settings.seed)
+        num_blocks = -(-(max_ctx + settings.decode_steps) // BLOCK_SIZE)
+        self.cache: ModelCache = model.create_cache(num_blocks, BLOCK_SIZE, 2)
+        self.block_table = np.arange(num_blocks, dtype=np.int32)  # (num_blocks,)
+
+    def warm_up(self) -> None:
+        """Compiles the lazily compiled kernels and wakes thread pools: a prompt, decode steps and
+        a 2-sequence batch, twice."""
+        half = self.block_table[len(self.block_table) // 2:]
+        for _ in range(WARMUP_ROUNDS):
+            ids = self._ids(WARMUP_TOKENS)
+            self._forward(ids, 0)
+            for step in range(WARMUP_TOKENS // 2):
+                self._forward(ids[step:step + 1], WARMUP_TOKENS + step)
+            pair = SequenceBatch(self._ids(2), [WARMUP_TOKENS, 0], [1, 1],
+                                 [self.block_table, half], [0, 1])
+            self.model.forward(pair, self.cache)
+
+    def prefill(self, ctx: int) -> Measurement:
+        ids = self._ids(ctx)
+        times: list[float] = []
+        while len(times) < PREFILL_REPEATS and \
+                sum(times) + max(times, default=0) < PREFILL_BUDGET_S:
+            times.append(_timed(lambda: self._prefill(ids)))
+        chunk = min(ctx, self.settings.prefill_chunk_tokens)
+        return Measurement("prefill", ctx, 1, ctx / statistics.median(times), chunk)
+
+    def decode(self, ctx: int) -> Measurement:
+        """Median step time over decode_steps steps after a ctx-token prompt (just prefilled)."""
+        ids = self._ids(self.settings.decode_steps)
+        times = [_timed(lambda: self._forward(ids[i:i + 1], ctx + i)) for i in range(len(ids))]
+        return Measurement("decode", ctx, 1, 1.0 / statistics.median(times), 1)
+
+    def _prefill(self, ids: np.ndarray) -> None:
+        if self.model.config.is_hybrid:
+            self.cache.reset_state(0)
+        step = self.settings.prefill_chunk_tokens
+        for start in range(0, len(ids), step):
+            self._forward(ids[start:start + step], start)
+
+    def _forward(self, ids: np.ndarray, start: int) -> np.ndarray:
+        return self.model.forward(SequenceBatch.single(ids, start, self.block_table), self.cache)
+
+    def _ids(self, n: int) -> np.ndarray:
+        return random_ids(self.rng, self.model.config.n_vocab, n)
+
+
+def _timed(run: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    run()  # NOTE: forward returns host logits, so the device has finished when it returns
+    return time.perf_counter() - start
+
+
+# ---- throughput through the engine ---------------------------------------------------------------
+Event = tuple[float, str, int, bool]  # (time, request id, output tokens so far, finished)
+
+
+def measure_throughput(model: CausalLM, tokenizer: Tokenizer, concurrency: int,
+                       settings: Settings) -> Measurement:
+    """concurrency greedy requests at once; tokens/s while all of them decode together."""
+    from sparkinfer_cli.engine.engine import ContinuousBatchEngine, EngineConfig
+    from sparkinfer_cli.engine.sampling_params import SamplingParams
+
+    prompt = settings.throughput_prompt_tokens
+    # NOTE: one prefill joins per step, so request k decodes from step k on: the window in which
+    # all of them decode is max_tokens − concurrency steps long
+    max_tokens = concurrency + settings.decode_steps
+    blocks_per_seq = -(-(prompt + max_tokens) // BLOCK_SIZE)
+    config = EngineConfig(ctx=concurrency * blocks_per_seq * BLOCK_SIZE, block_size=BLOCK_SIZE,
+                          max_batch_tokens=concurrency + prompt, max_num_seqs=concurrency,
+                          max_output_tokens=max_tokens)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    rng = np.random.default_rng(settings.seed + concurrency)
+    prompts = [random_ids(rng, model.config.n_vocab, prompt).tolist() for _ in range(concurrency)]
+    events = _run_requests(ContinuousBatchEngine(model, tokenizer, config), prompts, params)
+    return Measurement("throughput", prompt, concurrency, decode_throughput(events), concurrency)
+
+
+def _run_requests(engine: ContinuousBatchEngine, prompts: Sequence[list[int]],
+                  params: SamplingParams) -> list[Event]:
+    events: list[Event] = []
+    errors: list[str] = []
+    done = threading.Semaphore(0)
+
+    def on_event(event: RequestEvent) -> None:  # engine thread
+        events.append((time.monotonic(), event.request_id, event.num_output_tokens,
+                       event.finish_reason is not None))
+        if event.finish_reason is not None:
+            if event.finish_reason != "length":
+                errors.append(f"{event.finish_reason}: {event.error}")
+            done.release()
+
+    engine.start()
+    try:
+        for ids in prompts:
+            engine.submit(ids, params, on_event)
+        for _ in prompts:
+            done.acquire()
+    finally:
+        engine.shutdown()
+    if errors:
+        raise RuntimeError(f"a throughput request failed: {errors[0]}")
+    return events
+
+
+def decode_throughput(events: Sequence[Event]) -> float:
+    """Output tokens/s over all requests between the moment the last one got its first token and
+    the moment the first one finished: the span in which every request decodes."""
+    requests = {request_id for _, request_id, _, _ in events}
+    first_token = {r: min(t for t, rid, n, _ in events if rid == r and n >= 1) for r in requests}
+    finished = {r: min(t for t, rid, _, fin in events if rid == r and fin) for r in requests}
+    t0, t1 = max(first_token.values()), min(finished.values())
+    if t1 <= t0:
+        raise RuntimeError("no span in which all sequences decoded together; raise decode steps")
+
+    def tokens_at(r: str, t: float) -> int:
+        return max((n for te, rid, n, _ in events if rid == r and te <= t), default=0)
+
+    return sum(tokens_at(r, t1) - tokens_at(r, t0) for r in requests) / (t1 - t0)

@@ -1,0 +1,214 @@
+"""What `sparkinfer bench` writes: <date>-<model>-<device>.json, .md (with llama.cpp's figures for
+the same model and machine where we have them) and a .png chart (when matplotlib is importable)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sparkinfer_cli.bench_measure import Settings
+from sparkinfer_cli.bench_roofline import MachinePeaks, ModelCost
+
+KINDS = ("prefill", "decode", "throughput")
+
+
+@dataclass(frozen=True)
+class Anchor:
+    """A llama.cpp figure comparable to our (kind, ctx) row."""
+
+    kind: str
+    ctx: int
+    tok_s: float
+    test: str  # llama-bench's name for it
+
+
+CPU_ANCHOR_SOURCE = ("llama-bench -t 2, llama.cpp 0c1e57098 CPU build, 2-core AMD EPYC "
+                     "(tests/fixtures/real/llama_bench_qwen25coder.json)")
+H200_ANCHOR_SOURCE = ("llama-bench -ngl 99, flash-attn on, KV f16, llama.cpp 0c1e57098 on one H200 "
+                      "(shared/anchors/llamacpp-h200.md)")
+# (model, device) → (source, figures); decode "after 0 tokens" is set against our shallowest depth
+LLAMA_CPP_ANCHORS: dict[tuple[str, str], tuple[str, tuple[Anchor, ...]]] = {
+    ("qwen2.5-coder-0.5b", "cpu"): (CPU_ANCHOR_SOURCE, (
+        Anchor("prefill", 64, 124.3, "pp64"), Anchor("decode", 64, 32.2, "tg32 (depth 0)"))),
+    ("qwen3.6-35b-a3b", "cuda"): (H200_ANCHOR_SOURCE, (
+        Anchor("prefill", 512, 5740, "pp512"), Anchor("prefill", 4096, 5614, "pp4096"),
+        Anchor("decode", 512, 225, "tg128 (depth 0)"), Anchor("decode", 4096, 228, "tg128 @ d4096"),
+        Anchor("decode", 32768, 204, "tg128 @ d32768"))),
+    ("qwen3-30b-a3b", "cuda"): (H200_ANCHOR_SOURCE, (
+        Anchor("prefill", 512, 10600, "pp512"), Anchor("prefill", 4096, 9981, "pp4096"),
+        Anchor("decode", 512, 302, "tg128 (depth 0)"), Anchor("decode", 4096, 256, "tg128 @ d4096"),
+        Anchor("decode", 32768, 211, "tg128 @ d32768"))),
+}
+
+
+@dataclass(frozen=True)
+class ResultRow:
+    kind: str
+    ctx: int
+    concurrency: int
+    tok_s: float
+    roofline_fraction: float
+    bound: str  # memory | compute: the roof the fraction is taken against
+
+
+@dataclass
+class BenchReport:
+    model: str  # label: demo name, synthetic preset or file stem
+    model_file: str
+    device: str  # GPU name or CPU model
+    device_kind: str  # cpu | cuda
+    commit: str
+    date: str  # ISO 8601, local time
+    command: str
+    peaks: MachinePeaks
+    cost: ModelCost
+    settings: Settings
+    load_average: dict[str, list[float]]  # before / after: 1, 5, 15-minute load averages
+    results: list[ResultRow] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def stem(self) -> str:
+        label = re.sub(r"[^A-Za-z0-9._-]+", "_", self.model)
+        return f"{self.date[:10]}-{label}-{self.device_kind}"
+
+    def anchors(self) -> list[tuple[Anchor, ResultRow]]:
+        _, figures = LLAMA_CPP_ANCHORS.get((self.model, self.device_kind), ("", ()))
+        return [(a, r) for a in figures for r in self.results if (r.kind, r.ctx) == (a.kind, a.ctx)]
+
+
+def write_report(report: BenchReport, out_dir: Path) -> list[Path]:
+    """Writes the chart (if it can), the JSON and the markdown; returns their paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    base = out_dir / report.stem
+    chart = write_chart(report, base.with_suffix(".png"))
+    base.with_suffix(".json").write_text(json.dumps(report_json(report, chart), indent=2) + "\n")
+    base.with_suffix(".md").write_text(report_markdown(report, chart))
+    return [p for p in (base.with_suffix(".md"), base.with_suffix(".json"), chart) if p]
+
+
+def report_json(report: BenchReport, chart: Path | None) -> dict:
+    source, _ = LLAMA_CPP_ANCHORS.get((report.model, report.device_kind), ("", ()))
+    return {
+        "model": report.model, "model_file": report.model_file, "device": report.device,
+        "device_kind": report.device_kind, "commit": report.commit, "date": report.date,
+        "command": report.command,
+        "machine": dataclasses.asdict(report.peaks) | {"load_average": report.load_average},
+        "model_cost": dataclasses.asdict(report.cost) | {
+            "active_params": report.cost.active_params,
+            "decode_bytes_per_token": report.cost.bytes_per_pass(1)},
+        "settings": dataclasses.asdict(report.settings),
+        "results": [dataclasses.asdict(r) for r in report.results],
+        "llama_cpp": [{"kind": a.kind, "ctx": a.ctx, "test": a.test, "tok_s": a.tok_s,
+                       "ratio": r.tok_s / a.tok_s, "source": source} for a, r in report.anchors()],
+        "chart": chart.name if chart else None,
+        "notes": report.notes,
+    }
+
+
+# ---- markdown ------------------------------------------------------------------------------------
+def report_markdown(report: BenchReport, chart: Path | None) -> str:
+    lines = [f"# sparkinfer bench: {report.model} on {report.device_kind}", "",
+             *_header_lines(report), "", *_table_lines(report), "", *_method_lines(report)]
+    lines += ["", f"![chart]({chart.name})" if chart else "No chart (see notes)."]
+    if report.notes:
+        lines += ["", "Notes:", *(f"- {note}" for note in report.notes)]
+    return "\n".join(lines) + "\n"
+
+
+def _header_lines(report: BenchReport) -> list[str]:
+    peaks, cost, load = report.peaks, report.cost, report.load_average
+    return [
+        f"- date: {report.date}; commit `{report.commit}`",
+        f"- command: `{report.command}`",
+        f"- model: {report.model} (`{report.model_file}`), {cost.active_params / 1e6:.1f} M active "
+        f"params, {cost.bytes_per_pass(1) / 1e6:.1f} MB of weights read per decoded token",
+        f"- machine: {peaks.name}; memory bandwidth {peaks.memory_bandwidth / 1e9:.1f} GB/s, "
+        f"peak {peaks.peak_flops / 1e12:.3g} TFLOP/s ({peaks.note})",
+        f"- load average (1/5/15 min) before: {_load(load['before'])}, "
+        f"after: {_load(load['after'])} (this machine is shared; the figures move with it)",
+    ]
+
+
+def _load(values: list[float]) -> str:
+    return " / ".join(f"{v:.2f}" for v in values)
+
+
+def _table_lines(report: BenchReport) -> list[str]:
+    anchored = {(r.kind, r.ctx, r.concurrency): a for a, r in report.anchors()}
+    lines = ["| figure | ctx | concurrency | tok/s | roofline | bound | llama.cpp | ratio |",
+             "|---|---:|---:|---:|---:|---|---:|---:|"]
+    for r in report.results:
+        a = anchored.get((r.kind, r.ctx, r.concurrency))
+        ref = f"{a.tok_s:,.1f} ({a.test}) | {r.tok_s / a.tok_s:.2f}×" if a else "— | —"
+        lines.append(f"| {r.kind} | {r.ctx} | {r.concurrency} | {r.tok_s:,.1f} | "
+                     f"{percent(r.roofline_fraction)} | {r.bound} | {ref} |")
+    return lines
+
+
+def percent(fraction: float) -> str:
+    """12 % → "12%", 0.0637 % → "0.064%": two significant digits below 10 %."""
+    value = 100 * fraction
+    return f"{value:.0f}%" if value >= 10 else f"{value:.2g}%"
+
+
+def _method_lines(report: BenchReport) -> list[str]:
+    s = report.settings
+    source, _ = LLAMA_CPP_ANCHORS.get((report.model, report.device_kind), ("", ()))
+    lines = [
+        f"Method: prompts are random token ids (seed {s.seed}); kernels warmed up first. "
+        f"prefill: the ctx-token prompt in pieces of ≤ {s.prefill_chunk_tokens} tokens (median "
+        f"of ≤ 3 runs). "
+        f"decode: batch 1 after ctx tokens, median over {s.decode_steps} steps (random input ids, "
+        f"no sampling). throughput: N greedy requests of {s.throughput_prompt_tokens} prompt "
+        f"tokens through the ContinuousBatchEngine; output tokens/s while all N decode together "
+        f"({s.decode_steps} steps).",
+        "Roofline: floor = max(weight bytes read per pass / bandwidth, 2 × active params × tokens "
+        "/ peak FLOPs) over the measured time; MoE counts the routed experts the pass's tokens "
+        "are expected to touch (n_expert_used of n_expert per token); KV-cache reads and "
+        "attention FLOPs are not counted.",
+    ]
+    if source:
+        lines.append(f"llama.cpp: {source}; ratio = ours / llama.cpp.")
+    return lines
+
+
+# ---- chart ---------------------------------------------------------------------------------------
+def write_chart(report: BenchReport, path: Path) -> Path | None:
+    """Bar charts of tok/s per kind, labelled with the roofline fraction; None if not drawn."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        report.notes.append("PNG skipped: matplotlib is not installed "
+                            "(pip install matplotlib, or the `bench` extra)")
+        return None
+    try:
+        _draw(plt, report, path)
+    except Exception as exc:  # NOTE: a chart problem must never cost the measured figures
+        report.notes.append(f"PNG skipped: drawing the chart failed ({exc})")
+        return None
+    return path
+
+
+def _draw(plt, report: BenchReport, path: Path) -> None:
+    kinds = [k for k in KINDS if any(r.kind == k for r in report.results)]
+    fig, axes = plt.subplots(1, len(kinds), figsize=(4.5 * len(kinds), 4), squeeze=False)
+    for ax, kind in zip(axes[0], kinds):
+        rows = [r for r in report.results if r.kind == kind]
+        x_of = (lambda r: r.concurrency) if kind == "throughput" else (lambda r: r.ctx)
+        bars = ax.bar([str(x_of(r)) for r in rows], [r.tok_s for r in rows], color="#4477aa")
+        ax.bar_label(bars, [f"{r.tok_s:,.1f}\n{percent(r.roofline_fraction)} roof" for r in rows],
+                     fontsize=8)
+        ax.set_title(kind)
+        ax.set_xlabel("concurrent sequences" if kind == "throughput" else "ctx (tokens)")
+        ax.set_ylabel("tok/s")
+        ax.margins(y=0.25)
+    fig.suptitle(f"{report.model} on {report.device} ({report.date[:10]})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,211 @@
+"""`sparkinfer bench` on a tiny synthetic model: the files and their fields, the roofline and
+throughput arithmetic against hand-computed values, llama.cpp anchors against the fixture, and
+clear errors for bad input."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import subprocess
+import sys
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from sparkinfer_cli.bench import BenchRequest, run_bench
+from sparkinfer_cli.bench_measure import Settings, decode_throughput
+from sparkinfer_cli.bench_report import (
+    BenchReport,
+    ResultRow,
+    report_json,
+    report_markdown,
+    write_report,
+)
+from sparkinfer_cli.bench_roofline import MachinePeaks, ModelCost, cpu_info, roofline
+from sparkinfer_cli.gguf_file import GGUFFile
+from sparkinfer_cli.model.config import ModelConfig
+from sparkinfer_cli.synthetic import tensor_plan, write_synthetic
+
+COMMAND = "sparkinfer bench --synthetic tiny-qwen3 --device cpu --ctx 16"
+EXPECTED_ROWS = [("prefill", 16, 1), ("decode", 16, 1), ("throughput", 16, 1),
+                 ("throughput", 16, 2)]
+
+
+@pytest.fixture(scope="module")
+def cache_env(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPARKINFER_CACHE_DIR", str(tmp_path_factory.mktemp("cache") / "models"))
+        yield
+
+
+@pytest.fixture(scope="module")
+def bench_run(cache_env, tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("results")
+    console = Console(file=io.StringIO(), width=120)
+    files = run_bench(BenchRequest(None, "tiny-qwen3", "cpu", (16,), (1, 2), out_dir, COMMAND),
+                      console)
+    return files, out_dir, console.file.getvalue()
+
+
+def _result_json(out_dir: Path) -> dict:
+    (path,) = out_dir.glob("*.json")
+    return json.loads(path.read_text())
+
+
+# ---- the real run --------------------------------------------------------------------------------
+def test_files_are_written_under_date_model_device(bench_run):
+    files, out_dir, _ = bench_run
+    stem = f"{datetime.now().date().isoformat()}-tiny-qwen3-cpu"
+    names = {p.name for p in out_dir.iterdir()}
+    assert {f"{stem}.md", f"{stem}.json"} <= names
+    assert set(files) <= {out_dir / n for n in names}
+    chart = _result_json(out_dir)["chart"]
+    try:
+        import matplotlib  # noqa: F401
+        assert chart == f"{stem}.png" and (out_dir / chart).stat().st_size > 1000
+    except ImportError:
+        assert chart is None and f"{stem}.png" not in names
+
+
+def test_json_fields_and_types(bench_run):
+    _, out_dir, _ = bench_run
+    data = _result_json(out_dir)
+    assert data["model"] == "tiny-qwen3" and data["command"] == COMMAND
+    assert data["device"] == cpu_info()["model name"]
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent,
+                          capture_output=True, text=True)
+    assert data["commit"] == (head.stdout.strip() if head.returncode == 0 else "unknown")
+    assert datetime.fromisoformat(data["date"]).date() == datetime.now().date()
+    rows = data["results"]
+    assert [(r["kind"], r["ctx"], r["concurrency"]) for r in rows] == EXPECTED_ROWS
+    for r in rows:
+        assert isinstance(r["tok_s"], float) and r["tok_s"] > 0
+        assert isinstance(r["roofline_fraction"], float) and 0 < r["roofline_fraction"] <= 1
+        assert r["bound"] in ("memory", "compute")
+    load = data["machine"]["load_average"]
+    assert len(load["before"]) == 3 and len(load["after"]) == 3
+
+
+def test_markdown_and_console_show_every_figure(bench_run):
+    _, out_dir, console_text = bench_run
+    (md_path,) = out_dir.glob("*.md")
+    md = md_path.read_text()
+    for r in _result_json(out_dir)["results"]:
+        row = f"| {r['kind']} | {r['ctx']} | {r['concurrency']} | {r['tok_s']:,.1f} |"
+        assert row in md
+        assert f"{r['tok_s']:,.1f}" in console_text
+    assert cpu_info()["model name"] in md and "load average" in md
+
+
+# ---- arithmetic against hand-computed values -----------------------------------------------------
+def _cost(preset: str, tmp_path: Path) -> ModelCost:
+    gguf = GGUFFile(write_synthetic(tmp_path / f"{preset}.gguf", preset))
+    return ModelCost.from_gguf(gguf, ModelConfig.from_gguf(gguf))
+
+
+def test_model_cost_counts_tied_embeddings_and_active_experts(tmp_path):
+    plan = tensor_plan("tiny-qwen3")  # tied: the output matmul reads token_embd
+    dense = _cost("tiny-qwen3", tmp_path)
+    assert dense.bytes_per_pass(1) == sum(t.n_bytes for t in plan)
+    assert dense.flops_per_pass(3) == 2 * 3 * sum(t.n_elements for t in plan)
+
+    plan = [t for t in tensor_plan("tiny-qwen3moe") if t.name != "token_embd.weight"]  # untied
+    experts = sum(t.n_bytes for t in plan if t.name.endswith("_exps.weight"))
+    moe = _cost("tiny-qwen3moe", tmp_path)
+    assert experts > 0 and moe.n_expert == 8 and moe.n_expert_used == 2
+    assert moe.bytes_per_pass(1) == pytest.approx(sum(t.n_bytes for t in plan) - experts * 6 / 8)
+    two_tokens = 1 - (6 / 8) ** 2  # share of experts that 2 tokens touch
+    assert moe.bytes_per_pass(2) == pytest.approx(sum(t.n_bytes for t in plan)
+                                                  - experts * (1 - two_tokens))
+
+
+def test_roofline_takes_the_binding_roof():
+    cost = ModelCost(dense_bytes=10**9, expert_bytes=0, dense_params=10**9, expert_params=0)
+    peaks = MachinePeaks("test", memory_bandwidth=1e10, peak_flops=1e12, note="")
+    # decode: 1 GB at 10 GB/s = 0.1 s floor; 5 tok/s = 0.2 s
+    assert roofline(cost, peaks, 1, 5.0) == (pytest.approx(0.5), "memory")
+    # prefill 1000 tokens: 2e12 FLOPs at 1e12 = 2 s floor; 250 tok/s = 4 s
+    assert roofline(cost, peaks, 1000, 250.0) == (pytest.approx(0.5), "compute")
+
+
+def test_decode_throughput_counts_only_the_span_where_all_decode():
+    # a: first token at t=0, one per second, finishes at t=5 (6 tokens); b: first at t=1, ends t=7
+    events = [(float(t), "a", t + 1, t == 5) for t in range(6)]
+    events += [(t + 0.5, "b", t, t == 7) for t in range(1, 8)]
+    # span (1.5, 5]: a goes 2 → 6, b goes 1 → 4 (its count at t=4.5): 7 tokens in 3.5 s
+    assert decode_throughput(events) == pytest.approx(7 / 3.5)
+    with pytest.raises(RuntimeError, match="decode steps"):
+        decode_throughput([(0.0, "a", 1, True), (1.0, "b", 1, True)])
+
+
+# ---- llama.cpp anchors and the chart fallback ----------------------------------------------------
+def _fake_report(model: str, rows: list[ResultRow]) -> BenchReport:
+    return BenchReport(model=model, model_file=f"{model}.gguf", device="AMD EPYC",
+                       device_kind="cpu", commit="abc", date="2026-11-30T10:00:00+00:00",
+                       command="sparkinfer bench", peaks=MachinePeaks("AMD EPYC", 1e10, 1e11, "x"),
+                       cost=ModelCost(10**8, 0, 10**8, 0), settings=Settings(16, 512, 16),
+                       load_average={"before": [1.0, 2.0, 3.0], "after": [1.5, 2.0, 3.0]},
+                       results=rows)
+
+
+def test_cpu_anchor_matches_the_llama_bench_fixture(fixtures_dir):
+    summary = json.loads((fixtures_dir / "real" / "llama_bench_qwen25coder.json").read_text())
+    pp64, tg32 = (summary["summary"][k]["avg_tokens_per_s"] for k in ("pp64", "tg32"))
+    rows = [ResultRow("prefill", 64, 1, 62.0, 0.1, "compute"),
+            ResultRow("decode", 64, 1, 16.0, 0.2, "memory"),
+            ResultRow("decode", 512, 1, 15.0, 0.2, "memory")]
+    report = _fake_report("qwen2.5-coder-0.5b", rows)
+    anchors = {a["test"]: a for a in report_json(report, None)["llama_cpp"]}
+    assert set(anchors) == {"pp64", "tg32 (depth 0)"}
+    assert anchors["pp64"]["tok_s"] == pytest.approx(pp64, abs=0.05)
+    assert anchors["tg32 (depth 0)"]["tok_s"] == pytest.approx(tg32, abs=0.05)
+    assert anchors["pp64"]["ratio"] == pytest.approx(62.0 / anchors["pp64"]["tok_s"])
+    md = report_markdown(report, None)
+    assert re.search(r"\| prefill \| 64 \| 1 \| 62\.0 \|.*124\.3 \(pp64\) \| 0\.50× \|", md)
+    assert "| decode | 512 | 1 | 15.0 | 20% | memory | — | — |" in md
+    assert "llama.cpp:" not in report_markdown(_fake_report("tiny-qwen3", rows), None)
+
+
+def test_missing_matplotlib_skips_the_chart_with_a_note(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import → ImportError
+    report = _fake_report("tiny-qwen3", [ResultRow("decode", 16, 1, 10.0, 0.5, "memory")])
+    files = write_report(report, tmp_path)
+    assert sorted(p.suffix for p in files) == [".json", ".md"]
+    assert not list(tmp_path.glob("*.png"))
+    assert "PNG skipped" in _result_json(tmp_path)["notes"][0]
+    assert "PNG skipped" in (tmp_path / f"{report.stem}.md").read_text()
+
+
+# ---- bad input -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs, message", [
+    ({"synthetic": "no-such-preset"}, "unknown synthetic preset 'no-such-preset'"),
+    ({"concurrency": (1, 0)}, "--concurrency values must be at least 1"),
+    ({"ctx": (0,)}, "--ctx values must be at least 1"),
+    ({"model": "x.gguf"}, "not both"),
+    ({"device": "tpu"}, "cpu, cuda"),
+])
+def test_bad_requests_are_refused(kwargs, message):
+    fields = {"model": None, "synthetic": "tiny-qwen3", "device": "cpu"} | kwargs
+    with pytest.raises(ValueError, match=re.escape(message)):
+        BenchRequest(**fields)
+
+
+def test_ctx_beyond_the_model_context_is_refused_before_measuring(cache_env, tmp_path):
+    request = BenchRequest(None, "tiny-qwen3", "cpu", (16, 5000), (1,), tmp_path, "x")
+    with pytest.raises(ValueError, match="--ctx 5000 plus 16 decode steps exceeds the model's "
+                                         "context of 4096 tokens"):
+        run_bench(request, Console(file=io.StringIO()))
+    assert not list(tmp_path.iterdir())
+
+
+def test_cli_reports_a_bad_preset_cleanly():
+    from typer.testing import CliRunner
+
+    from sparkinfer_cli.cli import app
+
+    result = CliRunner().invoke(app, ["bench", "--synthetic", "nope", "--device", "cpu"])
+    assert result.exit_code == 1
+    assert "unknown synthetic preset 'nope'" in result.output
