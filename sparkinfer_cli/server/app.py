@@ -157,11 +157,24 @@ def run_server(model_path: str | Path, host: str | None = None, port: int | None
     engine_config = build_engine_config(ctx, model.config.context_length, environ)
     engine = ContinuousBatchEngine(model, tokenizer, engine_config)
     engine.start()
+    warm_up(engine, tokenizer)
     try:
         serve(create_app(engine, tokenizer, ChatTemplate.from_tokenizer(tokenizer), server_config),
               server_config)
     finally:
         engine.shutdown(wait=False)
+
+
+def warm_up(engine: Any, tokenizer: Any, timeout_s: float = 600.0) -> None:
+    """One tiny greedy request before serving, so JIT compilation (or loading the kernel cache)
+    is not paid by the first client, nor counted against its SPARKINFER_REQUEST_TIMEOUT_S."""
+    from sparkinfer_cli.engine.sampling_params import SamplingParams
+
+    finished = threading.Event()
+    engine.submit(tokenizer.encode("Hello") or [0], SamplingParams(max_tokens=2, temperature=0),
+                  lambda event: event.finish_reason is not None and finished.set())
+    if not finished.wait(timeout_s):
+        log.warning("the warm-up request did not finish in %.0f s", timeout_s)
 
 
 def default_model_name(gguf: Any) -> str:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sparkinfer_cli.engine.config import EngineStoppedError, QueueFullError, RequestTooLargeError
-from sparkinfer_cli.engine.request import RequestEvent
+from sparkinfer_cli.engine.engine import EngineStats, RequestEvent
 from sparkinfer_cli.engine.sampler import TokenLogprob
 
 THINK_REPLY = "<think>\nThe user wants a greeting.\n</think>\n\nHello there!"
@@ -105,16 +105,6 @@ class QwenLikeTemplate:
             content += ("<tool_call>\n" + json.dumps({"name": call["function"]["name"],
                                                       "arguments": arguments}) + "\n</tool_call>")
         return f"<|im_start|>{message['role']}\n{content}<|im_end|>\n"
-
-
-@dataclass
-class EngineStats:  # TODO(E2): import from sparkinfer_cli.engine.engine once it imports cleanly
-    active_requests: int
-    queued_requests: int
-    free_kv_blocks: int
-    total_kv_blocks: int
-    max_queue_depth: int
-    accepting_requests: bool
 
 
 @dataclass

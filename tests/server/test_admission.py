@@ -220,7 +220,7 @@ def fuzz_client(server):
         yield client
 
 
-@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(request=requests)
 def test_malformed_json_bodies_get_4xx_openai_errors(fuzz_client, request) -> None:
     endpoint, body = request

@@ -1,0 +1,166 @@
+"""End to end: `run_server` in its own process with the real engine, tokenizer and the tiny qwen3
+GGUF on the CPU, driven by the openai SDK and raw HTTP. Greedy output is checked against
+llama.cpp's greedy tokens for the same file (tests/fixtures/tiny/qwen3/qwen3.goldens.json)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from server_harness import ProcessServer, sse_json
+from test_admission import assert_openai_error, kv_is_free, metric, wait_until
+
+from sparkinfer_cli.gguf_file import GGUFFile
+from sparkinfer_cli.tokenizer.tokenizer import Tokenizer
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "tiny" / "qwen3"
+MODEL = FIXTURES / "qwen3-Q8_0.gguf"
+GOLDENS = json.loads((FIXTURES / "qwen3.goldens.json").read_text())
+RUN_SERVER = "import sys; from sparkinfer_cli.server.app import run_server; run_server(sys.argv[1])"
+STARTUP_S = 300  # a cold numba cache compiles the CPU kernels on the first forward pass
+REQUEST_S = 300
+
+
+def start_real_server(**env: str) -> ProcessServer:
+    return ProcessServer(["-c", RUN_SERVER, str(MODEL)], {"CTX": "4096", **env}, STARTUP_S)
+
+
+@pytest.fixture(scope="module")
+def real():
+    with start_real_server(SPARKINFER_MAX_QUEUE_DEPTH="64") as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.from_gguf(GGUFFile(MODEL))
+
+
+def sdk(server: ProcessServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0,
+                         timeout=REQUEST_S)
+
+
+@pytest.mark.parametrize("prompt", ["prompt_short", "prompt_long"])
+def test_greedy_completion_matches_llama_cpp(real, tokenizer, prompt) -> None:
+    expected = tokenizer.decode(GOLDENS["llama_cpp"]["Q8_0"][f"greedy_{prompt}".replace(
+        "greedy_prompt_", "greedy_")])
+    completion = sdk(real).completions.create(model="m", prompt=GOLDENS[prompt], max_tokens=24,
+                                              temperature=0)
+    assert completion.choices[0].text == expected
+    assert completion.usage.prompt_tokens == len(GOLDENS[prompt])
+    stream = sdk(real).completions.create(model="m", prompt=GOLDENS[prompt], max_tokens=24,
+                                          temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in stream) == expected
+
+
+def test_chat_sync_stream_async_and_raw_sse_agree(real) -> None:
+    messages = [{"role": "user", "content": "Hello!"}]
+    completion = sdk(real).chat.completions.create(model="m", messages=messages, max_tokens=8,
+                                                   temperature=0)
+    text = completion.choices[0].message.content
+    count = httpx.post(f"{real.url}/v1/tokenize", json={"messages": messages}).json()["count"]
+    assert completion.usage.prompt_tokens == count
+    stream = sdk(real).chat.completions.create(model="m", messages=messages, max_tokens=8,
+                                               temperature=0, stream=True,
+                                               stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-1].usage.completion_tokens == completion.usage.completion_tokens
+
+    async def ask() -> str:
+        async with openai.AsyncOpenAI(base_url=f"{real.url}/v1", api_key="x") as client:
+            answer = await client.chat.completions.create(model="m", messages=messages,
+                                                          max_tokens=8, temperature=0)
+            return answer.choices[0].message.content
+
+    assert asyncio.run(ask()) == text
+    raw = httpx.post(f"{real.url}/v1/chat/completions", timeout=REQUEST_S,
+                     json={"messages": messages, "max_tokens": 8, "temperature": 0,
+                           "stream": True})
+    events, done = sse_json(raw.text)
+    assert done and "".join(e["choices"][0]["delta"].get("content", "") for e in events) == text
+
+
+def test_32_concurrent_streams_equal_their_solo_output(real) -> None:
+    prompts = [GOLDENS["prompt_long"][:12 + 9 * i] for i in range(8)]
+    solo = [sdk(real).completions.create(model="m", prompt=p, max_tokens=8, temperature=0)
+            .choices[0].text for p in prompts]
+    before = {k: metric(real.url, k) for k in ("sparkinfer_requests_total",
+                                                'sparkinfer_tokens_total{kind="completion"}')}
+
+    async def stream_all() -> list[tuple[str, int]]:
+        async with openai.AsyncOpenAI(base_url=f"{real.url}/v1", api_key="x", max_retries=0,
+                                      timeout=REQUEST_S) as client:
+            async def one(prompt: list[int]) -> tuple[str, int]:
+                stream = await client.completions.create(
+                    model="m", prompt=prompt, max_tokens=8, temperature=0, stream=True,
+                    stream_options={"include_usage": True})
+                text, usage = "", None
+                async for chunk in stream:
+                    text += "".join(c.text for c in chunk.choices)
+                    usage = chunk.usage or usage
+                return text, usage.completion_tokens
+
+            return await asyncio.gather(*[one(prompts[i % 8]) for i in range(32)])
+
+    results = asyncio.run(stream_all())
+    assert [text for text, _ in results] == [solo[i % 8] for i in range(32)]
+    wait_until(lambda: kv_is_free(real.url), 10)
+    assert metric(real.url, "sparkinfer_requests_total") - before["sparkinfer_requests_total"] \
+        == 32
+    assert metric(real.url, 'sparkinfer_tokens_total{kind="completion"}') - \
+        before['sparkinfer_tokens_total{kind="completion"}'] == sum(n for _, n in results)
+
+
+def test_disconnect_mid_stream_frees_kv(real) -> None:
+    cancelled = 'sparkinfer_requests_by_outcome_total{outcome="cancelled"}'
+    before = metric(real.url, cancelled)
+    with httpx.stream("POST", f"{real.url}/v1/completions", timeout=REQUEST_S,
+                      json={"prompt": GOLDENS["prompt_short"], "max_tokens": 1000,
+                            "temperature": 0, "stream": True}) as response:
+        lines = response.iter_lines()
+        next(lines)
+        assert not kv_is_free(real.url)
+    wait_until(lambda: kv_is_free(real.url), 10)
+    wait_until(lambda: metric(real.url, cancelled) == before + 1)
+
+
+def test_queue_full_and_timeout_with_the_real_engine() -> None:
+    long_stream = {"prompt": GOLDENS["prompt_short"], "max_tokens": 3000, "temperature": 0,
+                   "stream": True}  # greedy repeats one token: it does not reach EOS
+    with start_real_server(SPARKINFER_MAX_QUEUE_DEPTH="1",
+                           SPARKINFER_REQUEST_TIMEOUT_S="2") as server:
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=long_stream,
+                          timeout=REQUEST_S) as response:
+            lines = response.iter_lines()
+            first = next(lines)
+            overflow = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x"})
+            assert_openai_error(overflow, 429, "queue_full")
+            events, _ = sse_json("\n".join([first, *lines]) + "\n\n")
+        assert events[-1]["error"]["code"] == "request_timeout"  # 2 s deadline, in-band
+        wait_until(lambda: kv_is_free(server.url), 10)
+        assert_openai_error(httpx.post(f"{server.url}/v1/completions", timeout=REQUEST_S,
+                                       json={**long_stream, "stream": False}), 504)
+        wait_until(lambda: kv_is_free(server.url), 10)
+
+
+def test_sigterm_during_a_stream_finishes_it_then_exits(real) -> None:
+    """Runs last: it shuts the module's server down."""
+    with httpx.stream("POST", f"{real.url}/v1/completions", timeout=REQUEST_S,
+                      json={"prompt": GOLDENS["prompt_short"], "max_tokens": 250,
+                            "temperature": 0, "stream": True}) as response:
+        lines = response.iter_lines()
+        first = next(lines)
+        real.signal(signal.SIGTERM)
+        refused = httpx.post(f"{real.url}/v1/completions", json={"prompt": "x"})
+        assert_openai_error(refused, 503, "server_shutting_down")
+        assert httpx.get(f"{real.url}/health").status_code == 503
+        events, done = sse_json("\n".join([first, *lines]) + "\n\n")
+    assert done and events[-1]["choices"][0]["finish_reason"] in ("length", "stop")
+    assert real.wait(30) == 0
