@@ -14,26 +14,21 @@ import numpy as np
 
 from sparkinfer_cli.kernels.cpu import ops
 from sparkinfer_cli.model.config import ModelConfig
-from sparkinfer_cli.model.gated_delta_net import select_rows
-from sparkinfer_cli.model.layers import Attention, Forward, Linear, RMSNorm
-from sparkinfer_cli.model.weights import Weights
+from sparkinfer_cli.model.layers import Attention, Forward, Linear
+from sparkinfer_cli.model.weights import QTensor, Weights
 
 
 class GatedAttention(Attention):
     def __init__(self, w: Weights, cfg: ModelConfig, layer: int):
-        p, E, H, D = f"blk.{layer}.", cfg.n_embd, cfg.n_head, cfg.head_dim
-        kv_dim = cfg.n_head_kv * D
-        attn_q = w.get(p + "attn_q.weight", (E, 2 * H * D))
-        # split once at load so that Attention.project_qkv sees a plain (E, H·D) query projection
+        super().__init__(w, cfg, layer, qkv_bias=False, qk_norm=True)
+
+    def build_query(self, w: Weights, cfg: ModelConfig, prefix: str, bias: QTensor | None) -> Linear:
+        """Split attn_q's interleaved rows once at load: the query part, and the output gate."""
+        H, D = cfg.n_head, cfg.head_dim
+        attn_q = w.get(prefix + "attn_q.weight", (cfg.n_embd, 2 * H * D))
         head_rows = np.arange(H)[:, None] * 2 * D + np.arange(D)  # (H, D) query rows
-        self.attn_q = Linear(select_rows(attn_q, head_rows.ravel(), p + "attn_q.weight"))
-        self.attn_q_gate = Linear(select_rows(attn_q, (head_rows + D).ravel(), p + "attn_q.gate"))
-        self.attn_k = Linear(w.get(p + "attn_k.weight", (E, kv_dim)))
-        self.attn_v = Linear(w.get(p + "attn_v.weight", (E, kv_dim)))
-        self.attn_output = Linear(w.get(p + "attn_output.weight", (H * D, E)))
-        self.attn_q_norm = RMSNorm(w.get(p + "attn_q_norm.weight", (D,)), cfg.rms_eps)
-        self.attn_k_norm = RMSNorm(w.get(p + "attn_k_norm.weight", (D,)), cfg.rms_eps)
-        self.layer, self.cfg = layer, cfg
+        self.attn_q_gate = Linear(attn_q.select_rows((head_rows + D).ravel(), prefix + "attn_q.gate"))
+        return Linear(attn_q.select_rows(head_rows.ravel(), prefix + "attn_q.weight"))
 
     def __call__(self, x: np.ndarray, fwd: Forward) -> np.ndarray:
         q, k, v = self.project_qkv(x, fwd)

@@ -86,8 +86,8 @@ def _input_projections(w: Weights, p: str, cfg: ModelConfig) -> tuple[QTensor, Q
     ssm_in = w.get(p + "ssm_in.weight", (E, cfg.ssm_conv_dim + value_dim))
     # ssm_in rows, per k-head group g: [q_g (d) | k_g (d) | v_g (r·d_v) | z_g (r·d_v)]
     q, k, v, z = _group_rows(H_k, (d, d, r_dv, r_dv))
-    return (select_rows(ssm_in, np.concatenate([q, k, v]), p + "attn_qkv.weight"),
-            select_rows(ssm_in, z, p + "attn_gate.weight"))
+    return (ssm_in.select_rows(np.concatenate([q, k, v]), p + "attn_qkv.weight"),
+            ssm_in.select_rows(z, p + "attn_gate.weight"))
 
 
 def _beta_alpha_projections(w: Weights, p: str, cfg: ModelConfig) -> tuple[QTensor, QTensor]:
@@ -98,8 +98,8 @@ def _beta_alpha_projections(w: Weights, p: str, cfg: ModelConfig) -> tuple[QTens
     ssm_ba = w.get(p + "ssm_ba.weight", (E, 2 * H_v))
     # ssm_ba rows, per k-head group g: [b_g (r) | a_g (r)]; v-head g·r + i is entry i of group g
     b, a = _group_rows(H_k, (H_v // H_k, H_v // H_k))
-    return (select_rows(ssm_ba, b, p + "ssm_beta.weight"),
-            select_rows(ssm_ba, a, p + "ssm_alpha.weight"))
+    return (ssm_ba.select_rows(b, p + "ssm_beta.weight"),
+            ssm_ba.select_rows(a, p + "ssm_alpha.weight"))
 
 
 def _group_rows(n_groups: int, widths: tuple[int, ...]) -> list[np.ndarray]:
@@ -108,8 +108,3 @@ def _group_rows(n_groups: int, widths: tuple[int, ...]) -> list[np.ndarray]:
     group_base = np.arange(n_groups)[:, None] * starts[-1]  # (n_groups, 1)
     return [(group_base + lo + np.arange(hi - lo)).ravel() for lo, hi in zip(starts, starts[1:])]
 
-
-def select_rows(t: QTensor, rows: np.ndarray, name: str) -> QTensor:
-    """A 2-D tensor made of some output rows of `t` (whole encoded rows: any ggml type)."""
-    raw = np.ascontiguousarray(t.raw[rows])  # (len(rows), row units)
-    return QTensor(name, t.ggml_type, (t.ne0, len(rows)), raw)

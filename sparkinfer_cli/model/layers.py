@@ -70,7 +70,7 @@ class Attention:
         p, E = f"blk.{layer}.", cfg.n_embd
         q_dim, kv_dim = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
         bias = (lambda n, d: w.get(p + n + ".bias", (d,))) if qkv_bias else (lambda n, d: None)
-        self.attn_q = Linear(w.get(p + "attn_q.weight", (E, q_dim)), bias("attn_q", q_dim))
+        self.attn_q = self.build_query(w, cfg, p, bias("attn_q", q_dim))
         self.attn_k = Linear(w.get(p + "attn_k.weight", (E, kv_dim)), bias("attn_k", kv_dim))
         self.attn_v = Linear(w.get(p + "attn_v.weight", (E, kv_dim)), bias("attn_v", kv_dim))
         self.attn_output = Linear(w.get(p + "attn_output.weight", (q_dim, E)))
@@ -80,6 +80,9 @@ class Attention:
         self.attn_k_norm = RMSNorm(w.get(p + "attn_k_norm.weight", (hd,)), cfg.rms_eps) \
             if qk_norm else None
         self.layer, self.cfg = layer, cfg
+
+    def build_query(self, w: Weights, cfg: ModelConfig, prefix: str, bias: QTensor | None) -> Linear:
+        return Linear(w.get(prefix + "attn_q.weight", (cfg.n_embd, cfg.n_head * cfg.head_dim)), bias)
 
     def project_qkv(self, x: np.ndarray, fwd: Forward) -> tuple[np.ndarray, ...]:
         """Normalised, rotated q (N, H, D) and k, v (N, H_kv, D)."""

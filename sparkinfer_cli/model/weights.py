@@ -23,6 +23,11 @@ class QTensor:
     def ne0(self) -> int:
         return self.shape[0]
 
+    def select_rows(self, rows: np.ndarray, name: str) -> QTensor:
+        """A 2-D tensor made of some output rows (whole encoded rows, so any ggml type)."""
+        raw = np.ascontiguousarray(self.raw[rows])  # (len(rows), row units)
+        return QTensor(name, self.ggml_type, (self.ne0, len(rows)), raw)
+
     def as_f32(self) -> np.ndarray:
         """Small F32 tensors (norms, biases, ssm params) as a float32 array in numpy order."""
         if self.ggml_type != GGMLType.F32:
