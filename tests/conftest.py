@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 FIXTURES = Path(__file__).parent / "fixtures"
+
+# Without an NVIDIA driver the CUDA kernels run in numba's simulator; this must be decided before
+# anything imports numba.cuda. On a GPU machine set NUMBA_ENABLE_CUDASIM=1 to force the simulator.
+if not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
 
 @pytest.fixture(scope="session")

@@ -141,6 +141,31 @@ def test_decode_throughput_counts_only_the_span_where_all_decode():
         decode_throughput([(0.0, "a", 1, True), (1.0, "b", 1, True)])
 
 
+def test_gpu_peaks_come_from_the_design_table(monkeypatch):
+    from sparkinfer_cli import bench_roofline
+
+    monkeypatch.setattr(bench_roofline, "gpu_name", lambda: "NVIDIA H200")
+    peaks = bench_roofline.gpu_peaks()
+    assert (peaks.name, peaks.memory_bandwidth, peaks.peak_flops) == ("NVIDIA H200", 4.0e12, 7.9e14)
+    monkeypatch.setattr(bench_roofline, "gpu_name", lambda: "NVIDIA A10")
+    assert "H200 figures assumed" in bench_roofline.gpu_peaks().note
+
+
+def test_results_of_a_demo_model_file_are_filed_under_its_demo_name(tmp_path):
+    from sparkinfer_cli.bench import resolve_bench_model
+    from sparkinfer_cli.demo_models import DEMO_MODELS
+
+    path = tmp_path / DEMO_MODELS["qwen2.5-coder-0.5b"].filename
+    path.write_bytes(b"GGUF")
+    request = BenchRequest(str(path), None, "cpu")
+    assert resolve_bench_model(request, Console(file=io.StringIO())) == (path,
+                                                                        "qwen2.5-coder-0.5b")
+    other = tmp_path / "my-model.Q8_0.gguf"
+    other.write_bytes(b"GGUF")
+    request = BenchRequest(str(other), None, "cpu")
+    assert resolve_bench_model(request, Console(file=io.StringIO()))[1] == "my-model.Q8_0"
+
+
 # ---- llama.cpp anchors and the chart fallback ----------------------------------------------------
 def _fake_report(model: str, rows: list[ResultRow]) -> BenchReport:
     return BenchReport(model=model, model_file=f"{model}.gguf", device="AMD EPYC",

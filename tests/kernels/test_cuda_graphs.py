@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 
 import numpy as np
@@ -12,7 +11,6 @@ pytestmark = pytest.mark.gpu
 
 
 def test_graph_replay_matches_eager_and_is_cheap_on_the_host():
-    os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "0")
     from numba import cuda
     from test_cuda_quant_gemv import random_weights
 

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import os
 
-os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")  # CI has no GPU; the H200 run sets it to 0
+import numpy as np
+import pytest
+from gguf.quants import quantize
+from numba import cuda
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from gguf.quants import quantize  # noqa: E402
-from numba import cuda  # noqa: E402
-
-from sparkinfer_cli.ggml_types import COMPUTE_TYPES, GGMLType, row_bytes  # noqa: E402
-from sparkinfer_cli.kernels.cuda import quant_gemv as qg  # noqa: E402
-from sparkinfer_cli.kernels.cuda.launch import to_device_bytes  # noqa: E402
+from sparkinfer_cli.ggml_types import COMPUTE_TYPES, GGMLType, row_bytes
+from sparkinfer_cli.kernels.cuda import quant_gemv as qg
+from sparkinfer_cli.kernels.cuda.launch import to_device_bytes
 
 # byte offsets of the fp16 scale fields in one block, overwritten with sane values
 _SCALE_FIELDS = {

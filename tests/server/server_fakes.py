@@ -1,4 +1,4 @@
-"""A FakeEngine with ContinuousBatchEngine's interface, a character tokenizer and a Qwen-like template.
+"""A FakeEngine with ContinuousBatchEngine's interface, a character tokenizer, a Qwen-like template.
 
 The fake model "answers" with a scripted reply chosen from the prompt text, one character per
 token, so every test knows the exact output. KV blocks are accounted like the real engine's

@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -83,15 +84,16 @@ class ProcessServer:
         self.url = f"http://127.0.0.1:{self.port}"
         full_env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "HOST": "127.0.0.1",
                     "PORT": str(self.port), **(env or {})}
+        self._log = tempfile.TemporaryFile(mode="w+")  # a pipe nobody drains could block it
         self.proc = subprocess.Popen([sys.executable, *args], env=full_env, cwd=REPO_ROOT,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                     stdout=self._log, stderr=subprocess.STDOUT, text=True)
         self._wait_ready(startup_timeout_s)
 
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited early:\n{self.proc.stdout.read()}")
+                raise RuntimeError(f"server exited early:\n{self.output()}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
                     return
@@ -107,7 +109,8 @@ class ProcessServer:
         return self.proc.wait(timeout_s)
 
     def output(self) -> str:
-        return self.proc.stdout.read() if self.proc.stdout else ""
+        self._log.seek(0)
+        return self._log.read()
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -117,6 +120,7 @@ class ProcessServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(5)
+        self._log.close()
 
     def __enter__(self) -> ProcessServer:
         return self

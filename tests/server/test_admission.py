@@ -51,7 +51,7 @@ def kv_is_free(url: str) -> bool:
 
 
 def test_bearer_auth(make_server) -> None:
-    srv = make_server(config=dict(api_key="sekret"))
+    srv = make_server(config={"api_key": "sekret"})
     error = assert_openai_error(chat(srv.url), 401, "invalid_api_key")
     assert error["type"] == "authentication_error"
     response = httpx.get(f"{srv.base_url}/models", headers={"Authorization": "Bearer wrong"})
@@ -68,7 +68,7 @@ def test_bearer_auth(make_server) -> None:
 
 
 def test_unknown_route_method_and_oversized_body(make_server) -> None:
-    srv = make_server(config=dict(max_request_bytes=4096))
+    srv = make_server(config={"max_request_bytes": 4096})
     assert_openai_error(httpx.get(f"{srv.base_url}/nope"), 404, "unknown_url")
     assert_openai_error(httpx.get(f"{srv.base_url}/chat/completions"), 405, "method_not_allowed")
     big = [{"role": "user", "content": "x" * 8000}]
@@ -87,7 +87,7 @@ def test_context_limits(make_server) -> None:
 
 
 def test_max_output_tokens_caps_max_tokens(make_server) -> None:
-    srv = make_server(config=dict(max_output_tokens=5))
+    srv = make_server(config={"max_output_tokens": 5})
     body = chat(srv.url, max_tokens=1000).json()
     assert (body["choices"][0]["message"]["content"], body["choices"][0]["finish_reason"]) == \
         ("You s", "length")
@@ -95,7 +95,7 @@ def test_max_output_tokens_caps_max_tokens(make_server) -> None:
 
 
 def test_queue_full_gives_429_with_retry_after(make_server) -> None:
-    srv = make_server(max_queue_depth=1, token_delay_s=0.01, config=dict(retry_after_s=2))
+    srv = make_server(max_queue_depth=1, token_delay_s=0.01, config={"retry_after_s": 2})
     with httpx.stream("POST", f"{srv.base_url}/chat/completions",
                       json={"messages": LONG, "stream": True}) as first:
         lines = first.iter_lines()  # NOTE: keep it: a collected iterator closes the connection
@@ -125,7 +125,7 @@ def test_engine_timeout_gives_504_or_an_sse_error(make_server) -> None:
 
 
 def test_server_deadline_backstop_aborts_a_stuck_request(make_server) -> None:
-    srv = make_server(prefill_delay_s=1.0, config=dict(request_timeout_s=0.2))
+    srv = make_server(prefill_delay_s=1.0, config={"request_timeout_s": 0.2})
     started = time.monotonic()
     assert_openai_error(chat(srv.url, stream=True), 504, "request_timeout")  # before any token
     assert time.monotonic() - started < 0.9

@@ -1,4 +1,4 @@
-"""env.py parsing, ServerConfig.from_env and build_engine_config: every seed variable reaches its field."""
+"""env.py parsing, ServerConfig.from_env, build_engine_config: seed variables reach their fields."""
 
 from __future__ import annotations
 
@@ -76,7 +76,8 @@ def test_server_config_from_env_then_overrides() -> None:
 
 
 def test_engine_config_from_env_and_ctx_rules() -> None:
-    environ = {"CTX": "8192", "SPARKINFER_BATCH_TOKENS": "32", "SPARKINFER_SCHED_POLICY": "priority",
+    environ = {"CTX": "8192", "SPARKINFER_BATCH_TOKENS": "32",
+               "SPARKINFER_SCHED_POLICY": "priority",
                "SPARKINFER_PREFILL_CHUNK_TOKENS": "128", "SPARKINFER_PREFILL_MIX_MAX": "0",
                "SPARKINFER_PREFILL_BATCHED": "0", "SPARKINFER_MAX_QUEUE_DEPTH": "3",
                "SPARKINFER_MAX_OUTPUT_TOKENS": "100", "SPARKINFER_REQUEST_TIMEOUT_S": "9",

@@ -1,4 +1,4 @@
-"""StreamRouter and tool-call parsing: hand-written expected splits, checked at every split point."""
+"""StreamRouter and tool-call parsing: hand-written expected splits, checked at every split."""
 
 from __future__ import annotations
 
@@ -26,44 +26,44 @@ JSON_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}
 
 # (router options, generated text, expected content, expected reasoning, expected calls)
 CASES = {
-    "qwen3_thinking": (dict(reasoning=True), "<think>\nThe user wants X.\n</think>\n\nHello!",
+    "qwen3_thinking": ({"reasoning": True}, "<think>\nThe user wants X.\n</think>\n\nHello!",
                        "Hello!", "The user wants X.", []),
-    "qwen35_prompt_opened_think": (dict(reasoning=True, thinking_open=True),
+    "qwen35_prompt_opened_think": ({"reasoning": True, "thinking_open": True},
                                    "Step 1.\nStep 2.\n</think>\n\nAnswer: 42",
                                    "Answer: 42", "Step 1.\nStep 2.", []),
-    "no_reasoning_parser": (dict(reasoning=False), "<think>\nx\n</think>\n\nHi",
+    "no_reasoning_parser": ({"reasoning": False}, "<think>\nx\n</think>\n\nHi",
                             "<think>\nx\n</think>\n\nHi", "", []),
-    "think_after_text_is_content": (dict(reasoning=True), "Hi <think>not a thought</think>",
+    "think_after_text_is_content": ({"reasoning": True}, "Hi <think>not a thought</think>",
                                     "Hi <think>not a thought</think>", "", []),
-    "second_think_is_content": (dict(reasoning=True), "<think>a</think>b<think>c</think>",
+    "second_think_is_content": ({"reasoning": True}, "<think>a</think>b<think>c</think>",
                                 "b<think>c</think>", "a", []),
-    "empty_thought": (dict(reasoning=True), "<think>\n\n</think>\n\nOnly content.",
+    "empty_thought": ({"reasoning": True}, "<think>\n\n</think>\n\nOnly content.",
                       "Only content.", "", []),
-    "thought_cut_by_length": (dict(reasoning=True, thinking_open=True), "I am still thinking \n",
+    "thought_cut_by_length": ({"reasoning": True, "thinking_open": True}, "I am still thinking \n",
                               "", "I am still thinking", []),
-    "partial_marker_at_end": (dict(reasoning=True, tools=TOOLS), "a <thi and <tool_ca",
+    "partial_marker_at_end": ({"reasoning": True, "tools": TOOLS}, "a <thi and <tool_ca",
                               "a <thi and <tool_ca", "", []),
-    "json_tool_call": (dict(reasoning=True, tools=TOOLS), "Let me check.\n" + JSON_CALL,
+    "json_tool_call": ({"reasoning": True, "tools": TOOLS}, "Let me check.\n" + JSON_CALL,
                        "Let me check.\n", "", [("get_weather", {"city": "Paris"})]),
-    "xml_tool_call_typed_by_schema": (dict(reasoning=True, tools=TOOLS), XML_CALL, "", "",
+    "xml_tool_call_typed_by_schema": ({"reasoning": True, "tools": TOOLS}, XML_CALL, "", "",
                                       [("get_weather", XML_ARGS)]),
-    "think_then_xml_call": (dict(reasoning=True, thinking_open=True, tools=TOOLS),
+    "think_then_xml_call": ({"reasoning": True, "thinking_open": True, "tools": TOOLS},
                             "Need weather.\n</think>\n\n" + XML_CALL, "", "Need weather.",
                             [("get_weather", XML_ARGS)]),
-    "parallel_calls": (dict(reasoning=True, tools=TOOLS), JSON_CALL + "\n" + JSON_CALL, "", "",
+    "parallel_calls": ({"reasoning": True, "tools": TOOLS}, JSON_CALL + "\n" + JSON_CALL, "", "",
                        [("get_weather", {"city": "Paris"})] * 2),
-    "no_tools_means_literal": (dict(reasoning=True), JSON_CALL, JSON_CALL, "", []),
-    "unparseable_call_is_content": (dict(reasoning=True, tools=TOOLS),
+    "no_tools_means_literal": ({"reasoning": True}, JSON_CALL, JSON_CALL, "", []),
+    "unparseable_call_is_content": ({"reasoning": True, "tools": TOOLS},
                                     "<tool_call>\n{not json}\n</tool_call>",
                                     "<tool_call>\n{not json}\n</tool_call>", "", []),
-    "unterminated_xml_call_at_eos": (dict(reasoning=True, tools=TOOLS),
+    "unterminated_xml_call_at_eos": ({"reasoning": True, "tools": TOOLS},
                                      "<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n"
                                      "</parameter>\n</function>\n",
                                      "", "", [("get_weather", {"city": "Rome"})]),
-    "truncated_json_call_is_content": (dict(reasoning=True, tools=TOOLS),
+    "truncated_json_call_is_content": ({"reasoning": True, "tools": TOOLS},
                                        '<tool_call>\n{"name": "get_weather", "argu',
                                        '<tool_call>\n{"name": "get_weather", "argu', "", []),
-    "unicode_content": (dict(reasoning=True), "<think>🤔 ü</think>日本語 ✓", "日本語 ✓", "🤔 ü", []),
+    "unicode_content": ({"reasoning": True}, "<think>🤔 ü</think>日本語 ✓", "日本語 ✓", "🤔 ü", []),
 }
 
 
@@ -94,7 +94,7 @@ def test_every_three_piece_split_of_a_short_text() -> None:
     text = "<think>ab</think>c<tool_call>\n<function=f>\n</function>\n</tool_call>"
     expected = ("c", "ab", [("f", {})])
     for i, j in itertools.combinations(range(len(text) + 1), 2):
-        assert route(dict(reasoning=True, tools=TOOLS), [text[:i], text[i:j], text[j:]]) == \
+        assert route({"reasoning": True, "tools": TOOLS}, [text[:i], text[i:j], text[j:]]) == \
             expected, (i, j)
 
 
