@@ -129,7 +129,8 @@ SPARKINFER_WRITE_TIMEOUT_S: EnvVar[float] = EnvVar(
     "SPARKINFER_WRITE_TIMEOUT_S", parse_non_negative_float, 300.0,
     "socket write timeout, reset on every byte sent")
 SPARKINFER_SERVER_PREFIX_TOKEN_FILE: EnvVar[str | None] = EnvVar(
-    "SPARKINFER_SERVER_PREFIX_TOKEN_FILE", str, None, "JSON file [id, ...] of a shared prompt prefix")
+    "SPARKINFER_SERVER_PREFIX_TOKEN_FILE", str, None,
+    "JSON file [id, ...] of a shared prompt prefix")
 SPARKINFER_SERVER_PREFIX_TOKEN_IDS: EnvVar[tuple[int, ...]] = EnvVar(
     "SPARKINFER_SERVER_PREFIX_TOKEN_IDS", parse_token_ids, (),
     "comma-separated token ids of a shared prompt prefix")
@@ -149,15 +150,19 @@ ALL_VARS: tuple[EnvVar, ...] = (
 
 
 def prefix_token_ids(environ: Mapping[str, str] | None = None) -> tuple[int, ...]:
-    """The shared prefix from SPARKINFER_SERVER_PREFIX_TOKEN_FILE or _IDS (setting both is an error)."""
+    """The shared prefix from SPARKINFER_SERVER_PREFIX_TOKEN_FILE or _IDS (not both)."""
     path = SPARKINFER_SERVER_PREFIX_TOKEN_FILE.get(environ)
     ids = SPARKINFER_SERVER_PREFIX_TOKEN_IDS.get(environ)
     if path is None:
         return ids
     if ids:
-        raise EnvError("set SPARKINFER_SERVER_PREFIX_TOKEN_FILE or SPARKINFER_SERVER_PREFIX_TOKEN_IDS, "
-                       "not both")
+        raise EnvError("set SPARKINFER_SERVER_PREFIX_TOKEN_FILE or "
+                       "SPARKINFER_SERVER_PREFIX_TOKEN_IDS, not both")
     return _read_token_file(Path(path))
+
+
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _read_token_file(path: Path) -> tuple[int, ...]:
@@ -165,8 +170,8 @@ def _read_token_file(path: Path) -> tuple[int, ...]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise EnvError(f"{name}={str(path)!r}: cannot read a JSON list of token ids ({exc})") from None
-    is_id = (lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 0)
-    if not isinstance(data, list) or not all(is_id(x) for x in data):
+        raise EnvError(f"{name}={str(path)!r}: cannot read a JSON list of token ids "
+                       f"({exc})") from None
+    if not isinstance(data, list) or not all(_is_token_id(x) for x in data):
         raise EnvError(f"{name}={str(path)!r}: expected a JSON list of non-negative integers")
     return tuple(data)

@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 FORCE_EXIT_SLACK_S = 5.0  # after the grace period, app.stop() gets this long before os._exit
 _app_numbers = itertools.count()
 
-ROUTES = (
+ROUTES: tuple[tuple[Any, str, str], ...] = (
     (routes.health, "/health", "GET"),
     (routes.metrics, "/metrics", "GET"),
     (routes.models, "/v1/models", "GET"),
@@ -148,7 +148,8 @@ def run_server(model_path: str | Path, host: str | None = None, port: int | None
     from sparkinfer_cli.tokenizer.chat_template import ChatTemplate
     from sparkinfer_cli.tokenizer.tokenizer import Tokenizer
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     gguf = GGUFFile(model_path)
     model = load_model(gguf, device)
     tokenizer = Tokenizer.from_gguf(gguf)
@@ -171,13 +172,19 @@ def warm_up(engine: Any, tokenizer: Any, timeout_s: float = 600.0) -> None:
     from sparkinfer_cli.engine.sampling_params import SamplingParams
 
     finished = threading.Event()
+
+    def on_event(event: Any) -> None:
+        if event.finish_reason is not None:
+            finished.set()
+
     engine.submit(tokenizer.encode("Hello") or [0], SamplingParams(max_tokens=2, temperature=0),
-                  lambda event: event.finish_reason is not None and finished.set())
+                  on_event)
     if not finished.wait(timeout_s):
         log.warning("the warm-up request did not finish in %.0f s", timeout_s)
 
 
 def default_model_name(gguf: Any) -> str:
-    """general.name lowercased with dashes ("Qwen3.6-35B-A3B" → "qwen3.6-35b-a3b"), else the stem."""
+    """general.name, lowercased and dashed ("Qwen3.6-35B-A3B" → "qwen3.6-35b-a3b"); else the
+    file's stem."""
     name = gguf.metadata.get("general.name") or Path(gguf.path).stem
     return "-".join(str(name).lower().split())

@@ -1,4 +1,4 @@
-"""Bearer-token check for /v1/* routes (constant-time comparison; /health and /metrics stay open)."""
+"""Bearer-token check for /v1/* routes (constant-time compare); /health and /metrics stay open."""
 
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ Names follow sparkinfer-server's counters and vLLM's histogram suffixes so exist
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -39,6 +40,10 @@ def outcome_of_status(status: int) -> str:
     if status == 504:
         return "timeout"
     return "client_error" if status < 500 else "server_error"
+
+
+def _read_stat(stats: Callable[[], Any], read: Callable[[Any], float]) -> float:
+    return float(read(stats()))
 
 
 class ServerMetrics:
@@ -80,7 +85,7 @@ class ServerMetrics:
                                     registry=r)
 
     def _create_gauges(self, stats: Callable[[], Any], is_accepting: Callable[[], bool]) -> None:
-        live = {
+        live: dict[str, tuple[str, Callable[[Any], float]]] = {
             "active_requests": ("requests running in the engine", lambda s: s.active_requests),
             "queued_requests": ("requests waiting for admission", lambda s: s.queued_requests),
             "free_kv_blocks": ("free KV cache blocks", lambda s: s.free_kv_blocks),
@@ -90,7 +95,7 @@ class ServerMetrics:
         }
         for name, (doc, read) in live.items():
             gauge = Gauge(f"{PREFIX}_{name}", doc, registry=self.registry)
-            gauge.set_function(lambda read=read: float(read(stats())))
+            gauge.set_function(functools.partial(_read_stat, stats, read))
         Gauge(f"{PREFIX}_uptime_seconds", "seconds since the server started",
               registry=self.registry).set_function(lambda: time.monotonic() - self._started)
         Gauge(f"{PREFIX}_accepting_requests", "1 unless draining or stopped",

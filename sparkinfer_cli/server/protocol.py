@@ -125,8 +125,9 @@ class SamplingFields:
     logit_bias: dict[int, float] = field(default_factory=dict)
     stop: tuple[str, ...] = ()
 
-    def to_params(self, max_tokens: int, choice_index: int, top_logprobs: int | None) -> SamplingParams:
-        """SamplingParams for choice `choice_index`; choices of one seeded request get seed + index."""
+    def to_params(self, max_tokens: int, choice_index: int,
+                  top_logprobs: int | None) -> SamplingParams:
+        """SamplingParams for one choice; the choices of a seeded request get seed + index."""
         seed = None if self.seed is None else (self.seed + choice_index) % 2**64
         try:
             return SamplingParams(
@@ -186,7 +187,8 @@ def _parse_stop(value: Any) -> tuple[str, ...]:
 
 
 def _parse_max_tokens(body: Mapping[str, Any]) -> int | None:
-    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    newer = body.get("max_completion_tokens") is not None  # max_tokens is its deprecated alias
+    name = "max_completion_tokens" if newer else "max_tokens"
     return _int_in(body, name, None, 1)
 
 
@@ -292,7 +294,8 @@ def _parse_message(index: int, message: Any) -> dict[str, Any]:
     if is_assistant:
         _add_assistant_fields(out, message, where)
     if role == "tool":
-        out["tool_call_id"] = _field(message, "tool_call_id", _is_str, param=f"{where}.tool_call_id")
+        out["tool_call_id"] = _field(message, "tool_call_id", _is_str,
+                                     param=f"{where}.tool_call_id")
     return out
 
 
@@ -309,8 +312,9 @@ def _flatten_content(content: Any, where: str, may_be_null: bool) -> str:
         kind = part.get("type") if isinstance(part, dict) else None
         text = part.get("text", part.get("refusal")) if isinstance(part, dict) else None
         if kind not in ("text", "refusal", "input_text") or not isinstance(text, str):
-            raise invalid(f"{where}[{i}] must be a text part {{\"type\": \"text\", \"text\": ...}}; "
-                          "this model accepts text only", f"{where}[{i}]")
+            raise invalid(f"{where}[{i}] must be a text part "
+                          "{\"type\": \"text\", \"text\": ...}; this model accepts text only",
+                          f"{where}[{i}]")
         texts.append(text)
     return "\n".join(texts)
 
@@ -322,7 +326,8 @@ def _add_assistant_fields(out: dict[str, Any], message: Mapping[str, Any], where
     calls = message.get("tool_calls")
     if calls is not None:
         if not isinstance(calls, list):
-            raise invalid(f"{where}.tool_calls must be a list", f"{where}.tool_calls", "invalid_type")
+            raise invalid(f"{where}.tool_calls must be a list", f"{where}.tool_calls",
+                          "invalid_type")
         out["tool_calls"] = [_parse_history_call(c, f"{where}.tool_calls[{i}]")
                              for i, c in enumerate(calls)]
 
@@ -496,7 +501,8 @@ class ResponseHeader:
                 "model": self.model, "choices": choices,
                 "usage": usage.to_dict() if usage else None}
 
-    def chat_chunk(self, choices: list[dict[str, Any]], usage: Usage | None = None) -> dict[str, Any]:
+    def chat_chunk(self, choices: list[dict[str, Any]],
+                   usage: Usage | None = None) -> dict[str, Any]:
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
                 "model": self.model, "choices": choices,
                 "usage": usage.to_dict() if usage else None}

@@ -236,7 +236,8 @@ async def _respond(request: Request, generation: Generation, builder: Any,
     try:
         async with generation:
             if stream:
-                return await _stream(request, generation, builder, state.config.write_timeout_s)
+                await _stream(request, generation, builder, state.config.write_timeout_s)
+                return None
             async for index, event in generation:
                 builder.push(index, event)
             return json(builder.response())

@@ -76,7 +76,8 @@ def _parse_xml(text: str, schemas: Mapping[str, Mapping[str, Any]]) -> list[Tool
     for match in _FUNCTION.finditer(text):
         name = match.group(1).strip()
         properties = schemas.get(name, {})
-        arguments = {key.strip(): _typed_value(_strip_line_breaks(value), properties.get(key.strip()))
+        arguments = {key.strip(): _typed_value(_strip_line_breaks(value),
+                                               properties.get(key.strip()))
                      for key, value in _PARAMETER.findall(match.group(2))}
         calls.append(ToolCall(new_tool_call_id(), name, _dumps(arguments)))
     return calls or None
@@ -104,7 +105,7 @@ def _typed_value(value: str, schema: Mapping[str, Any] | None) -> Any:
 
 
 def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")  # NaN/Infinity would make the arguments invalid JSON
+    raise ValueError(f"{name} is not valid JSON")  # NaN/Infinity would break the arguments JSON
 
 
 def _parameter_schemas(tools: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
