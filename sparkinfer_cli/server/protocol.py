@@ -211,13 +211,10 @@ class ChatCompletionRequest:
     sampling: SamplingFields
     top_logprobs: int | None  # None = no logprobs; 0 = only the chosen token's
     tools: list[dict[str, Any]] | None  # what the template renders (after tool_choice)
-    tool_choice: str
+    tool_choice: str  # none | auto | required (a named function is required + forced_tool)
+    forced_tool: str | None
     parallel_tool_calls: bool
     template_kwargs: dict[str, Any]
-
-    @property
-    def parses_tool_calls(self) -> bool:
-        return bool(self.tools)
 
 
 def parse_chat_request(body: dict[str, Any], *, default_temperature: float, vocab_size: int,
@@ -226,7 +223,7 @@ def parse_chat_request(body: dict[str, Any], *, default_temperature: float, voca
     if not isinstance(messages, list) or not messages:
         raise invalid("'messages' must be a non-empty list of message objects", "messages",
                       "missing_required_parameter" if messages is None else "invalid_type")
-    tools, tool_choice = _parse_tools(body)
+    tools, tool_choice, forced_tool = _parse_tools(body)
     _check_response_format(body.get("response_format"))
     return ChatCompletionRequest(
         model=_field(body, "model", _is_str),
@@ -237,7 +234,7 @@ def parse_chat_request(body: dict[str, Any], *, default_temperature: float, voca
         max_tokens=_parse_max_tokens(body),
         sampling=parse_sampling(body, default_temperature, vocab_size),
         top_logprobs=_parse_chat_logprobs(body),
-        tools=tools, tool_choice=tool_choice,
+        tools=tools, tool_choice=tool_choice, forced_tool=forced_tool,
         parallel_tool_calls=_field(body, "parallel_tool_calls", _is_bool, True),
         template_kwargs=_parse_template_kwargs(body),
     )
@@ -347,15 +344,16 @@ def _parse_history_call(call: Any, where: str) -> dict[str, Any]:
     return out
 
 
-def _parse_tools(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]] | None, str]:
-    """(tools the template renders, tool_choice mode); a named choice renders only that tool."""
+def _parse_tools(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]] | None, str, str | None]:
+    """(tools the template renders, tool_choice mode, forced function name); a named choice
+    renders only that tool."""
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise invalid("'tools' must be a list of function tools", "tools", "invalid_type")
     tools = [_check_tool(i, t) for i, t in enumerate(tools or [])]
     choice = body.get("tool_choice", "auto" if tools else "none")
     if isinstance(choice, str) and choice in TOOL_CHOICES:
-        return (tools if choice != "none" and tools else None), _check_choice(choice, tools)
+        return (tools if choice != "none" and tools else None), _check_choice(choice, tools), None
     function = choice.get("function") if isinstance(choice, dict) else None
     name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(name, str):
@@ -364,7 +362,7 @@ def _parse_tools(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]] | None, 
     named = [t for t in tools if t["function"]["name"] == name]
     if not named:
         raise invalid(f"tool_choice names {name!r}, which is not in 'tools'", "tool_choice")
-    return named, "required"
+    return named, "required", name
 
 
 def _check_choice(choice: str, tools: list[dict[str, Any]]) -> str:

@@ -37,11 +37,13 @@ from sparkinfer_cli.server.protocol import (
     parse_tokenize_request,
 )
 from sparkinfer_cli.server.stream_router import (
+    THINK_CLOSE,
     THINK_OPEN,
     RoutedText,
     StreamRouter,
     prompt_opens_thinking,
 )
+from sparkinfer_cli.server.tool_calls import forced_call_prefix, uses_xml_format
 
 log = logging.getLogger(__name__)
 
@@ -135,8 +137,7 @@ async def tokenize(request: Request) -> HTTPResponse:
     body = parse_json_body(request.body)
     text = parse_tokenize_request(body)
     if text is None:
-        chat = _parse_chat(state, body)
-        text = _render_prompt(state, chat)
+        text, _, _ = _chat_prompt(state, _parse_chat(state, body))
     ids = state.tokenizer.encode(text)
     return json({"count": len(ids), "tokens": ids, "max_context": state.max_context})
 
@@ -175,11 +176,11 @@ async def chat_completions(request: Request) -> HTTPResponse | None:
     state = _state(request)
     chat = _parse_chat(state, parse_json_body(request.body))
     request.ctx.streaming = chat.stream
-    prompt = _render_prompt(state, chat)
+    prompt, thinking_open, forced = _chat_prompt(state, chat)
     prompt_ids = state.tokenizer.encode(prompt)
     max_tokens = _max_tokens(state, chat.max_tokens, len(prompt_ids))
     header = ResponseHeader(f"chatcmpl-{uuid.uuid4().hex}", chat.model or state.config.model_name)
-    builder = ChatResponse(header, chat, state, len(prompt_ids), prompt_opens_thinking(prompt))
+    builder = ChatResponse(header, chat, state, len(prompt_ids), thinking_open, forced)
     choices = [(prompt_ids, chat.sampling.to_params(max_tokens, i, chat.top_logprobs))
                for i in range(chat.n)]
     return await _respond(request, state.engine.generate(choices, header.id), builder, chat.stream)
@@ -208,6 +209,21 @@ async def completions(request: Request) -> HTTPResponse | None:
 def _parse_chat(state: ServerState, body: dict[str, Any]) -> ChatCompletionRequest:
     return parse_chat_request(body, default_temperature=state.config.default_temperature,
                               vocab_size=state.vocab_size, max_n=state.config.max_n)
+
+
+def _chat_prompt(state: ServerState, chat: ChatCompletionRequest) -> tuple[str, bool, str]:
+    """(prompt text, whether it opens a thought, the forced tool-call text it ends with).
+
+    tool_choice 'required' or a named function starts the generation inside a tool call; an
+    opened thought is closed first (a forced call skips thinking)."""
+    prompt = _render_prompt(state, chat)
+    thinking_open = prompt_opens_thinking(prompt)
+    if chat.tool_choice != "required":
+        return prompt, thinking_open, ""
+    forced = forced_call_prefix(uses_xml_format(getattr(state.template, "source", "") or ""),
+                                chat.forced_tool)
+    forced = f"{THINK_CLOSE}\n\n{forced}" if thinking_open else forced
+    return prompt + forced, thinking_open, forced
 
 
 def _render_prompt(state: ServerState, chat: ChatCompletionRequest) -> str:
@@ -381,7 +397,7 @@ class ChatChoice:
 
 class ChatResponse:
     def __init__(self, header: ResponseHeader, chat: ChatCompletionRequest, state: ServerState,
-                 num_prompt_tokens: int, thinking_open: bool):
+                 num_prompt_tokens: int, thinking_open: bool, forced_prefix: str):
         texts = state.token_texts
         self.header, self.include_usage = header, chat.include_usage
         self.num_prompt_tokens = num_prompt_tokens
@@ -389,6 +405,8 @@ class ChatResponse:
                                                    thinking_open=thinking_open, tools=chat.tools),
                                    texts, chat.top_logprobs, chat.parallel_tool_calls)
                         for i in range(chat.n)]
+        for choice in self.choices:  # the prompt already opened the forced tool call
+            choice.router.push(forced_prefix)
 
     def push(self, index: int, event: Any) -> dict[str, Any] | None:
         delta = self.choices[index].push(event)

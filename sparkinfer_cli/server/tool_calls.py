@@ -45,6 +45,21 @@ def parse_tool_calls(body: str, tools: Sequence[Mapping[str, Any]] | None) -> li
     return _parse_json(text)
 
 
+def uses_xml_format(template_source: str) -> bool:
+    """Qwen3.5/3.6 and Qwen3-Coder templates teach the <function=...> form; Qwen3 the JSON one."""
+    return "<function=" in template_source
+
+
+def forced_call_prefix(xml_format: bool, name: str | None) -> str:
+    """Text appended to the prompt so generation starts inside a tool call (tool_choice
+    'required'), or inside a call of one named function."""
+    if name is None:
+        return f"{TOOL_CALL_OPEN}\n"
+    if xml_format:
+        return f"{TOOL_CALL_OPEN}\n<function={name}>\n"
+    return f'{TOOL_CALL_OPEN}\n{{"name": {json.dumps(name)}, "arguments": '
+
+
 def arguments_for_template(arguments: str | dict[str, Any]) -> dict[str, Any] | str:
     """OpenAI history sends arguments as a JSON string; Qwen templates iterate them as a mapping."""
     if isinstance(arguments, dict):

@@ -34,6 +34,10 @@ def last_user_text(prompt: str) -> str:
 
 def scripted_reply(prompt: str, params: Any) -> str:
     """Reply chosen by a keyword in the last user message; otherwise an echo of it."""
+    if prompt.endswith('"arguments": '):  # tool_choice named get_weather (JSON format)
+        return '{"city": "Oslo"}}\n</tool_call>'
+    if prompt.endswith("<tool_call>\n"):  # tool_choice required
+        return '{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
     user = last_user_text(prompt)
     for keyword, reply in (("[think]", THINK_REPLY), ("[tool]", JSON_TOOL_REPLY),
                            ("[xmltool]", XML_TOOL_REPLY), ("[long]", LONG_REPLY),

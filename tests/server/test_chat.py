@@ -185,6 +185,24 @@ def test_tool_choice_none_and_named(server) -> None:
     assert response.status_code == 400 and response.json()["error"]["param"] == "tool_choice"
 
 
+def test_required_and_named_tool_choice_force_a_call(server, client) -> None:
+    required = client.chat.completions.create(model="m", messages=user("hi"),
+                                              tools=[WEATHER_TOOL], tool_choice="required")
+    call = required.choices[0].message.tool_calls[0]
+    assert (call.function.name, json.loads(call.function.arguments)) == \
+        ("get_weather", {"city": "Rome"})
+    assert "".join(map(chr, server.engine.submitted[-1][1])).endswith(
+        "<|im_start|>assistant\n<tool_call>\n")
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    chunks = list(client.chat.completions.create(model="m", messages=user("hi"), stream=True,
+                                                 tools=[WEATHER_TOOL, ADD_TOOL],
+                                                 tool_choice=named))
+    calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [(tc.function.name, json.loads(tc.function.arguments)) for tc in calls] == \
+        [("get_weather", {"city": "Oslo"})]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
 def test_n_choices_fan_out_with_seeds(server, client) -> None:
     completion = client.chat.completions.create(model="m", messages=user("hi"), n=3,
                                                 temperature=0.7, seed=10)

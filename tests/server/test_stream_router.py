@@ -8,7 +8,12 @@ import json
 import pytest
 
 from sparkinfer_cli.server.stream_router import StreamRouter, prompt_opens_thinking
-from sparkinfer_cli.server.tool_calls import arguments_for_template, parse_tool_calls
+from sparkinfer_cli.server.tool_calls import (
+    arguments_for_template,
+    forced_call_prefix,
+    parse_tool_calls,
+    uses_xml_format,
+)
 
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather",
@@ -155,3 +160,26 @@ def test_parse_tool_calls(body: str, expected: list | None) -> None:
 ])
 def test_arguments_for_template(arguments, expected) -> None:
     assert arguments_for_template(arguments) == expected
+
+
+@pytest.mark.parametrize("xml, name, rest", [
+    (True, "get_weather", "<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"),
+    (False, "get_weather", '{"city": "Paris"}}\n</tool_call>'),
+    (False, None, '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'),
+])
+def test_forced_call_prefix_continues_into_one_call(xml: bool, name: str | None, rest: str) -> None:
+    forced = "</think>\n\n" + forced_call_prefix(xml, name)  # Qwen3.5 prompt had opened <think>
+    router = StreamRouter(reasoning=True, thinking_open=True, tools=TOOLS)
+    assert not router.push(forced)
+    routed = router.push(rest)
+    routed.extend(router.finish())
+    assert (routed.content, routed.reasoning) == ("", "")
+    assert [(c.name, json.loads(c.arguments)) for c in routed.tool_calls] == \
+        [("get_weather", {"city": "Paris"})]
+
+
+@pytest.mark.parametrize("template, xml", [("qwen3", False), ("qwen3.5", True),
+                                           ("qwen3-coder", True), ("qwen2.5", False)])
+def test_tool_format_follows_the_real_templates(fixtures_dir, template: str, xml: bool) -> None:
+    goldens = json.loads((fixtures_dir / "chat" / "chat_template_goldens.json").read_text())
+    assert uses_xml_format(goldens["templates"][template]["text"]) is xml
