@@ -25,7 +25,7 @@ class RunningServer:
     url: str
     engine: FakeEngine
     app: Any
-    template: QwenLikeTemplate
+    template: Any
 
     @property
     def base_url(self) -> str:
@@ -37,11 +37,10 @@ class RunningServer:
 
 
 def _start(stack: ExitStack, engine_options: dict[str, Any], config_options: dict[str, Any],
-           opens_thinking: bool) -> RunningServer:
+           template: Any) -> RunningServer:
     engine = FakeEngine(**engine_options)
     engine.start()
     stack.callback(engine.shutdown, False)
-    template = QwenLikeTemplate(opens_thinking=opens_thinking)
     app = create_app(engine, CharTokenizer(), template, ServerConfig(**config_options))
     server = stack.enter_context(ThreadServer(app))
     return RunningServer(server.url, engine, app, template)
@@ -49,11 +48,12 @@ def _start(stack: ExitStack, engine_options: dict[str, Any], config_options: dic
 
 @pytest.fixture
 def make_server() -> Iterator[Callable[..., RunningServer]]:
-    """make_server(engine_options..., config=dict(...), opens_thinking=False) → RunningServer."""
+    """make_server(engine_options..., config=dict(...), opens_thinking=False, template=None)."""
     with ExitStack() as stack:
         def make(config: dict[str, Any] | None = None, opens_thinking: bool = False,
-                 **engine_options: Any) -> RunningServer:
-            return _start(stack, engine_options, config or {}, opens_thinking)
+                 template: Any = None, **engine_options: Any) -> RunningServer:
+            template = template or QwenLikeTemplate(opens_thinking=opens_thinking)
+            return _start(stack, engine_options, config or {}, template)
 
         yield make
 
@@ -62,4 +62,4 @@ def make_server() -> Iterator[Callable[..., RunningServer]]:
 def server() -> Iterator[RunningServer]:
     """A shared default server (FakeEngine replies instantly, no auth)."""
     with ExitStack() as stack:
-        yield _start(stack, {}, {}, False)
+        yield _start(stack, {}, {}, QwenLikeTemplate())
