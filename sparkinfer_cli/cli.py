@@ -14,7 +14,7 @@ from sparkinfer_cli.device import pick_device
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="GGUF inference for the Qwen3 family, with an OpenAI-compatible server.")
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)
 
 
 def _fail(message: str) -> None:
