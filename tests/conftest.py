@@ -22,7 +22,7 @@ def fixtures_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def demo_model_path():
-    """demo_model_path("qwen2.5-coder-0.5b" | "smollm2-135m") → Path of the GGUF (sha256-checked)."""
+    """demo_model_path("qwen2.5-coder-0.5b" | "smollm2-135m") → GGUF path (sha256-checked)."""
     from sparkinfer_cli.demo_models import demo_model_path as fetch_model
 
     return fetch_model

@@ -58,7 +58,7 @@ def test_truncated_file(tiny_copy, keep):
 
 
 def write_variant(src, dst, *, arch=None, drop=None, retype=None, reshape=None):
-    """Copy of a GGUF with one change: the architecture, a dropped tensor, or one tensor replaced."""
+    """Copy of a GGUF with one change: architecture, a dropped tensor, or a replaced one."""
     reader = gguf.GGUFReader(src)
     old_arch = reader.fields["general.architecture"].contents()
     writer = gguf.GGUFWriter(dst, arch or old_arch)

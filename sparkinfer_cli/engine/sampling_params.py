@@ -12,7 +12,7 @@ class SamplingParams:
     top_k: int = 0  # 0 → off
     top_p: float = 1.0
     min_p: float = 0.0
-    repetition_penalty: float = 1.0  # llama.cpp/CTRL style: divide positive logits, multiply negative
+    repetition_penalty: float = 1.0  # llama.cpp style: positive logits / p, negative · p
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)

@@ -12,14 +12,15 @@ from sparkinfer_cli.model.config import ModelConfig
 class ModelCache:
     """K/V of attention layers in blocks, plus conv + delta-rule state slots for hybrid layers.
 
-    Region map of `k` / `v`: (attention layer, block, slot in block, kv head, head dim); position p of
-    a sequence with block table bt lives at [:, bt[p // block_size], p % block_size].
+    Region map of `k` / `v`: (attention layer, block, slot in block, kv head, head dim);
+    position p of a sequence with block table bt lives at [:, bt[p // block_size], p % block_size].
     """
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, num_state_slots: int):
         if num_blocks < 1 or block_size < 1:
             raise ValueError("a model cache needs at least one block of at least one token")
-        self.num_blocks, self.block_size, self.num_state_slots = num_blocks, block_size, num_state_slots
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.num_state_slots = num_state_slots
         n_attn = len(config.attention_layers)
         kv_shape = (n_attn, num_blocks, block_size, config.n_head_kv, config.head_dim)
         self.k = np.zeros(kv_shape, dtype=np.float32)  # (layer, block, slot, kv head, head dim)
@@ -57,7 +58,7 @@ class ModelCache:
 
     # ---- recurrent state -----------------------------------------------------------------------
     def recurrent_state(self, layer: int, slot: int) -> tuple[np.ndarray, np.ndarray]:
-        """Views (conv state (C, K-1), delta state (H_v, d_k, d_v)) that the layer updates in place."""
+        """Views (conv (C, K-1), delta (H_v, d_k, d_v)) that the layer updates in place."""
         li = self.rec_index[layer]
         return self.conv_state[li, slot], self.delta_state[li, slot]
 

@@ -1,4 +1,4 @@
-"""ModelConfig: the hyperparameters of a GGUF model, read once from its metadata (ARCHITECTURES.md)."""
+"""ModelConfig: the hyperparameters of a GGUF model, read once from metadata (ARCHITECTURES.md)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from sparkinfer_cli.gguf_file import GGUFError
 if TYPE_CHECKING:
     from sparkinfer_cli.gguf_file import GGUFFile
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "qwen3next", "qwen35", "qwen35moe")
+SUPPORTED_ARCHITECTURES = (
+    "llama", "qwen2", "qwen3", "qwen3moe", "qwen3next", "qwen35", "qwen35moe")
 HYBRID_ARCHITECTURES = ("qwen3next", "qwen35", "qwen35moe")
 ROPE_NORMAL, ROPE_NEOX = "normal", "neox"  # normal: adjacent pairs (llama); neox: halves
 
@@ -76,8 +77,10 @@ class ModelConfig:
             n_ff_exp=int(key("expert_feed_forward_length", 0)),
             n_ff_shexp=int(key("expert_shared_feed_forward_length", 0)),
             recurrent_layers=_recurrent_layers(gguf, arch, n_layer),
-            ssm_conv_kernel=int(key("ssm.conv_kernel", 0)), ssm_d_state=int(key("ssm.state_size", 0)),
-            ssm_n_group=int(key("ssm.group_count", 0)), ssm_n_v_heads=int(key("ssm.time_step_rank", 0)),
+            ssm_conv_kernel=int(key("ssm.conv_kernel", 0)),
+            ssm_d_state=int(key("ssm.state_size", 0)),
+            ssm_n_group=int(key("ssm.group_count", 0)),
+            ssm_n_v_heads=int(key("ssm.time_step_rank", 0)),
             ssm_inner_size=int(key("ssm.inner_size", 0)),
         )
 

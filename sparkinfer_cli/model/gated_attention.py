@@ -22,12 +22,14 @@ class GatedAttention(Attention):
     def __init__(self, w: Weights, cfg: ModelConfig, layer: int):
         super().__init__(w, cfg, layer, qkv_bias=False, qk_norm=True)
 
-    def build_query(self, w: Weights, cfg: ModelConfig, prefix: str, bias: QTensor | None) -> Linear:
+    def build_query(self, w: Weights, cfg: ModelConfig, prefix: str,
+                    bias: QTensor | None) -> Linear:
         """Split attn_q's interleaved rows once at load: the query part, and the output gate."""
         H, D = cfg.n_head, cfg.head_dim
         attn_q = w.get(prefix + "attn_q.weight", (cfg.n_embd, 2 * H * D))
         head_rows = np.arange(H)[:, None] * 2 * D + np.arange(D)  # (H, D) query rows
-        self.attn_q_gate = Linear(attn_q.select_rows((head_rows + D).ravel(), prefix + "attn_q.gate"))
+        gate_rows = (head_rows + D).ravel()
+        self.attn_q_gate = Linear(attn_q.select_rows(gate_rows, prefix + "attn_q.gate"))
         return Linear(attn_q.select_rows(head_rows.ravel(), prefix + "attn_q.weight"))
 
     def __call__(self, x: np.ndarray, fwd: Forward) -> np.ndarray:

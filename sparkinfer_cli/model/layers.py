@@ -81,8 +81,10 @@ class Attention:
             if qk_norm else None
         self.layer, self.cfg = layer, cfg
 
-    def build_query(self, w: Weights, cfg: ModelConfig, prefix: str, bias: QTensor | None) -> Linear:
-        return Linear(w.get(prefix + "attn_q.weight", (cfg.n_embd, cfg.n_head * cfg.head_dim)), bias)
+    def build_query(self, w: Weights, cfg: ModelConfig, prefix: str,
+                    bias: QTensor | None) -> Linear:
+        shape = (cfg.n_embd, cfg.n_head * cfg.head_dim)
+        return Linear(w.get(prefix + "attn_q.weight", shape), bias)
 
     def project_qkv(self, x: np.ndarray, fwd: Forward) -> tuple[np.ndarray, ...]:
         """Normalised, rotated q (N, H, D) and k, v (N, H_kv, D)."""
@@ -111,7 +113,7 @@ class Attention:
 
 
 class SwiGLU:
-    """down(silu(gate(x)) ⊙ up(x)); `prefix` is e.g. 'blk.3.ffn_' or 'blk.3.ffn_' + 'shexp' names."""
+    """down(silu(gate(x)) ⊙ up(x)); tensors `{prefix}gate{suffix}.weight` etc."""
 
     def __init__(self, w: Weights, prefix: str, suffix: str, n_embd: int, n_ff: int):
         self.ffn_gate = Linear(w.get(f"{prefix}gate{suffix}.weight", (n_embd, n_ff)))

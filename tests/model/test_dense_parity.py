@@ -1,4 +1,4 @@
-"""Dense qwen3 logits against the oracle fixtures (transformers and llama.cpp), every shipped variant.
+"""Dense qwen3 logits against the oracle fixtures (transformers, llama.cpp), every variant.
 
 References (tests/fixtures/ORACLE_README.md): F32 → `hf_logits_*` (transformers fp32) and
 `lc_F32_decode_logits_short`; a quantized variant V → `lc_V_deqf32_logits_*` (llama.cpp on the
@@ -37,7 +37,7 @@ def prefill_all_logits(model, ids: np.ndarray) -> np.ndarray:
 
 
 def decode_logits(model, prompt: np.ndarray, fed: np.ndarray) -> np.ndarray:
-    """Prefill `prompt`, then feed `fed` one token per step; logits after the prompt and each step."""
+    """Prefill `prompt`, then feed `fed` one token a step; logits of the prompt end + each step."""
     cache, table = model.create_cache(NUM_BLOCKS, BLOCK_SIZE, 1), np.arange(NUM_BLOCKS)
     rows = [model.forward(SequenceBatch.single(prompt, 0, table), cache)[0]]
     for i, token in enumerate(fed):
@@ -89,7 +89,7 @@ def test_decode_steps_match_llama_cpp(variant_model, goldens):
 
 
 def test_greedy_continuation_matches_float_reference(variant_model, goldens):
-    """Our greedy ids equal llama.cpp's (dequantized-F32 run for quantized files) token for token."""
+    """Our greedy ids equal llama.cpp's (dequantized-F32 run if quantized), token by token."""
     variant, model = variant_model
     key = "lc_F32_greedy_short" if variant == "F32" else f"lc_{variant}_deqf32_greedy_short"
     expected = goldens[key]

@@ -10,7 +10,7 @@ ROPE_NORMAL, ROPE_NEOX = "normal", "neox"
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    """x · w / sqrt(mean(x²) + eps) over the last axis; the sum of squares in float64 as ggml does."""
+    """x · w / sqrt(mean(x²) + eps) over the last axis; sum of squares in float64 like ggml."""
     mean_sq = np.mean(np.square(x, dtype=np.float64), axis=-1, keepdims=True)
     scale = (1.0 / np.sqrt(mean_sq + eps)).astype(np.float32)
     return (x * scale) * weight
