@@ -196,7 +196,7 @@ Timed = Callable[[str, Callable[[], Measurement]], Measurement]
 def _depth_figures(request: BenchRequest, model: CausalLM, timed: Timed) -> list[Measurement]:
     """Prefill and decode at each depth (their KV cache is gone before the engine makes its own)."""
     depths = DepthBench(model, max(request.ctx_values), request.settings)
-    depths.warm_up()
+    depths.warm_up(min(request.ctx_values))
     results = []
     for c in request.ctx_values:
         results.append(timed(f"prefill {c} tokens", partial(depths.prefill, c)))

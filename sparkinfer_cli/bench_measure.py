@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 BLOCK_SIZE = 16
 PREFILL_REPEATS = 3  # at most; a repeat starts only while the budget below is not spent
 PREFILL_BUDGET_S = 10.0
-WARMUP_TOKENS = 8
+WARMUP_DECODE_STEPS = 4
 WARMUP_ROUNDS = 2
 
 
@@ -62,17 +62,17 @@ class DepthBench:
         self.cache: ModelCache = model.create_cache(num_blocks, BLOCK_SIZE, 2)
         self.block_table = np.arange(num_blocks, dtype=np.int32)  # (num_blocks,)
 
-    def warm_up(self) -> None:
-        """Compiles the lazily compiled kernels and wakes thread pools: a prompt, decode steps and
-        a 2-sequence batch, twice."""
+    def warm_up(self, prompt_tokens: int) -> None:
+        """Compiles the lazily compiled kernels and wakes thread pools: a prompt as long as the
+        shortest timed one (kernels switch by token count), decode steps and a 2-sequence batch."""
+        n = min(prompt_tokens, self.settings.prefill_chunk_tokens)
         half = self.block_table[len(self.block_table) // 2:]
         for _ in range(WARMUP_ROUNDS):
-            ids = self._ids(WARMUP_TOKENS)
+            ids = self._ids(n)
             self._forward(ids, 0)
-            for step in range(WARMUP_TOKENS // 2):
-                self._forward(ids[step:step + 1], WARMUP_TOKENS + step)
-            pair = SequenceBatch(self._ids(2), [WARMUP_TOKENS, 0], [1, 1],
-                                 [self.block_table, half], [0, 1])
+            for step in range(WARMUP_DECODE_STEPS):
+                self._forward(ids[step:step + 1], n + step)
+            pair = SequenceBatch(self._ids(2), [n, 0], [1, 1], [self.block_table, half], [0, 1])
             self.model.forward(pair, self.cache)
 
     def prefill(self, ctx: int) -> Measurement:

@@ -83,11 +83,11 @@ class BenchReport:
 def write_report(report: BenchReport, out_dir: Path) -> list[Path]:
     """Writes the chart (if it can), the JSON and the markdown; returns their paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    base = out_dir / report.stem
-    chart = write_chart(report, base.with_suffix(".png"))
-    base.with_suffix(".json").write_text(json.dumps(report_json(report, chart), indent=2) + "\n")
-    base.with_suffix(".md").write_text(report_markdown(report, chart))
-    return [p for p in (base.with_suffix(".md"), base.with_suffix(".json"), chart) if p]
+    md, js = out_dir / f"{report.stem}.md", out_dir / f"{report.stem}.json"
+    chart = write_chart(report, out_dir / f"{report.stem}.png")  # NOTE: first: it may add a note
+    js.write_text(json.dumps(report_json(report, chart), indent=2) + "\n")
+    md.write_text(report_markdown(report, chart))
+    return [md, js] + ([chart] if chart else [])
 
 
 def report_json(report: BenchReport, chart: Path | None) -> dict:
