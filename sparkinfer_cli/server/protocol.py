@@ -511,5 +511,8 @@ class ResponseHeader:
                 "usage": usage.to_dict() if usage else None}
 
 
+_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))  # built once: hot path
+
+
 def dumps(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    return _ENCODER.encode(obj)

@@ -330,7 +330,10 @@ class ChatChoice:
                  top_logprobs: int | None, parallel_tool_calls: bool):
         self.index, self.router, self.texts = index, router, texts
         self.top_logprobs, self.parallel_tool_calls = top_logprobs, parallel_tool_calls
-        self.routed = RoutedText()
+        # NOTE: lists of parts, joined once at the end: += on a growing string is quadratic
+        self.content: list[str] = []
+        self.reasoning: list[str] = []
+        self.tool_calls: list[Any] = []
         self.logprobs: list[dict[str, Any]] = []
         self.last_event: Any = None
         self.num_reasoning_tokens = 0
@@ -346,10 +349,12 @@ class ChatChoice:
         if event.finish_reason is not None:
             routed.extend(self.router.finish())
         routed.tool_calls = self._admit_calls(routed.tool_calls)
-        self.routed.extend(routed)
+        self.content.append(routed.content)
+        self.reasoning.append(routed.reasoning)
+        self.tool_calls += routed.tool_calls
         logprobs = self._logprobs(event)
         if event.finish_reason is not None:
-            self.finish_reason = "tool_calls" if self.routed.tool_calls and \
+            self.finish_reason = "tool_calls" if self.tool_calls and \
                 event.finish_reason == "stop" else event.finish_reason
         delta = self._delta(routed, is_first)
         if not (delta or logprobs or self.finish_reason):
@@ -361,7 +366,7 @@ class ChatChoice:
     def _admit_calls(self, calls: list[Any]) -> list[Any]:
         if self.parallel_tool_calls:
             return calls
-        return calls[:max(1 - len(self.routed.tool_calls), 0)]
+        return calls[:max(1 - len(self.tool_calls), 0)]
 
     def _logprobs(self, event: Any) -> list[dict[str, Any]]:
         if self.top_logprobs is None:
@@ -377,19 +382,19 @@ class ChatChoice:
         if routed.content:
             delta["content"] = routed.content
         if routed.tool_calls:
-            first = len(self.routed.tool_calls) - len(routed.tool_calls)
+            first = len(self.tool_calls) - len(routed.tool_calls)
             delta["tool_calls"] = [{"index": first + k, **call.to_dict()}
                                    for k, call in enumerate(routed.tool_calls)]
         return delta
 
     def message(self) -> dict[str, Any]:
-        routed = self.routed
+        content, reasoning = "".join(self.content), "".join(self.reasoning)
         message: dict[str, Any] = {"role": "assistant",
-                                   "content": routed.content or (None if routed.tool_calls else "")}
-        if routed.reasoning:
-            message["reasoning_content"] = message["reasoning"] = routed.reasoning
-        if routed.tool_calls:
-            message["tool_calls"] = [call.to_dict() for call in routed.tool_calls]
+                                   "content": content or (None if self.tool_calls else "")}
+        if reasoning:
+            message["reasoning_content"] = message["reasoning"] = reasoning
+        if self.tool_calls:
+            message["tool_calls"] = [call.to_dict() for call in self.tool_calls]
         return {"index": self.index, "message": message,
                 "logprobs": {"content": self.logprobs} if self.top_logprobs is not None else None,
                 "finish_reason": self.finish_reason}
@@ -441,18 +446,20 @@ class CompletionResponse:
         self.prompt_lengths, self.top_logprobs = prompt_lengths, top_logprobs
         self.texts_of = state.token_texts
         count = len(prompt_lengths) * n
-        self.texts = [echo_texts[i // n] for i in range(count)]
-        self.pending_echo = [bool(t) for t in self.texts]
+        self.texts = [[echo_texts[i // n]] for i in range(count)]  # parts, joined at the end
+        self.lengths = [len(echo_texts[i // n]) for i in range(count)]
+        self.pending_echo = [bool(echo_texts[i // n]) for i in range(count)]
         self.logprobs: list[dict[str, list[Any]]] = [
             {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
             for _ in range(count)]
         self.last_events: list[Any] = [None] * count
 
     def push(self, index: int, event: Any) -> dict[str, Any] | None:
-        offset = len(self.texts[index])
-        text = self.texts[index] if self.pending_echo[index] else ""
+        offset = self.lengths[index]
+        text = self.texts[index][0] if self.pending_echo[index] else ""
         self.pending_echo[index] = False
-        self.texts[index] += event.text
+        self.texts[index].append(event.text)
+        self.lengths[index] += len(event.text)
         self.last_events[index] = event
         logprobs = self._logprobs(index, event, offset)
         if not (text + event.text or logprobs or event.finish_reason):
@@ -489,10 +496,10 @@ class CompletionResponse:
         return self.header.completion([], self.usage()) if self.include_usage else None
 
     def response(self) -> dict[str, Any]:
-        choices = [{"index": i, "text": text,
+        choices = [{"index": i, "text": "".join(parts),
                     "logprobs": self.logprobs[i] if self.top_logprobs is not None else None,
                     "finish_reason": e.finish_reason if e else None}
-                   for i, (text, e) in enumerate(zip(self.texts, self.last_events))]
+                   for i, (parts, e) in enumerate(zip(self.texts, self.last_events))]
         return self.header.completion(choices, self.usage())
 
     def token_counts(self) -> tuple[int, int]:
