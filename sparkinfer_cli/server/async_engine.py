@@ -117,9 +117,11 @@ class Generation:
         try:
             self._running[index] = self._engine.submit(prompt_ids, params, on_event,
                                                        request_id=request_id)
-        except (QueueFullError, EngineStoppedError, ValueError) as exc:
-            self.close()
-            raise self._owner.submit_error(exc) from None
+        except Exception as exc:
+            self.close()  # abort the choices already submitted
+            if isinstance(exc, (QueueFullError, EngineStoppedError, ValueError)):
+                raise self._owner.submit_error(exc) from None
+            raise
 
     async def __aenter__(self) -> Generation:
         return self

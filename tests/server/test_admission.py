@@ -111,6 +111,14 @@ def test_queue_full_gives_429_with_retry_after(make_server) -> None:
     assert metric(srv.url, 'sparkinfer_requests_by_outcome_total{outcome="overloaded"}') == 2
 
 
+def test_n_choices_are_admitted_together_or_not_at_all(make_server) -> None:
+    srv = make_server(max_queue_depth=2, token_delay_s=0.01)
+    assert_openai_error(chat(srv.url, messages=LONG, n=3), 429, "queue_full")
+    wait_until(lambda: len(srv.engine.aborted) == 2)  # the two admitted choices are withdrawn
+    wait_until(lambda: kv_is_free(srv.url))
+    assert srv.state.engine.num_in_flight == 0
+
+
 def test_engine_timeout_gives_504_or_an_sse_error(make_server) -> None:
     srv = make_server(request_timeout_s=0.3, token_delay_s=0.01)
     assert_openai_error(chat(srv.url, messages=LONG), 504, "request_timeout")
