@@ -28,7 +28,13 @@ from rich.progress import (
 from rich.table import Table
 
 from sparkinfer_cli.bench_measure import DepthBench, Measurement, Settings, measure_throughput
-from sparkinfer_cli.bench_report import BenchReport, ResultRow, percent, write_report
+from sparkinfer_cli.bench_report import (
+    TABLE_HEADER,
+    BenchReport,
+    ResultRow,
+    table_cells,
+    write_report,
+)
 from sparkinfer_cli.bench_roofline import MachinePeaks, ModelCost, machine_peaks, roofline
 
 if TYPE_CHECKING:
@@ -99,7 +105,7 @@ def run_bench(request: BenchRequest, console: Console) -> list[Path]:
     report = _new_report(request, label, path, peaks, ModelCost.from_gguf(gguf, config))
     measurements = run_measurements(request, model, tokenizer, console)
     report.load_average["after"] = list(os.getloadavg())
-    report.results = [_row(m, report.cost, peaks) for m in measurements]
+    report.results = [_row(m, load, report.cost, peaks) for m, load in measurements]
     files = write_report(report, request.out_dir)
     console.print(results_table(report))
     for note in report.notes:
@@ -170,18 +176,18 @@ def _load(gguf: GGUFFile, device: str, console: Console) -> tuple[CausalLM, Toke
 
 # ---- measuring -----------------------------------------------------------------------------------
 def run_measurements(request: BenchRequest, model: CausalLM, tokenizer: Tokenizer,
-                     console: Console) -> list[Measurement]:
+                     console: Console) -> list[Measured]:
     """Warm-up, then prefill + decode at each ctx, then throughput at each concurrency."""
     num_figures = 2 * len(request.ctx_values) + len(request.concurrency_values)
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console) as progress:
         task = progress.add_task("warm-up", total=num_figures)
 
-        def timed(label: str, measure: Callable[[], Measurement]) -> Measurement:
+        def timed(label: str, measure: Callable[[], Measurement]) -> Measured:
             progress.update(task, description=label)
             result = measure()
             progress.advance(task)
-            return result
+            return result, os.getloadavg()[0]
 
         results = _depth_figures(request, model, timed)
         results += [timed(f"throughput, {n} sequences",
@@ -190,10 +196,11 @@ def run_measurements(request: BenchRequest, model: CausalLM, tokenizer: Tokenize
     return results
 
 
-Timed = Callable[[str, Callable[[], Measurement]], Measurement]
+Measured = tuple[Measurement, float]  # (figure, 1-minute load average right after it)
+Timed = Callable[[str, Callable[[], Measurement]], Measured]
 
 
-def _depth_figures(request: BenchRequest, model: CausalLM, timed: Timed) -> list[Measurement]:
+def _depth_figures(request: BenchRequest, model: CausalLM, timed: Timed) -> list[Measured]:
     """Prefill and decode at each depth (their KV cache is gone before the engine makes its own)."""
     depths = DepthBench(model, max(request.ctx_values), request.settings)
     depths.warm_up(min(request.ctx_values))
@@ -204,9 +211,9 @@ def _depth_figures(request: BenchRequest, model: CausalLM, timed: Timed) -> list
     return results
 
 
-def _row(m: Measurement, cost: ModelCost, peaks: MachinePeaks) -> ResultRow:
+def _row(m: Measurement, load: float, cost: ModelCost, peaks: MachinePeaks) -> ResultRow:
     fraction, bound = roofline(cost, peaks, m.tokens_per_pass, m.tok_s)
-    return ResultRow(m.kind, m.ctx, m.concurrency, m.tok_s, fraction, bound)
+    return ResultRow(m.kind, m.ctx, m.concurrency, m.tok_s, fraction, bound, load)
 
 
 # ---- report --------------------------------------------------------------------------------------
@@ -229,14 +236,9 @@ def git_commit() -> str:
 
 
 def results_table(report: BenchReport) -> Table:
-    load = report.load_average["before"][0]
-    table = Table(title=f"{report.model} on {report.device} (load average {load:.1f})")
-    for name in ("figure", "ctx", "concurrency", "tok/s", "roofline", "bound", "llama.cpp"):
+    table = Table(title=f"{report.model} on {report.device}")
+    for name in TABLE_HEADER:
         table.add_column(name, justify="left" if name in ("figure", "bound") else "right")
-    anchored = {(r.kind, r.ctx, r.concurrency): a for a, r in report.anchors()}
-    for r in report.results:
-        a = anchored.get((r.kind, r.ctx, r.concurrency))
-        ref = f"{a.tok_s:,.1f} ({r.tok_s / a.tok_s:.2f}×)" if a else "—"
-        table.add_row(r.kind, str(r.ctx), str(r.concurrency), f"{r.tok_s:,.1f}",
-                      percent(r.roofline_fraction), r.bound, ref)
+    for cells in table_cells(report):
+        table.add_row(*cells)
     return table

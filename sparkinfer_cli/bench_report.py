@@ -52,6 +52,7 @@ class ResultRow:
     tok_s: float
     roofline_fraction: float
     bound: str  # memory | compute: the roof the fraction is taken against
+    load_1min: float  # the machine's 1-minute load average right after the figure was taken
 
 
 @dataclass
@@ -129,7 +130,8 @@ def _header_lines(report: BenchReport) -> list[str]:
         f"- machine: {peaks.name}; memory bandwidth {peaks.memory_bandwidth / 1e9:.1f} GB/s, "
         f"peak {peaks.peak_flops / 1e12:.3g} TFLOP/s ({peaks.note})",
         f"- load average (1/5/15 min) before: {_load(load['before'])}, "
-        f"after: {_load(load['after'])} (this machine is shared; the figures move with it)",
+        f"after: {_load(load['after'])}; the load column is the 1-minute average after each figure "
+        f"(a shared machine: the figures move with it)",
     ]
 
 
@@ -137,16 +139,26 @@ def _load(values: list[float]) -> str:
     return " / ".join(f"{v:.2f}" for v in values)
 
 
-def _table_lines(report: BenchReport) -> list[str]:
+TABLE_HEADER = ("figure", "ctx", "concurrency", "tok/s", "roofline", "bound", "load",
+                "llama.cpp", "ratio")
+
+
+def table_cells(report: BenchReport) -> list[tuple[str, ...]]:
+    """One row of TABLE_HEADER cells per result (the markdown and the console show the same)."""
     anchored = {(r.kind, r.ctx, r.concurrency): a for a, r in report.anchors()}
-    lines = ["| figure | ctx | concurrency | tok/s | roofline | bound | llama.cpp | ratio |",
-             "|---|---:|---:|---:|---:|---|---:|---:|"]
+    cells = []
     for r in report.results:
         a = anchored.get((r.kind, r.ctx, r.concurrency))
-        ref = f"{a.tok_s:,.1f} ({a.test}) | {r.tok_s / a.tok_s:.2f}×" if a else "— | —"
-        lines.append(f"| {r.kind} | {r.ctx} | {r.concurrency} | {r.tok_s:,.1f} | "
-                     f"{percent(r.roofline_fraction)} | {r.bound} | {ref} |")
-    return lines
+        ref = (f"{a.tok_s:,.1f} ({a.test})", f"{r.tok_s / a.tok_s:.2f}×") if a else ("—", "—")
+        cells.append((r.kind, str(r.ctx), str(r.concurrency), f"{r.tok_s:,.1f}",
+                      percent(r.roofline_fraction), r.bound, f"{r.load_1min:.1f}", *ref))
+    return cells
+
+
+def _table_lines(report: BenchReport) -> list[str]:
+    align = ["---" if name in ("figure", "bound") else "---:" for name in TABLE_HEADER]
+    rows = [TABLE_HEADER, align, *table_cells(report)]
+    return ["| " + " | ".join(row) + " |" for row in rows]
 
 
 def percent(fraction: float) -> str:

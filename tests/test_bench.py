@@ -91,6 +91,7 @@ def test_json_fields_and_types(bench_run):
         assert isinstance(r["tok_s"], float) and r["tok_s"] > 0
         assert isinstance(r["roofline_fraction"], float) and 0 < r["roofline_fraction"] <= 1
         assert r["bound"] in ("memory", "compute")
+        assert isinstance(r["load_1min"], float) and r["load_1min"] >= 0
     load = data["machine"]["load_average"]
     assert len(load["before"]) == 3 and len(load["after"]) == 3
 
@@ -185,9 +186,9 @@ def _fake_report(model: str, rows: list[ResultRow]) -> BenchReport:
 def test_cpu_anchor_matches_the_llama_bench_fixture(fixtures_dir):
     summary = json.loads((fixtures_dir / "real" / "llama_bench_qwen25coder.json").read_text())
     pp64, tg32 = (summary["summary"][k]["avg_tokens_per_s"] for k in ("pp64", "tg32"))
-    rows = [ResultRow("prefill", 64, 1, 62.0, 0.1, "compute"),
-            ResultRow("decode", 64, 1, 16.0, 0.2, "memory"),
-            ResultRow("decode", 512, 1, 15.0, 0.2, "memory")]
+    rows = [ResultRow("prefill", 64, 1, 62.0, 0.1, "compute", 2.0),
+            ResultRow("decode", 64, 1, 16.0, 0.2, "memory", 2.0),
+            ResultRow("decode", 512, 1, 15.0, 0.2, "memory", 2.0)]
     report = _fake_report("qwen2.5-coder-0.5b", rows)
     anchors = {a["test"]: a for a in report_json(report, None)["llama_cpp"]}
     assert set(anchors) == {"pp64", "tg32 (depth 0)"}
@@ -196,13 +197,14 @@ def test_cpu_anchor_matches_the_llama_bench_fixture(fixtures_dir):
     assert anchors["pp64"]["ratio"] == pytest.approx(62.0 / anchors["pp64"]["tok_s"])
     md = report_markdown(report, None)
     assert re.search(r"\| prefill \| 64 \| 1 \| 62\.0 \|.*124\.3 \(pp64\) \| 0\.50× \|", md)
-    assert "| decode | 512 | 1 | 15.0 | 20% | memory | — | — |" in md
+    assert "| decode | 512 | 1 | 15.0 | 20% | memory | 2.0 | — | — |" in md
     assert "llama.cpp:" not in report_markdown(_fake_report("tiny-qwen3", rows), None)
 
 
 def test_missing_matplotlib_skips_the_chart_with_a_note(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import → ImportError
-    report = _fake_report("qwen2.5-coder-0.5b", [ResultRow("decode", 16, 1, 10.0, 0.5, "memory")])
+    row = ResultRow("decode", 16, 1, 10.0, 0.5, "memory", 2.0)
+    report = _fake_report("qwen2.5-coder-0.5b", [row])
     files = write_report(report, tmp_path)
     stem = "2026-11-30-qwen2.5-coder-0.5b-cpu"  # the dots in the name are no suffix
     assert sorted(p.name for p in files) == [f"{stem}.json", f"{stem}.md"]
