@@ -55,6 +55,10 @@ def _make_kernels(bt: BlockType) -> tuple[Callable, Callable]:
                         w = s * q(raw, r, b * BU, aux, lut, j, i)
                         out[r - r0, e + i] = w + m if HAS_OFF else w
 
+    # 32-element runs: lanes i and 16+i come from sub-blocks (ja, ia) and (jb, ib_ + i)
+    RUN_J = 2 if NSUB * 16 == BS else 1  # 16-element sub-blocks: a run spans two of them
+    RUN_I = 0 if NSUB * 16 == BS else 16
+
     @njit(nogil=True)
     def dot_rows(raw, lut, x, r0, r1, sbe, out):
         sc, of = np.zeros(NSUB, np.float32), np.zeros(NSUB, np.float32)  # (n_sub,)
@@ -62,13 +66,20 @@ def _make_kernels(bt: BlockType) -> tuple[Callable, Callable]:
         for r in range(r0, r1):
             acc[:] = 0
             for b in range(raw.shape[1] // BU):
-                aux = scales(raw, r, b * BU, lut, sc, of)
-                for j in range(NSUB):
-                    s, m, e = sc[j], of[j], b * BS + j * sbe
+                o = b * BU
+                aux = scales(raw, r, o, lut, sc, of)
+                for k in range(BS // 32):
+                    ja, e = RUN_J * k, b * BS + 32 * k
+                    jb = ja + RUN_J - 1
+                    sa, sb, ma, mb = sc[ja], sc[jb], of[ja], of[jb]
                     for t in range(x.shape[0]):
-                        for i in range(sbe):
-                            w = s * q(raw, r, b * BU, aux, lut, j, i)
-                            acc[t, i] += (w + m if HAS_OFF else w) * x[t, e + i]
+                        # NOTE: constant trip count 16 with two lanes per step: LLVM vectorizes
+                        # this body (8 floats x 2) without unrolling it away
+                        for i in range(16):
+                            wa = sa * q(raw, r, o, aux, lut, ja, i)
+                            wb = sb * q(raw, r, o, aux, lut, jb, RUN_I + i)
+                            acc[t, i] += (wa + ma if HAS_OFF else wa) * x[t, e + i]
+                            acc[t, 16 + i] += (wb + mb if HAS_OFF else wb) * x[t, e + 16 + i]
             for t in range(x.shape[0]):
                 out[t, r] = _sum32(acc[t])
 
