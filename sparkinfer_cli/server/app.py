@@ -58,7 +58,8 @@ def create_app(engine: Any, tokenizer: Any, chat_template: Any,
                                        async_engine.metrics, int(time.time()),
                                        routes.TokenTexts(tokenizer))
     for handler, uri, method in ROUTES:
-        app.add_route(handler, uri, methods=[method])
+        # POST handlers read their body themselves, under the read timeout (routes.read_body)
+        app.add_route(handler, uri, methods=[method], stream=method == "POST")
     app.error_handler.add(Exception, _error_response)
     app.on_request(_authenticate)
     return app

@@ -84,6 +84,38 @@ def _state(request: Request) -> ServerState:
     return request.app.ctx.state
 
 
+# ---------------------------------------------------------------- request bodies
+
+async def read_body(request: Request) -> bytes:
+    """The request body, read chunk by chunk: each chunk must arrive within read_timeout_s
+    (reset on every byte, so slow uploads pass and stalled ones do not hold a connection), and
+    more than max_request_bytes is a 413."""
+    config = _state(request).config
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > config.max_request_bytes:
+        raise _too_large(config.max_request_bytes)
+    if request.stream is None:
+        return request.body or b""
+    chunks, size = [], 0
+    while True:
+        try:
+            chunk = await asyncio.wait_for(request.stream.read(), config.read_timeout_s)
+        except asyncio.TimeoutError:
+            raise ApiError(408, "the request body stalled for longer than the read timeout",
+                           type="timeout_error", code="request_timeout") from None
+        if chunk is None:
+            return b"".join(chunks)
+        size += len(chunk)
+        if size > config.max_request_bytes:
+            raise _too_large(config.max_request_bytes)
+        chunks.append(chunk)
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, f"the request body is larger than {limit} bytes",
+                    code="request_too_large")
+
+
 # ---------------------------------------------------------------- info routes
 
 
@@ -134,7 +166,7 @@ async def metrics(request: Request) -> HTTPResponse:
 
 async def tokenize(request: Request) -> HTTPResponse:
     state = _state(request)
-    body = parse_json_body(request.body)
+    body = parse_json_body(await read_body(request))
     text = parse_tokenize_request(body)
     if text is None:
         text, _, _ = _chat_prompt(state, _parse_chat(state, body))
@@ -174,7 +206,7 @@ def counted(handler: Handler) -> Handler:
 @counted
 async def chat_completions(request: Request) -> HTTPResponse | None:
     state = _state(request)
-    chat = _parse_chat(state, parse_json_body(request.body))
+    chat = _parse_chat(state, parse_json_body(await read_body(request)))
     request.ctx.streaming = chat.stream
     prompt, thinking_open, forced = _chat_prompt(state, chat)
     prompt_ids = state.tokenizer.encode(prompt)
@@ -189,7 +221,7 @@ async def chat_completions(request: Request) -> HTTPResponse | None:
 @counted
 async def completions(request: Request) -> HTTPResponse | None:
     state = _state(request)
-    req = parse_completion_request(parse_json_body(request.body),
+    req = parse_completion_request(parse_json_body(await read_body(request)),
                                    default_temperature=state.config.default_temperature,
                                    vocab_size=state.vocab_size, max_n=state.config.max_n)
     request.ctx.streaming = req.stream

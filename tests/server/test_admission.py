@@ -4,6 +4,7 @@ test that malformed bodies only ever get 4xx OpenAI errors while the server stay
 from __future__ import annotations
 
 import json
+import socket
 import time
 
 import httpx
@@ -75,6 +76,17 @@ def test_unknown_route_method_and_oversized_body(make_server) -> None:
     assert_openai_error(httpx.post(f"{srv.base_url}/chat/completions", json={"messages": big}),
                         413)
     assert chat(srv.url).status_code == 200
+
+
+def test_read_timeout_drops_a_stalled_request(make_server) -> None:
+    srv = make_server(config={"read_timeout_s": 0.5})
+    with socket.create_connection(("127.0.0.1", int(srv.url.rsplit(":", 1)[1])), 5) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n"
+                     b"\r\n{\"messages\": ")  # then nothing more
+        sock.settimeout(5)
+        started = time.monotonic()
+        reply = sock.recv(4096)
+    assert reply.startswith(b"HTTP/1.1 408") and time.monotonic() - started < 3
 
 
 def test_context_limits(make_server) -> None:
