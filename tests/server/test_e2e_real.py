@@ -22,6 +22,7 @@ FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "tiny" / "qwen3"
 MODEL = FIXTURES / "qwen3-Q8_0.gguf"
 GOLDENS = json.loads((FIXTURES / "qwen3.goldens.json").read_text())
 RUN_SERVER = "import sys; from sparkinfer_cli.server.app import run_server; run_server(sys.argv[1])"
+pytestmark = pytest.mark.slow  # two server processes; the first may compile the CPU kernels
 STARTUP_S = 300  # a cold numba cache compiles the CPU kernels on the first forward pass
 REQUEST_S = 300
 
