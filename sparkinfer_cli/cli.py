@@ -124,5 +124,8 @@ def serve(model: Optional[str] = typer.Option(None, "-m", "--model", help=MODEL_
         _fail(str(exc))
     if note:
         err.print(f"[yellow]{note}[/]")
-    run_server(path, host, port, ctx, api_key, device=chosen)
+    try:
+        run_server(path, host, port, ctx, api_key, device=chosen)
+    except (ValueError, OSError) as exc:  # bad env/flags, broken file, port in use
+        _fail(str(exc))
 
