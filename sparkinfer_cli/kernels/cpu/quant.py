@@ -25,6 +25,7 @@ import numpy as np
 from numba import njit
 
 from sparkinfer_cli.ggml_types import row_bytes, type_name
+from sparkinfer_cli.kernels.cpu.quant_blas import single_threaded_blas
 from sparkinfer_cli.kernels.cpu.quant_blocks import (
     BF16, BF16_LUT, BLOCK_TYPES, F16, F16_LUT, F32, IQ4_NL, IQ4_XS, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1,
     Q5_K, Q6_K, Q8_0, BlockType)
@@ -229,8 +230,9 @@ def _lut(ggml_type: int) -> np.ndarray:
     return BF16_LUT if ggml_type == BF16 else F16_LUT
 
 
-def _dequant_range(rows: np.ndarray, ggml_type: int, r0: int, r1: int, out: np.ndarray) -> None:
-    """out[:r1-r0] = dequantized rows r0..r1, on all threads."""
+def _dequant_range(rows: np.ndarray, ggml_type: int, r0: int, r1: int, out: np.ndarray,
+                   threaded: bool = True) -> None:
+    """out[:r1-r0] = dequantized rows r0..r1, on all threads (or on the caller's only)."""
     if ggml_type == F32:
         out[:r1 - r0] = rows[r0:r1]
         return
@@ -241,7 +243,10 @@ def _dequant_range(rows: np.ndarray, ggml_type: int, r0: int, r1: int, out: np.n
     def part(a: int, b: int) -> None:
         kernel(*args, r0 + a, r0 + b, sbe, out[a:])
 
-    _parallel_rows(part, r1 - r0)
+    if threaded:
+        _parallel_rows(part, r1 - r0)
+    else:
+        part(0, r1 - r0)
 
 
 def dequantize(raw: np.ndarray, ggml_type: int, ne0: int) -> np.ndarray:
@@ -270,12 +275,17 @@ def embedding_rows(raw: np.ndarray, ggml_type: int, ne0: int, ids: np.ndarray) -
 def _matmul_tiled(rows: np.ndarray, ggml_type: int, x: np.ndarray) -> np.ndarray:
     n_rows, ne0 = rows.shape[0], x.shape[1]
     tile = max(16, _BLAS_TILE_BYTES // (4 * ne0))
-    w = np.empty((tile, ne0), np.float32)  # (tile, ne0)
     out_t = np.empty((n_rows, x.shape[0]), np.float32)  # (rows, T)
-    for r0 in range(0, n_rows, tile):
-        r1 = min(n_rows, r0 + tile)
-        _dequant_range(rows, ggml_type, r0, r1, w)
-        np.matmul(w[:r1 - r0], x.T, out=out_t[r0:r1])
+
+    def part(a: int, b: int) -> None:  # each thread: its own tiles, dequantize then GEMM
+        w = np.empty((tile, ne0), np.float32)  # (tile, ne0)
+        for r0 in range(a, b, tile):
+            r1 = min(b, r0 + tile)
+            _dequant_range(rows, ggml_type, r0, r1, w, threaded=False)
+            np.matmul(w[:r1 - r0], x.T, out=out_t[r0:r1])
+
+    with single_threaded_blas():
+        _parallel_rows(part, n_rows)
     return np.ascontiguousarray(out_t.T)  # (T, rows)
 
 
