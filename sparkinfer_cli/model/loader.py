@@ -13,7 +13,10 @@ from sparkinfer_cli.model.config import ModelConfig
 def load_model(path: str | Path | GGUFFile, device: str = "cpu") -> CausalLM:
     gguf = path if isinstance(path, GGUFFile) else GGUFFile(path)
     config = ModelConfig.from_gguf(gguf)  # refuses unsupported architectures
+    if device == "cuda":
+        from sparkinfer_cli.model.cuda_runner import load_cuda_model  # imports numba.cuda only here
+        return load_cuda_model(gguf, config)
     if device != "cpu":
-        raise ValueError(f"device {device!r} is not available in this build (use 'cpu')")
+        raise ValueError(f"device {device!r} is not available in this build (use 'cpu' or 'cuda')")
     module = importlib.import_module(f"sparkinfer_cli.model.{config.arch}")
     return module.Model(gguf, config)
