@@ -1,7 +1,7 @@
 """Attention over a paged F16 KV cache: store new K/V, and split-K decode (one query per sequence).
 
-Cache layout: (num_blocks, block_size, n_kv_heads, head_dim) float16; token p of a sequence lives in
-block block_table[seq, p // block_size] at offset p % block_size. Decode runs in two kernels so the
+Cache layout: (num_blocks, block_size, n_kv_heads, head_dim) float16 (float32 for exact runs); token
+p of a sequence lives in block block_table[seq, p // block_size] at offset p % block_size. Decode runs in two kernels so the
 graph shape never depends on the context length:
   1. grid (n_heads, n_seqs, n_splits): each block scans keys [split·split_len, +split_len) of its
      sequence with one online softmax per warp, and writes a partial (max, sum, unnormalised out);
@@ -24,16 +24,23 @@ WARPS = 4
 THREADS = 256
 
 
-@cuda.jit
-def _kv_store_kernel(k, v, k_cache, v_cache, slot_mapping, row_len):
-    # row_len = n_kv_heads · head_dim values per token
-    i = cuda.grid(1)
-    if i >= k.size:
-        return
-    tok = i // row_len
-    dst = slot_mapping[tok] * row_len + (i - tok * row_len)
-    k_cache[dst] = float16(k[i])
-    v_cache[dst] = float16(v[i])
+@functools.cache
+def _kv_store_kernel(f16: bool):
+    @cuda.jit
+    def kv_store(k, v, k_cache, v_cache, slot_mapping, row_len):
+        # row_len = n_kv_heads · head_dim values per token
+        i = cuda.grid(1)
+        if i >= k.size:
+            return
+        tok = i // row_len
+        dst = slot_mapping[tok] * row_len + (i - tok * row_len)
+        if f16:
+            k_cache[dst] = float16(k[i])
+            v_cache[dst] = float16(v[i])
+        else:
+            k_cache[dst] = k[i]
+            v_cache[dst] = v[i]
+    return kv_store
 
 
 def kv_store(k, v, k_cache, v_cache, slot_mapping, stream=0) -> None:
@@ -41,9 +48,10 @@ def kv_store(k, v, k_cache, v_cache, slot_mapping, stream=0) -> None:
     n_tokens, n_kv, head_dim = k.shape
     check_array("v", v, np.float32, k.shape)
     check_array("slot_mapping", slot_mapping, np.int32, (n_tokens,))
-    if k_cache.shape[2:] != (n_kv, head_dim) or k_cache.dtype != np.float16:
+    f16 = k_cache.dtype == np.float16
+    if k_cache.shape[2:] != (n_kv, head_dim) or not (f16 or k_cache.dtype == np.float32):
         raise ValueError(f"cache {k_cache.shape} {k_cache.dtype} cannot hold ({n_kv}, {head_dim})")
-    _kv_store_kernel[cdiv(k.size, THREADS), THREADS, stream](
+    _kv_store_kernel(f16)[cdiv(k.size, THREADS), THREADS, stream](
         k.reshape(k.size), v.reshape(v.size), k_cache.reshape(k_cache.size),
         v_cache.reshape(v_cache.size), slot_mapping, n_kv * head_dim)
 
@@ -54,13 +62,14 @@ def _split_kernel(head_dim: int):
     acc_len = WARPS * head_dim
 
     @cuda.jit(fastmath=True)
-    def decode_split(q, k_cache, v_cache, block_table, seq_lens, n_kv, block_size, split_len,
-                     scale, part_m, part_l, part_acc):
+    def decode_split(q, k_cache, v_cache, block_table, max_blocks, row_seq, seq_lens, n_kv,
+                     block_size, split_len, scale, part_m, part_l, part_acc):
+        # seq = query row; its keys are those of sequence row_seq[seq] (block-table row)
         h, seq, split = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
         n_heads, n_splits = cuda.gridDim.x, cuda.gridDim.z
         warp, lane = cuda.threadIdx.x // 32, cuda.threadIdx.x % 32
         kv_head = h // (n_heads // n_kv)
-        max_blocks = block_table.size // cuda.gridDim.y
+        table = row_seq[seq] * max_blocks
         qv = cuda.local.array(per_lane, float32)  # (head_dim / 32,)
         acc = cuda.local.array(per_lane, float32)
         for e in range(per_lane):
@@ -69,7 +78,7 @@ def _split_kernel(head_dim: int):
         m, l_sum = float32(-math.inf), float32(0.0)
         start = split * split_len
         for t in range(start + warp, min(seq_lens[seq], start + split_len), WARPS):
-            blk = block_table[seq * max_blocks + t // block_size]
+            blk = block_table[table + t // block_size]
             base = ((blk * block_size + t % block_size) * n_kv + kv_head) * head_dim
             base += lane * per_lane
             s = float32(0.0)
@@ -140,8 +149,12 @@ class DecodeWorkspace:
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, out, ws: DecodeWorkspace,
-                           scale: float | None = None, stream=0) -> None:
-    """q (n_seqs, n_heads, head_dim) f32 attends to the first seq_lens[s] cached tokens → out."""
+                           scale: float | None = None, stream=0, row_seq=None) -> None:
+    """q (n_rows, n_heads, head_dim) f32 attends to the first seq_lens[r] cached tokens → out.
+
+    row_seq: int32 (n_rows,) block-table row of each query row (default: row r uses row r), so the
+    T query rows of one prefilled sequence share its table, with seq_lens = position + 1 (causal).
+    """
     n_seqs, n_heads, head_dim = q.shape
     _, block_size, n_kv, _ = k_cache.shape
     if head_dim % 32 or n_heads % n_kv:
@@ -149,15 +162,24 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, out, ws: 
     check_array("out", out, np.float32, q.shape)
     check_array("block_table", block_table, np.int32)
     check_array("seq_lens", seq_lens, np.int32, (n_seqs,))
-    if block_table.shape[0] != n_seqs:
-        raise ValueError("block_table needs one row per sequence")
+    if row_seq is None:
+        if block_table.shape[0] != n_seqs:
+            raise ValueError("block_table needs one row per sequence")
+        row_seq = _identity_rows(n_seqs)
+    check_array("row_seq", row_seq, np.int32, (n_seqs,))
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     _split_kernel(head_dim)[(n_heads, n_seqs, ws.n_splits), 32 * WARPS, stream](
         q.reshape(q.size), k_cache.reshape(k_cache.size), v_cache.reshape(v_cache.size),
-        block_table.reshape(block_table.size), seq_lens, n_kv, block_size, ws.split_len,
+        block_table.reshape(block_table.size), block_table.shape[1], row_seq, seq_lens, n_kv,
+        block_size, ws.split_len,
         float32(scale), ws.part_m, ws.part_l, ws.part_acc)
     _merge_kernel[(n_heads, n_seqs), min(head_dim, 256), stream](
         ws.part_m, ws.part_l, ws.part_acc, ws.n_splits, head_dim, out.reshape(out.size))
+
+
+@functools.cache
+def _identity_rows(n: int):
+    return cuda.to_device(np.arange(n, dtype=np.int32))  # (n,)
 
 
 def paged_decode_attention_reference(q, k_cache, v_cache, block_table, seq_lens, scale=None):

@@ -145,3 +145,122 @@ def delta_rule_step_reference(u, a, b, ssm_a, dt_bias, state, n_k_heads, head_ma
             s[n, h] = sh
             out[n, h] = sh @ q[kh] / np.sqrt(dk)
     return out, s
+
+
+# ------------------------------------------------------------- whole sequences (prefill + decode)
+# Sequence s owns rows seq_lo[s] .. seq_lo[s] + seq_n[s] − 1 of the token-major inputs; one launch
+# runs its tokens in order with the state held in registers (decode is the case seq_n = 1).
+@functools.cache
+def _conv_seq_kernel(k_conv: int):
+    @cuda.jit(fastmath=True)
+    def conv_seq(mixed, conv_w, conv_state, state_slots, seq_lo, seq_n, conv_dim, out):
+        i = cuda.grid(1)
+        seq = i // conv_dim
+        if seq >= seq_n.size or seq_n[seq] == 0:
+            return
+        c = i - seq * conv_dim
+        hist = cuda.local.array(k_conv, float32)  # (K − 1 used,) oldest first
+        base = (state_slots[seq] * conv_dim + c) * (k_conv - 1)
+        for t in range(k_conv - 1):
+            hist[t] = conv_state[base + t]
+        for r in range(seq_lo[seq], seq_lo[seq] + seq_n[seq]):
+            x = mixed[r * conv_dim + c]
+            acc = conv_w[c * k_conv + k_conv - 1] * x
+            for t in range(k_conv - 1):
+                acc += conv_w[c * k_conv + t] * hist[t]
+            for t in range(k_conv - 2):
+                hist[t] = hist[t + 1]
+            hist[k_conv - 2] = x
+            out[r * conv_dim + c] = acc / (float32(1.0) + math.exp(-acc))
+        for t in range(k_conv - 1):
+            conv_state[base + t] = hist[t]
+    return conv_seq
+
+
+def conv_silu_seq(mixed, conv_w, conv_state, state_slots, seq_lo, seq_n, out, stream=0) -> None:
+    """mixed (n_rows, conv_dim) → out = silu(causal conv) per sequence; state advances by seq_n."""
+    conv_dim = mixed.shape[1]
+    k_conv = conv_w.shape[1]
+    n_seqs = seq_n.size
+    check_array("conv_w", conv_w, np.float32, (conv_dim, k_conv))
+    check_array("out", out, np.float32, mixed.shape)
+    for name, arr in (("state_slots", state_slots), ("seq_lo", seq_lo), ("seq_n", seq_n)):
+        check_array(name, arr, np.int32, (n_seqs,))
+    if k_conv < 2 or conv_state.shape[1:] != (conv_dim, k_conv - 1):
+        raise ValueError(f"conv_state {conv_state.shape} is not (slots, {conv_dim}, {k_conv - 1})")
+    _conv_seq_kernel(k_conv)[cdiv(n_seqs * conv_dim, THREADS), THREADS, stream](
+        mixed.reshape(mixed.size), conv_w.reshape(conv_w.size), conv_state.reshape(conv_state.size),
+        state_slots, seq_lo, seq_n, conv_dim, out.reshape(out.size))
+
+
+@functools.cache
+def _delta_seq_kernel(dk: int, dv: int):
+    per_lane = dk // 32
+
+    @cuda.jit(fastmath=True)
+    def delta_seq(u, a, b, ssm_a, dt_bias, state, state_slots, seq_lo, seq_n, n_k_heads,
+                  head_map_mod, eps, out):
+        h, seq = cuda.blockIdx.x, cuda.blockIdx.y
+        n_v_heads = cuda.gridDim.x
+        warp, lane = cuda.threadIdx.x // 32, cuda.threadIdx.x % 32
+        j = cuda.blockIdx.z * WARPS + warp  # one value column per warp
+        if j >= dv or seq_n[seq] == 0:
+            return
+        kh = h % n_k_heads if head_map_mod else h // (n_v_heads // n_k_heads)
+        key_dim = n_k_heads * dk
+        width = 2 * key_dim + n_v_heads * dv
+        col = ((state_slots[seq] * n_v_heads + h) * dv + j) * dk + lane
+        s = cuda.local.array(per_lane, float32)  # (dk / 32,) S[j][lane + 32e]
+        qv = cuda.local.array(per_lane, float32)
+        kv = cuda.local.array(per_lane, float32)
+        for e in range(per_lane):
+            s[e] = state[col + 32 * e]
+        for r in range(seq_lo[seq], seq_lo[seq] + seq_n[seq]):
+            sq, sk = float32(0.0), float32(0.0)
+            for e in range(per_lane):
+                qv[e] = u[r * width + kh * dk + lane + 32 * e]
+                kv[e] = u[r * width + key_dim + kh * dk + lane + 32 * e]
+                sq += qv[e] * qv[e]
+                sk += kv[e] * kv[e]
+            q_scale = float32(1.0) / math.sqrt((warp_sum(sq) + eps) * float32(dk))
+            k_scale = float32(1.0) / math.sqrt(warp_sum(sk) + eps)
+            t = a[r * n_v_heads + h] + dt_bias[h]
+            softplus = t if t > float32(20.0) else math.log(float32(1.0) + math.exp(t))
+            decay = math.exp(ssm_a[h] * softplus)
+            beta = float32(1.0) / (float32(1.0) + math.exp(-b[r * n_v_heads + h]))
+            proj = float32(0.0)
+            for e in range(per_lane):
+                s[e] *= decay
+                proj += s[e] * kv[e]
+            delta = beta * (u[r * width + 2 * key_dim + h * dv + j] - warp_sum(proj) * k_scale)
+            o = float32(0.0)
+            for e in range(per_lane):
+                s[e] += kv[e] * k_scale * delta
+                o += s[e] * qv[e]
+            o = warp_sum(o)
+            if lane == 0:
+                out[(r * n_v_heads + h) * dv + j] = o * q_scale
+        for e in range(per_lane):
+            state[col + 32 * e] = s[e]
+    return delta_seq
+
+
+def delta_rule_seq(u, a, b, ssm_a, dt_bias, state, state_slots, seq_lo, seq_n, out, *,
+                   n_k_heads: int, head_map_mod: bool, eps: float, stream=0) -> None:
+    """The gated delta rule over each sequence's rows (see delta_rule_step for the math).
+
+    u (n_rows, 2·H_k·dk + H_v·dv), a/b (n_rows, H_v), out (n_rows, H_v, dv); state (slots, H_v,
+    dv, dk) of slot state_slots[s] advances over rows seq_lo[s] .. + seq_n[s]."""
+    n_rows, n_v_heads, dv = out.shape
+    dk = state.shape[3]
+    n_seqs = seq_n.size
+    if dk % 32 or state.shape[1:3] != (n_v_heads, dv):
+        raise ValueError(f"state {state.shape} is not (slots, {n_v_heads}, {dv}, dk % 32 == 0)")
+    if u.shape != (n_rows, 2 * n_k_heads * dk + n_v_heads * dv):
+        raise ValueError(f"u {u.shape} is not (n_rows, 2·H_k·dk + H_v·dv)")
+    check_array("a", a, np.float32, (n_rows, n_v_heads))
+    check_array("b", b, np.float32, (n_rows, n_v_heads))
+    _delta_seq_kernel(dk, dv)[(n_v_heads, n_seqs, cdiv(dv, WARPS)), 32 * WARPS, stream](
+        u.reshape(u.size), a.reshape(a.size), b.reshape(b.size), ssm_a, dt_bias,
+        state.reshape(state.size), state_slots, seq_lo, seq_n, n_k_heads, head_map_mod,
+        float32(eps), out.reshape(out.size))

@@ -70,9 +70,9 @@ def _launch(x, residual, w, out, eps: float, mode: int, stream, act=None) -> Non
         act is not None, *q)
 
 
-def rms_norm(x, w, out, eps: float, stream=0) -> None:
-    """out = x / sqrt(mean(x²) + eps) · w over rows of len(w)."""
-    _launch(x, x, w, out, eps, 0, stream)
+def rms_norm(x, w, out, eps: float, stream=0, act=None) -> None:
+    """out = x / sqrt(mean(x²) + eps) · w over rows of len(w) (act: as in add_rms_norm)."""
+    _launch(x, x, w, out, eps, 0, stream, act)
 
 
 def add_rms_norm(x, residual, w, out, eps: float, stream=0, act=None) -> None:

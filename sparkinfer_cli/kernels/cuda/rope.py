@@ -1,6 +1,7 @@
-"""NEOX-style rotary embedding, partial (first n_rot dims of each head), in place.
+"""Rotary embedding of the first n_rot dims of each head, in place: NEOX or normal (llama) pairs.
 
-Pair i < n_rot/2 rotates elements (i, i + n_rot/2) by θ = pos · base^(-2i/n_rot); the angle is
+Pair i < n_rot/2 rotates elements (i, i + n_rot/2) (NEOX) or (2i, 2i + 1) (normal) by
+θ = pos · base^(-2i/n_rot); the angle is
 formed in float64 so positions up to 256k keep full float32 accuracy in cos/sin.
 """
 
@@ -17,7 +18,7 @@ THREADS = 128
 
 
 @cuda.jit
-def _rope_neox_kernel(x, positions, n_heads, head_dim, n_rot, log_base):
+def _rope_kernel(x, positions, n_heads, head_dim, n_rot, log_base, neox):
     idx = cuda.grid(1)
     half = n_rot // 2
     if idx >= positions.size * n_heads * half:
@@ -27,23 +28,26 @@ def _rope_neox_kernel(x, positions, n_heads, head_dim, n_rot, log_base):
     theta = float64(positions[row // n_heads]) * math.exp(-2.0 * i / n_rot * log_base)
     c = float32(math.cos(theta))
     s = float32(math.sin(theta))
-    a = row * head_dim + i
+    a = row * head_dim + (i if neox else 2 * i)
+    b = a + (half if neox else 1)
     x0 = x[a]
-    x1 = x[a + half]
+    x1 = x[b]
     x[a] = x0 * c - x1 * s
-    x[a + half] = x0 * s + x1 * c
+    x[b] = x0 * s + x1 * c
 
 
-def rope_neox(x, positions, n_rot: int, base: float, stream=0) -> None:
-    """x: float32 (n_tokens, n_heads, head_dim) rotated in place; positions: int32 (n_tokens,)."""
+def rope_neox(x, positions, n_rot: int, base: float, stream=0, neox: bool = True) -> None:
+    """x: float32 (n_tokens, n_heads, head_dim) rotated in place; positions: int32 (n_tokens,).
+
+    neox=False: llama's adjacent pairs (2i, 2i + 1)."""
     n_tokens, n_heads, head_dim = x.shape
     check_array("x", x, np.float32)
     check_array("positions", positions, np.int32, (n_tokens,))
     if n_rot % 2 or n_rot > head_dim:
         raise ValueError(f"n_rot={n_rot} must be even and ≤ head_dim={head_dim}")
     n = n_tokens * n_heads * (n_rot // 2)
-    _rope_neox_kernel[cdiv(n, THREADS), THREADS, stream](
-        x.reshape(x.size), positions, n_heads, head_dim, n_rot, math.log(base))
+    _rope_kernel[cdiv(n, THREADS), THREADS, stream](
+        x.reshape(x.size), positions, n_heads, head_dim, n_rot, math.log(base), neox)
 
 
 def rope_neox_reference(x: np.ndarray, positions: np.ndarray, n_rot: int,

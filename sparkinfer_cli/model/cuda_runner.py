@@ -1,0 +1,192 @@
+"""CudaModel: the CPU model's forward pass on an NVIDIA GPU (numba.cuda kernels), same interface.
+
+    model = load_cuda_model(gguf, config)            # weights uploaded once, in their GGUF bytes
+    cache = model.create_cache(num_blocks, block_size, num_state_slots)   # on the device
+    logits = model.forward(batch, cache)             # float32 numpy, like the CPU model
+
+A pass of N tokens runs on a workspace of the next power of two rows (cuda_workspace.py). Passes
+of one new token per sequence (decode) replay a CUDA graph captured the first time their row
+bucket is seen; other passes (prefill, mixed) launch eagerly. Token embeddings are looked up on
+the host (N rows of the GGUF table) and copied in with the step's other inputs.
+
+Activations: by default the GEMVs of quantized weights take q8 activations (int8 per 32, dp4a), as
+llama.cpp's CUDA path does, so logits follow llama.cpp's native runs (≈1e-2). `exact=True`
+uploads matrices dequantized to F32, keeps activations in float32 and the KV cache in F32 (F16 by
+default): the CPU model's math (≤ 1e-3 vs llama.cpp's dequantized-F32 logits), at several times
+the memory; for tests.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+from numba import cuda
+from rich.console import Console
+
+from sparkinfer_cli.gguf_file import GGUFFile
+from sparkinfer_cli.kernels.cuda import graphs, norm
+from sparkinfer_cli.kernels.cuda.intrinsics import IS_SIMULATOR
+from sparkinfer_cli.kernels.cuda.model_ops import gather_rows
+from sparkinfer_cli.model.base import CausalLM, DecoderLayer
+from sparkinfer_cli.model.batch import SequenceBatch
+from sparkinfer_cli.model.config import ModelConfig
+from sparkinfer_cli.model.cuda_cache import CudaModelCache
+from sparkinfer_cli.model.cuda_layers import CudaAttention, CudaGatedDeltaNet, CudaMoE, CudaSwiGLU
+from sparkinfer_cli.model.cuda_weights import Uploader, upload_progress
+from sparkinfer_cli.model.cuda_workspace import Workspace, row_bucket
+from sparkinfer_cli.model.gated_delta_net import GatedDeltaNet
+from sparkinfer_cli.model.moe import MoE
+
+MAX_GRAPH_ROWS = 64  # decode batches up to this many sequences replay a graph
+
+
+@dataclass
+class CudaLayer:
+    attn_norm: object
+    mixer: CudaAttention | CudaGatedDeltaNet
+    ffn_norm: object
+    ffn: CudaSwiGLU | CudaMoE
+
+
+@dataclass
+class StepTimes:
+    """Host-side cost of forward passes: `host_s` until the GPU work is queued, `total_s` until
+    the logits are on the host."""
+    steps: dict[str, int] = field(default_factory=lambda: {"decode": 0, "eager": 0})
+    host_s: dict[str, float] = field(default_factory=lambda: {"decode": 0.0, "eager": 0.0})
+    total_s: dict[str, float] = field(default_factory=lambda: {"decode": 0.0, "eager": 0.0})
+
+    def add(self, kind: str, host_s: float, total_s: float) -> None:
+        self.steps[kind] += 1
+        self.host_s[kind] += host_s
+        self.total_s[kind] += total_s
+
+    def mean_us(self, kind: str) -> tuple[float, float]:
+        n = max(self.steps[kind], 1)
+        return self.host_s[kind] / n * 1e6, self.total_s[kind] / n * 1e6
+
+
+class CudaModel:
+    def __init__(self, cpu_model: CausalLM, *, exact: bool = False, use_graphs: bool | None = None,
+                 console: Console | None = None, total_bytes: int | None = None):
+        self.config, self.exact = cpu_model.config, exact
+        self.use_graphs = (not IS_SIMULATOR) if use_graphs is None else use_graphs
+        self.embedding = cpu_model.token_embd  # looked up on the host
+        self.stream = cuda.stream()
+        self.times = StepTimes()
+        up = Uploader(exact, stream=self.stream)
+        with upload_progress(console) as progress:
+            up.progress, up.task = progress, progress.add_task("weights", total=total_bytes)
+            self.layers = [self._upload_layer(up, layer) for layer in cpu_model.layers]
+            self.output_norm = up.f32(cpu_model.output_norm.weight)
+            self.output = up.linear(cpu_model.output)
+            self.stream.synchronize()
+        self.weight_bytes = up.n_bytes
+        self.console = console
+        if console is not None:
+            console.print(f"CUDA weights: {up.n_tensors} tensors, {up.n_bytes / 2**30:.2f} GiB"
+                          f"{' (dequantized to F32: exact mode)' if exact else ''}")
+
+    def _upload_layer(self, up: Uploader, layer: DecoderLayer) -> CudaLayer:
+        cfg, mixer, ffn = self.config, layer.mixer, layer.ffn
+        gpu_mixer = CudaGatedDeltaNet(up, mixer, cfg) if isinstance(mixer, GatedDeltaNet) \
+            else CudaAttention(up, mixer, cfg)
+        gpu_ffn = CudaMoE(up, ffn, cfg) if isinstance(ffn, MoE) else CudaSwiGLU(up, ffn, "ffn")
+        return CudaLayer(up.f32(layer.attn_norm.weight), gpu_mixer, up.f32(layer.ffn_norm.weight),
+                         gpu_ffn)
+
+    # ---- the Model interface -------------------------------------------------------------------
+    def create_cache(self, num_blocks: int, block_size: int,
+                     num_state_slots: int) -> CudaModelCache:
+        kv_dtype = np.float32 if self.exact else np.float16
+        cache = CudaModelCache(self.config, num_blocks, block_size, num_state_slots, kv_dtype)
+        if self.console is not None:
+            mem = self.memory_report(cache)
+            self.console.print("CUDA memory: " + ", ".join(f"{k} {v / 2**30:.2f} GiB"
+                                                           for k, v in mem.items()))
+        return cache
+
+    def forward(self, batch: SequenceBatch, cache: CudaModelCache) -> np.ndarray:
+        """Logits (num_seqs, V) for each sequence's last new token, or (N, V) if all_logits."""
+        t0 = time.perf_counter()
+        if self.config.is_hybrid:  # a sequence at position 0 has no history, whatever its slot held
+            for start, slot in zip(batch.start_positions, batch.state_slots or [0]):
+                if start == 0:
+                    cache.reset_state(slot)
+        ws = self._workspace(cache, row_bucket(len(batch.token_ids)))
+        ws.fill(batch, self.embedding(batch.token_ids))
+        ws.upload(self.stream)
+        n_logits = len(batch.logit_rows())
+        logit_rows = row_bucket(n_logits)
+        decode = self.use_graphs and max(batch.num_new_tokens) == 1 and ws.n_rows <= MAX_GRAPH_ROWS
+        if decode and logit_rows in ws.graphs:
+            ws.graphs[logit_rows].replay()
+        else:
+            self._run(ws, cache, logit_rows, self.stream)
+            if decode:
+                ws.graphs[logit_rows] = graphs.capture(
+                    lambda s: self._run(ws, cache, logit_rows, s), self.stream)
+        t_host = time.perf_counter()
+        logits = self._logits(ws, logit_rows).reshape(logit_rows, -1)[:n_logits].copy_to_host(
+            stream=self.stream)
+        self.stream.synchronize()
+        self.times.add("decode" if decode else "eager", t_host - t0, time.perf_counter() - t0)
+        return logits  # (n_logits, n_vocab)
+
+    # ---- internals -----------------------------------------------------------------------------
+    def _workspace(self, cache: CudaModelCache, n_rows: int) -> Workspace:
+        if n_rows not in cache.steps:
+            heads = self.config.n_head if self.config.attention_layers else 0
+            cache.steps[n_rows] = Workspace(n_rows, cache, self.config.n_embd, not self.exact,
+                                            heads, self.config.head_dim)
+        return cache.steps[n_rows]
+
+    def _run(self, ws: Workspace, cache: CudaModelCache, logit_rows: int, s) -> None:
+        """Every launch of one pass, on stream (or graph builder) s."""
+        eps = self.config.rms_eps
+        for i, layer in enumerate(self.layers):
+            if i == 0:
+                norm.rms_norm(ws.h, layer.attn_norm, ws.x.f, eps, stream=s, act=ws.x.q)
+            else:
+                norm.add_rms_norm(ws.delta, ws.h, layer.attn_norm, ws.x.f, eps, stream=s,
+                                  act=ws.x.q)
+            layer.mixer(ws, cache, s)
+            norm.add_rms_norm(ws.delta, ws.h, layer.ffn_norm, ws.x.f, eps, stream=s, act=ws.x.q)
+            layer.ffn(ws, s)
+        norm.add_rms_norm(ws.delta, ws.h, self.output_norm, ws.x.f, eps, stream=s)
+        cols = min(logit_rows, ws.cols)
+        final = ws.act("final", self.config.n_embd, logit_rows // cols, cols)
+        gather_rows(ws.x.f.reshape(ws.n_rows, -1), ws.logit_rows[:logit_rows],
+                    final.f.reshape(logit_rows, -1), stream=s)
+        final.quantize(s)
+        ws.linear(self.output, final, self._logits(ws, logit_rows), s)
+
+    def _logits(self, ws: Workspace, logit_rows: int):
+        cols = min(logit_rows, ws.cols)
+        return ws.buf("logits", logit_rows // cols, cols, self.output.n_rows)
+
+    def memory_report(self, cache: CudaModelCache) -> dict[str, int]:
+        workspace = sum(ws.memory_bytes() for ws in cache.steps.values())
+        return {"weights": self.weight_bytes, **cache.memory_bytes(), "workspace": workspace}
+
+    def capture_decode_graphs(self, cache: CudaModelCache, max_seqs: int) -> None:
+        """Capture the decode graphs of every bucket up to max_seqs now (a dummy pass each)."""
+        n = 1
+        while n <= min(max_seqs, MAX_GRAPH_ROWS):
+            batch = SequenceBatch(np.zeros(n, np.int32), [0] * n, [1] * n,
+                                  [np.array([cache.scratch_block], np.int32)] * n,
+                                  [cache.scratch_slot] * n if self.config.is_hybrid else [])
+            self.forward(batch, cache)
+            n *= 2
+
+
+def load_cuda_model(gguf: GGUFFile, config: ModelConfig, *, exact: bool = False,
+                    console: Console | None = None) -> CudaModel:
+    """Build the architecture's CPU model (zero-copy views of the file), upload it to the GPU."""
+    module = importlib.import_module(f"sparkinfer_cli.model.{config.arch}")
+    cpu_model = module.Model(gguf, config)
+    total = None if exact else sum(info.n_bytes for info in gguf.tensors.values())
+    return CudaModel(cpu_model, exact=exact, console=console, total_bytes=total)

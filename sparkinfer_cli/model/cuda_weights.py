@@ -1,0 +1,87 @@
+"""Weights of a CPU-built model uploaded to the GPU in their GGUF byte layout, with a progress bar.
+
+The CPU model (sparkinfer_cli/model/*) already resolves every naming variant (fused gate_up, legacy
+ssm_in / ssm_ba, interleaved attn_q, tied output); the CUDA model walks its layers and uploads what
+they hold. `exact=True` uploads quantized matrices dequantized to F32 instead, so the GEMVs take
+float32 activations (no q8 activation rounding): the CPU model's math, for the oracle tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+from numba import cuda
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
+
+from sparkinfer_cli.ggml_types import GGMLType
+from sparkinfer_cli.kernels.cpu.quant import dequantize
+from sparkinfer_cli.kernels.cuda.launch import to_device_bytes
+from sparkinfer_cli.kernels.cuda.quant_gemv import DeviceQuantMatrix
+from sparkinfer_cli.model.layers import Linear
+from sparkinfer_cli.model.weights import QTensor
+
+
+@dataclass
+class DeviceLinear:
+    """y = W·x (+ bias) on the device; `matrix` holds n_mats stacked matrices (experts)."""
+    matrix: DeviceQuantMatrix
+    bias: object | None = None  # float32 device (n_rows,)
+
+    @property
+    def n_rows(self) -> int:
+        return self.matrix.n_rows
+
+    @property
+    def takes_float_activations(self) -> bool:
+        return self.matrix.takes_float_activations
+
+
+@dataclass
+class Uploader:
+    """Uploads tensors, counting bytes; `progress` advances by each tensor's host size."""
+    exact: bool
+    progress: Progress | None = None
+    task: int | None = None
+    n_bytes: int = 0
+    n_tensors: int = 0
+    stream: object = field(default_factory=lambda: cuda.default_stream())
+
+    def _advance(self, n_bytes: int) -> None:
+        self.n_bytes += n_bytes
+        self.n_tensors += 1
+        if self.progress is not None:
+            self.progress.update(self.task, advance=n_bytes)
+
+    def matrix(self, t: QTensor) -> DeviceQuantMatrix:
+        """A 2-D (out, in) or 3-D (n_experts, out, in) GGUF tensor as a DeviceQuantMatrix."""
+        k, n_rows = t.shape[0], t.shape[1]
+        n_mats = t.shape[2] if len(t.shape) == 3 else 1
+        raw, ggml_type = t.raw, t.ggml_type
+        if self.exact and ggml_type != GGMLType.F32:
+            raw, ggml_type = dequantize(np.ascontiguousarray(raw), ggml_type, k), GGMLType.F32
+        data = to_device_bytes(raw, self.stream)
+        self._advance(data.size)
+        return DeviceQuantMatrix(data, ggml_type, k, n_rows, n_mats)
+
+    def linear(self, lin: Linear) -> DeviceLinear:
+        bias = self.f32(lin.bias) if lin.bias is not None else None
+        return DeviceLinear(self.matrix(lin.weight), bias)
+
+    def vector_matrix(self, v: np.ndarray) -> DeviceQuantMatrix:
+        """A (k,) float vector as a one-row F32 matrix (a per-token scalar projection)."""
+        data = to_device_bytes(np.ascontiguousarray(v, np.float32), self.stream)
+        self._advance(data.size)
+        return DeviceQuantMatrix(data, GGMLType.F32, v.size, 1)
+
+    def f32(self, a: np.ndarray):
+        dev = cuda.to_device(np.ascontiguousarray(a, np.float32), stream=self.stream)
+        self._advance(dev.nbytes)
+        return dev
+
+
+def upload_progress(console: Console | None) -> Progress:
+    return Progress(TextColumn("uploading weights"), BarColumn(), DownloadColumn(),
+                    TimeElapsedColumn(), console=console, transient=True)
+

@@ -1,0 +1,151 @@
+"""Device buffers of one forward shape, and the per-step inputs copied into them.
+
+A forward pass of N new tokens runs on n_rows = the power of two ≥ N rows (padding rows are
+harmless: position 0 in the cache's scratch block, no recurrent tokens), laid out for the GEMVs as
+(groups, cols, features) with cols = min(n_rows, 8). Everything a CUDA graph reads lives here, so a
+captured decode step replays over the same pointers: per step only `h` (the token embeddings) and
+the int32 inputs (positions, block tables, slots, ...) are copied in, each as one transfer.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import numpy as np
+from numba import cuda
+
+from sparkinfer_cli.kernels.cuda import quant_gemv as qg
+from sparkinfer_cli.kernels.cuda.attention import DecodeWorkspace
+from sparkinfer_cli.kernels.cuda.launch import cdiv
+from sparkinfer_cli.kernels.cuda.model_ops import add_bias
+from sparkinfer_cli.model.batch import SequenceBatch
+from sparkinfer_cli.model.cuda_cache import CudaModelCache, device_zeros
+from sparkinfer_cli.model.cuda_weights import DeviceLinear
+
+MAX_COLS = qg.MAX_COLS
+INT_FIELDS = ("positions", "seq_lens", "slot_mapping", "row_seq", "state_slots", "seq_lo", "seq_n",
+              "logit_rows")
+
+
+def row_bucket(n: int) -> int:
+    """Rows a pass of n tokens runs on: the next power of two."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+@dataclass
+class Act:
+    """GEMV input: float32 (groups, cols, k), plus its q8 form (None in exact mode)."""
+    f: object
+    q: qg.QuantizedActivations | None
+
+    def quantize(self, stream) -> None:
+        if self.q is not None:
+            qg.quantize_activations(self.f, self.q, stream=stream)
+
+    def for_matrix(self, w: qg.DeviceQuantMatrix):
+        return self.f if w.takes_float_activations else self.q
+
+    def as_rows(self) -> Act:
+        """The same buffers seen as (rows, 1, k): one GEMV slot per token (expert GEMVs)."""
+        groups, cols, k = self.f.shape
+        q = copy.copy(self.q)
+        if q is not None:
+            q.shape = (groups * cols, 1, k)
+        return Act(self.f.reshape(groups * cols, 1, k), q)
+
+
+class Workspace:
+    def __init__(self, n_rows: int, cache: CudaModelCache, n_embd: int, quantized: bool,
+                 n_heads: int, head_dim: int):
+        self.n_rows, self.cache, self.quantized = n_rows, cache, quantized
+        self._bufs: dict[tuple, object] = {}
+        self.cols = min(n_rows, MAX_COLS)
+        self.groups = n_rows // self.cols
+        self.table_width = cache.num_blocks + 1
+        n_ints = len(INT_FIELDS) * n_rows + n_rows * self.table_width
+        self.ints_host = cuda.pinned_array(n_ints, np.int32)  # (fields·rows + rows·width,)
+        self.ints = cuda.device_array(n_ints, np.int32)
+        views = [self.ints[i * n_rows:(i + 1) * n_rows] for i in range(len(INT_FIELDS))]
+        self.positions, self.seq_lens, self.slot_mapping, self.row_seq, self.state_slots, \
+            self.seq_lo, self.seq_n, self.logit_rows = views
+        self.block_tables = self.ints[len(INT_FIELDS) * n_rows:].reshape(n_rows, self.table_width)
+        self.h_host = cuda.pinned_array((self.groups, self.cols, n_embd), np.float32)
+        self.h = device_zeros((self.groups, self.cols, n_embd), np.float32)  # residual stream
+        self.delta = self.buf("delta", self.groups, self.cols, n_embd)  # sub-layer output
+        self.x = self.act("x", n_embd)  # normed sub-layer input
+        split = max(256, cdiv(cache.max_context, 32))  # ≤ 32 key splits per row
+        self.attn = DecodeWorkspace(n_rows, n_heads, head_dim, cache.max_context, split) \
+            if n_heads else None
+        self.graphs: dict[int, object] = {}  # logit rows → captured decode graph
+
+    # ---- lazily created buffers (all exist after one eager pass, before any capture) ----------
+    def buf(self, name: str, *shape: int, dtype=np.float32):
+        key = (name, shape, np.dtype(dtype).str)
+        if key not in self._bufs:
+            self._bufs[key] = device_zeros(shape, dtype)
+        return self._bufs[key]
+
+    def act(self, name: str, k: int, groups: int | None = None, cols: int | None = None) -> Act:
+        groups, cols = groups or self.groups, cols or self.cols
+        key = ("act", name, groups, cols, k)
+        if key not in self._bufs:
+            q = qg.QuantizedActivations(groups, cols, k) if self.quantized else None
+            self._bufs[key] = Act(self.buf(name, groups, cols, k), q)
+        return self._bufs[key]
+
+    def iota(self, n: int, div: int = 1):
+        """Static int32 (n,) = arange(n) // div (GEMV slot → activation group)."""
+        key = ("iota", n, div)
+        if key not in self._bufs:
+            self._bufs[key] = cuda.to_device((np.arange(n) // div).astype(np.int32))
+        return self._bufs[key]
+
+    def zeros_i32(self, n: int):
+        return self.buf("zeros_i32", n, dtype=np.int32)
+
+    def memory_bytes(self) -> int:
+        q8 = [b.q for b in self._bufs.values() if isinstance(b, Act) and b.q is not None]
+        arrays = [b for b in self._bufs.values() if not isinstance(b, Act)]
+        arrays += [a for q in q8 for a in (q.xq, q.xd, q.xs)]
+        return sum(a.nbytes for a in arrays) + self.ints.nbytes + self.h.nbytes
+
+    # ---- GEMV ----------------------------------------------------------------------------------
+    def linear(self, lin: DeviceLinear, x: Act, y, stream, up: DeviceLinear | None = None) -> None:
+        """y (groups, cols, rows) = W·x (+ bias); up: fused silu(W·x) ⊙ (up·x)."""
+        groups = y.shape[0]
+        qg.gemv(lin.matrix, x.for_matrix(lin.matrix), y, slot_mat=self.zeros_i32(groups),
+                slot_x=self.iota(groups), up=None if up is None else up.matrix, stream=stream)
+        if lin.bias is not None:
+            add_bias(y, lin.bias, stream=stream)
+
+    # ---- per-step inputs -----------------------------------------------------------------------
+    def fill(self, batch: SequenceBatch, embeddings: np.ndarray) -> None:
+        """Write this step's int32 inputs and embeddings (N, n_embd) into the host staging areas."""
+        cache, n_rows, N, S = self.cache, self.n_rows, len(batch.token_ids), batch.num_seqs
+        f = {name: self.ints_host[i * n_rows:(i + 1) * n_rows] for i, name in enumerate(INT_FIELDS)}
+        tables = self.ints_host[len(INT_FIELDS) * n_rows:].reshape(n_rows, self.table_width)
+        tables[:] = cache.scratch_block
+        pos = batch.positions()  # (N,)
+        seq_of_row = np.repeat(np.arange(S), batch.num_new_tokens)  # (N,)
+        blocks = np.empty(N, np.int64)
+        for i, bt in enumerate(batch.block_tables):
+            tables[i, :len(bt)] = bt
+        blocks[:] = tables[seq_of_row, pos // cache.block_size]
+        f["positions"][:N], f["positions"][N:] = pos, 0
+        f["seq_lens"][:N], f["seq_lens"][N:] = pos + 1, 1
+        f["slot_mapping"][:N] = blocks * cache.block_size + pos % cache.block_size
+        f["slot_mapping"][N:] = cache.scratch_block * cache.block_size
+        f["row_seq"][:N], f["row_seq"][N:] = seq_of_row, S  # row S (< n_rows) is all scratch
+        f["state_slots"][:S] = batch.state_slots or 0
+        f["state_slots"][S:] = cache.scratch_slot
+        f["seq_lo"][:S], f["seq_lo"][S:] = batch.token_offsets()[:-1], 0
+        f["seq_n"][:S], f["seq_n"][S:] = batch.num_new_tokens, 0
+        rows = batch.logit_rows()
+        f["logit_rows"][:len(rows)], f["logit_rows"][len(rows):] = rows, 0
+        h = self.h_host.reshape(n_rows, -1)
+        h[:N], h[N:] = embeddings, 0
+
+    def upload(self, stream) -> None:
+        self.ints.copy_to_device(self.ints_host, stream=stream)
+        self.h.copy_to_device(self.h_host, stream=stream)
