@@ -40,7 +40,6 @@ from sparkinfer_cli.bench_roofline import MachinePeaks, ModelCost, machine_peaks
 if TYPE_CHECKING:
     from sparkinfer_cli.gguf_file import GGUFFile
     from sparkinfer_cli.model.base import CausalLM
-    from sparkinfer_cli.model.config import ModelConfig
     from sparkinfer_cli.tokenizer.tokenizer import Tokenizer
 
 DEVICES = ("cpu", "cuda")
@@ -94,11 +93,14 @@ def run_bench(request: BenchRequest, console: Console) -> list[Path]:
     """Measures, prints a table, writes the result files and returns their paths."""
     from sparkinfer_cli.gguf_file import GGUFFile
     from sparkinfer_cli.model.config import ModelConfig
+    from sparkinfer_cli.synthetic import resolve_preset
 
+    if request.synthetic is not None:  # NOTE: before writing a file of up to 22 GB
+        check_fits(request, resolve_preset(request.synthetic).context_length)
     path, label = resolve_bench_model(request, console)
     gguf = GGUFFile(path)
     config = ModelConfig.from_gguf(gguf)
-    check_fits(request, config)
+    check_fits(request, config.context_length)
     model, tokenizer = _load(gguf, request.device, console)
     with console.status("measuring the machine's peaks"):
         peaks = machine_peaks(request.device)
@@ -114,9 +116,9 @@ def run_bench(request: BenchRequest, console: Console) -> list[Path]:
     return files
 
 
-def check_fits(request: BenchRequest, config: ModelConfig) -> None:
-    """Refuses depths and concurrent requests the model's context cannot hold, before any work."""
-    s, limit = request.settings, config.context_length
+def check_fits(request: BenchRequest, limit: int) -> None:
+    """Refuses depths and concurrent requests a context of `limit` tokens cannot hold."""
+    s = request.settings
     for c in request.ctx_values:
         if c + s.decode_steps > limit:
             raise ValueError(f"--ctx {c} plus {s.decode_steps} decode steps exceeds the model's "
@@ -175,6 +177,10 @@ def _load(gguf: GGUFFile, device: str, console: Console) -> tuple[CausalLM, Toke
 
 
 # ---- measuring -----------------------------------------------------------------------------------
+Measured = tuple[Measurement, float]  # (figure, 1-minute load average right after it)
+Timed = Callable[[str, Callable[[], Measurement]], Measured]
+
+
 def run_measurements(request: BenchRequest, model: CausalLM, tokenizer: Tokenizer,
                      console: Console) -> list[Measured]:
     """Warm-up, then prefill + decode at each ctx, then throughput at each concurrency."""
@@ -194,10 +200,6 @@ def run_measurements(request: BenchRequest, model: CausalLM, tokenizer: Tokenize
                           partial(measure_throughput, model, tokenizer, n, request.settings))
                     for n in request.concurrency_values]
     return results
-
-
-Measured = tuple[Measurement, float]  # (figure, 1-minute load average right after it)
-Timed = Callable[[str, Callable[[], Measurement]], Measured]
 
 
 def _depth_figures(request: BenchRequest, model: CausalLM, timed: Timed) -> list[Measured]:

@@ -227,12 +227,20 @@ def test_bad_requests_are_refused(kwargs, message):
         BenchRequest(**fields)
 
 
-def test_ctx_beyond_the_model_context_is_refused_before_measuring(cache_env, tmp_path):
-    request = BenchRequest(None, "tiny-qwen3", "cpu", (16, 5000), (1,), tmp_path, "x")
+def test_ctx_beyond_the_model_context_is_refused_before_any_work(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPARKINFER_CACHE_DIR", str(tmp_path / "cache" / "models"))
+    out_dir = tmp_path / "results"
+    request = BenchRequest(None, "tiny-qwen3", "cpu", (16, 5000), (1,), out_dir, "x")
     with pytest.raises(ValueError, match="--ctx 5000 plus 16 decode steps exceeds the model's "
                                          "context of 4096 tokens"):
         run_bench(request, Console(file=io.StringIO()))
-    assert not list(tmp_path.iterdir())
+    assert not out_dir.exists() and not (tmp_path / "cache").exists()  # nothing written
+
+
+def test_concurrency_beyond_the_model_context_is_refused(cache_env, tmp_path):
+    request = BenchRequest(None, "tiny-qwen3", "cpu", (16,), (5000,), tmp_path, "x")
+    with pytest.raises(ValueError, match="--concurrency 5000 needs requests of 5032 tokens"):
+        run_bench(request, Console(file=io.StringIO()))
 
 
 def test_cli_reports_a_bad_preset_cleanly():
