@@ -11,7 +11,12 @@ import pytest
 from sparkinfer_cli.ggml_types import BLOCK_GEOMETRY, GGMLType, row_bytes
 from sparkinfer_cli.gguf_file import GGUFFile
 from sparkinfer_cli.kernels.cpu.quant import (
-    FUSED_MAX_TOKENS, SUPPORTED_TYPES, dequantize, embedding_rows, matmul)
+    FUSED_MAX_TOKENS,
+    SUPPORTED_TYPES,
+    dequantize,
+    embedding_rows,
+    matmul,
+)
 
 TYPES = sorted(GGMLType(t) for t in SUPPORTED_TYPES)
 # byte offsets of the fp16 scale fields (d, and dmin / m where present) inside one block
@@ -106,7 +111,8 @@ def test_unsupported_type_is_named() -> None:
     with pytest.raises(ValueError, match="Q2_K"):
         dequantize(raw, int(GGMLType.Q2_K), 256)
     with pytest.raises(ValueError, match="Q3_K"):
-        matmul(np.zeros((2, 110), np.uint8), int(GGMLType.Q3_K), 256, np.zeros((1, 256), np.float32))
+        x = np.zeros((1, 256), np.float32)
+        matmul(np.zeros((2, 110), np.uint8), int(GGMLType.Q3_K), 256, x)
 
 
 def test_bad_shapes_raise_value_error() -> None:

@@ -27,19 +27,37 @@ from numba import njit
 from sparkinfer_cli.ggml_types import row_bytes, type_name
 from sparkinfer_cli.kernels.cpu.quant_blas import single_threaded_blas
 from sparkinfer_cli.kernels.cpu.quant_blocks import (
-    BF16, BF16_LUT, BLOCK_TYPES, F16, F16_LUT, F32, IQ4_NL, IQ4_XS, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1,
-    Q5_K, Q6_K, Q8_0, BlockType)
+    BF16,
+    BF16_LUT,
+    BLOCK_TYPES,
+    F16,
+    F16_LUT,
+    F32,
+    IQ4_NL,
+    IQ4_XS,
+    Q4_0,
+    Q4_1,
+    Q4_K,
+    Q5_0,
+    Q5_1,
+    Q5_K,
+    Q6_K,
+    Q8_0,
+    BlockType,
+)
 
 SUPPORTED_TYPES: frozenset[int] = frozenset(BLOCK_TYPES) | {F32}
 FUSED_MAX_TOKENS = 8  # above this, dequantized tile + BLAS is faster (bench/results)
 _BLAS_TILE_BYTES = 4 << 20  # float32 tile of the BLAS path: stays in the 32 MiB L3
-_MIN_ROWS_PER_THREAD = 64
+# Below this many weights per thread, handing work to a second thread costs more than it saves.
+_MIN_WEIGHTS_PER_THREAD = 1 << 20
 
 
 # ---- kernels ----------------------------------------------------------------------------------
-# NOTE: `sbe` (elements per sub-block) arrives as a runtime argument on purpose. With a constant
-# trip count LLVM fully unrolls the inner loop, and then only the SLP vectorizer could vectorize
-# it, which cannot prove that numba arrays don't alias; the loop vectorizer adds runtime checks.
+# Vectorization (AVX2, no fastmath) hinges on LLVM's loop vectorizer, which adds runtime alias
+# checks for numba arrays; the SLP vectorizer cannot prove them apart. So no inner loop may be
+# fully unrolled first: dequant_rows gets its trip count `sbe` at run time; dot_rows has a
+# constant 16 but a body (two lanes per step) too large to unroll. Measured, not guessed.
 
 def _make_kernels(bt: BlockType) -> tuple[Callable, Callable]:
     BS, BU, NSUB, HAS_OFF, scales, q = bt
@@ -56,12 +74,13 @@ def _make_kernels(bt: BlockType) -> tuple[Callable, Callable]:
                         w = s * q(raw, r, b * BU, aux, lut, j, i)
                         out[r - r0, e + i] = w + m if HAS_OFF else w
 
-    # 32-element runs: lanes i and 16+i come from sub-blocks (ja, ia) and (jb, ib_ + i)
+    # dot_rows walks 32-element runs: lane i is element i of sub-block ja, lane 16+i is element
+    # RUN_I+i of sub-block jb (the next 16-element sub-block, or the same 32-element one)
     RUN_J = 2 if NSUB * 16 == BS else 1  # 16-element sub-blocks: a run spans two of them
     RUN_I = 0 if NSUB * 16 == BS else 16
 
     @njit(nogil=True)
-    def dot_rows(raw, lut, x, r0, r1, sbe, out):
+    def dot_rows(raw, lut, x, r0, r1, out):
         sc, of = np.zeros(NSUB, np.float32), np.zeros(NSUB, np.float32)  # (n_sub,)
         acc = np.empty((x.shape[0], 32), np.float32)  # (T, lanes)
         for r in range(r0, r1):
@@ -74,8 +93,6 @@ def _make_kernels(bt: BlockType) -> tuple[Callable, Callable]:
                     jb = ja + RUN_J - 1
                     sa, sb, ma, mb = sc[ja], sc[jb], of[ja], of[jb]
                     for t in range(x.shape[0]):
-                        # NOTE: constant trip count 16 with two lanes per step: LLVM vectorizes
-                        # this body (8 floats x 2) without unrolling it away
                         for i in range(16):
                             wa = sa * q(raw, r, o, aux, lut, ja, i)
                             wb = sb * q(raw, r, o, aux, lut, jb, RUN_I + i)
@@ -138,27 +155,27 @@ def _dequant_rows(raw, qtype, lut, r0, r1, sbe, out):
 
 
 @njit(cache=True, nogil=True)
-def _matmul_rows(raw, qtype, lut, x, r0, r1, sbe, out):
+def _matmul_rows(raw, qtype, lut, x, r0, r1, out):
     if qtype == Q4_0:
-        _DOT_Q4_0(raw, lut, x, r0, r1, sbe, out)
+        _DOT_Q4_0(raw, lut, x, r0, r1, out)
     elif qtype == Q4_1:
-        _DOT_Q4_1(raw, lut, x, r0, r1, sbe, out)
+        _DOT_Q4_1(raw, lut, x, r0, r1, out)
     elif qtype == Q5_0:
-        _DOT_Q5_0(raw, lut, x, r0, r1, sbe, out)
+        _DOT_Q5_0(raw, lut, x, r0, r1, out)
     elif qtype == Q5_1:
-        _DOT_Q5_1(raw, lut, x, r0, r1, sbe, out)
+        _DOT_Q5_1(raw, lut, x, r0, r1, out)
     elif qtype == Q8_0:
-        _DOT_Q8_0(raw, lut, x, r0, r1, sbe, out)
+        _DOT_Q8_0(raw, lut, x, r0, r1, out)
     elif qtype == IQ4_NL:
-        _DOT_IQ4_NL(raw, lut, x, r0, r1, sbe, out)
+        _DOT_IQ4_NL(raw, lut, x, r0, r1, out)
     elif qtype == Q4_K:
-        _DOT_Q4_K(raw, lut, x, r0, r1, sbe, out)
+        _DOT_Q4_K(raw, lut, x, r0, r1, out)
     elif qtype == Q5_K:
-        _DOT_Q5_K(raw, lut, x, r0, r1, sbe, out)
+        _DOT_Q5_K(raw, lut, x, r0, r1, out)
     elif qtype == Q6_K:
-        _DOT_Q6_K(raw, lut, x, r0, r1, sbe, out)
+        _DOT_Q6_K(raw, lut, x, r0, r1, out)
     elif qtype == IQ4_XS:
-        _DOT_IQ4_XS(raw, lut, x, r0, r1, sbe, out)
+        _DOT_IQ4_XS(raw, lut, x, r0, r1, out)
 
 
 @njit(cache=True, nogil=True)
@@ -167,8 +184,8 @@ def _dequant_rows_16(raw, qtype, lut, r0, r1, sbe, out):  # F16 / BF16 rows as u
 
 
 @njit(cache=True, nogil=True)
-def _matmul_rows_16(raw, qtype, lut, x, r0, r1, sbe, out):
-    _DOT_F16(raw, lut, x, r0, r1, sbe, out)
+def _matmul_rows_16(raw, qtype, lut, x, r0, r1, out):
+    _DOT_F16(raw, lut, x, r0, r1, out)
 
 
 # ---- dispatch --------------------------------------------------------------------------------
@@ -180,18 +197,18 @@ def _num_threads() -> int:
     return numba.config.NUMBA_NUM_THREADS
 
 
-def _parallel_rows(fn: Callable, n_rows: int, *args) -> None:
-    """fn(*args, r0, r1) over row ranges, one per thread; the caller's thread takes the first."""
+def _parallel_rows(fn: Callable, n_rows: int, row_size: int) -> None:
+    """fn(r0, r1) over row ranges, one per thread; the caller's thread takes the first."""
     global _POOL
-    n = max(1, min(_num_threads(), n_rows // _MIN_ROWS_PER_THREAD))
+    n = max(1, min(_num_threads(), n_rows * row_size // _MIN_WEIGHTS_PER_THREAD))
     bounds = [n_rows * k // n for k in range(n + 1)]
     if n == 1:
-        fn(*args, 0, n_rows)
+        fn(0, n_rows)
         return
     if _POOL is None:
         _POOL = ThreadPoolExecutor(_num_threads() - 1, thread_name_prefix="sparkinfer-quant")
-    futures = [_POOL.submit(fn, *args, bounds[k], bounds[k + 1]) for k in range(1, n)]
-    fn(*args, bounds[0], bounds[1])
+    futures = [_POOL.submit(fn, bounds[k], bounds[k + 1]) for k in range(1, n)]
+    fn(bounds[0], bounds[1])
     for f in futures:
         f.result()
 
@@ -201,8 +218,9 @@ def _parallel_rows(fn: Callable, n_rows: int, *args) -> None:
 def _rows_view(raw: np.ndarray, ggml_type: int, ne0: int) -> np.ndarray:
     """raw → read-only 2-D (rows, units) array in the dtype the kernels read."""
     if ggml_type not in SUPPORTED_TYPES:
+        supported = ", ".join(sorted(map(type_name, SUPPORTED_TYPES)))
         raise ValueError(f"ggml type {type_name(ggml_type)} is not supported by the CPU quant "
-                         f"kernels (supported: {', '.join(sorted(map(type_name, SUPPORTED_TYPES)))})")
+                         f"kernels (supported: {supported})")
     raw = np.ascontiguousarray(raw)
     if ggml_type == F32:
         expected, dtype = ne0, np.dtype(np.float32)
@@ -244,7 +262,7 @@ def _dequant_range(rows: np.ndarray, ggml_type: int, r0: int, r1: int, out: np.n
         kernel(*args, r0 + a, r0 + b, sbe, out[a:])
 
     if threaded:
-        _parallel_rows(part, r1 - r0)
+        _parallel_rows(part, r1 - r0, out.shape[1])
     else:
         part(0, r1 - r0)
 
@@ -285,16 +303,16 @@ def _matmul_tiled(rows: np.ndarray, ggml_type: int, x: np.ndarray) -> np.ndarray
             np.matmul(w[:r1 - r0], x.T, out=out_t[r0:r1])
 
     with single_threaded_blas():
-        _parallel_rows(part, n_rows)
+        _parallel_rows(part, n_rows, ne0 * x.shape[0])
     return np.ascontiguousarray(out_t.T)  # (T, rows)
 
 
 def _matmul_fused(rows: np.ndarray, ggml_type: int, x: np.ndarray) -> np.ndarray:
     out = np.empty((x.shape[0], rows.shape[0]), np.float32)  # (T, rows)
-    sbe = BLOCK_TYPES[ggml_type].sub_block
     args = (rows, ggml_type, _lut(ggml_type), _readonly(x))
     kernel = _matmul_rows_16 if ggml_type in (F16, BF16) else _matmul_rows
-    _parallel_rows(lambda r0, r1: kernel(*args, r0, r1, sbe, out), rows.shape[0])
+    _parallel_rows(lambda r0, r1: kernel(*args, r0, r1, out), rows.shape[0],
+                   x.shape[1] * x.shape[0])
     return out
 
 

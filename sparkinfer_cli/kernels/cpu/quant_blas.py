@@ -1,4 +1,6 @@
-"""Run numpy's OpenBLAS single-threaded for a while (what threadpoolctl does, without the dependency).
+"""Run numpy's OpenBLAS single-threaded for a while.
+
+This is what threadpoolctl does, without the dependency.
 
 The tiled quant matmul runs its own threads, one tile each (dequantize, then GEMM). OpenBLAS's
 threads would compete with them, and after each call they spin-wait: measured on 2 cores, a

@@ -1,4 +1,4 @@
-"""ggml block layouts as numba helpers: per type, where a block's scales are and what its quants are.
+"""ggml block layouts as numba helpers: where a block's scales are, what its quants are.
 
 A block is n_sub sub-blocks of `block // n_sub` elements. `scales(raw, r, o, lut, sc, of)` reads
 the header of the block at unit offset o of row r into sc[j] (scale) and of[j] (offset) and
@@ -24,7 +24,8 @@ from numba import njit
 from sparkinfer_cli.ggml_types import GGMLType
 
 F32, F16, BF16 = int(GGMLType.F32), int(GGMLType.F16), int(GGMLType.BF16)
-Q4_0, Q4_1, Q5_0, Q5_1 = int(GGMLType.Q4_0), int(GGMLType.Q4_1), int(GGMLType.Q5_0), int(GGMLType.Q5_1)
+Q4_0, Q4_1 = int(GGMLType.Q4_0), int(GGMLType.Q4_1)
+Q5_0, Q5_1 = int(GGMLType.Q5_0), int(GGMLType.Q5_1)
 Q8_0, IQ4_NL, IQ4_XS = int(GGMLType.Q8_0), int(GGMLType.IQ4_NL), int(GGMLType.IQ4_XS)
 Q4_K, Q5_K, Q6_K = int(GGMLType.Q4_K), int(GGMLType.Q5_K), int(GGMLType.Q6_K)
 
@@ -183,9 +184,9 @@ def _scales_q6_k(raw, r, o, lut, sc, of):
 @njit(cache=True, inline="always")
 def _q_q6_k(raw, r, o, aux, lut, j, i):
     # element 16j+i: half n; quarter k of the half picks the ql nibble and the qh bit pair
-    n, k, l = j >> 3, (j >> 1) & 3, ((j & 1) << 4) + i
-    lo = _nibble(raw, r, o + 64 * n + 32 * (k & 1), k >> 1, l)
-    h = _nibble(raw, r, o + 128 + 32 * n, k >> 1, l)
+    n, k, p = j >> 3, (j >> 1) & 3, ((j & 1) << 4) + i
+    lo = _nibble(raw, r, o + 64 * n + 32 * (k & 1), k >> 1, p)
+    h = _nibble(raw, r, o + 128 + 32 * n, k >> 1, p)
     h = _i32(h >> 2) if k & 1 else _i32(h & 3)
     return _f32(_i32(lo | (h << 4))) - _C32
 
