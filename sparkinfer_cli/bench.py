@@ -27,7 +27,13 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from sparkinfer_cli.bench_measure import DepthBench, Measurement, Settings, measure_throughput
+from sparkinfer_cli.bench_measure import (
+    DepthBench,
+    Measurement,
+    Settings,
+    measure_throughput,
+    throughput_max_tokens,
+)
 from sparkinfer_cli.bench_report import (
     TABLE_HEADER,
     BenchReport,
@@ -123,7 +129,7 @@ def check_fits(request: BenchRequest, limit: int) -> None:
         if c + s.decode_steps > limit:
             raise ValueError(f"--ctx {c} plus {s.decode_steps} decode steps exceeds the model's "
                              f"context of {limit} tokens")
-    longest = s.throughput_prompt_tokens + max(request.concurrency_values) + s.decode_steps
+    longest = s.throughput_prompt_tokens + throughput_max_tokens(max(request.concurrency_values), s)
     if longest > limit:
         raise ValueError(f"--concurrency {max(request.concurrency_values)} needs requests of "
                          f"{longest} tokens, more than the model's context of {limit}")

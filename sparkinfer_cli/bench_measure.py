@@ -29,6 +29,7 @@ PREFILL_REPEATS = 3  # at most; a repeat starts only while the budget below is n
 PREFILL_BUDGET_S = 10.0
 WARMUP_DECODE_STEPS = 4
 WARMUP_ROUNDS = 2
+WINDOW_SKIP_STEPS = 2  # first all-decode steps left out of the throughput window (graph capture)
 
 
 @dataclass(frozen=True)
@@ -121,9 +122,7 @@ def measure_throughput(model: CausalLM, tokenizer: Tokenizer, concurrency: int,
     from sparkinfer_cli.engine.sampling_params import SamplingParams
 
     prompt = settings.throughput_prompt_tokens
-    # NOTE: one prefill joins per step, so request k decodes from step k on: the window in which
-    # all of them decode is max_tokens − concurrency steps long
-    max_tokens = concurrency + settings.decode_steps
+    max_tokens = throughput_max_tokens(concurrency, settings)
     blocks_per_seq = -(-(prompt + max_tokens) // BLOCK_SIZE)
     config = EngineConfig(ctx=concurrency * blocks_per_seq * BLOCK_SIZE, block_size=BLOCK_SIZE,
                           max_batch_tokens=concurrency + prompt, max_num_seqs=concurrency,
@@ -132,7 +131,14 @@ def measure_throughput(model: CausalLM, tokenizer: Tokenizer, concurrency: int,
     rng = np.random.default_rng(settings.seed + concurrency)
     prompts = [random_ids(rng, model.config.n_vocab, prompt).tolist() for _ in range(concurrency)]
     events = _run_requests(ContinuousBatchEngine(model, tokenizer, config), prompts, params)
-    return Measurement("throughput", prompt, concurrency, decode_throughput(events), concurrency)
+    tok_s = decode_throughput(events, WINDOW_SKIP_STEPS)
+    return Measurement("throughput", prompt, concurrency, tok_s, concurrency)
+
+
+def throughput_max_tokens(concurrency: int, settings: Settings) -> int:
+    # NOTE: one prefill joins per step, so request k decodes from step k on: the window in which
+    # all of them decode is max_tokens − concurrency steps long
+    return concurrency + WINDOW_SKIP_STEPS + settings.decode_steps
 
 
 def _run_requests(engine: ContinuousBatchEngine, prompts: Sequence[list[int]],
@@ -162,13 +168,14 @@ def _run_requests(engine: ContinuousBatchEngine, prompts: Sequence[list[int]],
     return events
 
 
-def decode_throughput(events: Sequence[Event]) -> float:
-    """Output tokens/s over all requests between the moment the last one got its first token and
-    the moment the first one finished: the span in which every request decodes."""
+def decode_throughput(events: Sequence[Event], skip_steps: int = 0) -> float:
+    """Output tokens/s over all requests between the moment the last one got its first token
+    (plus skip_steps more) and the moment the first one finished: every request decodes then."""
     requests = {request_id for _, request_id, _, _ in events}
-    first_token = {r: min(t for t, rid, n, _ in events if rid == r and n >= 1) for r in requests}
+    start = {r: min((t for t, rid, n, _ in events if rid == r and n >= 1 + skip_steps),
+                    default=float("inf")) for r in requests}
     finished = {r: min(t for t, rid, _, fin in events if rid == r and fin) for r in requests}
-    t0, t1 = max(first_token.values()), min(finished.values())
+    t0, t1 = max(start.values()), min(finished.values())
     if t1 <= t0:
         raise RuntimeError("no span in which all sequences decoded together; raise decode steps")
 

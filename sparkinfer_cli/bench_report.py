@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sparkinfer_cli.bench_measure import Settings
+from sparkinfer_cli.bench_measure import WINDOW_SKIP_STEPS, Settings
 from sparkinfer_cli.bench_roofline import MachinePeaks, ModelCost
 
 KINDS = ("prefill", "decode", "throughput")
@@ -177,7 +177,7 @@ def _method_lines(report: BenchReport) -> list[str]:
         f"decode: batch 1 after ctx tokens, median over {s.decode_steps} steps (random input ids, "
         f"no sampling). throughput: N greedy requests of {s.throughput_prompt_tokens} prompt "
         f"tokens through the ContinuousBatchEngine; output tokens/s while all N decode together "
-        f"({s.decode_steps} steps).",
+        f"({s.decode_steps} steps, after {WINDOW_SKIP_STEPS} settling steps).",
         "Roofline: floor = max(weight bytes read per pass / bandwidth, 2 × active params × tokens "
         "/ peak FLOPs) over the measured time; MoE counts the routed experts the pass's tokens "
         "are expected to touch (n_expert_used of n_expert per token); KV-cache reads and "

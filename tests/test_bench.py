@@ -144,6 +144,8 @@ def test_decode_throughput_counts_only_the_span_where_all_decode():
     events += [(t + 0.5, "b", t, t == 7) for t in range(1, 8)]
     # span (1.5, 5]: a goes 2 → 6, b goes 1 → 4 (its count at t=4.5): 7 tokens in 3.5 s
     assert decode_throughput(events) == pytest.approx(7 / 3.5)
+    # skipping 2 steps: span (3.5, 5]: a goes 4 → 6, b goes 3 → 4: 3 tokens in 1.5 s
+    assert decode_throughput(events, skip_steps=2) == pytest.approx(3 / 1.5)
     with pytest.raises(RuntimeError, match="decode steps"):
         decode_throughput([(0.0, "a", 1, True), (1.0, "b", 1, True)])
 
@@ -239,7 +241,7 @@ def test_ctx_beyond_the_model_context_is_refused_before_any_work(tmp_path, monke
 
 def test_concurrency_beyond_the_model_context_is_refused(cache_env, tmp_path):
     request = BenchRequest(None, "tiny-qwen3", "cpu", (16,), (5000,), tmp_path, "x")
-    with pytest.raises(ValueError, match="--concurrency 5000 needs requests of 5032 tokens"):
+    with pytest.raises(ValueError, match="--concurrency 5000 needs requests of 5034 tokens"):
         run_bench(request, Console(file=io.StringIO()))
 
 
