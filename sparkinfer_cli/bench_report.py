@@ -212,16 +212,25 @@ def _draw(plt, report: BenchReport, path: Path) -> None:
     kinds = [k for k in KINDS if any(r.kind == k for r in report.results)]
     fig, axes = plt.subplots(1, len(kinds), figsize=(4.5 * len(kinds), 4), squeeze=False)
     for ax, kind in zip(axes[0], kinds):
-        rows = [r for r in report.results if r.kind == kind]
-        x_of = (lambda r: r.concurrency) if kind == "throughput" else (lambda r: r.ctx)
-        bars = ax.bar([str(x_of(r)) for r in rows], [r.tok_s for r in rows], color="#4477aa")
-        ax.bar_label(bars, [f"{r.tok_s:,.1f}\n{percent(r.roofline_fraction)} roof" for r in rows],
-                     fontsize=8)
-        ax.set_title(kind)
-        ax.set_xlabel("concurrent sequences" if kind == "throughput" else "ctx (tokens)")
-        ax.set_ylabel("tok/s")
-        ax.margins(y=0.25)
+        _draw_kind(ax, report, kind)
     fig.suptitle(f"{report.model} on {report.device} ({report.date[:10]})")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _draw_kind(ax, report: BenchReport, kind: str) -> None:
+    """One kind's bars (tok/s, labelled with the roofline fraction) and llama.cpp's marks."""
+    rows = [r for r in report.results if r.kind == kind]
+    x_of = (lambda r: r.concurrency) if kind == "throughput" else (lambda r: r.ctx)
+    bars = ax.bar([str(x_of(r)) for r in rows], [r.tok_s for r in rows], color="#4477aa")
+    ax.bar_label(bars, [f"{r.tok_s:,.1f}\n{percent(r.roofline_fraction)} roof" for r in rows],
+                 fontsize=8)
+    marks = [(rows.index(r), a.tok_s) for a, r in report.anchors() if r.kind == kind]
+    if marks:
+        ax.scatter(*zip(*marks), marker="_", s=900, color="#cc3311", zorder=3, label="llama.cpp")
+        ax.legend(fontsize=8, loc="upper right")
+    ax.set_title(kind)
+    ax.set_xlabel("concurrent sequences" if kind == "throughput" else "ctx (tokens)")
+    ax.set_ylabel("tok/s")
+    ax.margins(y=0.25)
