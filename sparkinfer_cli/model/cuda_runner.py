@@ -41,6 +41,7 @@ from sparkinfer_cli.model.gated_delta_net import GatedDeltaNet
 from sparkinfer_cli.model.moe import MoE
 
 MAX_GRAPH_ROWS = 64  # decode batches up to this many sequences replay a graph
+MAX_PASS_TOKENS = 4096  # expert GEMV slots (tokens · top-k) must fit CUDA's grid.y limit of 65535
 
 
 @dataclass
@@ -53,8 +54,8 @@ class CudaLayer:
 
 @dataclass
 class StepTimes:
-    """Host-side cost of forward passes: `host_s` until the GPU work is queued, `total_s` until
-    the logits are on the host."""
+    """Host-side cost of forward passes ("decode": graph replays; "eager": the rest, captures
+    included): `host_s` until the GPU work is queued, `total_s` until the logits are on the host."""
     steps: dict[str, int] = field(default_factory=lambda: {"decode": 0, "eager": 0})
     host_s: dict[str, float] = field(default_factory=lambda: {"decode": 0.0, "eager": 0.0})
     total_s: dict[str, float] = field(default_factory=lambda: {"decode": 0.0, "eager": 0.0})
@@ -112,6 +113,9 @@ class CudaModel:
     def forward(self, batch: SequenceBatch, cache: CudaModelCache) -> np.ndarray:
         """Logits (num_seqs, V) for each sequence's last new token, or (N, V) if all_logits."""
         t0 = time.perf_counter()
+        if len(batch.token_ids) > MAX_PASS_TOKENS:
+            raise ValueError(f"a CUDA forward pass takes at most {MAX_PASS_TOKENS} tokens, got "
+                             f"{len(batch.token_ids)} (prefill in chunks)")
         if self.config.is_hybrid:  # a sequence at position 0 has no history, whatever its slot held
             for start, slot in zip(batch.start_positions, batch.state_slots or [0]):
                 if start == 0:
@@ -122,7 +126,8 @@ class CudaModel:
         n_logits = len(batch.logit_rows())
         logit_rows = row_bucket(n_logits)
         decode = self.use_graphs and max(batch.num_new_tokens) == 1 and ws.n_rows <= MAX_GRAPH_ROWS
-        if decode and logit_rows in ws.graphs:
+        replay = decode and logit_rows in ws.graphs
+        if replay:
             ws.graphs[logit_rows].replay()
         else:
             self._run(ws, cache, logit_rows, self.stream)
@@ -133,7 +138,7 @@ class CudaModel:
         logits = self._logits(ws, logit_rows).reshape(logit_rows, -1)[:n_logits].copy_to_host(
             stream=self.stream)
         self.stream.synchronize()
-        self.times.add("decode" if decode else "eager", t_host - t0, time.perf_counter() - t0)
+        self.times.add("decode" if replay else "eager", t_host - t0, time.perf_counter() - t0)
         return logits  # (n_logits, n_vocab)
 
     # ---- internals -----------------------------------------------------------------------------
