@@ -190,3 +190,111 @@ def test_qwen35moe_prefill_and_decode_match_cpu() -> None:
     cpu = _prefill_then_decode(load_model(path), ids)
     gpu = _prefill_then_decode(_gpu_model(path, True), ids)
     assert np.abs(gpu - cpu).max() <= DEQF32_TOL
+
+
+# ---- the kernels this model added, at tiny shapes (CI runs these in numba's simulator) -----------
+def test_conv_silu_seq_runs_each_sequence_over_its_rows() -> None:
+    from numba import cuda
+
+    from sparkinfer_cli.kernels.cuda import gated_delta as gd
+
+    rng = np.random.default_rng(1)
+    mixed = rng.standard_normal((5, 6)).astype(np.float32)  # rows: seq 0 = 0..2, seq 1 = 3..4
+    conv_w = rng.standard_normal((6, 4)).astype(np.float32)
+    state = rng.standard_normal((3, 6, 3)).astype(np.float32)  # (slots, conv_dim, K-1)
+    slots, lo, n = (np.array(v, np.int32) for v in ([2, 0, 1], [0, 3, 0], [3, 2, 0]))
+    dev_state, out = cuda.to_device(state), cuda.device_array((5, 6), np.float32)
+    gd.conv_silu_seq(cuda.to_device(mixed), cuda.to_device(conv_w), dev_state,
+                     *(cuda.to_device(v) for v in (slots, lo, n)), out)
+    expect, new_state = np.zeros((5, 6)), state.astype(np.float64).copy()
+    for s in range(2):
+        hist = new_state[slots[s]]  # (6, 3)
+        for r in range(lo[s], lo[s] + n[s]):
+            window = np.concatenate([hist, mixed[r][:, None]], axis=1)  # (6, 4)
+            pre = (window * conv_w).sum(axis=1)
+            expect[r] = pre / (1 + np.exp(-pre))
+            hist = window[:, 1:]
+        new_state[slots[s]] = hist
+    np.testing.assert_allclose(out.copy_to_host(), expect, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(dev_state.copy_to_host(), new_state, rtol=1e-6)  # slot 1 untouched
+
+
+def test_delta_rule_seq_equals_reference_steps() -> None:
+    from numba import cuda
+
+    from sparkinfer_cli.kernels.cuda import gated_delta as gd
+
+    rng = np.random.default_rng(2)
+    n_k, n_v, dk, dv, rows = 1, 2, 32, 4, 3  # seq 0 = rows 0..1 in slot 1, seq 1 = row 2 in slot 0
+    u = rng.standard_normal((rows, 2 * n_k * dk + n_v * dv)).astype(np.float32)
+    a, b = (rng.standard_normal((rows, n_v)).astype(np.float32) for _ in range(2))
+    ssm_a = -rng.uniform(0.5, 2, n_v).astype(np.float32)
+    dt = rng.standard_normal(n_v).astype(np.float32)
+    state = (rng.standard_normal((2, n_v, dv, dk)) * 0.1).astype(np.float32)
+    slots, lo, n = (np.array(v, np.int32) for v in ([1, 0], [0, 2], [2, 1]))
+    dev_state, out = cuda.to_device(state), cuda.device_array((rows, n_v, dv), np.float32)
+    gd.delta_rule_seq(*(cuda.to_device(x) for x in (u, a, b, ssm_a, dt)), dev_state,
+                      *(cuda.to_device(x) for x in (slots, lo, n)), out, n_k_heads=n_k,
+                      head_map_mod=True, eps=1e-6)
+    expect, new_state = np.zeros((rows, n_v, dv)), state.astype(np.float64).copy()
+    for s in range(2):
+        for r in range(lo[s], lo[s] + n[s]):
+            o, st = gd.delta_rule_step_reference(u[r:r + 1], a[r:r + 1], b[r:r + 1], ssm_a, dt,
+                                                 new_state[slots[s]][None], n_k, True, 1e-6)
+            expect[r], new_state[slots[s]] = o[0], st[0]
+    np.testing.assert_allclose(out.copy_to_host(), expect, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(dev_state.copy_to_host(), new_state, rtol=1e-4, atol=1e-5)
+
+
+def test_rope_normal_pairs_adjacent_dims() -> None:
+    from numba import cuda
+
+    from sparkinfer_cli.kernels.cpu import ops
+    from sparkinfer_cli.kernels.cuda.rope import rope_neox
+
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((3, 2, 8)).astype(np.float32)
+    pos = np.array([0, 5, 9], np.int32)
+    for neox, style in ((False, "normal"), (True, "neox")):
+        dev = cuda.to_device(x)
+        rope_neox(dev, cuda.to_device(pos), 6, 10000.0, neox=neox)
+        np.testing.assert_allclose(dev.copy_to_host(), ops.rope(x, pos, 6, 10000.0, style),
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_prefill_rows_attend_causally_through_row_seq() -> None:
+    """T query rows of a sequence share its block table (row_seq), each sees positions ≤ its own."""
+    from numba import cuda
+
+    from sparkinfer_cli.kernels.cpu import ops
+    from sparkinfer_cli.kernels.cuda import attention
+
+    rng = np.random.default_rng(4)
+    T, H, H_kv, D, bs = 5, 2, 1, 32, 2
+    q = rng.standard_normal((T, H, D)).astype(np.float32)
+    k, v = (rng.standard_normal((T, H_kv, D)).astype(np.float32) for _ in range(2))
+    table = np.array([[3, 0, 2], [1, 1, 1]], np.int32)  # row 1: another sequence, unused
+    caches = [cuda.to_device(np.zeros((4, bs, H_kv, D), np.float32)) for _ in range(2)]
+    pos = np.arange(T)
+    slot_mapping = (table[0][pos // bs] * bs + pos % bs).astype(np.int32)
+    attention.kv_store(cuda.to_device(k), cuda.to_device(v), *caches, cuda.to_device(slot_mapping))
+    out = cuda.device_array((T, H, D), np.float32)
+    ws = attention.DecodeWorkspace(T, H, D, 8, split_len=4)
+    attention.paged_decode_attention(cuda.to_device(q), *caches, cuda.to_device(table),
+                                     cuda.to_device((pos + 1).astype(np.int32)), out, ws,
+                                     row_seq=cuda.to_device(np.zeros(T, np.int32)))
+    np.testing.assert_allclose(out.copy_to_host(), ops.causal_attention(q, k, v, 0),
+                               rtol=1e-4, atol=1e-5)
+
+
+def test_gather_rows_and_add_bias() -> None:
+    from numba import cuda
+
+    from sparkinfer_cli.kernels.cuda.model_ops import add_bias, gather_rows
+
+    x = np.arange(12, dtype=np.float32).reshape(4, 3)
+    out = cuda.device_array((2, 3), np.float32)
+    gather_rows(cuda.to_device(x), cuda.to_device(np.array([3, 1], np.int32)), out)
+    bias = np.array([1, 2, 3], np.float32)
+    add_bias(out, cuda.to_device(bias))
+    np.testing.assert_array_equal(out.copy_to_host(), x[[3, 1]] + bias)

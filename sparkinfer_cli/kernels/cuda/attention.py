@@ -1,8 +1,9 @@
 """Attention over a paged F16 KV cache: store new K/V, and split-K decode (one query per sequence).
 
 Cache layout: (num_blocks, block_size, n_kv_heads, head_dim) float16 (float32 for exact runs); token
-p of a sequence lives in block block_table[seq, p // block_size] at offset p % block_size. Decode runs in two kernels so the
-graph shape never depends on the context length:
+p of a sequence lives in block block_table[seq, p // block_size] at offset p % block_size. Decode
+runs in two kernels so the graph shape never depends on the context length (a prefill runs as one
+query row per token, row_seq naming each row's sequence and seq_lens = position + 1):
   1. grid (n_heads, n_seqs, n_splits): each block scans keys [split·split_len, +split_len) of its
      sequence with one online softmax per warp, and writes a partial (max, sum, unnormalised out);
   2. grid (n_heads, n_seqs): merge the partials of all splits (empty splits carry max = -inf).

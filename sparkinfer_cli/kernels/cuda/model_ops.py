@@ -27,7 +27,7 @@ def _add_bias_kernel(y, bias, d):
 
 def gather_rows(x, rows, out, stream=0) -> None:
     """out[i, :] = x[rows[i], :]; x (n, d) f32, rows int32 (m,), out (m, d)."""
-    d = x.shape[-1]
+    d = tuple(x.shape)[-1]
     check_array("rows", rows, np.int32)
     check_array("out", out, np.float32, (rows.size, d))
     _gather_rows_kernel[cdiv(out.size, THREADS), THREADS, stream](
