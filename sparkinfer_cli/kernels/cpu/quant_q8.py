@@ -116,26 +116,26 @@ def _bd_q8_0(raw, r, o, lut, xq, xd, xs, t, e, n16):
 
 @njit(cache=True, inline="always")
 def _bd_q4_0(raw, r, o, lut, xq, xd, xs, t, e, n16):
-    s = _dot_nibbles(raw, r, o + 2, _i32(0), _i32(8), xq, t, e, n16)
+    s = _dot_nibbles(raw, r, o + 2, _i32(0), _i32(8), xq, t, e, 16)
     return _fp16(raw, r, o, lut) * xd[t, e >> 5] * _f32(s)
 
 
 @njit(cache=True, inline="always")
 def _bd_q5_0(raw, r, o, lut, xq, xd, xs, t, e, n16):
-    s = _dot_nibbles(raw, r, o + 6, _qh32(raw, r, o + 2), _i32(16), xq, t, e, n16)
+    s = _dot_nibbles(raw, r, o + 6, _qh32(raw, r, o + 2), _i32(16), xq, t, e, 16)
     return _fp16(raw, r, o, lut) * xd[t, e >> 5] * _f32(s)
 
 
 @njit(cache=True, inline="always")
 def _bd_q4_1(raw, r, o, lut, xq, xd, xs, t, e, n16):
-    s = _dot_nibbles(raw, r, o + 4, _i32(0), _i32(0), xq, t, e, n16)
+    s = _dot_nibbles(raw, r, o + 4, _i32(0), _i32(0), xq, t, e, 16)
     b = e >> 5
     return _fp16(raw, r, o, lut) * xd[t, b] * _f32(s) + _fp16(raw, r, o + 2, lut) * xs[t, b]
 
 
 @njit(cache=True, inline="always")
 def _bd_q5_1(raw, r, o, lut, xq, xd, xs, t, e, n16):
-    s = _dot_nibbles(raw, r, o + 8, _qh32(raw, r, o + 4), _i32(0), xq, t, e, n16)
+    s = _dot_nibbles(raw, r, o + 8, _qh32(raw, r, o + 4), _i32(0), xq, t, e, 16)
     b = e >> 5
     return _fp16(raw, r, o, lut) * xd[t, b] * _f32(s) + _fp16(raw, r, o + 2, lut) * xs[t, b]
 
@@ -162,7 +162,7 @@ def _bd_k(raw, r, o, lut, xq, xd, xs, t, e, n16, qs, qh):
     d, dmin = _fp16(raw, r, o, lut), _fp16(raw, r, o + 2, lut)
     acc = _f32(0)
     for jj in range(4):
-        s_lo, s_hi = _k_pair(raw, r, o, qs, qh, jj, xq, t, e, n16)
+        s_lo, s_hi = _k_pair(raw, r, o, qs, qh, jj, xq, t, e, 16)
         for j, s in ((2 * jj, s_lo), (2 * jj + 1, s_hi)):
             sc, m = _k_scale_min(raw, r, o + 4, j)
             b = (e >> 5) + j
@@ -205,8 +205,8 @@ def _bd_q6_k(raw, r, o, lut, xq, xd, xs, t, e, n16):
     """Per 32-element quarter: d * xd * (sc_a·Σ_a + sc_b·Σ_b) over its two 16-element halves."""
     acc = _f32(0)
     for n in range(2):
-        a0, a1, a2, a3 = _q6_quarter_sums(raw, r, o, n, 0, xq, t, e, n16)
-        b0, b1, b2, b3 = _q6_quarter_sums(raw, r, o, n, 16, xq, t, e, n16)
+        a0, a1, a2, a3 = _q6_quarter_sums(raw, r, o, n, 0, xq, t, e, 16)
+        b0, b1, b2, b3 = _q6_quarter_sums(raw, r, o, n, 16, xq, t, e, 16)
         for k, sa, sb in ((0, a0, b0), (1, a1, b1), (2, a2, b2), (3, a3, b3)):
             sc = o + 192 + 8 * n + 2 * k
             isum = _i32(_i32(np.int8(raw[r, sc])) * sa + _i32(np.int8(raw[r, sc + 1])) * sb)
