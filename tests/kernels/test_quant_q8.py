@@ -9,7 +9,7 @@ import pytest
 
 from sparkinfer_cli.ggml_types import BLOCK_GEOMETRY, GGMLType, row_bytes
 from sparkinfer_cli.kernels.cpu.quant import FUSED_MAX_TOKENS, matmul
-from sparkinfer_cli.kernels.cpu.quant_q8 import Q8_TYPES, matmul_q8
+from sparkinfer_cli.kernels.cpu.quant_q8 import Q8_MAX_TOKENS, Q8_TYPES, matmul_q8
 
 TYPES = sorted(GGMLType(t) for t in Q8_TYPES)
 # byte offsets of each block's fp16 scale fields (d, and dmin / m where present)
@@ -69,7 +69,7 @@ def test_matmul_q8_equals_dequantized_product(t: GGMLType, T: int,
     w, xq = dequantized_weight(raw, t), q8_dequantized(x)
     expected = xq @ w.T  # (T, N_ROWS)
     bound = np.abs(xq) @ np.abs(w).T  # float32 rounding scales with Σ|w·x|
-    actual = matmul_q8(raw, int(t), NE0, x)
+    actual = matmul_q8(raw, int(t), NE0, x, max_tokens=FUSED_MAX_TOKENS)
     assert actual.dtype == np.float32 and actual.shape == (T, N_ROWS)
     np.testing.assert_array_less(np.abs(actual - expected), 1e-5 * bound + 1e-30)
 
@@ -79,11 +79,11 @@ def test_matmul_q8_close_to_float_path(t: GGMLType, rng: np.random.Generator) ->
     raw = random_weight(t, rng)
     x = rng.standard_normal((2, NE0)).astype(np.float32)  # (2, NE0)
     exact = matmul(raw, int(t), NE0, x)
-    err = np.linalg.norm(matmul_q8(raw, int(t), NE0, x) - exact) / np.linalg.norm(exact)
+    err = np.linalg.norm(matmul_q8(raw, int(t), NE0, x, max_tokens=2) - exact) / np.linalg.norm(exact)
     assert err < 2e-2  # int8 activations: ~0.5/127 of each block's max, relative
 
 
-@pytest.mark.parametrize("t, T", [(GGMLType.Q8_0, FUSED_MAX_TOKENS + 1), (GGMLType.F16, 1)])
+@pytest.mark.parametrize("t, T", [(GGMLType.Q8_0, Q8_MAX_TOKENS + 1), (GGMLType.F16, 1)])
 def test_prefill_and_other_types_take_the_float_path(t: GGMLType, T: int,
                                                      rng: np.random.Generator) -> None:
     raw = (random_weight(t, rng) if t in _FP16_FIELDS

@@ -1,4 +1,4 @@
-"""Decode matmul (T <= 8) on ggml-quantized weights with int8 activations, as llama.cpp does it.
+"""Decode matmul on ggml-quantized weights with int8 activations, as llama.cpp does it (T = 1).
 
 x is quantized once per call into blocks of 32 (llama.cpp's Q8_0/Q8_1 form, kept in float32):
 
@@ -12,11 +12,13 @@ extra float work is one multiply-add per 32 weights, and the result is closer to
 So out = dequantize(W) @ dequantize(xq).T exactly, up to float32 rounding.
 
 Why the integer loops look as they do (numba 0.68 + LLVM, AVX2; bench/results/cpu-quant-matmul.md
-§4 and §6): every inner loop runs `n16` or `2 * n16` times with n16 = 16 passed at run time. A
-constant trip count is fully unrolled and the SLP vectorizer then leaves the reduction scalar; a
-run-time one goes to the loop vectorizer, which turns int8 * int8 summed into int32 into vpmaddwd.
-Every integer step is cast back to int32 (numba widens to int64). Bits are tested against a
-table of masks, never shifted by a variable amount.
+§4 and §6). Every integer step is cast back to int32 (numba widens to int64), and bits are tested
+against a table of masks, never shifted by a variable amount. A block's integer dot is one
+reduction over loads (no stores), and which vectorizer handles it best was measured per type:
+the nibble and K-quant loops have a constant trip count of 16 or 32; LLVM unrolls them and its SLP
+vectorizer turns the reduction into vpmaddwd (2x faster than the loop vectorizer on Q5_0). Q8_0's
+loop runs `2 * n16` times with n16 = 16 passed at run time: unrolled it stays scalar, while the
+loop vectorizer makes vpmaddwd of it.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from sparkinfer_cli.kernels.cpu.quant_blocks import (
 )
 
 Q8_BLOCK = 32  # activation block: one float scale per 32 int8 values
-_N16 = 16  # the inner trip count, passed to the kernels at run time (see the module docstring)
+_N16 = 16  # Q8_0's inner trip count / 2, passed at run time (see the module docstring)
 _i32, _f32 = np.int32, np.float32
 _BIT32 = np.array([1 << k for k in range(32)], dtype=np.int64).astype(np.int32)
 
@@ -239,6 +241,9 @@ _DOT_Q5_K = _make_dot_rows(_bd_q5_k, 176, 256)
 _DOT_Q6_K = _make_dot_rows(_bd_q6_k, 210, 256)
 
 Q8_TYPES: frozenset[int] = frozenset({Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K})
+# The kernels decode each weight block once per token, the float path once per call: at T=2 the
+# float path is already as fast (bench/results/cpu-quant-matmul.md §6), so only T=1 comes here.
+Q8_MAX_TOKENS = 1
 
 
 @njit(cache=True, nogil=True)
@@ -263,11 +268,12 @@ def _matmul_q8_rows(raw, qtype, lut, xq, xd, xs, r0, r1, n16, out):
 
 # ---- public API -------------------------------------------------------------------------------
 
-def matmul_q8(raw: np.ndarray, ggml_type: int, ne0: int, x: np.ndarray) -> np.ndarray:
+def matmul_q8(raw: np.ndarray, ggml_type: int, ne0: int, x: np.ndarray,
+              max_tokens: int = Q8_MAX_TOKENS) -> np.ndarray:
     """Same arguments and result as quant.matmul: float32 (T, rows) ≈ x @ dequantize(W).T, with x
     quantized to int8 blocks of 32 (error ~1e-2 relative to the float path). Types outside
-    Q8_TYPES, and T > FUSED_MAX_TOKENS (prefill), go to quant.matmul."""
-    if ggml_type not in Q8_TYPES or x.ndim != 2 or x.shape[0] > FUSED_MAX_TOKENS:
+    Q8_TYPES, and T > max_tokens, go to quant.matmul."""
+    if ggml_type not in Q8_TYPES or x.ndim != 2 or x.shape[0] > min(max_tokens, FUSED_MAX_TOKENS):
         return matmul(raw, ggml_type, ne0, x)
     if raw.ndim != 2:
         raise ValueError(f"matmul_q8 needs a 2-D weight, got shape {raw.shape}")
