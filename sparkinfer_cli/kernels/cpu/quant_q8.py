@@ -188,13 +188,13 @@ def _q6_quarter_sums(raw, r, o, n, l0, xq, t, e, n16):
     elements 128n + 32k + l, 6-bit quant from a ql nibble and a qh bit pair, minus 32."""
     s0, s1, s2, s3 = _i32(0), _i32(0), _i32(0), _i32(0)
     for i in range(n16):
-        l = l0 + i
-        a, c, h = raw[r, o + 64 * n + l], raw[r, o + 64 * n + 32 + l], raw[r, o + 128 + 32 * n + l]
+        p = l0 + i
+        a, c, h = raw[r, o + 64 * n + p], raw[r, o + 64 * n + 32 + p], raw[r, o + 128 + 32 * n + p]
         q0 = _i32(_i32(_i32(a & 15) | _i32((h & 3) << 4)) - 32)
         q1 = _i32(_i32(_i32(c & 15) | _i32(((h >> 2) & 3) << 4)) - 32)
         q2 = _i32(_i32(_i32(a >> 4) | _i32(((h >> 4) & 3) << 4)) - 32)
         q3 = _i32(_i32(_i32(c >> 4) | _i32((h >> 6) << 4)) - 32)
-        x0 = e + 128 * n + l
+        x0 = e + 128 * n + p
         s0 = _i32(s0 + _i32(q0 * _i32(xq[t, x0])))
         s1 = _i32(s1 + _i32(q1 * _i32(xq[t, x0 + 32])))
         s2 = _i32(s2 + _i32(q2 * _i32(xq[t, x0 + 64])))
