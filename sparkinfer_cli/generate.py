@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from sparkinfer_cli.engine.config import EngineConfig
-from sparkinfer_cli.engine.engine import ContinuousBatchEngine
+from sparkinfer_cli.engine.engine import ContinuousBatchEngine, warm_up
 from sparkinfer_cli.engine.request import RequestEvent
 from sparkinfer_cli.engine.sampling_params import SamplingParams
 from sparkinfer_cli.tokenizer.chat_template import ChatTemplate
@@ -48,12 +48,14 @@ def stream_generation(model, tokenizer: Tokenizer, prompt_ids: list[int],
                       params: SamplingParams, stats: GenerationStats) -> Iterator[str]:
     """Yields text as it is produced; fills `stats` at the end. Closing the iterator (Ctrl-C)
     aborts the request."""
-    ctx = min(len(prompt_ids) + params.max_tokens + 16, model.config.context_length)
+    # room for this request and for the warm-up one (16 + 2 tokens)
+    ctx = min(max(len(prompt_ids) + params.max_tokens, 32) + 32, model.config.context_length)
     engine = ContinuousBatchEngine(model, tokenizer, EngineConfig(
-        ctx=max(ctx, 16), max_batch_tokens=max(64, len(prompt_ids)), max_num_seqs=1,
+        ctx=ctx, max_batch_tokens=max(64, len(prompt_ids)), max_num_seqs=1,
         max_output_tokens=params.max_tokens))
     events: queue.Queue[RequestEvent] = queue.Queue()
     engine.start()
+    warm_up(engine)  # compile before timing, so the reported speeds are the model's
     request_id = engine.submit(prompt_ids, params, events.put)
     try:
         while True:

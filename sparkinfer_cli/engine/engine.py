@@ -267,3 +267,18 @@ class ContinuousBatchEngine:
                                              if self.kv.is_hybrid else []))
         chunk = 0 if self.config.prefill_batched else self.config.prefill_chunk_tokens
         self.runner.prefill(self.kv.prefix_token_ids, prefix.block_ids, prefix.state_slot, chunk)
+
+
+def warm_up(engine: ContinuousBatchEngine, timeout_s: float = 600.0) -> bool:
+    """One throwaway greedy request long enough to take the prefill path and then decode, so JIT
+    compilation (or loading the kernel cache) is paid here, not by the first user or timing.
+    Returns False if it did not finish in time."""
+    finished = threading.Event()
+    prompt = [i % engine.n_vocab for i in range(16)]
+
+    def on_event(event: RequestEvent) -> None:
+        if event.finish_reason is not None:
+            finished.set()
+
+    engine.submit(prompt, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), on_event)
+    return finished.wait(timeout_s)

@@ -143,7 +143,7 @@ def run_server(model_path: str | Path, host: str | None = None, port: int | None
                model_name: str | None = None, environ: Mapping[str, str] | None = None) -> None:
     """`sparkinfer serve`: load the model, start the engine, serve until SIGTERM/SIGINT.
     Arguments left None come from the environment (HOST, PORT, CTX, SPARKINFER_*)."""
-    from sparkinfer_cli.engine.engine import ContinuousBatchEngine
+    from sparkinfer_cli.engine.engine import ContinuousBatchEngine, warm_up
     from sparkinfer_cli.gguf_file import GGUFFile
     from sparkinfer_cli.model.loader import load_model
     from sparkinfer_cli.tokenizer.chat_template import ChatTemplate
@@ -159,29 +159,13 @@ def run_server(model_path: str | Path, host: str | None = None, port: int | None
     engine_config = build_engine_config(ctx, model.config.context_length, environ)
     engine = ContinuousBatchEngine(model, tokenizer, engine_config)
     engine.start()
-    warm_up(engine, tokenizer)
+    if not warm_up(engine):
+        log.warning("the warm-up request did not finish in time")
     try:
         serve(create_app(engine, tokenizer, ChatTemplate.from_tokenizer(tokenizer), server_config),
               server_config)
     finally:
         engine.shutdown(wait=False)
-
-
-def warm_up(engine: Any, tokenizer: Any, timeout_s: float = 600.0) -> None:
-    """One tiny greedy request before serving, so JIT compilation (or loading the kernel cache)
-    is not paid by the first client, nor counted against its SPARKINFER_REQUEST_TIMEOUT_S."""
-    from sparkinfer_cli.engine.sampling_params import SamplingParams
-
-    finished = threading.Event()
-
-    def on_event(event: Any) -> None:
-        if event.finish_reason is not None:
-            finished.set()
-
-    engine.submit(tokenizer.encode("Hello") or [0], SamplingParams(max_tokens=2, temperature=0),
-                  on_event)
-    if not finished.wait(timeout_s):
-        log.warning("the warm-up request did not finish in %.0f s", timeout_s)
 
 
 def default_model_name(gguf: Any) -> str:
