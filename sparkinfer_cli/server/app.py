@@ -23,6 +23,7 @@ from sparkinfer_cli.server.auth import check_request
 from sparkinfer_cli.server.config import ServerConfig, build_engine_config
 from sparkinfer_cli.server.metrics import ServerMetrics
 from sparkinfer_cli.server.protocol import ApiError
+from sparkinfer_cli.server.responses import TokenTexts
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ def create_app(engine: Any, tokenizer: Any, chat_template: Any,
     async_engine.metrics = ServerMetrics(engine.stats, lambda: async_engine.is_accepting)
     app.ctx.state = routes.ServerState(async_engine, tokenizer, chat_template, config,
                                        async_engine.metrics, int(time.time()),
-                                       routes.TokenTexts(tokenizer))
+                                       TokenTexts(tokenizer))
     for handler, uri, method in ROUTES:
         # POST handlers read their body themselves, under the read timeout (routes.read_body)
         app.add_route(handler, uri, methods=[method], stream=method == "POST")
