@@ -146,10 +146,10 @@ def repack(raw: np.ndarray, ggml_type: int, ne0: int) -> RepackedWeight:
 
 # ---- kernels ----------------------------------------------------------------------------------
 # numba alone gives 78-85 ms per decode token against 55-62 ms for the IR kernel: LLVM reduces
-# each 32-element dot to a scalar before the float multiply-add. The row kernel is therefore written in LLVM IR, as llama.cpp's
-# AVX2 ggml_vec_dot_q8_0_q8_0: per 32-block two vpmaddwd give 8 int32 lanes, which are converted
-# and scaled into 8 float lanes; one horizontal sum per row. llvmlite (numba's own LLVM) compiles
-# it for the host CPU; hosts without AVX2 use the numba kernel below.
+# each 32-element dot to a scalar before the float multiply-add. So the row kernel is LLVM IR,
+# as llama.cpp's AVX2 ggml_vec_dot_q8_0_q8_0: per 32-block two vpmaddwd give 8 int32 lanes,
+# which are converted and scaled into 8 float lanes; one horizontal sum per row. llvmlite (numba's
+# own LLVM) compiles it for the host CPU; hosts without AVX2 use the numba kernel below.
 
 @njit(cache=True, nogil=True)
 def _dot_rows(q, d, m, xq, xd, xs, group, r0, r1, out):
