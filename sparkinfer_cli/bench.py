@@ -179,7 +179,7 @@ def _load(gguf: GGUFFile, device: str, console: Console) -> tuple[CausalLM, Toke
     from sparkinfer_cli.tokenizer.tokenizer import Tokenizer
 
     with console.status(f"loading {gguf.path.name} on {device}"):
-        return load_model(gguf, device), Tokenizer.from_gguf(gguf)
+        return load_model(gguf, device, int8_decode=device == "cpu"), Tokenizer.from_gguf(gguf)
 
 
 # ---- measuring -----------------------------------------------------------------------------------

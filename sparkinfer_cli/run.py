@@ -33,7 +33,8 @@ def run_generate(req: GenerateRequest, err: Console) -> None:
     if note:
         err.print(f"[yellow]{note}[/]")
     gguf = GGUFFile(path)
-    model, tokenizer = load_model(gguf, req.device), Tokenizer.from_gguf(gguf)
+    model = load_model(gguf, req.device, int8_decode=req.device == "cpu")
+    tokenizer = Tokenizer.from_gguf(gguf)
     ids = build_prompt(tokenizer, req.prompt, raw=req.raw, system=req.system,
                        enable_thinking=req.enable_thinking)
     stats = GenerationStats()

@@ -58,6 +58,11 @@ class CausalLM:
     def norm(self, w: Weights, name: str) -> RMSNorm:
         return RMSNorm(w.get(name, (self.config.n_embd,)), self.config.rms_eps)
 
+    def use_int8_decode(self) -> None:
+        """Switch every 2-D linear to int8-activation decode (see Linear.use_int8_decode)."""
+        for linear in _find(self, Linear):
+            linear.use_int8_decode()
+
     def create_cache(self, num_blocks: int, block_size: int, num_state_slots: int) -> ModelCache:
         return ModelCache(self.config, num_blocks, block_size, num_state_slots)
 
@@ -68,3 +73,20 @@ class CausalLM:
         for layer in self.layers:
             x = layer(x, fwd)
         return self.output(self.output_norm(x[batch.logit_rows()]))  # (rows, n_vocab)
+
+
+def _find(root: object, kind: type) -> list:
+    """Every `kind` instance reachable from root through attributes and lists (each once)."""
+    found, seen, stack = [], set(), [root]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, kind):
+            found.append(obj)
+        elif isinstance(obj, (list, tuple)):
+            stack.extend(obj)
+        elif hasattr(obj, "__dict__") and not isinstance(obj, (np.ndarray, type)):
+            stack.extend(vars(obj).values())
+    return found

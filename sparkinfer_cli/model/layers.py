@@ -12,6 +12,7 @@ import numpy as np
 
 from sparkinfer_cli.kernels.cpu import ops
 from sparkinfer_cli.kernels.cpu.quant import embedding_rows, matmul
+from sparkinfer_cli.kernels.cpu.quant_repack import REPACK_TYPES, matmul_repacked, repack
 from sparkinfer_cli.model.batch import SequenceSpan
 from sparkinfer_cli.model.cache import ModelCache
 from sparkinfer_cli.model.config import ModelConfig
@@ -24,14 +25,25 @@ class Linear:
     def __init__(self, weight: QTensor, bias: QTensor | None = None):
         self.weight = weight
         self.bias = bias.as_f32() if bias is not None else None
+        self.int8_weight = None  # lossless int8 repack for the int8-activation decode kernel
+
+    def use_int8_decode(self) -> None:
+        """Single-token calls quantize x to int8 blocks (llama.cpp's numerics) and run the
+        repacked int8 kernel, ~2.4x faster than the float dequant·dot; prefill stays float."""
+        w = self.weight
+        if w.ggml_type in REPACK_TYPES and w.raw.ndim == 2:
+            self.int8_weight = repack(w.raw, w.ggml_type, w.ne0)
 
     @property
     def out_features(self) -> int:
         return self.weight.shape[1]
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        w = self.weight
-        y = matmul(w.raw, w.ggml_type, w.ne0, np.ascontiguousarray(x, dtype=np.float32))
+        w, x = self.weight, np.ascontiguousarray(x, dtype=np.float32)
+        if self.int8_weight is not None and len(x) == 1:
+            y = matmul_repacked(self.int8_weight, x)
+        else:
+            y = matmul(w.raw, w.ggml_type, w.ne0, x)
         return y + self.bias if self.bias is not None else y
 
 

@@ -153,7 +153,7 @@ def run_server(model_path: str | Path, host: str | None = None, port: int | None
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     gguf = GGUFFile(model_path)
-    model = load_model(gguf, device)
+    model = load_model(gguf, device, int8_decode=device == "cpu")
     tokenizer = Tokenizer.from_gguf(gguf)
     server_config = ServerConfig.from_env(environ, host=host, port=port, api_key=api_key,
                                           model_name=model_name or default_model_name(gguf))

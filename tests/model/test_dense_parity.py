@@ -113,3 +113,18 @@ def test_batched_sequences_equal_solo(goldens, fixtures_dir):
     both = model.forward(batch, cache)
     np.testing.assert_allclose(both[:len(a)], prefill_all_logits(model, a), atol=1e-5)
     np.testing.assert_allclose(both[len(a):], prefill_all_logits(model, b), atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["Q8_0", "Q6_K", "Q4_K_M"])
+def test_int8_decode_matches_native_llama_cpp(goldens, fixtures_dir, variant):
+    """With int8-activation decode (llama.cpp's scheme, not its exact rounding) the decode steps
+    stay within llama.cpp's native-vs-float noise (≤ 0.09 here) and pick the same top-1 wherever
+    its margin exceeds 0.1."""
+    model = load_model(fixtures_dir / f"tiny/qwen3/qwen3-{variant}.gguf", int8_decode=True)
+    fed = goldens[f"lc_{variant}_greedy_short"]
+    native = goldens[f"lc_{variant}_decode_logits_short"].astype(np.float32)
+    logits = decode_logits(model, goldens["prompt_short"], fed)[1:]
+    diff = np.abs(logits - native).max()
+    assert diff <= 0.09, f"qwen3 {variant} int8 decode vs native: max |Δlogit| = {diff:.3f}"
+    clear = top1_margin(native) > MARGIN
+    assert (logits.argmax(-1)[clear] == native.argmax(-1)[clear]).all()
