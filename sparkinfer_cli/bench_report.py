@@ -146,7 +146,7 @@ TABLE_HEADER = ("figure", "ctx", "concurrency", "tok/s", "roofline", "bound", "l
 def table_cells(report: BenchReport) -> list[tuple[str, ...]]:
     """One row of TABLE_HEADER cells per result (the markdown and the console show the same)."""
     anchored = {(r.kind, r.ctx, r.concurrency): a for a, r in report.anchors()}
-    cells = []
+    cells: list[tuple[str, ...]] = []
     for r in report.results:
         a = anchored.get((r.kind, r.ctx, r.concurrency))
         ref = (f"{a.tok_s:,.1f} ({a.test})", f"{r.tok_s / a.tok_s:.2f}×") if a else ("—", "—")
