@@ -28,14 +28,6 @@ _SCALE_OFFSETS = {
 NE0 = 512  # two 256-superblocks, sixteen 32-blocks
 
 
-@pytest.fixture
-def rng(request) -> np.random.Generator:
-    """A fresh seed per test run; it is printed on failure (pytest shows captured stdout)."""
-    seed = int(np.random.SeedSequence().entropy % 2**32)
-    print(f"{request.node.name}: seed={seed}")
-    return np.random.default_rng(seed)
-
-
 def random_raw(t: GGMLType, lead_shape: tuple[int, ...], ne0: int,
                rng: np.random.Generator) -> np.ndarray:
     """Random valid tensor data as GGUFFile.raw returns it: random quant bytes, fp16 scales that

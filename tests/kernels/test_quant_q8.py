@@ -6,37 +6,13 @@ from __future__ import annotations
 import gguf
 import numpy as np
 import pytest
+from quant_samples import FP16_FIELDS, N_ROWS, NE0, random_weight
 
-from sparkinfer_cli.ggml_types import BLOCK_GEOMETRY, GGMLType, row_bytes
+from sparkinfer_cli.ggml_types import GGMLType
 from sparkinfer_cli.kernels.cpu.quant import FUSED_MAX_TOKENS, matmul
 from sparkinfer_cli.kernels.cpu.quant_q8 import Q8_MAX_TOKENS, Q8_TYPES, matmul_q8
 
 TYPES = sorted(GGMLType(t) for t in Q8_TYPES)
-# byte offsets of each block's fp16 scale fields (d, and dmin / m where present)
-_FP16_FIELDS = {
-    GGMLType.Q4_0: (0,), GGMLType.Q4_1: (0, 2), GGMLType.Q5_0: (0,), GGMLType.Q5_1: (0, 2),
-    GGMLType.Q8_0: (0,), GGMLType.Q4_K: (0, 2), GGMLType.Q5_K: (0, 2), GGMLType.Q6_K: (208,),
-}
-NE0 = 768  # three 256-superblocks, 24 activation blocks
-N_ROWS = 37
-
-
-@pytest.fixture
-def rng(request) -> np.random.Generator:
-    seed = int(np.random.SeedSequence().entropy % 2**32)
-    print(f"{request.node.name}: seed={seed}")
-    return np.random.default_rng(seed)
-
-
-def random_weight(t: GGMLType, rng: np.random.Generator) -> np.ndarray:
-    """(N_ROWS, row_bytes) of random quant bytes with finite fp16 scales of either sign."""
-    block, size = BLOCK_GEOMETRY[t]
-    n_blocks = N_ROWS * NE0 // block
-    raw = rng.integers(0, 256, (n_blocks, size), dtype=np.uint8)  # (n_blocks, block_bytes)
-    for off in _FP16_FIELDS[t]:
-        scale = rng.uniform(1e-3, 0.1, n_blocks) * rng.choice([-1, 1], n_blocks)
-        raw[:, off:off + 2] = scale.astype(np.float16).view(np.uint8).reshape(n_blocks, 2)
-    return raw.reshape(N_ROWS, row_bytes(t, NE0))
 
 
 def random_activations(T: int, rng: np.random.Generator) -> np.ndarray:
@@ -87,7 +63,7 @@ def test_matmul_q8_close_to_float_path(t: GGMLType, rng: np.random.Generator) ->
 @pytest.mark.parametrize("t, T", [(GGMLType.Q8_0, Q8_MAX_TOKENS + 1), (GGMLType.F16, 1)])
 def test_prefill_and_other_types_take_the_float_path(t: GGMLType, T: int,
                                                      rng: np.random.Generator) -> None:
-    raw = (random_weight(t, rng) if t in _FP16_FIELDS
+    raw = (random_weight(t, rng) if t in FP16_FIELDS
            else rng.standard_normal((N_ROWS, NE0)).astype(np.float16))
     x = rng.standard_normal((T, NE0)).astype(np.float32)  # (T, NE0)
     np.testing.assert_array_equal(matmul_q8(raw, int(t), NE0, x), matmul(raw, int(t), NE0, x))

@@ -7,8 +7,9 @@ from __future__ import annotations
 import gguf
 import numpy as np
 import pytest
+from quant_samples import N_ROWS, NE0, random_weight
 
-from sparkinfer_cli.ggml_types import BLOCK_GEOMETRY, GGMLType, row_bytes
+from sparkinfer_cli.ggml_types import GGMLType
 from sparkinfer_cli.kernels.cpu.quant_repack import (
     REPACK_TYPES,
     has_avx2,
@@ -17,32 +18,7 @@ from sparkinfer_cli.kernels.cpu.quant_repack import (
 )
 
 TYPES = sorted(GGMLType(t) for t in REPACK_TYPES)
-# byte offsets of each block's fp16 scale fields (d, and dmin / m where present)
-_FP16_FIELDS = {
-    GGMLType.Q4_0: (0,), GGMLType.Q4_1: (0, 2), GGMLType.Q5_0: (0,), GGMLType.Q5_1: (0, 2),
-    GGMLType.Q8_0: (0,), GGMLType.Q4_K: (0, 2), GGMLType.Q5_K: (0, 2), GGMLType.Q6_K: (208,),
-}
-NE0 = 768  # three 256-superblocks, 24 activation blocks
-N_ROWS = 37
 KERNELS = [False] + ([True] if has_avx2() else [])  # use_ir: numba kernel, LLVM IR kernel
-
-
-@pytest.fixture
-def rng(request) -> np.random.Generator:
-    seed = int(np.random.SeedSequence().entropy % 2**32)
-    print(f"{request.node.name}: seed={seed}")
-    return np.random.default_rng(seed)
-
-
-def random_weight(t: GGMLType, rng: np.random.Generator) -> np.ndarray:
-    """(N_ROWS, row_bytes) of random quant bytes with finite fp16 scales of either sign."""
-    block, size = BLOCK_GEOMETRY[t]
-    n_blocks = N_ROWS * NE0 // block
-    raw = rng.integers(0, 256, (n_blocks, size), dtype=np.uint8)  # (n_blocks, block_bytes)
-    for off in _FP16_FIELDS[t]:
-        scale = rng.uniform(1e-3, 0.1, n_blocks) * rng.choice([-1, 1], n_blocks)
-        raw[:, off:off + 2] = scale.astype(np.float16).view(np.uint8).reshape(n_blocks, 2)
-    return raw.reshape(N_ROWS, row_bytes(t, NE0))
 
 
 def q8_reference(x: np.ndarray) -> np.ndarray:
