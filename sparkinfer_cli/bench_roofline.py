@@ -96,7 +96,7 @@ def machine_peaks(device: str) -> MachinePeaks:
 def gpu_name() -> str:
     from numba import cuda
 
-    name = cuda.get_current_device().name
+    name = getattr(cuda.get_current_device(), "name", "CUDA simulator")  # the simulator has none
     return name.decode() if isinstance(name, bytes) else str(name)
 
 
