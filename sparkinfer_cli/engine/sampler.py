@@ -26,18 +26,24 @@ the same seed over the same logits gives the same token sequence.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from sparkinfer_cli.engine.sampling_params import SamplingParams
+from sparkinfer_cli.engine.truncation import (
+    Workspace,
+    draw,
+    subset,
+    thread_workspace,
+    top_positions,
+    truncate,
+)
 
 REPETITION_WINDOW = 64  # llama.cpp's penalty_last_n default
 BAN_BIAS = -100.0  # OpenAI: "-100 should result in a ban"
-TOP_P_HEAD = 1024  # largest logits sorted first when looking for the top-p cut
-SEARCH_BLOCK = 1024  # block size of the two-level cumulative sum in cumulative_search()
+NO_IDS = np.empty(0, dtype=np.int64)
 
 
 @dataclass
@@ -53,28 +59,25 @@ class SampleResult:
     logprob: TokenLogprob | None  # filled iff params.logprobs
 
 
-class Workspace:
-    """Vocabulary-sized buffers, one set per thread, reused for every token.
+@dataclass(frozen=True)
+class TouchedLogits:
+    """Steps 1–3 change a few logits only: their ascending ids and processed float32 values."""
 
-    Fresh 600 KB numpy temporaries cost about a thousand page faults per token on a 152k
-    vocabulary, more than the arithmetic; with these buffers sampling allocates only small arrays.
-    """
+    ids: np.ndarray  # (num_touched,) int64, ascending
+    values: np.ndarray  # (num_touched,) float32
 
-    def __init__(self, n_vocab: int):
-        self.logits = np.empty(n_vocab, dtype=np.float32)  # (n_vocab,) processed logits
-        self.scratch = np.empty(n_vocab, dtype=np.float32)  # (n_vocab,) partitions and sorts
-        self.weights = np.empty(n_vocab, dtype=np.float32)  # (n_vocab,) exp(logit − max)
-        self.mask = np.empty(n_vocab, dtype=np.bool_)  # (n_vocab,) comparisons
+    def contains(self, token_id: int) -> bool:
+        i = int(np.searchsorted(self.ids, token_id))
+        return i < len(self.ids) and int(self.ids[i]) == token_id
+
+    def apply(self, logits: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """The processed logits: a float32 copy with the touched values written in."""
+        np.copyto(out, logits, casting="same_kind")
+        out[self.ids] = self.values
+        return out
 
 
-_thread_local = threading.local()
-
-
-def thread_workspace(n_vocab: int) -> Workspace:
-    workspaces = _thread_local.__dict__.setdefault("workspaces", {})
-    if n_vocab not in workspaces:
-        workspaces[n_vocab] = Workspace(n_vocab)
-    return workspaces[n_vocab]
+NOTHING_TOUCHED = TouchedLogits(NO_IDS, np.empty(0, dtype=np.float32))
 
 
 class Sampler:
@@ -89,7 +92,12 @@ class Sampler:
         if logits.shape != (self.n_vocab,):
             raise ValueError(f"logits have shape {logits.shape}, expected ({self.n_vocab},)")
         ws = thread_workspace(self.n_vocab)
-        processed = self.process_logits(logits, prompt_ids, output_ids, out=ws.logits)
+        touched = self.touched_logits(logits, prompt_ids, output_ids)
+        if logits.dtype != np.float32:  # NOTE: ties and argmax are decided in float32
+            logits, touched = touched.apply(logits, ws.logits), NOTHING_TOUCHED
+        if self.params.is_greedy and not self.params.logprobs:
+            return SampleResult(greedy_token(logits, touched, ws), None)
+        processed = touched.apply(logits, ws.logits) if touched.ids.size else logits
         token_id = self._choose(processed, ws)
         logprob = None
         if self.params.logprobs:
@@ -99,23 +107,34 @@ class Sampler:
     def process_logits(self, logits: np.ndarray, prompt_ids: Sequence[int],
                        output_ids: Sequence[int], out: np.ndarray | None = None) -> np.ndarray:
         """Steps 1–3 on a float32 copy of the logits (written to `out` when given)."""
-        p = self.params
         out = np.empty(self.n_vocab, dtype=np.float32) if out is None else out  # (n_vocab,)
-        np.copyto(out, logits, casting="same_kind")
-        if p.repetition_penalty != 1.0:
-            apply_repetition_penalty(out, recent_tokens(prompt_ids, output_ids),
-                                     p.repetition_penalty)
-        if p.presence_penalty or p.frequency_penalty:
-            apply_presence_frequency(out, output_ids, p.presence_penalty, p.frequency_penalty)
-        out[self._bias_ids] += self._bias_values
-        return out
+        return self.touched_logits(logits, prompt_ids, output_ids).apply(logits, out)
+
+    def touched_logits(self, logits: np.ndarray, prompt_ids: Sequence[int],
+                       output_ids: Sequence[int]) -> TouchedLogits:
+        """Steps 1–3, computed on the few ids they touch."""
+        p = self.params
+        penalised = np.unique(recent_tokens(prompt_ids, output_ids)) \
+            if p.repetition_penalty != 1.0 else NO_IDS  # each distinct token penalised once
+        counted, counts = np.unique(np.asarray(output_ids, dtype=np.int64), return_counts=True) \
+            if (p.presence_penalty or p.frequency_penalty) and len(output_ids) else (NO_IDS, NO_IDS)
+        ids = np.union1d(np.union1d(penalised, counted), self._bias_ids)  # (num_touched,)
+        if not ids.size:
+            return NOTHING_TOUCHED
+        values = logits[ids].astype(np.float32)  # (num_touched,)
+        if penalised.size:
+            apply_repetition_penalty(values, np.searchsorted(ids, penalised), p.repetition_penalty)
+        if counted.size:
+            values[np.searchsorted(ids, counted)] -= \
+                (p.frequency_penalty * counts + p.presence_penalty).astype(np.float32)
+        values[np.searchsorted(ids, self._bias_ids)] += self._bias_values
+        return TouchedLogits(ids, values)
 
     def _choose(self, logits: np.ndarray, ws: Workspace) -> int:
-        if not np.isfinite(logits.max()):
-            raise ValueError("every token is banned (logit_bias) or the logits are not finite")
         p = self.params
         if p.is_greedy:
-            return int(np.argmax(logits))
+            return greedy_token(logits, NOTHING_TOUCHED, ws)
+        check_finite(0, logits.max())
         ids = truncate(logits, p.top_k, p.top_p, p.min_p, ws)
         position = draw(subset(logits, ids), p.temperature, self._rng, ws)
         return position if ids is None else int(ids[position])
@@ -139,105 +158,32 @@ def recent_tokens(prompt_ids: Sequence[int], output_ids: Sequence[int]) -> np.nd
     return np.array(prompt_tail + output_tail, dtype=np.int64)  # (≤ REPETITION_WINDOW,)
 
 
-def apply_repetition_penalty(logits: np.ndarray, tokens: np.ndarray, penalty: float) -> None:
-    ids = np.unique(tokens)  # each distinct token is penalised once, however often it occurs
-    seen = logits[ids]
-    logits[ids] = np.where(seen > 0, seen / penalty, seen * penalty)
+def apply_repetition_penalty(values: np.ndarray, positions: np.ndarray, penalty: float) -> None:
+    seen = values[positions]
+    values[positions] = np.where(seen > 0, seen / penalty, seen * penalty)
 
 
-def apply_presence_frequency(logits: np.ndarray, output_ids: Sequence[int], presence: float,
-                             frequency: float) -> None:
-    if len(output_ids) == 0:
-        return
-    ids, counts = np.unique(np.asarray(output_ids, dtype=np.int64), return_counts=True)
-    logits[ids] -= (frequency * counts + presence).astype(np.float32)
+def greedy_token(logits: np.ndarray, touched: TouchedLogits, ws: Workspace) -> int:
+    """argmax of the processed logits (ties → lowest id). The row is copied only when the raw
+    winner is itself touched, or a touched value is NaN or +inf."""
+    best = int(np.argmax(logits))
+    if not touched.ids.size:
+        return check_finite(best, logits[best])
+    if touched.contains(best) or not (touched.values < np.inf).all():
+        processed = touched.apply(logits, ws.logits)
+        best = int(np.argmax(processed))
+        return check_finite(best, processed[best])
+    i = int(np.argmax(touched.values))  # ties → lowest touched id (ids ascend)
+    rival, value = int(touched.ids[i]), touched.values[i]
+    if value > logits[best] or (value == logits[best] and rival < best):
+        return check_finite(rival, value)
+    return check_finite(best, logits[best])
 
 
-# ---- truncation: every function returns ascending positions, so ties go to the lower token id --
-def truncate(logits: np.ndarray, top_k: int, top_p: float, min_p: float,
-             ws: Workspace) -> np.ndarray | None:
-    """Ascending ids of the tokens that survive top-k, top-p and min-p; None when all do."""
-    ids = top_positions(logits, top_k, ws) if 0 < top_k < len(logits) else None
-    if top_p < 1.0:
-        ids = narrow(ids, top_p_positions(subset(logits, ids), top_p, ws))
-    if min_p > 0.0:
-        ids = narrow(ids, min_p_positions(subset(logits, ids), min_p, ws))
-    return ids
-
-
-def subset(logits: np.ndarray, ids: np.ndarray | None) -> np.ndarray:
-    return logits if ids is None else logits[ids]
-
-
-def narrow(ids: np.ndarray | None, positions: np.ndarray) -> np.ndarray:
-    return positions if ids is None else ids[positions]
-
-
-def top_positions(values: np.ndarray, count: int, ws: Workspace) -> np.ndarray:
-    """Ascending positions of the `count` largest values; of equal values the lower position."""
-    n = len(values)
-    if count >= n:
-        return np.arange(n)
-    scratch, mask = ws.scratch[:n], ws.mask[:n]
-    np.copyto(scratch, values)
-    scratch.partition(n - count)
-    cutoff = scratch[n - count]  # the smallest value that is kept
-    above = np.flatnonzero(np.greater(values, cutoff, out=mask))
-    tied = np.flatnonzero(np.equal(values, cutoff, out=mask))[:count - len(above)]
-    return np.sort(np.concatenate([above, tied]))
-
-
-def top_p_positions(values: np.ndarray, top_p: float, ws: Workspace) -> np.ndarray:
-    n, peak = len(values), values.max()
-    scratch, weights = ws.scratch[:n], ws.weights[:n]
-    np.exp(np.subtract(values, peak, out=weights), out=weights)
-    target = top_p * float(weights.sum())
-    # Sorting the values of a partitioned head is far cheaper than an argsort of 152k; the full
-    # sort only runs when the head holds less than top_p of the probability mass.
-    for head in (min(TOP_P_HEAD, n), n):
-        np.copyto(scratch, values)
-        scratch.partition(n - head)
-        ranked = scratch[n - head:]
-        ranked.sort()
-        descending = weights[:head]  # (head,) probabilities × total, largest first
-        np.exp(np.subtract(ranked[::-1], peak, out=descending), out=descending)
-        head_mass = float(descending.sum())
-        if head == n or head_mass >= target:
-            break
-    # NOTE: the first token whose cumulative probability reaches top_p is kept.
-    keep = cumulative_search(descending, min(1.0, target / head_mass), side="left") + 1
-    return top_positions(values, keep, ws)
-
-
-def min_p_positions(values: np.ndarray, min_p: float, ws: Workspace) -> np.ndarray:
-    threshold = values.max() + np.float32(np.log(min_p))
-    return np.flatnonzero(np.greater_equal(values, threshold, out=ws.mask[:len(values)]))
-
-
-def draw(values: np.ndarray, temperature: float, rng: np.random.Generator, ws: Workspace) -> int:
-    """Position drawn from softmax(values / temperature)."""
-    weights = ws.weights[:len(values)]
-    np.subtract(values, values.max(), out=weights)
-    np.exp(np.divide(weights, np.float32(temperature), out=weights), out=weights)
-    return cumulative_search(weights, rng.random(), side="right")
-
-
-def cumulative_search(weights: np.ndarray, fraction: float, side: str) -> int:
-    """First position whose cumulative weight exceeds (side="right") or reaches ("left")
-    `fraction` of the total weight.
-
-    Sums blocks first, then runs a cumulative sum only inside the block where the mass falls: no
-    vocabulary-sized temporaries, and a zero weight is never chosen for a fraction below 1.
-    """
-    starts = np.arange(0, len(weights), SEARCH_BLOCK)  # (num_blocks,)
-    block_sums = np.add.reduceat(weights, starts)  # (num_blocks,) float32
-    block_cdf = np.cumsum(block_sums, dtype=np.float64)  # (num_blocks,)
-    mass = fraction * block_cdf[-1]
-    block = min(int(np.searchsorted(block_cdf, mass, side=side)), len(starts) - 1)
-    within = (mass - (block_cdf[block - 1] if block else 0.0)) / block_sums[block]  # in (0, 1]
-    inner_cdf = np.cumsum(weights[starts[block]:starts[block] + SEARCH_BLOCK], dtype=np.float64)
-    inner = int(np.searchsorted(inner_cdf, within * inner_cdf[-1], side=side))
-    return int(starts[block]) + min(inner, len(inner_cdf) - 1)
+def check_finite(token_id: int, logit: float) -> int:
+    if not np.isfinite(logit):
+        raise ValueError("every token is banned (logit_bias) or the logits are not finite")
+    return token_id
 
 
 def token_logprob(logits: np.ndarray, token_id: int, num_top: int, ws: Workspace) -> TokenLogprob:

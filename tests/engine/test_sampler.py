@@ -8,8 +8,16 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from sparkinfer_cli.engine.sampler import Sampler, thread_workspace, truncate
+from sparkinfer_cli.engine import truncation
+from sparkinfer_cli.engine.sampler import Sampler
 from sparkinfer_cli.engine.sampling_params import SamplingParams
+from sparkinfer_cli.engine.truncation import (
+    thread_workspace,
+    top_candidates,
+    top_p_positions,
+    top_positions,
+    truncate,
+)
 
 LOGITS_12 = np.array([2.0, 1.1, 3.2, -0.5, 0.4, 2.9, -1.7, 1.6, 0.0, -3.0, 2.4, 0.9],
                      dtype=np.float32)
@@ -113,12 +121,21 @@ def test_truncate_ties_keep_lower_token_ids():
     assert truncate(logits, 3, 1.0, 0.0, ws).tolist() == [1, 2, 3]
     assert truncate(logits, 4, 1.0, 0.0, ws).tolist() == [1, 2, 3, 4]
     assert truncate(logits, 0, 1.0, 0.0, ws) is None
+    flat = np.full(4, 2.0, dtype=np.float32)  # cumulative mass 0.25, 0.5, …: exactly reaches 0.5
+    assert truncate(flat, 0, 0.5, 0.0, thread_workspace(4)).tolist() == [0, 1]
 
 
 def test_greedy_takes_argmax_and_lowest_id_on_ties():
     logits = np.array([0.5, 2.0, -1.0, 2.0, 1.9], dtype=np.float32)
     sampler = Sampler(SamplingParams(temperature=0.0, top_k=2, top_p=0.1), len(logits))
     assert [sampler.sample(logits, [], []).token_id for _ in range(5)] == [1] * 5
+
+
+def test_greedy_tie_between_a_biased_and_a_raw_logit_goes_to_the_lower_id():
+    logits = np.array([1.0, 5.0, 2.0, 4.0], dtype=np.float32)
+    for bias, expected in [({0: 4.0}, 0), ({3: 1.0}, 1), ({2: 3.0}, 1), ({1: -0.5, 3: 0.5}, 1)]:
+        sampler = Sampler(SamplingParams(temperature=0.0, logit_bias=bias), len(logits))
+        assert sampler.sample(logits, [], []).token_id == expected, bias
 
 
 # ---- penalties and bias: hand-computed --------------------------------------------------------
@@ -244,3 +261,133 @@ def test_sampling_allocates_no_vocabulary_sized_arrays(params):
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     assert peak < 64 * 1024, f"peak {peak} bytes: a vocabulary-sized temporary was allocated"
+
+
+# ---- the fast paths against a plain float64 numpy reference, over many random rows -----------
+def reference_chain(logits, p: SamplingParams, prompt, output, u):
+    """(token, logprob of it, margin) for the sampler's chain in float64 numpy, drawing with the
+    uniform u. margin: the closest any decision came to its boundary (float32 rounding may flip
+    a decision closer than ~1e-6), so the caller compares only decisions clear of it."""
+    x = logits.astype(np.float64)  # (V,)
+    if p.repetition_penalty != 1.0:
+        window = np.unique(np.array((list(prompt) + list(output))[-64:], dtype=np.int64))
+        x[window] = np.where(x[window] > 0, x[window] / p.repetition_penalty,
+                             x[window] * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and output:
+        ids, counts = np.unique(np.array(output), return_counts=True)
+        x[ids] -= p.frequency_penalty * counts + p.presence_penalty
+    for t, b in p.logit_bias.items():
+        x[t] = -np.inf if b <= -100 else x[t] + b
+    logprob = x - (x.max() + np.log(np.exp(x - x.max()).sum()))  # (V,)
+    ranked = np.lexsort((np.arange(len(x)), -x))  # most likely first, ties → lower id
+    margins = [gap(x[ranked[0]], x[ranked[1]])]
+    if p.is_greedy:
+        return int(ranked[0]), logprob, margins[0]
+    if 0 < p.top_k < len(x):
+        margins.append(gap(x[ranked[p.top_k - 1]], x[ranked[p.top_k]]))
+        ranked = ranked[:p.top_k]
+    if p.top_p < 1.0:
+        cdf = np.cumsum(np.exp(x[ranked] - x[ranked[0]]))
+        cdf /= cdf[-1]
+        keep = int(np.searchsorted(cdf, p.top_p, side="left")) + 1
+        margins.append(np.abs(cdf[max(keep - 2, 0):keep] - p.top_p).min())
+        ranked = ranked[:keep]
+    if p.min_p > 0.0:
+        cut = x[ranked[0]] + math.log(p.min_p)
+        margins.append(np.abs(x[ranked] - cut).min())
+        ranked = ranked[x[ranked] >= cut]
+    kept = np.sort(ranked)
+    cdf = np.cumsum(np.exp((x[kept] - x[kept].max()) / p.temperature))
+    cdf /= cdf[-1]
+    margins.append(np.abs(cdf - u).min())
+    return int(kept[np.searchsorted(cdf, u, side="right")]), logprob, min(margins)
+
+
+def gap(a: float, b: float) -> float:
+    """How far two ranked logits are from swapping order (exact ties keep their id order)."""
+    return math.inf if a == b else abs(a - b) / max(1.0, abs(a))
+
+
+def random_case(rng: np.random.Generator):
+    n_vocab = int(rng.choice([2, 12, 300, 2000, 20000]))
+    logits = rng.standard_normal(n_vocab) * rng.choice([0.3, 2.0, 6.0])  # (V,)
+    if rng.random() < 0.6:  # a model's few likely tokens
+        logits[rng.choice(n_vocab, min(n_vocab, 8), replace=False)] += rng.choice([4.0, 12.0])
+    if rng.random() < 0.2:
+        logits = np.round(logits)  # many exact ties
+    bias = {int(t): float(rng.choice([-100.0, -3.0, 2.5])) for t in rng.choice(n_vocab, 2)}
+    bias[int(np.argmax(logits))] = float(rng.choice([-100.0, -1.0, 0.0]))
+    if all(bias.get(t, 0.0) <= -100 for t in range(n_vocab)):
+        bias.clear()  # an all-banned vocabulary is an error, tested above
+    params = SamplingParams(
+        temperature=float(rng.choice([0.0, 0.0, 0.4, 1.0, 1.5])),
+        top_k=int(rng.choice([0, 0, 1, 7, 500])), top_p=float(rng.choice([1.0, 0.3, 0.8, 0.97])),
+        min_p=float(rng.choice([0.0, 0.0, 0.02, 0.3])),
+        repetition_penalty=float(rng.choice([1.0, 1.0, 1.3])),
+        presence_penalty=float(rng.choice([0.0, 0.6])),
+        frequency_penalty=float(rng.choice([0.0, -0.4])),
+        logit_bias=bias if rng.random() < 0.4 else {}, seed=int(rng.integers(1 << 31)),
+        logprobs=bool(rng.random() < 0.3), top_logprobs=int(rng.choice([0, 5])))
+    return logits.astype(np.float32), params
+
+
+def test_fast_paths_match_the_float64_reference_over_random_rows_and_params():
+    rng = np.random.default_rng(2026)
+    compared = ambiguous = 0
+    for _ in range(400):
+        logits, params = random_case(rng)
+        sampler, uniforms = Sampler(params, len(logits)), np.random.default_rng(params.seed)
+        for _ in range(3):
+            prompt = rng.integers(0, len(logits), 10).tolist()
+            output = [int(np.argmax(logits))] + rng.integers(0, len(logits), 4).tolist()
+            u = 0.0 if params.is_greedy else uniforms.random()  # the sampler's own draw
+            token, logprob, margin = reference_chain(logits, params, prompt, output, u)
+            result = sampler.sample(logits, prompt, output)
+            if margin < 1e-5:
+                ambiguous += 1
+                continue
+            compared += 1
+            assert result.token_id == token, (params, margin)
+            if params.logprobs:
+                assert result.logprob.logprob == pytest.approx(logprob[token], abs=1e-4)
+                assert [lp for _, lp in result.logprob.top] == pytest.approx(
+                    np.sort(logprob)[::-1][:params.top_logprobs], abs=1e-4)
+    assert compared >= 0.97 * (compared + ambiguous)
+
+
+@pytest.mark.parametrize("n_vocab", [248320, 9000])
+def test_top_candidates_keep_exactly_the_values_above_their_threshold(n_vocab):
+    rng = np.random.default_rng(3)
+    values = rng.standard_normal(n_vocab).astype(np.float32)  # (V,)
+    values[::n_vocab // truncation.SAMPLE_SIZE] += 20  # sample sees only peaks: a bad first guess
+    ws = thread_workspace(n_vocab)
+    for count in [1, 40, 256, 5000, n_vocab - 1, n_vocab]:
+        candidates, threshold = top_candidates(values, count, ws)
+        assert candidates.tolist() == np.flatnonzero(values >= threshold).tolist()
+        assert len(candidates) >= count
+        expected = np.lexsort((np.arange(n_vocab), -values))[:min(count, n_vocab)]
+        assert top_positions(values, count, ws).tolist() == np.sort(expected).tolist()
+
+
+def reference_top_p(values: np.ndarray, top_p: float) -> list[int]:
+    ranked = np.lexsort((np.arange(len(values)), -values.astype(np.float64)))
+    cdf = np.cumsum(np.exp(values[ranked].astype(np.float64) - values.max()))
+    return sorted(ranked[:int(np.searchsorted(cdf / cdf[-1], top_p)) + 1].tolist())
+
+
+@pytest.mark.parametrize("peak, top_p, needs_normaliser", [
+    (30.0, 0.9, False),  # the tail bound settles the cut: no exp over the vocabulary
+    (9.0, 0.9, True),  # 248k tail tokens hold real mass: the exact normaliser is needed
+    (0.0, 0.5, True),  # flat: the cut lies beyond every candidate head
+])
+def test_top_p_uses_the_tail_bound_only_when_it_settles_the_cut(monkeypatch, peak, top_p,
+                                                                 needs_normaliser):
+    rng = np.random.default_rng(11)
+    values = rng.standard_normal(248320).astype(np.float32)  # (V,)
+    values[rng.choice(len(values), 30, replace=False)] += peak + rng.random(30).astype(np.float32)
+    calls = []
+    exp_sum = truncation.exp_sum
+    monkeypatch.setattr(truncation, "exp_sum", lambda *a: calls.append(1) or exp_sum(*a))
+    kept = top_p_positions(values, top_p, thread_workspace(len(values)))
+    assert kept.tolist() == reference_top_p(values, top_p)
+    assert bool(calls) == needs_normaliser
