@@ -19,7 +19,7 @@ from sparkinfer_cli.gguf_file import GGUFFile
 from sparkinfer_cli.model.batch import SequenceBatch
 from sparkinfer_cli.model.cache import ModelCache
 from sparkinfer_cli.model.config import ModelConfig
-from sparkinfer_cli.model.layers import Embedding, Forward, Linear, RMSNorm
+from sparkinfer_cli.model.layers import Attention, Embedding, Forward, Linear, RMSNorm, SwiGLU
 from sparkinfer_cli.model.weights import Weights
 
 Mixer = Callable[[np.ndarray, Forward], np.ndarray]
@@ -59,9 +59,12 @@ class CausalLM:
         return RMSNorm(w.get(name, (self.config.n_embd,)), self.config.rms_eps)
 
     def use_int8_decode(self) -> None:
-        """Switch every 2-D linear to int8-activation decode (see Linear.use_int8_decode)."""
+        """Switch every 2-D linear to int8-activation decode (see Linear.use_int8_decode), and
+        fuse the decode calls of linears that share an input (q/k/v, gate/up)."""
         for linear in _find(self, Linear):
             linear.use_int8_decode()
+        for block in _find(self, (Attention, SwiGLU)):
+            block.fuse_int8_decode()
 
     def create_cache(self, num_blocks: int, block_size: int, num_state_slots: int) -> ModelCache:
         return ModelCache(self.config, num_blocks, block_size, num_state_slots)

@@ -11,8 +11,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from sparkinfer_cli.kernels.cpu import ops
+from sparkinfer_cli.kernels.cpu.llvm_jit import has_avx2
+from sparkinfer_cli.kernels.cpu.packed_matvec import PackedMatvec
 from sparkinfer_cli.kernels.cpu.quant import embedding_rows, matmul
-from sparkinfer_cli.kernels.cpu.quant_repack import REPACK_TYPES, matmul_repacked, repack
+from sparkinfer_cli.kernels.cpu.quant_packed import PACKED_TYPES, PackedWeight, pack
 from sparkinfer_cli.model.batch import SequenceSpan
 from sparkinfer_cli.model.cache import ModelCache
 from sparkinfer_cli.model.config import ModelConfig
@@ -25,14 +27,17 @@ class Linear:
     def __init__(self, weight: QTensor, bias: QTensor | None = None):
         self.weight = weight
         self.bias = bias.as_f32() if bias is not None else None
-        self.int8_weight = None  # lossless int8 repack for the int8-activation decode kernel
+        self.packed: PackedWeight | None = None  # compact copy for the int8 decode kernel
+        self.decode: PackedMatvec | None = None
 
     def use_int8_decode(self) -> None:
         """Single-token calls quantize x to int8 blocks (llama.cpp's numerics) and run the
-        repacked int8 kernel, ~2.4x faster than the float dequant·dot; prefill stays float."""
+        packed-weight AVX2 kernel, several times faster than the float dequant·dot; prefill
+        stays float."""
         w = self.weight
-        if w.ggml_type in REPACK_TYPES and w.raw.ndim == 2:
-            self.int8_weight = repack(w.raw, w.ggml_type, w.ne0)
+        if w.ggml_type in PACKED_TYPES and w.raw.ndim == 2 and has_avx2():
+            self.packed = pack(w.raw, w.ggml_type, w.ne0)
+            self.decode = PackedMatvec([self.packed], [self.bias])
 
     @property
     def out_features(self) -> int:
@@ -40,11 +45,17 @@ class Linear:
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         w, x = self.weight, np.ascontiguousarray(x, dtype=np.float32)
-        if self.int8_weight is not None and len(x) == 1:
-            y = matmul_repacked(self.int8_weight, x)
-        else:
-            y = matmul(w.raw, w.ggml_type, w.ne0, x)
+        if self.decode is not None and len(x) == 1:
+            return self.decode(x)
+        y = matmul(w.raw, w.ggml_type, w.ne0, x)
         return y + self.bias if self.bias is not None else y
+
+
+def fuse_decode(linears: list[Linear]) -> PackedMatvec | None:
+    """One decode call for linears that read the same x (all switched to int8 decode)."""
+    if any(lin.packed is None for lin in linears):
+        return None
+    return PackedMatvec([lin.packed for lin in linears], [lin.bias for lin in linears])
 
 
 class Embedding:
@@ -92,6 +103,10 @@ class Attention:
         self.attn_k_norm = RMSNorm(w.get(p + "attn_k_norm.weight", (hd,)), cfg.rms_eps) \
             if qk_norm else None
         self.layer, self.cfg = layer, cfg
+        self.qkv_decode: PackedMatvec | None = None
+
+    def fuse_int8_decode(self) -> None:
+        self.qkv_decode = fuse_decode([self.attn_q, self.attn_k, self.attn_v])
 
     def build_query(self, w: Weights, cfg: ModelConfig, prefix: str,
                     bias: QTensor | None) -> Linear:
@@ -101,9 +116,13 @@ class Attention:
     def project_qkv(self, x: np.ndarray, fwd: Forward) -> tuple[np.ndarray, ...]:
         """Normalised, rotated q (N, H, D) and k, v (N, H_kv, D)."""
         cfg, N = self.cfg, len(x)
-        q = self.attn_q(x).reshape(N, cfg.n_head, cfg.head_dim)
-        k = self.attn_k(x).reshape(N, cfg.n_head_kv, cfg.head_dim)
-        v = self.attn_v(x).reshape(N, cfg.n_head_kv, cfg.head_dim)
+        if N == 1 and self.qkv_decode is not None:
+            q, k, v = self.qkv_decode.split(self.qkv_decode(x))
+        else:
+            q, k, v = self.attn_q(x), self.attn_k(x), self.attn_v(x)
+        q = q.reshape(N, cfg.n_head, cfg.head_dim)
+        k = k.reshape(N, cfg.n_head_kv, cfg.head_dim)
+        v = v.reshape(N, cfg.n_head_kv, cfg.head_dim)
         if self.attn_q_norm is not None:
             q, k = self.attn_q_norm(q), self.attn_k_norm(k)
         q = ops.rope(q, fwd.positions, cfg.n_rot, cfg.rope_base, cfg.rope_style)
@@ -131,6 +150,14 @@ class SwiGLU:
         self.ffn_gate = Linear(w.get(f"{prefix}gate{suffix}.weight", (n_embd, n_ff)))
         self.ffn_up = Linear(w.get(f"{prefix}up{suffix}.weight", (n_embd, n_ff)))
         self.ffn_down = Linear(w.get(f"{prefix}down{suffix}.weight", (n_ff, n_embd)))
+        self.gate_up_decode: PackedMatvec | None = None
+
+    def fuse_int8_decode(self) -> None:
+        self.gate_up_decode = fuse_decode([self.ffn_gate, self.ffn_up])
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        return self.ffn_down(ops.swiglu(self.ffn_gate(x), self.ffn_up(x)))
+        if len(x) == 1 and self.gate_up_decode is not None:
+            gate, up = self.gate_up_decode.split(self.gate_up_decode(x))
+        else:
+            gate, up = self.ffn_gate(x), self.ffn_up(x)
+        return self.ffn_down(ops.swiglu(gate, up))

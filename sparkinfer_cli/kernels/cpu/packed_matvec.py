@@ -1,0 +1,69 @@
+"""One decode step (T = 1) of several packed weights that read the same input, as one call.
+
+q/k/v and gate/up share their input: x is quantized once, and one thread-pool dispatch splits
+the rows of all of them between the threads. Everything a call needs but x (kernels, weight
+pointers, the concatenated bias) is prepared at load, so a call costs a few microseconds of
+Python besides the kernels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from sparkinfer_cli.kernels.cpu.quant import _parallel_rows
+from sparkinfer_cli.kernels.cpu.quant_packed import PackedWeight, row_kernel
+from sparkinfer_cli.kernels.cpu.quant_q8 import Q8_BLOCK, _quantize_rows
+
+
+class PackedMatvec:
+    """y = concat_i(W_i · x + b_i) for PackedWeights W_i of one ne0; x (1, ne0) → y (1, Σ rows)."""
+
+    def __init__(self, weights: Sequence[PackedWeight], biases: Sequence[np.ndarray | None]):
+        ne0 = {w.ne0 for w in weights}
+        if len(ne0) != 1 or len(biases) != len(weights):
+            raise ValueError(f"fused weights need one ne0 and a bias slot each, got ne0 {ne0}")
+        self.ne0 = ne0.pop()
+        self.weights = list(weights)  # keeps the blocks alive: the kernels get raw pointers
+        self.row_starts = np.cumsum([0] + [w.rows for w in weights]).tolist()
+        # per weight: kernel, weight pointer, row bytes, blocks per row
+        self._members = [(row_kernel(w.layout), w.blocks.ctypes.data, w.blocks.shape[1],
+                          self.ne0 // Q8_BLOCK) for w in weights]
+        has_bias = any(b is not None for b in biases)
+        self.bias = np.concatenate([np.zeros(w.rows, np.float32) if b is None else
+                                    np.asarray(b, np.float32).reshape(w.rows)
+                                    for w, b in zip(weights, biases)]) if has_bias else None
+
+    @property
+    def rows(self) -> int:
+        return self.row_starts[-1]
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        x = np.ascontiguousarray(x, dtype=np.float32).reshape(1, -1)
+        if x.shape[1] != self.ne0:
+            raise ValueError(f"x must be (1, {self.ne0}), got {x.shape}")
+        xq = np.empty((1, self.ne0), np.int8)  # (1, ne0)
+        xds = np.empty((2, 1, self.ne0 // Q8_BLOCK), np.float32)  # (xd | xs, 1, n_blocks)
+        _quantize_rows(x, xq, xds[0], xds[1])
+        y = np.empty(self.rows, np.float32)  # (Σ rows,)
+        args = (xq.ctypes.data, xds.ctypes.data, xds.ctypes.data + 4 * (self.ne0 // Q8_BLOCK))
+        out = y.ctypes.data
+        starts, members = self.row_starts, self._members
+
+        def rows(r0: int, r1: int) -> None:  # rows r0..r1 of the concatenation
+            for i, (kernel, w, row_bytes, n_blocks) in enumerate(members):
+                a, b = max(r0, starts[i]), min(r1, starts[i + 1])
+                if a < b:
+                    o = starts[i]
+                    kernel(w, row_bytes, *args, n_blocks, a - o, b - o, out + 4 * o)
+
+        _parallel_rows(rows, self.rows, self.ne0)
+        if self.bias is not None:
+            y += self.bias
+        return y.reshape(1, -1)
+
+    def split(self, y: np.ndarray) -> list[np.ndarray]:
+        """y (1, Σ rows) → each weight's (1, rows_i) view."""
+        s = self.row_starts
+        return [y[:, s[i]:s[i + 1]] for i in range(len(self.weights))]

@@ -1,0 +1,130 @@
+"""Packed decode weights and their AVX2 matvec: the packed blocks decoded by this file's own numpy
+reading of the documented layout equal gguf.quants.dequantize bit for bit, and the kernel (alone
+and fused over several weights, on one or two threads) matches a float64 oracle built from
+gguf.quants.dequantize(W) and x quantized by this file's own numpy code."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+from quant_samples import N_ROWS, NE0, random_weight
+
+from sparkinfer_cli.ggml_types import GGMLType
+from sparkinfer_cli.kernels.cpu import quant
+from sparkinfer_cli.kernels.cpu.llvm_jit import has_avx2
+from sparkinfer_cli.kernels.cpu.packed_matvec import PackedMatvec
+from sparkinfer_cli.kernels.cpu.quant_packed import (
+    HIGH_1BIT,
+    HIGH_2BIT,
+    PACKED_TYPES,
+    BlockLayout,
+    pack,
+)
+
+TYPES = sorted(GGMLType(t) for t in PACKED_TYPES)
+needs_avx2 = pytest.mark.skipif(not has_avx2(), reason="the packed kernel is AVX2 code")
+
+
+def dequantize_packed(blocks: np.ndarray, layout: BlockLayout) -> np.ndarray:
+    """float32 (rows, ne0) from packed blocks, following the layout in quant_packed's docstring."""
+    rows = blocks.shape[0]
+    b = blocks.reshape(-1, layout.size)  # (n_blocks, size)
+    sdt = np.float16 if layout.scale == "half" else np.float32
+    sb = np.dtype(sdt).itemsize
+    d = b[:, :layout.n_scales * sb].copy().view(sdt).astype(np.float32)  # (n_blocks, n_scales)
+    qs = b[:, layout.qs_offset:]
+    if layout.is_q8:
+        q = qs.view(np.int8).astype(np.float32)
+    else:
+        q = np.concatenate([qs & 15, qs >> 4], axis=1).astype(np.int32)  # (n_blocks, 32)
+        high = b[:, layout.high_offset:layout.qs_offset]
+        if layout.high == HIGH_1BIT:
+            bits = high.copy().view("<u4") >> np.arange(32, dtype=np.uint32)
+            q |= ((bits & 1) << 4).astype(np.int32)
+        elif layout.high == HIGH_2BIT:
+            fields = (high[:, None, :] >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3
+            q |= fields.reshape(-1, 32).astype(np.int32) << 4  # element j + 8g from byte j
+        q = (q - layout.bias).astype(np.float32)
+    w = q.reshape(-1, layout.n_scales, 32 // layout.n_scales) * d[:, :, None]
+    if layout.has_m:
+        m = b[:, layout.m_offset:layout.m_offset + sb].copy().view(sdt).astype(np.float32)
+        w = w + m[:, :, None]
+    return w.reshape(rows, -1)
+
+
+def q8_reference(x: np.ndarray) -> np.ndarray:
+    """x float32 (T, ne0) → float64 dequantized int8 activations, d = max|x|/127 per 32."""
+    blocks = x.reshape(x.shape[0], -1, 32)  # (T, n_blocks, 32)
+    d = np.abs(blocks).max(axis=2, keepdims=True) / np.float32(127)  # float32, as the kernel
+    q = np.rint(blocks / np.where(d > 0, d, 1))
+    return (q.astype(np.float64) * d).reshape(x.shape)
+
+
+def oracle(raws: list[tuple[np.ndarray, GGMLType]], x: np.ndarray) -> tuple[np.ndarray, ...]:
+    """(want, scale): float64 concat_i(dequantize(W_i) @ q8(x)) and Σ|w·x| per output row."""
+    w64 = np.concatenate([gguf.quants.dequantize(r, gguf.GGMLQuantizationType(t))
+                          for r, t in raws]).astype(np.float64)  # (Σ rows, ne0)
+    xq = q8_reference(x)
+    return xq @ w64.T, np.abs(xq) @ np.abs(w64).T
+
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_pack_is_lossless(t: GGMLType, rng: np.random.Generator) -> None:
+    raw = random_weight(t, rng)
+    w = pack(raw, t, NE0)
+    want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(t))
+    got = dequantize_packed(w.blocks, w.layout)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert w.nbytes <= raw.nbytes * 4 // 3  # compact: at most a third above ggml's own bytes
+
+
+@needs_avx2
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_matvec_matches_float64_oracle(t: GGMLType, rng: np.random.Generator) -> None:
+    raw = random_weight(t, rng)
+    matvec = PackedMatvec([pack(raw, t, NE0)], [None])
+    for x in (rng.standard_normal((1, NE0)).astype(np.float32),
+              np.where(np.arange(NE0) < 64, 0, rng.standard_normal(NE0)).astype(np.float32)):
+        got = matvec(x)  # second x: two all-zero activation blocks (d = 0)
+        want, scale = oracle([(raw, t)], x.reshape(1, NE0))
+        assert got.shape == (1, N_ROWS) and got.dtype == np.float32
+        assert np.all(np.abs(got - want) <= 1e-5 * scale), np.max(np.abs(got - want) / scale)
+
+
+@needs_avx2
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fused_matvec_of_mixed_types_with_bias(threads: int, rng: np.random.Generator,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """q/k/v-like fusion: three weights of different types, two with biases, split over threads
+    at row boundaries that fall inside a weight."""
+    monkeypatch.setattr(quant, "_MIN_WEIGHTS_PER_THREAD", 1 if threads == 2 else 1 << 40)
+    monkeypatch.setattr(quant, "_num_threads", lambda: threads)
+    types = [GGMLType.Q5_0, GGMLType.Q8_0, GGMLType.Q6_K]
+    raws = [(random_weight(t, rng), t) for t in types]
+    biases = [rng.standard_normal(N_ROWS).astype(np.float32), None,
+              rng.standard_normal(N_ROWS).astype(np.float32)]
+    matvec = PackedMatvec([pack(r, t, NE0) for r, t in raws], biases)
+    x = rng.standard_normal((1, NE0)).astype(np.float32)
+    got = matvec(x)
+    want, scale = oracle(raws, x)
+    want += np.concatenate([b if b is not None else np.zeros(N_ROWS) for b in biases])
+    assert got.shape == (1, 3 * N_ROWS)
+    assert np.all(np.abs(got - want) <= 1e-5 * scale + 1e-6), np.max(np.abs(got - want) / scale)
+    parts = matvec.split(got)
+    assert [p.shape for p in parts] == [(1, N_ROWS)] * 3
+    np.testing.assert_array_equal(parts[2], got[:, 2 * N_ROWS:])
+
+
+def test_rejects_bad_input(rng: np.random.Generator) -> None:
+    raw = random_weight(GGMLType.Q8_0, rng)
+    with pytest.raises(ValueError, match="ggml types"):
+        pack(raw, int(GGMLType.IQ4_NL), NE0)
+    with pytest.raises(ValueError, match="raw must be"):
+        pack(raw[:, :-1], GGMLType.Q8_0, NE0)
+    w = pack(raw, GGMLType.Q8_0, NE0)
+    with pytest.raises(ValueError, match="one ne0"):
+        PackedMatvec([w, pack(raw.reshape(-1, 34 * 12), GGMLType.Q8_0, 384)], [None, None])
+    if has_avx2():
+        with pytest.raises(ValueError, match="x must be"):
+            PackedMatvec([w], [None])(np.zeros((1, NE0 - 32), np.float32))
