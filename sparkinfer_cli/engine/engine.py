@@ -9,7 +9,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -27,6 +27,7 @@ from sparkinfer_cli.engine.request import OutputStream, Request, RequestEvent
 from sparkinfer_cli.engine.sampler import Sampler
 from sparkinfer_cli.engine.sampling_params import SamplingParams
 from sparkinfer_cli.engine.scheduler import Scheduler, SchedulerOutput
+from sparkinfer_cli.engine.step_timings import StepTimings
 from sparkinfer_cli.engine.stop import StopStringMatcher
 from sparkinfer_cli.tokenizer.detokenizer import IncrementalDetokenizer
 
@@ -48,6 +49,7 @@ class EngineStats:
     total_kv_blocks: int
     max_queue_depth: int
     accepting_requests: bool
+    step_timings: StepTimings = field(default_factory=StepTimings)  # cumulative, per step kind
 
 
 class ContinuousBatchEngine:
@@ -61,8 +63,10 @@ class ContinuousBatchEngine:
         num_kv_slots = num_slots if model.config.is_hybrid else 0
         self.kv = KVCacheManager(config.num_blocks, config.block_size, num_kv_slots,
                                  config.prefix_token_ids)
-        self.scheduler = Scheduler(config, self.kv, create_policy(config))
+        self.scheduler = Scheduler(config, self.kv, create_policy(config),
+                                   getattr(model, "max_pass_tokens", 0))
         self.runner = ModelRunner(model, cache)
+        self.timings = StepTimings()
         self._lock = threading.Condition()
         self._inbox: list[Request] = []
         self._aborts: list[str] = []
@@ -80,14 +84,15 @@ class ContinuousBatchEngine:
 
     # ---- caller side (any thread) ----------------------------------------------------------------
     def start(self) -> None:
-        """Starts the engine thread; returns once the shared prefix is warm."""
+        """Starts the engine thread; returns once the decode graphs are captured (models that
+        have them) and the shared prefix is warm."""
         if self._thread is not None:
             raise RuntimeError("engine already started")
         self._thread = threading.Thread(target=self._loop, name="sparkinfer-engine", daemon=True)
         self._thread.start()
         self._warmed.wait()
         if self._warm_error is not None:
-            raise RuntimeError(f"warming the shared prefix failed: {self._warm_error}")
+            raise RuntimeError(f"engine warm-up failed: {self._warm_error}")
 
     def submit(self, prompt_ids: list[int], params: SamplingParams,
                on_event: Callable[[RequestEvent], None], *, priority: int = 0,
@@ -127,7 +132,7 @@ class ContinuousBatchEngine:
                            free_kv_blocks=self.kv.num_free_blocks,
                            total_kv_blocks=self.config.num_blocks,
                            max_queue_depth=self.config.max_queue_depth,
-                           accepting_requests=accepting)
+                           accepting_requests=accepting, step_timings=self.timings.copy())
 
     def shutdown(self, wait: bool = True) -> None:
         """Stops accepting requests; the thread finishes those in flight, then exits."""
@@ -167,19 +172,19 @@ class ContinuousBatchEngine:
         return request
 
     # ---- engine thread ---------------------------------------------------------------------------
-    def step(self) -> bool:
-        """One iteration: schedule, run the model, sample, update, report. False: nothing to run."""
+    def step(self) -> SchedulerOutput:
+        """One iteration: schedule, run the model, sample, update, report. Returns what ran."""
         output = self.scheduler.schedule()
         try:
             logits = self.runner.run(output)
         except Exception as exc:  # a failed forward pass ends the requests it carried
             log.exception("model forward failed")
             self._fail_step(output, exc)
-            return True
+            return output
         self.scheduler.update_from_output(output)
         for request_id, row in logits.items():
             self._append_sample(self.scheduler.requests[request_id], row)
-        return not output.is_empty
+        return output
 
     def _append_sample(self, request: Request, logits: np.ndarray) -> None:
         try:
@@ -217,41 +222,56 @@ class ContinuousBatchEngine:
 
     def _loop(self) -> None:
         try:
-            self._warm_prefix()
+            self._prepare_model()
         except Exception as exc:
-            log.exception("warming the shared prefix failed")
+            log.exception("engine warm-up failed")
             self._warm_error = exc
             return
         finally:
             self._warmed.set()
         while True:
             try:
-                if not self._take_commands():
+                commands = self._wait_for_commands()
+                if commands is None:
                     return
-                if self.scheduler.has_unfinished and not self.step():
-                    with self._lock:  # NOTE: nothing can run until a request ends or is aborted
-                        self._lock.wait(IDLE_POLL_S)
+                started = time.perf_counter()  # NOTE: busy time only; idle waits are excluded
+                self._apply_commands(*commands)
+                if self.scheduler.has_unfinished:
+                    self._timed_step(started)
             except Exception as exc:  # an engine bug: end what is in flight, keep serving
                 log.exception("engine step failed")
                 for request in list(self.scheduler.requests.values()):
                     self._finish(request, "error", f"engine failure: {exc}")
 
-    def _take_commands(self) -> bool:
-        """Moves submissions and aborts into the scheduler; sleeps while idle. False: exit."""
+    def _timed_step(self, started: float) -> None:
+        self.runner.last_forward_s = 0.0
+        output = self.step()
+        if output.is_empty:
+            with self._lock:  # NOTE: nothing can run until a request ends or is aborted
+                self._lock.wait(IDLE_POLL_S)
+        elif output.sequences:
+            self.timings.add("decode" if output.is_decode_only else "mixed",
+                             time.perf_counter() - started, self.runner.last_forward_s)
+
+    def _wait_for_commands(self) -> tuple[list[Request], list[str]] | None:
+        """Sleeps while idle, then takes the submissions and aborts. None: time to exit."""
         with self._lock:
             while not (self._inbox or self._aborts or self.scheduler.has_unfinished):
                 if self._stopping:
-                    return False
+                    return None
                 self._lock.wait()
             inbox, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, []
+        return inbox, aborts
+
+    def _apply_commands(self, inbox: list[Request], aborts: list[str]) -> None:
         for request in inbox:
             self.scheduler.add(request)
         for request_id in aborts:
             if request_id in self.scheduler.requests:
                 self._finish(self.scheduler.requests[request_id], "abort")
-        self._expire_deadlines()
-        return True
+        if self.config.request_timeout_s:
+            self._expire_deadlines()
 
     def _expire_deadlines(self) -> None:
         now = time.monotonic()
@@ -259,13 +279,21 @@ class ContinuousBatchEngine:
             if request.deadline is not None and now >= request.deadline:
                 self._finish(request, "timeout", "the request exceeded its time limit")
 
+    def _prepare_model(self) -> None:
+        """Captures every decode graph now, not mid-run, then warms the shared prefix."""
+        if hasattr(self.model, "capture_decode_graphs"):
+            self.model.capture_decode_graphs(self.runner.cache, self.config.max_num_seqs)
+        self._warm_prefix()
+
     def _warm_prefix(self) -> None:
         prefix = self.kv.prefix
         if prefix is None:
             return
         self.runner.apply_cache_ops(CacheOps(state_resets=[prefix.state_slot]
                                              if self.kv.is_hybrid else []))
-        chunk = 0 if self.config.prefill_batched else self.config.prefill_chunk_tokens
+        limits = (0 if self.config.prefill_batched else self.config.prefill_chunk_tokens,
+                  self.scheduler.max_step_tokens)
+        chunk = min((n for n in limits if n), default=0)
         self.runner.prefill(self.kv.prefix_token_ids, prefix.block_ids, prefix.state_slot, chunk)
 
 

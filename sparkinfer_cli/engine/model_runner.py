@@ -6,6 +6,7 @@ SequenceBatch and runs the model.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
@@ -41,6 +42,7 @@ class ModelRunner:
     def __init__(self, model: Model, cache: ModelCache):
         self.model, self.cache = model, cache
         self.is_hybrid = model.config.is_hybrid
+        self.last_forward_s = 0.0  # wall time of the latest run()'s model.forward
 
     def run(self, output: SchedulerOutput) -> dict[str, np.ndarray]:
         """request id → (n_vocab,) logits, for each sequence whose piece ends its known tokens."""
@@ -48,7 +50,9 @@ class ModelRunner:
         if not output.sequences:
             return {}
         batch = self.prepare_batch(output.sequences)
+        started = time.perf_counter()
         logits = self.model.forward(batch, self.cache)  # (num_seqs, n_vocab)
+        self.last_forward_s = time.perf_counter() - started
         return {seq.request_id: logits[i] for i, seq in enumerate(output.sequences)
                 if seq.needs_logits}
 

@@ -1,9 +1,13 @@
 """Scheduling policies: which waiting request goes next, and how big a prefill piece may be.
 
 All three share one schedule(); they differ only here (STYLE rule 3):
-- continuous: FIFO; prefills run whole (batched) and join the decodes if small enough.
+- continuous: FIFO; prefills run whole and join the decodes if small enough.
 - chunked:    FIFO; prefills always advance in pieces of prefill_chunk_tokens beside the decodes.
-- priority:   highest priority first (FIFO among equals); a prefill runs alone (decodes pause).
+- priority:   highest priority first (FIFO among equals); prefills run alone (decodes pause).
+
+With prefill_batched (the default), one step may carry several prefill pieces, in queue order,
+up to prefill_budget() prompt tokens; without it, one piece per step, and continuous and priority
+prefills advance in chunks too.
 """
 
 from __future__ import annotations
@@ -22,17 +26,24 @@ class BasePolicy:
 
     def __init__(self, config: EngineConfig):
         self.chunk_tokens = config.prefill_chunk_tokens
-        self.is_batched = config.prefill_batched
+        self.mix_max = config.prefill_mix_max
+        self.may_batch_prefills = config.prefill_batched
+        self.is_chunking = not config.prefill_batched
 
     def sort_key(self, request: Request) -> tuple[int, ...]:
         return (request.arrival_seq,)
 
     def prefill_piece(self, num_remaining: int) -> int:
-        """Prompt tokens to compute this step: all of them as one batched pass, or one chunk."""
-        return num_remaining if self.is_batched else self._chunk(num_remaining)
+        """Prompt tokens of one request to compute this step: all of them, or one chunk."""
+        if self.is_chunking and self.chunk_tokens:
+            return min(num_remaining, self.chunk_tokens)
+        return num_remaining
 
-    def _chunk(self, num_remaining: int) -> int:
-        return min(num_remaining, self.chunk_tokens) if self.chunk_tokens else num_remaining
+    def prefill_budget(self) -> int:
+        """Most prompt tokens the step's prefill pieces add up to (0 = no limit); the step's first
+        piece may exceed it and then runs as the only prefill."""
+        limits = (self.mix_max, self.chunk_tokens if self.is_chunking else 0)
+        return min((n for n in limits if n), default=0)
 
 
 class ContinuousPolicy(BasePolicy):
@@ -40,8 +51,9 @@ class ContinuousPolicy(BasePolicy):
 
 
 class ChunkedPolicy(BasePolicy):
-    def prefill_piece(self, num_remaining: int) -> int:
-        return self._chunk(num_remaining)
+    def __init__(self, config: EngineConfig):
+        super().__init__(config)
+        self.is_chunking = True
 
 
 class PriorityPolicy(BasePolicy):

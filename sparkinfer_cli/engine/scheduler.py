@@ -1,7 +1,8 @@
-"""Scheduler: picks each step's work (decodes first, then at most one prefill piece) over ints."""
+"""Scheduler: picks each step's work over ints, decodes first, then prefills in queue order."""
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -31,13 +32,21 @@ class SchedulerOutput:
         return sum(len(s.token_ids) for s in self.sequences)
 
     @property
+    def is_decode_only(self) -> bool:
+        """Every sequence computes one token: the pass a CUDA decode graph replays."""
+        return all(len(s.token_ids) == 1 for s in self.sequences)
+
+    @property
     def is_empty(self) -> bool:
         return not self.sequences and self.cache_ops.is_empty
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager, policy: BasePolicy):
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, policy: BasePolicy,
+                 max_step_tokens: int = 0):
+        """max_step_tokens: the most tokens the model takes in one forward pass (0 = no limit)."""
         self.config, self.kv, self.policy = config, kv, policy
+        self.max_step_tokens = max_step_tokens
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -56,13 +65,14 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         # Progress model: a request chases num_computed_tokens toward num_tokens. A decode has one
         # token to go, a prefill more. Decodes are packed first (least recently run first) up to
-        # max_batch_tokens; then at most one prefill piece joins, sized and ordered by the policy.
+        # max_batch_tokens; then prefill pieces join in queue order (running partial prefills,
+        # then admissions in policy order) while they fit the policy's prefill budget.
         output = SchedulerOutput()
         decodes = self._pick_decodes()
-        prefill = self._pick_prefill(len(decodes), output.cache_ops)
-        if prefill and self.policy.is_exclusive_prefill:
+        prefills = self._pick_prefills(len(decodes), output.cache_ops)
+        if prefills and self.policy.is_exclusive_prefill:
             decodes = []
-        pieces = [(request, 1) for request in decodes] + ([prefill] if prefill else [])
+        pieces = [(request, 1) for request in decodes] + prefills
         output.sequences = [self._scheduled(request, n) for request, n in pieces]
         return output
 
@@ -91,26 +101,41 @@ class Scheduler:
         decodes.sort(key=lambda r: (r.last_scheduled, r.arrival_seq))
         return decodes[:self.config.max_batch_tokens]
 
-    def _pick_prefill(self, num_decodes: int, ops: CacheOps) -> tuple[Request, int] | None:
-        """The step's one prefill piece: the running partial prefill, else the next admission."""
+    def _pick_prefills(self, num_decodes: int, ops: CacheOps) -> list[tuple[Request, int]]:
+        """(request, prompt tokens) of the step's prefill pieces; admits the new ones."""
         exclusive = self.policy.is_exclusive_prefill
         if num_decodes >= self.config.max_batch_tokens and not exclusive:
-            return None
-        request = next((r for r in self.running if r.is_prefilling), None) or self._next_waiting()
-        if request is None:
-            return None
-        num_computed = request.num_computed_tokens if request.kv else \
-            self.kv.num_prefix_hit_tokens(request.prompt_ids)
-        piece = self.policy.prefill_piece(request.num_tokens - num_computed)
-        mix_max = self.config.prefill_mix_max
-        if num_decodes and not exclusive and mix_max and piece > mix_max:
-            return None  # NOTE: a long prefill waits for the decodes to drain (ITL spike otherwise)
-        if request.kv is None and not self._admit(request, ops):
-            return None
-        return request, piece
+            return []
+        budget = self.policy.prefill_budget() or self.max_step_tokens or sys.maxsize
+        room = (self.max_step_tokens - (0 if exclusive else num_decodes)
+                if self.max_step_tokens else sys.maxsize)  # tokens the forward pass still takes
+        pieces: list[tuple[Request, int]] = []
+        for request in self._prefill_queue():
+            remaining = request.num_tokens - (request.num_computed_tokens if request.kv else
+                                              self.kv.num_prefix_hit_tokens(request.prompt_ids))
+            piece = self.policy.prefill_piece(remaining)
+            if not pieces:
+                piece = 0 if self._must_wait(piece, num_decodes) else min(piece, room)
+            else:
+                left = min(budget, room) - sum(n for _, n in pieces)
+                piece = min(piece, left) if self.policy.is_chunking else piece * (piece <= left)
+            if piece <= 0 or (request.kv is None and not self._admit(request, ops)):
+                break
+            pieces.append((request, piece))
+            if not self.policy.may_batch_prefills:
+                break
+        return pieces
 
-    def _next_waiting(self) -> Request | None:
-        return min(self.waiting, key=self.policy.sort_key, default=None)
+    def _prefill_queue(self) -> list[Request]:
+        """Running partial prefills first, then the waiting requests in policy order."""
+        partial = [r for r in self.running if r.is_prefilling]
+        return partial + sorted(self.waiting, key=self.policy.sort_key)
+
+    def _must_wait(self, piece: int, num_decodes: int) -> bool:
+        # NOTE: a long prefill waits for the decodes to drain (ITL spike otherwise)
+        mix_max = self.config.prefill_mix_max
+        return bool(num_decodes and not self.policy.is_exclusive_prefill and mix_max and
+                    piece > mix_max)
 
     def _admit(self, request: Request, ops: CacheOps) -> bool:
         """Moves the request to running if a sequence slot and its KV are free now."""

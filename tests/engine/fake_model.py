@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from sparkinfer_cli.engine.request import RequestStatus
 from sparkinfer_cli.model.batch import SequenceBatch
 from sparkinfer_cli.tokenizer.tokenizer import Tokenizer, TokenType, byte_level_encode
 
@@ -136,7 +137,7 @@ class _Sample:
 class SchedulerHarness:
     """Drives Scheduler without a model, checking the step invariants the runner relies on."""
 
-    def __init__(self, num_state_slots: int = 0, **config_kwargs):
+    def __init__(self, num_state_slots: int = 0, max_step_tokens: int = 0, **config_kwargs):
         from sparkinfer_cli.engine.config import EngineConfig
         from sparkinfer_cli.engine.kv_cache import KVCacheManager
         from sparkinfer_cli.engine.policy import create_policy
@@ -145,8 +146,10 @@ class SchedulerHarness:
         self.config = EngineConfig(**config_kwargs)
         self.kv = KVCacheManager(self.config.num_blocks, self.config.block_size, num_state_slots,
                                  self.config.prefix_token_ids)
-        self.scheduler = Scheduler(self.config, self.kv, create_policy(self.config))
+        self.scheduler = Scheduler(self.config, self.kv, create_policy(self.config),
+                                   max_step_tokens)
         self.initial_free_blocks = self.kv.num_free_blocks
+        self.max_step_tokens = max_step_tokens
         self.finished: dict[str, object] = {}
         self._arrivals = 0
 
@@ -161,8 +164,11 @@ class SchedulerHarness:
         return request
 
     def step(self):
+        queue = sorted(self.scheduler.waiting, key=self.scheduler.policy.sort_key)
         output = self.scheduler.schedule()
         self.check(output)
+        admitted = [r for r in queue if r.status is not RequestStatus.WAITING]
+        assert admitted == queue[:len(admitted)], "a request was admitted out of policy order"
         self.scheduler.update_from_output(output)
         for seq in output.sequences:
             request = self.scheduler.requests[seq.request_id]
@@ -185,7 +191,14 @@ class SchedulerHarness:
         sched, bs = self.scheduler, self.config.block_size
         requests = [sched.requests[s.request_id] for s in output.sequences]
         is_prefill = [r.is_prefilling for r in requests]
-        assert sum(is_prefill) <= 1, "more than one prefill in a step"
+        prefill_tokens = [len(s.token_ids) for s, p in zip(output.sequences, is_prefill) if p]
+        if not self.config.prefill_batched:
+            assert len(prefill_tokens) <= 1, "more than one prefill in a step"
+        budget = sched.policy.prefill_budget()
+        if len(prefill_tokens) > 1 and budget:
+            assert sum(prefill_tokens) <= budget, "the prefills exceed the step's budget"
+        if self.max_step_tokens:
+            assert output.num_tokens <= self.max_step_tokens, "the step exceeds the model's pass"
         assert is_prefill == sorted(is_prefill), "a prefill was packed before a decode"
         assert len(is_prefill) - sum(is_prefill) <= self.config.max_batch_tokens
         assert len(sched.running) <= self.config.max_num_seqs

@@ -443,6 +443,72 @@ def test_duplicate_request_id_is_refused(engines):
     sink.final("chat-1")
 
 
+class GraphModel(FakeModel):
+    """A FakeModel with CudaModel's decode-graph hook and a pass limit; records when it runs."""
+
+    max_pass_tokens = 12
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple[str, object]] = []
+
+    def capture_decode_graphs(self, cache, max_seqs: int) -> None:
+        self.calls.append(("capture", (cache, max_seqs)))
+
+    def forward(self, batch, cache):
+        self.calls.append(("forward", batch.num_seqs))
+        assert len(batch.token_ids) <= self.max_pass_tokens
+        return super().forward(batch, cache)
+
+
+def test_decode_graphs_are_captured_once_before_serving(engines):
+    model = GraphModel()
+    engine = engines(model, start=False, max_num_seqs=24, prefix_token_ids=PREFIX)
+    assert model.calls == []  # nothing runs before start()
+    engine.start()
+    assert model.calls[0] == ("capture", (engine.runner.cache, 24))  # before the prefix warm-up
+    sink, prompts = Collector(), _prompts(16)
+    ids = [engine.submit(p, greedy(5), sink) for p in prompts]
+    for request_id, prompt in zip(ids, prompts):
+        sink.final(request_id)
+        assert sink.tokens(request_id) == expected_greedy(prompt, 5)
+    assert [kind for kind, _ in model.calls].count("capture") == 1
+
+
+def test_models_without_graphs_start_as_before(engines):
+    model = FakeModel()
+    assert not hasattr(model, "capture_decode_graphs")
+    engine, sink = engines(model), Collector()
+    assert sink.final(engine.submit([1, 2], greedy(3), sink)).finish_reason == "length"
+
+
+def test_long_prompts_are_split_to_the_models_pass_limit(engines):
+    engine, sink = engines(GraphModel()), Collector()
+    prompts = [[(3 * i + j) % 50 for j in range(30)] for i in range(4)]  # 30 > 12 tokens a pass
+    ids = [engine.submit(p, greedy(4), sink) for p in prompts]
+    for request_id, prompt in zip(ids, prompts):
+        assert sink.tokens(sink.final(request_id).request_id) == expected_greedy(prompt, 4)
+
+
+def test_step_timings_split_forward_from_engine_time(engines):
+    model, forward_s = FakeModel(), 0.004
+    model.before_forward = lambda batch: time.sleep(forward_s)
+    engine, sink = engines(model), Collector()
+    ids = [engine.submit(p, greedy(6), sink) for p in _prompts(3)]
+    for request_id in ids:
+        sink.final(request_id)
+    _wait_idle(engine)
+    timings = engine.stats().step_timings
+    steps = timings.steps["decode"] + timings.steps["mixed"]
+    assert steps == len(model.batch_sizes) and timings.steps["decode"] >= 5
+    assert timings.steps["mixed"] >= 1  # the prefills
+    for kind in ("decode", "mixed"):
+        assert forward_s * timings.steps[kind] <= timings.forward_s[kind] <= timings.step_s[kind]
+    overhead = timings.overhead_fraction("decode")
+    assert overhead == pytest.approx(1 - timings.forward_s["decode"] / timings.step_s["decode"])
+    assert 0 < overhead < 1
+
+
 # ---- the real tiny model ------------------------------------------------------------------------
 TINY = Path(__file__).parents[1] / "fixtures" / "tiny" / "qwen3"
 

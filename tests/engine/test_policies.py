@@ -52,7 +52,7 @@ def test_continuous_unbatched_prefill_advances_in_chunks():
 
 
 def test_chunked_prefill_advances_in_chunks_beside_decodes():
-    harness = _with_decoder("chunked")  # chunked ignores prefill_batched
+    harness = _with_decoder("chunked")  # chunked chunks whatever prefill_batched says
     assert _prefill_pieces(harness, harness.add([3] * 40, 4)) == [(16, 1), (16, 1), (8, 1)]
 
 
@@ -81,7 +81,7 @@ def test_priority_orders_waiting_requests_fifo_among_equals():
 
 
 def test_fifo_policies_ignore_priority():
-    harness = SchedulerHarness(ctx=2048, sched_policy="continuous", max_batch_tokens=1)
+    harness = SchedulerHarness(ctx=2048, sched_policy="continuous", max_num_seqs=1)
     first, second = harness.add([1], 1, priority=0), harness.add([2], 1, priority=9)
     harness.step()
     assert first.is_finished and second.status is RequestStatus.WAITING
