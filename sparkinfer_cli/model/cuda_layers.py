@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from sparkinfer_cli.kernels.cuda import activation, attention, gated_delta, moe, norm, rope
+from sparkinfer_cli.kernels.cuda import activation, attention, gated_delta, moe, norm
 from sparkinfer_cli.kernels.cuda import quant_gemv as qg
+from sparkinfer_cli.kernels.cuda.attention_input import prepare_attention_input
 from sparkinfer_cli.model.config import ROPE_NEOX, ModelConfig
 from sparkinfer_cli.model.cuda_cache import CudaModelCache
 from sparkinfer_cli.model.cuda_weights import DeviceLinear, Uploader
@@ -41,39 +42,67 @@ class CudaSwiGLU:
         hidden.quantize(stream)
         ws.linear(self.down, hidden, out, stream)
 
+    @staticmethod
+    def add_norm(ws: Workspace, norm_w, eps: float, stream, act) -> None:
+        """h += this block's output; x = rms_norm(h)·norm_w (the next sub-layer's input)."""
+        norm.add_rms_norm(ws.delta, ws.h, norm_w, ws.x.f, eps, stream=stream, act=act)
+
 
 class CudaMoE:
-    """Router top-k on the device; expert GEMVs read only the selected experts (slot_mat = ids)."""
+    """Router top-k on the device; expert GEMVs read only the selected experts (slot_mat = ids).
+
+    The weighted combine of the experts (and the gated shared expert) is left to `add_norm`, which
+    folds it into the next pre-norm's residual add: one launch instead of three."""
 
     def __init__(self, up: Uploader, ffn: MoE, config: ModelConfig):
-        self.router = up.linear(ffn.ffn_gate_inp)
         self.gate = DeviceLinear(up.matrix(ffn.ffn_gate_exps.weight))
         self.up = DeviceLinear(up.matrix(ffn.ffn_up_exps.weight))
         self.down = DeviceLinear(up.matrix(ffn.ffn_down_exps.weight))
         self.k, self.n_expert = ffn.n_expert_used, ffn.n_expert
         self.fused = self.gate.matrix.ggml_type == self.up.matrix.ggml_type
-        self.shared = self.shared_gate = None
+        self.shared = None
+        routers: list = [ffn.ffn_gate_inp]
         if ffn.shared is not None:
             self.shared = CudaSwiGLU(up, ffn.shared.shexp, "shexp")
-            self.shared_gate = DeviceLinear(up.vector_matrix(ffn.shared.ffn_gate_inp_shexp))
+            routers.append(ffn.shared.ffn_gate_inp_shexp)  # a (k,) vector: the shared gate logit
+        self.routers = up.stacked(routers)
 
     def __call__(self, ws: Workspace, stream) -> None:
         rows, k = ws.n_rows, self.k
-        logits = ws.buf("router", ws.groups, ws.cols, self.n_expert)
-        ws.linear(self.router, ws.x, logits, stream)
-        ids, weights = ws.buf("moe.ids", rows, k, dtype=np.int32), ws.buf("moe.w", rows, k)
+        logits = ws.linears(self.routers, ws.x, ("router", "shexp.gate"), stream)[0]
+        ids, weights = self._picks(ws)
         moe.router_topk(logits.reshape(rows, self.n_expert), k, ids, weights, stream=stream)
         slots = ids.reshape(rows * k)
         hidden = ws.act("moe.hidden", self.gate.n_rows, rows * k, 1)  # (slots, 1, ff)
         token_of_slot = ws.iota(rows * k, k)
         self._experts(ws, self.gate, ws.x.as_rows(), hidden.f, slots, token_of_slot, stream)
         hidden.quantize(stream)
-        down = ws.buf("moe.down", rows * k, 1, self.down.n_rows)
-        self._expert_gemv(self.down, hidden, down, slots, ws.iota(rows * k), stream)
-        moe.moe_combine(down.reshape(rows * k, -1), weights, ws.delta.reshape(rows, -1),
-                        stream=stream)
+        self._expert_gemv(self.down, hidden, self._down(ws), slots, ws.iota(rows * k), stream)
         if self.shared is not None:
-            self._add_shared(ws, stream)
+            self.shared(ws, stream, self._shared_out(ws))
+
+    def add_norm(self, ws: Workspace, norm_w, eps: float, stream, act) -> None:
+        """h += Σ_r w_r·expert_r (+ sigmoid(g)·shared); x = rms_norm(h)·norm_w."""
+        rows = ws.n_rows
+        shared = {}
+        if self.shared is not None:
+            shared = {"shared": self._shared_out(ws).reshape(rows, -1),
+                      "shared_gate": ws.buf("shexp.gate", ws.groups, ws.cols, 1).reshape(rows)}
+        norm.moe_add_rms_norm(self._down(ws).reshape(rows * self.k, -1), self._picks(ws)[1],
+                              ws.h.reshape(rows, -1), norm_w, ws.x.f.reshape(rows, -1), eps,
+                              stream=stream, act=act, **shared)
+
+    def _picks(self, ws: Workspace):
+        """The step's expert ids (rows, k) int32 and their renormalised weights (rows, k)."""
+        return (ws.buf("moe.ids", ws.n_rows, self.k, dtype=np.int32),
+                ws.buf("moe.w", ws.n_rows, self.k))
+
+    def _down(self, ws: Workspace):
+        return ws.buf("moe.down", ws.n_rows * self.k, 1, self.down.n_rows)
+
+    @staticmethod
+    def _shared_out(ws: Workspace):
+        return ws.buf("shexp.out", *ws.delta.shape)
 
     def _experts(self, ws, gate, x, hidden, slots, token_of_slot, stream) -> None:
         """hidden (slots, 1, ff) = silu(gate_e·x) ⊙ (up_e·x) for each slot's expert e."""
@@ -90,23 +119,15 @@ class CudaMoE:
         qg.gemv(w.matrix, x.for_matrix(w.matrix), y, slot_mat=slots, slot_x=slot_x,
                 up=None if up is None else up.matrix, stream=stream)
 
-    def _add_shared(self, ws: Workspace, stream) -> None:
-        shared = ws.buf("shexp.out", *ws.delta.shape)
-        gate = ws.buf("shexp.gate", ws.groups, ws.cols, 1)
-        self.shared(ws, stream, shared)
-        ws.linear(self.shared_gate, ws.x, gate, stream)
-        moe.add_gated(ws.delta.reshape(ws.n_rows, -1), shared.reshape(ws.n_rows, -1),
-                      gate.reshape(ws.n_rows), stream=stream)
-
 
 class CudaAttention:
     """GQA attention; optional: qwen3 q/k norms, qwen2 biases, the hybrids' sigmoid output gate."""
 
     def __init__(self, up: Uploader, mixer: Attention, config: ModelConfig):
-        self.q, self.k = up.linear(mixer.attn_q), up.linear(mixer.attn_k)
-        self.v, self.o = up.linear(mixer.attn_v), up.linear(mixer.attn_output)
         gate = getattr(mixer, "attn_q_gate", None)
-        self.gate = up.linear(gate) if gate is not None else None
+        self.gated = gate is not None
+        self.qkv = up.stacked([mixer.attn_q, mixer.attn_k, mixer.attn_v] + ([gate] if gate else []))
+        self.o = up.linear(mixer.attn_output)
         has_norm = mixer.attn_q_norm is not None
         self.q_norm = up.f32(mixer.attn_q_norm.weight) if has_norm else None
         self.k_norm = up.f32(mixer.attn_k_norm.weight) if has_norm else None
@@ -115,36 +136,29 @@ class CudaAttention:
     def __call__(self, ws: Workspace, cache: CudaModelCache, stream) -> None:
         cfg, rows = self.cfg, ws.n_rows
         H, H_kv, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
-        q = ws.buf("attn.q", ws.groups, ws.cols, H * D)
-        k, v = (ws.buf(n, ws.groups, ws.cols, H_kv * D) for n in ("attn.k", "attn.v"))
-        for lin, y in ((self.q, q), (self.k, k), (self.v, v)):
-            ws.linear(lin, ws.x, y, stream)
+        q, k, v, *gate = ws.linears(self.qkv, ws.x, ("attn.q", "attn.k", "attn.v", "attn.gate"),
+                                    stream)
         q, k, v = q.reshape(rows, H, D), k.reshape(rows, H_kv, D), v.reshape(rows, H_kv, D)
-        if self.q_norm is not None:
-            norm.rms_norm(q, self.q_norm, q, cfg.rms_eps, stream=stream)
-            norm.rms_norm(k, self.k_norm, k, cfg.rms_eps, stream=stream)
-        neox = cfg.rope_style == ROPE_NEOX
-        for t in (q, k):
-            rope.rope_neox(t, ws.positions, cfg.n_rot, cfg.rope_base, stream=stream, neox=neox)
         li = cache.attn_index[self.layer]
-        attention.kv_store(k, v, cache.k[li], cache.v[li], ws.slot_mapping, stream=stream)
+        prepare_attention_input(q, k, v, self.q_norm, self.k_norm, cfg.rms_eps, ws.positions,
+                                cfg.n_rot, cfg.rope_base, cache.k[li], cache.v[li],
+                                ws.slot_mapping, neox=cfg.rope_style == ROPE_NEOX, stream=stream)
         out = ws.act("attn.out", H * D)
         attention.paged_decode_attention(q, cache.k[li], cache.v[li], ws.block_tables, ws.seq_lens,
                                          out.f.reshape(rows, H, D), ws.attn, stream=stream,
                                          row_seq=ws.row_seq)
-        if self.gate is not None:
-            gate = ws.buf("attn.gate", ws.groups, ws.cols, H * D)
-            ws.linear(self.gate, ws.x, gate, stream)
-            activation.sigmoid_mul(out.f, gate, out.f, stream=stream)
-        out.quantize(stream)
+        if self.gated:
+            activation.sigmoid_mul(out.f, gate[0], out.f, stream=stream, act=out.q)
+        else:
+            out.quantize(stream)
         ws.linear(self.o, out, ws.delta, stream)
 
 
 class CudaGatedDeltaNet:
     def __init__(self, up: Uploader, mixer: GatedDeltaNet, config: ModelConfig):
         m = mixer
-        self.qkv, self.z = up.linear(m.attn_qkv), up.linear(m.attn_gate)
-        self.beta, self.alpha = up.linear(m.ssm_beta), up.linear(m.ssm_alpha)
+        self.proj = up.stacked([m.attn_qkv, m.attn_gate, m.ssm_alpha, m.ssm_beta])
+        self.qkv_rows, self.z_rows = self.proj.n_rows[:2]
         self.conv_w, self.dt, self.a = up.f32(m.ssm_conv1d), up.f32(m.ssm_dt), up.f32(m.ssm_a)
         self.norm_w, self.out = up.f32(m.ssm_norm.weight), up.linear(m.ssm_out)
         self.H_k, self.H_v, self.d_v = m.H_k, m.H_v, m.d_v
@@ -152,13 +166,10 @@ class CudaGatedDeltaNet:
 
     def __call__(self, ws: Workspace, cache: CudaModelCache, stream) -> None:
         rows, G, C = ws.n_rows, ws.groups, ws.cols
-        mixed = ws.buf("gdn.mixed", G, C, self.qkv.n_rows)
-        z = ws.buf("gdn.z", G, C, self.z.n_rows)
-        a, b = (ws.buf(n, G, C, self.H_v) for n in ("gdn.a", "gdn.b"))
-        for lin, y in ((self.qkv, mixed), (self.z, z), (self.alpha, a), (self.beta, b)):
-            ws.linear(lin, ws.x, y, stream)
+        mixed, z, a, b = ws.linears(self.proj, ws.x, ("gdn.mixed", "gdn.z", "gdn.a", "gdn.b"),
+                                    stream)
         li = cache.rec_index[self.layer]
-        u = ws.buf("gdn.u", rows, self.qkv.n_rows)
+        u = ws.buf("gdn.u", rows, self.qkv_rows)
         gated_delta.conv_silu_seq(mixed.reshape(rows, -1), self.conv_w, cache.conv_state[li],
                                   ws.state_slots, ws.seq_lo, ws.seq_n, u, stream=stream)
         o = ws.buf("gdn.o", rows, self.H_v, self.d_v)
@@ -166,7 +177,7 @@ class CudaGatedDeltaNet:
                                    cache.delta_state[li], ws.state_slots, ws.seq_lo, ws.seq_n, o,
                                    n_k_heads=self.H_k, head_map_mod=self.head_map_mod,
                                    eps=self.eps, stream=stream)
-        y = ws.act("gdn.y", self.z.n_rows)
-        norm.rms_norm_silu_gate(o.reshape(G, C, -1), z, self.norm_w, y.f, self.eps, stream=stream)
-        y.quantize(stream)
+        y = ws.act("gdn.y", self.z_rows)
+        norm.rms_norm_silu_gate(o.reshape(G, C, -1), z, self.norm_w, y.f, self.eps, stream=stream,
+                                act=y.q)
         ws.linear(self.out, y, ws.delta, stream)

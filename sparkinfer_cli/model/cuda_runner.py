@@ -152,16 +152,14 @@ class CudaModel:
     def _run(self, ws: Workspace, cache: CudaModelCache, logit_rows: int, s) -> None:
         """Every launch of one pass, on stream (or graph builder) s."""
         eps = self.config.rms_eps
+        norm.rms_norm(ws.h, self.layers[0].attn_norm, ws.x.f, eps, stream=s, act=ws.x.q)
         for i, layer in enumerate(self.layers):
-            if i == 0:
-                norm.rms_norm(ws.h, layer.attn_norm, ws.x.f, eps, stream=s, act=ws.x.q)
-            else:
-                norm.add_rms_norm(ws.delta, ws.h, layer.attn_norm, ws.x.f, eps, stream=s,
-                                  act=ws.x.q)
+            if i > 0:  # the previous FFN's output joins the residual inside this pre-norm
+                self.layers[i - 1].ffn.add_norm(ws, layer.attn_norm, eps, s, ws.x.q)
             layer.mixer(ws, cache, s)
             norm.add_rms_norm(ws.delta, ws.h, layer.ffn_norm, ws.x.f, eps, stream=s, act=ws.x.q)
             layer.ffn(ws, s)
-        norm.add_rms_norm(ws.delta, ws.h, self.output_norm, ws.x.f, eps, stream=s)
+        self.layers[-1].ffn.add_norm(ws, self.output_norm, eps, s, None)
         cols = min(logit_rows, ws.cols)
         final = ws.act("final", self.config.n_embd, logit_rows // cols, cols)
         gather_rows(ws.x.f.reshape(ws.n_rows, -1), ws.logit_rows[:logit_rows],

@@ -18,7 +18,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeE
 from sparkinfer_cli.ggml_types import GGMLType
 from sparkinfer_cli.kernels.cpu.quant import dequantize
 from sparkinfer_cli.kernels.cuda.launch import to_device_bytes
-from sparkinfer_cli.kernels.cuda.quant_gemv import DeviceQuantMatrix
+from sparkinfer_cli.kernels.cuda.quant_gemv import MAX_PARTS, DeviceQuantMatrix
 from sparkinfer_cli.model.layers import Linear
 from sparkinfer_cli.model.weights import QTensor
 
@@ -39,6 +39,16 @@ class DeviceLinear:
 
 
 @dataclass
+class StackedLinears:
+    """Linears that read the same input, as few stacked matrices (one GEMV each).
+
+    stacks: (matrix holding the members' rows back to back, the members' indices in order);
+    n_rows: each member's output size, in the order the members were given."""
+    stacks: list[tuple[DeviceLinear, tuple[int, ...]]]
+    n_rows: tuple[int, ...]
+
+
+@dataclass
 class Uploader:
     """Uploads tensors, counting bytes; `progress` advances by each tensor's host size."""
     exact: bool
@@ -54,16 +64,53 @@ class Uploader:
         if self.progress is not None:
             self.progress.update(self.task, advance=n_bytes)
 
+    def _host_matrix(self, t: QTensor) -> tuple[np.ndarray, GGMLType]:
+        """The bytes to upload and their type: GGUF bytes, or F32 rows in exact mode."""
+        if self.exact and t.ggml_type != GGMLType.F32:
+            return dequantize(np.ascontiguousarray(t.raw), t.ggml_type, t.shape[0]), GGMLType.F32
+        return t.raw, GGMLType(t.ggml_type)
+
     def matrix(self, t: QTensor) -> DeviceQuantMatrix:
         """A 2-D (out, in) or 3-D (n_experts, out, in) GGUF tensor as a DeviceQuantMatrix."""
         k, n_rows = t.shape[0], t.shape[1]
         n_mats = t.shape[2] if len(t.shape) == 3 else 1
-        raw, ggml_type = t.raw, t.ggml_type
-        if self.exact and ggml_type != GGMLType.F32:
-            raw, ggml_type = dequantize(np.ascontiguousarray(raw), ggml_type, k), GGMLType.F32
+        raw, ggml_type = self._host_matrix(t)
         data = to_device_bytes(raw, self.stream)
         self._advance(data.size)
         return DeviceQuantMatrix(data, ggml_type, k, n_rows, n_mats)
+
+    def stacked(self, members: list[Linear | np.ndarray]) -> StackedLinears:
+        """Linears (or (k,) float vectors: one-row F32 matrices) that read the same input, stacked
+        row-wise per (type, k) into at most MAX_PARTS members, so one GEMV computes each stack."""
+        tensors = [QTensor("vector", GGMLType.F32, (m.size, 1), np.asarray(m, np.float32)[None])
+                   if isinstance(m, np.ndarray) else m.weight for m in members]
+        biases = [None if isinstance(m, np.ndarray) else m.bias for m in members]
+        stacks = [(self._stack([tensors[i] for i in idx], [biases[i] for i in idx]), tuple(idx))
+                  for idx in self._stackable_groups(tensors)]
+        return StackedLinears(stacks, tuple(t.shape[1] for t in tensors))
+
+    def _stackable_groups(self, tensors: list[QTensor]) -> list[list[int]]:
+        """Member indices grouped by (upload type, k) in first-seen order, ≤ MAX_PARTS each."""
+        groups: dict[tuple, list[list[int]]] = {}
+        for i, t in enumerate(tensors):
+            upload_type = GGMLType.F32 if self.exact else GGMLType(t.ggml_type)
+            chunks = groups.setdefault((upload_type, t.shape[0]), [[]])
+            if len(chunks[-1]) == MAX_PARTS:
+                chunks.append([])
+            chunks[-1].append(i)
+        return [chunk for chunks in groups.values() for chunk in chunks]
+
+    def _stack(self, tensors: list[QTensor], biases: list) -> DeviceLinear:
+        raws, types = zip(*(self._host_matrix(t) for t in tensors))
+        n_rows = sum(t.shape[1] for t in tensors)
+        data = to_device_bytes(np.concatenate([np.ascontiguousarray(r).reshape(-1).view(np.uint8)
+                                               for r in raws]), self.stream)
+        self._advance(data.size)
+        bias = None
+        if any(b is not None for b in biases):
+            bias = self.f32(np.concatenate([np.zeros(t.shape[1], np.float32) if b is None else b
+                                            for t, b in zip(tensors, biases)]))  # (n_rows,)
+        return DeviceLinear(DeviceQuantMatrix(data, types[0], tensors[0].shape[0], n_rows), bias)
 
     def linear(self, lin: Linear) -> DeviceLinear:
         bias = self.f32(lin.bias) if lin.bias is not None else None

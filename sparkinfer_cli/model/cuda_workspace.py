@@ -18,10 +18,9 @@ from numba import cuda
 from sparkinfer_cli.kernels.cuda import quant_gemv as qg
 from sparkinfer_cli.kernels.cuda.attention import DecodeWorkspace
 from sparkinfer_cli.kernels.cuda.launch import cdiv
-from sparkinfer_cli.kernels.cuda.model_ops import add_bias
 from sparkinfer_cli.model.batch import SequenceBatch
 from sparkinfer_cli.model.cuda_cache import CudaModelCache, device_zeros
-from sparkinfer_cli.model.cuda_weights import DeviceLinear
+from sparkinfer_cli.model.cuda_weights import DeviceLinear, StackedLinears
 
 MAX_COLS = qg.MAX_COLS
 INT_FIELDS = ("positions", "seq_lens", "slot_mapping", "row_seq", "state_slots", "seq_lo", "seq_n",
@@ -112,12 +111,20 @@ class Workspace:
 
     # ---- GEMV ----------------------------------------------------------------------------------
     def linear(self, lin: DeviceLinear, x: Act, y, stream, up: DeviceLinear | None = None) -> None:
-        """y (groups, cols, rows) = W·x (+ bias); up: fused silu(W·x) ⊙ (up·x)."""
-        groups = y.shape[0]
+        """y (groups, cols, rows) = W·x (+ bias); up: fused silu(W·x) ⊙ (up·x).
+
+        y may be a list of arrays (groups, cols, rows_i) when `lin` stacks several linears."""
+        groups = (y[0] if isinstance(y, list) else y).shape[0]
         qg.gemv(lin.matrix, x.for_matrix(lin.matrix), y, slot_mat=self.zeros_i32(groups),
-                slot_x=self.iota(groups), up=None if up is None else up.matrix, stream=stream)
-        if lin.bias is not None:
-            add_bias(y, lin.bias, stream=stream)
+                slot_x=self.iota(groups), up=None if up is None else up.matrix, bias=lin.bias,
+                stream=stream)
+
+    def linears(self, stacked: StackedLinears, x: Act, names: tuple[str, ...], stream) -> list:
+        """Each member of `stacked` applied to x, into buffers named `names`: one GEMV a stack."""
+        outs = [self.buf(name, self.groups, self.cols, n) for name, n in zip(names, stacked.n_rows)]
+        for lin, members in stacked.stacks:
+            self.linear(lin, x, [outs[i] for i in members], stream)
+        return outs
 
     # ---- per-step inputs -----------------------------------------------------------------------
     def fill(self, batch: SequenceBatch, embeddings: np.ndarray) -> None:

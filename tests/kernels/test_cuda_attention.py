@@ -1,4 +1,4 @@
-"""CUDA paged KV store + split-K decode attention vs float64 numpy."""
+"""CUDA split-K decode attention over a paged KV cache vs float64 numpy."""
 
 from __future__ import annotations
 
@@ -13,13 +13,11 @@ from sparkinfer_cli.kernels.cuda import attention
     (8, 1, 32, 2, (19, 5), 12),
     pytest.param(16, 2, 256, 16, (3000, 700), 512, marks=pytest.mark.gpu),  # Qwen3.6 attention
 ])
-def test_kv_store_then_paged_decode_matches_reference(block_size, n_kv, head_dim, n_heads, lens,
+def test_paged_decode_matches_reference(block_size, n_kv, head_dim, n_heads, lens,
                                                       split_len):
     rng = np.random.default_rng(6)
     per_seq = -(-max(lens) // block_size)
     n_blocks = 2 * per_seq
-    k_cache = cuda.to_device(np.zeros((n_blocks, block_size, n_kv, head_dim), np.float16))
-    v_cache = cuda.to_device(np.zeros((n_blocks, block_size, n_kv, head_dim), np.float16))
     block_table = rng.permutation(n_blocks).astype(np.int32).reshape(2, per_seq)  # scattered
     seq_lens = np.array(lens, np.int32)
     positions = [(s, p) for s in range(2) for p in range(seq_lens[s])]
@@ -27,8 +25,8 @@ def test_kv_store_then_paged_decode_matches_reference(block_size, n_kv, head_dim
                       for s, p in positions], np.int32)
     k = rng.standard_normal((len(slots), n_kv, head_dim)).astype(np.float32)
     v = rng.standard_normal((len(slots), n_kv, head_dim)).astype(np.float32)
-    attention.kv_store(cuda.to_device(k), cuda.to_device(v), k_cache, v_cache,
-                       cuda.to_device(slots))
+    k_cache, v_cache = (cuda.to_device(paged_cache(x, slots, n_blocks, block_size))
+                        for x in (k, v))
     q = rng.standard_normal((2, n_heads, head_dim)).astype(np.float32)
     out = cuda.device_array_like(q)
     ws = attention.DecodeWorkspace(2, n_heads, head_dim, max(lens) + 5, split_len)
@@ -37,5 +35,11 @@ def test_kv_store_then_paged_decode_matches_reference(block_size, n_kv, head_dim
     ref = attention.paged_decode_attention_reference(q, k_cache.copy_to_host(),
                                                      v_cache.copy_to_host(), block_table, seq_lens)
     np.testing.assert_allclose(out.copy_to_host(), ref, rtol=1e-4, atol=1e-5)
-    stored = k_cache.copy_to_host().reshape(-1, n_kv, head_dim)[slots]
-    np.testing.assert_array_equal(stored, k.astype(np.float16))
+
+
+def paged_cache(x: np.ndarray, slots: np.ndarray, n_blocks: int, block_size: int,
+                dtype=np.float16) -> np.ndarray:
+    """A (n_blocks, block_size, n_kv, d) cache: token i's x at row slots[i], zeros elsewhere."""
+    cache = np.zeros((n_blocks * block_size, *x.shape[1:]), dtype)
+    cache[slots] = x
+    return cache.reshape(n_blocks, block_size, *x.shape[1:])

@@ -153,3 +153,23 @@ def test_fused_swiglu_gemv_over_expert_slots():
         u = qg.gemv_reference(up_bytes.reshape(n_mats, n_rows, -1)[m], ggml_type, k, xk)
         np.testing.assert_allclose(y.copy_to_host()[s], g / (1 + np.exp(-g)) * u, rtol=1e-4,
                                    atol=1e-6)
+
+
+def test_stacked_gemv_splits_rows_over_outputs_and_adds_bias():
+    # three linears stacked row-wise (2, 3, 1 rows), two activation columns, one launch
+    rng = np.random.default_rng(14)
+    k, parts, n_cols = 64, (2, 3, 1), 2
+    ggml_type = GGMLType.Q8_0
+    w_bytes = random_weights(ggml_type, sum(parts), k, rng)
+    bias = rng.standard_normal(sum(parts)).astype(np.float32)
+    x = rng.standard_normal((1, n_cols, k)).astype(np.float32)
+    w = qg.DeviceQuantMatrix(to_device_bytes(w_bytes), ggml_type, k, sum(parts))
+    act = qg.QuantizedActivations(*x.shape)
+    qg.quantize_activations(cuda.to_device(x), act)
+    ys = [cuda.device_array((1, n_cols, n), np.float32) for n in parts]
+    qg.gemv(w, act, ys, bias=cuda.to_device(bias))
+    ref = qg.gemv_reference(w_bytes, ggml_type, k, activations_seen_by_kernel(x[0], ggml_type))
+    got = np.concatenate([y.copy_to_host()[0] for y in ys], axis=1)  # (n_cols, Σ parts)
+    np.testing.assert_allclose(got, ref + bias, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="hold 5 rows"):
+        qg.gemv(w, act, ys[:2])

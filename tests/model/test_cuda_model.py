@@ -246,38 +246,22 @@ def test_delta_rule_seq_equals_reference_steps() -> None:
     np.testing.assert_allclose(dev_state.copy_to_host(), new_state, rtol=1e-4, atol=1e-5)
 
 
-def test_rope_normal_pairs_adjacent_dims() -> None:
-    from numba import cuda
-
-    from sparkinfer_cli.kernels.cpu import ops
-    from sparkinfer_cli.kernels.cuda.rope import rope_neox
-
-    rng = np.random.default_rng(3)
-    x = rng.standard_normal((3, 2, 8)).astype(np.float32)
-    pos = np.array([0, 5, 9], np.int32)
-    for neox, style in ((False, "normal"), (True, "neox")):
-        dev = cuda.to_device(x)
-        rope_neox(dev, cuda.to_device(pos), 6, 10000.0, neox=neox)
-        np.testing.assert_allclose(dev.copy_to_host(), ops.rope(x, pos, 6, 10000.0, style),
-                                   rtol=1e-5, atol=1e-6)
-
-
 def test_prefill_rows_attend_causally_through_row_seq() -> None:
     """T query rows of a sequence share its block table (row_seq), each sees positions ≤ its own."""
     from numba import cuda
 
     from sparkinfer_cli.kernels.cpu import ops
     from sparkinfer_cli.kernels.cuda import attention
+    from tests.kernels.test_cuda_attention import paged_cache
 
     rng = np.random.default_rng(4)
     T, H, H_kv, D, bs = 5, 2, 1, 32, 2
     q = rng.standard_normal((T, H, D)).astype(np.float32)
     k, v = (rng.standard_normal((T, H_kv, D)).astype(np.float32) for _ in range(2))
     table = np.array([[3, 0, 2], [1, 1, 1]], np.int32)  # row 1: another sequence, unused
-    caches = [cuda.to_device(np.zeros((4, bs, H_kv, D), np.float32)) for _ in range(2)]
     pos = np.arange(T)
     slot_mapping = (table[0][pos // bs] * bs + pos % bs).astype(np.int32)
-    attention.kv_store(cuda.to_device(k), cuda.to_device(v), *caches, cuda.to_device(slot_mapping))
+    caches = [cuda.to_device(paged_cache(x, slot_mapping, 4, bs, np.float32)) for x in (k, v)]
     out = cuda.device_array((T, H, D), np.float32)
     ws = attention.DecodeWorkspace(T, H, D, 8, split_len=4)
     attention.paged_decode_attention(cuda.to_device(q), *caches, cuda.to_device(table),
@@ -287,14 +271,12 @@ def test_prefill_rows_attend_causally_through_row_seq() -> None:
                                rtol=1e-4, atol=1e-5)
 
 
-def test_gather_rows_and_add_bias() -> None:
+def test_gather_rows() -> None:
     from numba import cuda
 
-    from sparkinfer_cli.kernels.cuda.model_ops import add_bias, gather_rows
+    from sparkinfer_cli.kernels.cuda.model_ops import gather_rows
 
     x = np.arange(12, dtype=np.float32).reshape(4, 3)
     out = cuda.device_array((2, 3), np.float32)
     gather_rows(cuda.to_device(x), cuda.to_device(np.array([3, 1], np.int32)), out)
-    bias = np.array([1, 2, 3], np.float32)
-    add_bias(out, cuda.to_device(bias))
-    np.testing.assert_array_equal(out.copy_to_host(), x[[3, 1]] + bias)
+    np.testing.assert_array_equal(out.copy_to_host(), x[[3, 1]])

@@ -8,6 +8,7 @@ import numpy as np
 from numba import cuda, float32
 
 from sparkinfer_cli.kernels.cuda.launch import cdiv, check_array
+from sparkinfer_cli.kernels.cuda.quant_gemv import store_q8
 
 THREADS = 256
 
@@ -21,10 +22,14 @@ def _swiglu_kernel(gate, up, out, n):
 
 
 @cuda.jit(fastmath=True)
-def _sigmoid_mul_kernel(x, gate, out, n):
+def _sigmoid_mul_kernel(x, gate, out, n, quantize, xq, xd, xs):
+    # quantize: n % 32 == 0, so every warp holds one whole q8 block
     i = cuda.grid(1)
     if i < n:
-        out[i] = x[i] / (float32(1.0) + math.exp(-gate[i]))
+        y = x[i] / (float32(1.0) + math.exp(-gate[i]))
+        out[i] = y
+        if quantize:
+            store_q8(y, i, xq, xd, xs)
 
 
 def _flat_same(*named):
@@ -40,10 +45,15 @@ def swiglu(gate, up, out, stream=0) -> None:
     _swiglu_kernel[cdiv(g.size, THREADS), THREADS, stream](g, u, o, g.size)
 
 
-def sigmoid_mul(x, gate, out, stream=0) -> None:
-    """out = x · sigmoid(gate) (Qwen3-Next/3.5 gated attention output)."""
+def sigmoid_mul(x, gate, out, stream=0, act=None) -> None:
+    """out = x · sigmoid(gate) (Qwen3-Next/3.5 gated attention output); act: a
+    quant_gemv.QuantizedActivations of out's size, filled with out's q8 form in the same pass."""
     a, g, o = _flat_same(("x", x), ("gate", gate), ("out", out))
-    _sigmoid_mul_kernel[cdiv(a.size, THREADS), THREADS, stream](a, g, o, a.size)
+    if act is not None and (a.size % 32 or int(np.prod(act.shape)) != a.size):
+        raise ValueError(f"fused quantization needs 32·n values and {a.size} activations")
+    q = (act.xq, act.xd, act.xs) if act is not None else (o,) * 3
+    _sigmoid_mul_kernel[cdiv(a.size, THREADS), THREADS, stream](a, g, o, a.size, act is not None,
+                                                                *q)
 
 
 def swiglu_reference(gate: np.ndarray, up: np.ndarray) -> np.ndarray:

@@ -1,4 +1,5 @@
-"""Attention over a paged F16 KV cache: store new K/V, and split-K decode (one query per sequence).
+"""Attention over a paged F16 KV cache: split-K decode (one query per sequence); attention_input.py
+stores new K/V.
 
 Cache layout: (num_blocks, block_size, n_kv_heads, head_dim) float16 (float32 for exact runs); token
 p of a sequence lives in block block_table[seq, p // block_size] at offset p % block_size. Decode
@@ -16,45 +17,11 @@ import math
 
 import numpy as np
 from numba import cuda, float32
-from numba.cuda.types import float16
 
 from sparkinfer_cli.kernels.cuda.launch import cdiv, check_array
 from sparkinfer_cli.kernels.cuda.warp import warp_sum
 
 WARPS = 4
-THREADS = 256
-
-
-@functools.cache
-def _kv_store_kernel(f16: bool):
-    @cuda.jit
-    def kv_store(k, v, k_cache, v_cache, slot_mapping, row_len):
-        # row_len = n_kv_heads · head_dim values per token
-        i = cuda.grid(1)
-        if i >= k.size:
-            return
-        tok = i // row_len
-        dst = slot_mapping[tok] * row_len + (i - tok * row_len)
-        if f16:
-            k_cache[dst] = float16(k[i])
-            v_cache[dst] = float16(v[i])
-        else:
-            k_cache[dst] = k[i]
-            v_cache[dst] = v[i]
-    return kv_store
-
-
-def kv_store(k, v, k_cache, v_cache, slot_mapping, stream=0) -> None:
-    """k, v: float32 (n_tokens, n_kv_heads, head_dim) → caches at slot_mapping (block·bs + off)."""
-    n_tokens, n_kv, head_dim = k.shape
-    check_array("v", v, np.float32, k.shape)
-    check_array("slot_mapping", slot_mapping, np.int32, (n_tokens,))
-    f16 = k_cache.dtype == np.float16
-    if k_cache.shape[2:] != (n_kv, head_dim) or not (f16 or k_cache.dtype == np.float32):
-        raise ValueError(f"cache {k_cache.shape} {k_cache.dtype} cannot hold ({n_kv}, {head_dim})")
-    _kv_store_kernel(f16)[cdiv(k.size, THREADS), THREADS, stream](
-        k.reshape(k.size), v.reshape(v.size), k_cache.reshape(k_cache.size),
-        v_cache.reshape(v_cache.size), slot_mapping, n_kv * head_dim)
 
 
 @functools.cache

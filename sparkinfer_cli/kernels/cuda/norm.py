@@ -1,4 +1,4 @@
-"""RMSNorm on the GPU: plain, fused with the residual add, and gated by silu(z) (GDN output norm).
+"""RMSNorm on the GPU: plain, fused with the residual add (or the MoE combine), gated by silu(z).
 
 Rows are independent: one block per row of `d` elements. The same kernel serves per-head q/k norms
 (rows = tokens × heads, d = head_dim) since the weight index is the position within the row.
@@ -13,23 +13,47 @@ from numba import cuda, float32
 
 from sparkinfer_cli.kernels.cuda.intrinsics import IS_SIMULATOR
 from sparkinfer_cli.kernels.cuda.launch import check_array
-from sparkinfer_cli.kernels.cuda.warp import block_sum, warp_max, warp_sum
+from sparkinfer_cli.kernels.cuda.quant_gemv import store_q8
+from sparkinfer_cli.kernels.cuda.warp import block_sum
 
 THREADS = 32 if IS_SIMULATOR else 256  # kernels are blockDim-generic; the simulator is slow
 
 
+# modes: what the first pass adds into the row before normalising
+PLAIN, ADD, SILU_GATE, MOE, MOE_SHARED = 0, 1, 2, 3, 4
+
+
+@cuda.jit(device=True, inline=True)
+def _moe_sum(x, moe_w, k, shared, gate, row, i, d, with_shared):
+    """Σ_r moe_w[row, r]·x[row·k + r, i] (+ sigmoid(gate[row])·shared[row, i])."""
+    acc = float32(0.0)
+    for r in range(k):
+        acc += moe_w[row * k + r] * x[(row * k + r) * d + i]
+    if with_shared:
+        acc += shared[row * d + i] / (float32(1.0) + math.exp(-gate[row]))
+    return acc
+
+
 @cuda.jit(fastmath=True)
-def _rms_norm_kernel(x, residual, w, out, d, eps, mode, quantize, xq, xd, xs):
-    # mode 0: out = norm(x)·w;  1: h = x + residual, residual ← h, out = norm(h)·w;
-    # mode 2: out = norm(x)·w·silu(residual)  (residual holds the gate z).
+def _rms_norm_kernel(x, residual, w, out, d, eps, mode, quantize, xq, xd, xs, moe_w, k, shared,
+                     gate):
+    # PLAIN: out = norm(x)·w;  ADD: h = x + residual, residual ← h, out = norm(h)·w;
+    # SILU_GATE: out = norm(x)·w·silu(residual)  (residual holds the gate z);
+    # MOE(_SHARED): as ADD with x = the MoE output: x holds each row's k expert outputs, combined
+    # with weights moe_w (+ the shared expert, gated by sigmoid(gate)).
     # quantize: also write out as int8 per 32 elements (quant_gemv's q8 activations); the second
     # loop then runs whole warps over rows of d % 32 == 0 so each warp owns one 32-block per pass.
     scratch = cuda.shared.array(33, float32)
-    base = cuda.blockIdx.x * d
+    row = cuda.blockIdx.x
+    base = row * d
+    accumulates = mode == ADD or mode >= MOE
     partial = float32(0.0)
     for i in range(cuda.threadIdx.x, d, cuda.blockDim.x):
-        v = x[base + i]
-        if mode == 1:
+        if mode >= MOE:
+            v = _moe_sum(x, moe_w, k, shared, gate, row, i, d, mode == MOE_SHARED)
+        else:
+            v = x[base + i]
+        if accumulates:
             v += residual[base + i]
             residual[base + i] = v
         partial += v * v
@@ -38,41 +62,40 @@ def _rms_norm_kernel(x, residual, w, out, d, eps, mode, quantize, xq, xd, xs):
         i = start + cuda.threadIdx.x
         y = float32(0.0)
         if i < d:
-            v = residual[base + i] if mode == 1 else x[base + i]
+            v = residual[base + i] if accumulates else x[base + i]
             y = v * inv * w[i]
-            if mode == 2:
+            if mode == SILU_GATE:
                 z = residual[base + i]
                 y *= z / (float32(1.0) + math.exp(-z))
             out[base + i] = y
         if quantize and start + cuda.threadIdx.x // 32 * 32 < d:
-            amax = warp_max(abs(y))
-            scale = amax / float32(127.0)
-            q = math.floor(y / scale + float32(0.5)) if amax > 0 else float32(0.0)
-            total = warp_sum(q)
-            xq[base + i] = q
-            if cuda.threadIdx.x % 32 == 0:
-                xd[(base + i) // 32] = scale
-                xs[(base + i) // 32] = scale * total
+            store_q8(y, base + i, xq, xd, xs)
 
 
-def _launch(x, residual, w, out, eps: float, mode: int, stream, act=None) -> None:
+def _launch(x, residual, w, out, eps: float, mode: int, stream, act=None, moe=None) -> None:
+    """moe: (weights (rows, k), shared or None, shared gate logits or None) for the MOE modes."""
     d = w.shape[0]
     check_array("w", w, np.float32)
-    for name, arr in (("x", x), ("out", out), ("residual", residual)):
-        check_array(name, arr, np.float32, x.shape)
-    if x.size % d:
-        raise ValueError(f"x of {x.size} elements is not a whole number of rows of {d}")
-    if act is not None and (d % 32 or int(np.prod(act.shape)) != x.size):
-        raise ValueError(f"fused quantization needs rows of 32·n and {x.size} activations")
-    q = (act.xq, act.xd, act.xs) if act is not None else (x.reshape(x.size),) * 3
-    _rms_norm_kernel[x.size // d, THREADS, stream](
-        x.reshape(x.size), residual.reshape(x.size), w, out.reshape(x.size), d, float32(eps), mode,
-        act is not None, *q)
+    check_array("x", x, np.float32, None if moe else out.shape)
+    for name, arr in (("out", out), ("residual", residual)):
+        check_array(name, arr, np.float32, out.shape)
+    if out.size % d:
+        raise ValueError(f"rows of {out.size} elements are not a whole number of rows of {d}")
+    if act is not None and (d % 32 or int(np.prod(act.shape)) != out.size):
+        raise ValueError(f"fused quantization needs rows of 32·n and {out.size} activations")
+    q = (act.xq, act.xd, act.xs) if act is not None else (out.reshape(out.size),) * 3
+    moe_w, shared, gate = moe if moe is not None else (w, None, None)
+    k = moe_w.size // (out.size // d) if moe is not None else 0
+    _rms_norm_kernel[out.size // d, THREADS, stream](
+        x.reshape(x.size), residual.reshape(residual.size), w, out.reshape(out.size), d,
+        float32(eps), mode, act is not None, *q, moe_w.reshape(moe_w.size), k,
+        w if shared is None else shared.reshape(shared.size),
+        w if gate is None else gate.reshape(gate.size))
 
 
 def rms_norm(x, w, out, eps: float, stream=0, act=None) -> None:
     """out = x / sqrt(mean(x²) + eps) · w over rows of len(w) (act: as in add_rms_norm)."""
-    _launch(x, x, w, out, eps, 0, stream, act)
+    _launch(x, x, w, out, eps, PLAIN, stream, act)
 
 
 def add_rms_norm(x, residual, w, out, eps: float, stream=0, act=None) -> None:
@@ -80,12 +103,23 @@ def add_rms_norm(x, residual, w, out, eps: float, stream=0, act=None) -> None:
 
     act: a quant_gemv.QuantizedActivations of out's size, filled in the same pass (saves a launch).
     """
-    _launch(x, residual, w, out, eps, 1, stream, act)
+    _launch(x, residual, w, out, eps, ADD, stream, act)
 
 
-def rms_norm_silu_gate(x, z, w, out, eps: float, stream=0) -> None:
+def moe_add_rms_norm(expert_out, weights, residual, w, out, eps: float, stream=0, act=None,
+                     shared=None, shared_gate=None) -> None:
+    """residual (rows, d) += Σ_r weights[t, r]·expert_out[t·k + r] (+ sigmoid(shared_gate[t]) ·
+    shared[t]), then out = rms_norm(residual)·w: the MoE combine fused into the next pre-norm."""
+    check_array("weights", weights, np.float32)
+    if expert_out.size != weights.size * w.shape[0]:
+        raise ValueError(f"expert_out has {expert_out.size} values, expected weights.size · d")
+    mode = MOE if shared is None else MOE_SHARED
+    _launch(expert_out, residual, w, out, eps, mode, stream, act, (weights, shared, shared_gate))
+
+
+def rms_norm_silu_gate(x, z, w, out, eps: float, stream=0, act=None) -> None:
     """out = rms_norm(x)·w·silu(z), per row of len(w) (Gated DeltaNet output norm)."""
-    _launch(x, z, w, out, eps, 2, stream)
+    _launch(x, z, w, out, eps, SILU_GATE, stream, act)
 
 
 def rms_norm_reference(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:

@@ -1,10 +1,13 @@
 """Fused dequant × activation GEMV / small-batch GEMM over weights in their GGUF byte layout.
 
-y[slot, c, r] = Σ_k W[mat(slot)][r, k] · x[xgroup(slot), c, k]    for c < n_cols (1..8)
+y[slot, c, r] = Σ_k W[mat(slot)][r, k] · x[xgroup(slot), c, k] (+ bias[r])   for c < n_cols (1..8)
 
 - Weights stay in GGUF bytes (a flat uint8 device buffer, rows of `row_bytes`, matrices of
   `n_rows` rows back to back: 3-D expert slabs work as-is). `slot_mat` picks the matrix of each
   grid.y slot, so a MoE layer touches only its selected experts; `slot_x` picks the activations.
+- Rows may be split over up to MAX_PARTS outputs: several linears that read the same input are
+  uploaded as one matrix (rows back to back) and run as one launch, each part landing in its own
+  (n_slots, n_cols, part rows) array.
 - Quantized types take activations quantized to int8 per 32 elements (llama.cpp's q8_1: scale d and
   d·Σq), and dot products run on dp4a; float types (F32/F16/BF16) take float32 activations.
 - One warp per output row, lanes stride over "units" (a block or a fixed part of one); 16-byte loads
@@ -41,6 +44,7 @@ from sparkinfer_cli.kernels.cuda.warp import shfl_xor, warp_max, warp_sum
 Q8_BLOCK = 32
 WARPS_PER_BLOCK = 4
 MAX_COLS = 8
+MAX_PARTS = 4
 M4 = 0x0F0F0F0F
 M1 = 0x01010101
 M2 = 0x03030303
@@ -368,7 +372,7 @@ def _gemv_kernel(ggml_type: GGMLType, n_cols: int, swiglu: bool = False):
 
     @cuda.jit(fastmath=True)
     def gemv(w, w2, row_bytes, n_rows, mat_bytes, k, lanes_per_row, slot_mat, slot_x, xq, xd, xs,
-             y):
+             bias, has_bias, y0, y1, y2, y3, ends):
         # a row per `lanes_per_row` lanes (32, fewer for short rows), two units in flight per lane
         slot = cuda.blockIdx.y
         lane = cuda.threadIdx.x % 32
@@ -401,8 +405,23 @@ def _gemv_kernel(ggml_type: GGMLType, n_cols: int, swiglu: bool = False):
                 total = acc[c]
                 if swiglu:
                     total = total / (float32(1.0) + math.exp(-total)) * acc[n_cols + c]
-                y[(slot * n_cols + c) * n_rows + row] = total
+                if has_bias:
+                    total += bias[row]
+                _store_part(y0, y1, y2, y3, ends, slot * n_cols + c, row, total)
     return gemv
+
+
+@cuda.jit(device=True, inline=True)
+def _store_part(y0, y1, y2, y3, ends, col, row, v):
+    """Row `row` of the stacked matrix → its part's array (part p: rows [ends[p-1], ends[p]))."""
+    if row < ends[0]:
+        y0[col * ends[0] + row] = v
+    elif row < ends[1]:
+        y1[col * (ends[1] - ends[0]) + row - ends[0]] = v
+    elif row < ends[2]:
+        y2[col * (ends[2] - ends[1]) + row - ends[1]] = v
+    else:
+        y3[col * (ends[3] - ends[2]) + row - ends[2]] = v
 
 
 def lanes_per_row(ggml_type: GGMLType, k: int) -> int:
@@ -415,21 +434,27 @@ def lanes_per_row(ggml_type: GGMLType, k: int) -> int:
     return lanes
 
 
+@cuda.jit(device=True, inline=True)
+def store_q8(v, i, xq, xd, xs):
+    """Called by the 32 lanes of a warp holding element i = 32·blk + lane: q8_1 of block blk,
+    d = max|x|/127, q = round(x/d), s = d·Σq (so fused producers quantize in the same pass)."""
+    amax = warp_max(abs(v))
+    d = amax / float32(127.0)
+    q = math.floor(v / d + float32(0.5)) if amax > 0 else float32(0.0)
+    total = warp_sum(q)
+    xq[i] = q
+    if i % 32 == 0:
+        xd[i // 32] = d
+        xs[i // 32] = d * total
+
+
 @cuda.jit
 def _quantize_q8_kernel(x, n_blocks, xq, xd, xs):
-    # a warp per 32-element block (grid-stride): d = max|x|/127, q = round(x/d), s = d·Σq (q8_1)
+    # a warp per 32-element block (grid-stride)
     lane = cuda.threadIdx.x % 32
     n_warps = cuda.gridDim.x * cuda.blockDim.x // 32
     for blk in range(cuda.grid(1) // 32, n_blocks, n_warps):
-        v = x[blk * 32 + lane]
-        amax = warp_max(abs(v))
-        d = amax / float32(127.0)
-        q = math.floor(v / d + float32(0.5)) if amax > 0 else float32(0.0)
-        total = warp_sum(q)
-        xq[blk * 32 + lane] = q
-        if lane == 0:
-            xd[blk] = d
-            xs[blk] = d * total
+        store_q8(x[blk * 32 + lane], blk * 32 + lane, xq, xd, xs)
 
 
 class QuantizedActivations:
@@ -488,12 +513,14 @@ def _default_slots():
 
 
 def gemv(w: DeviceQuantMatrix, x, y, *, slot_mat=None, slot_x=None,
-         up: DeviceQuantMatrix | None = None, stream=0) -> None:
-    """y (n_slots, n_cols, n_rows) f32 ← W[slot_mat[s]] · x[slot_x[s]].
+         up: DeviceQuantMatrix | None = None, bias=None, stream=0) -> None:
+    """y (n_slots, n_cols, n_rows) f32 ← W[slot_mat[s]] · x[slot_x[s]] (+ bias (n_rows,) f32).
 
     x is a QuantizedActivations for quantized weights, a float32 (n_groups, n_cols, k) device array
     for F32/F16/BF16 weights. slot_mat/slot_x: int32 device arrays of length n_slots (default [0]).
     up: a second matrix of the same type and shape; then y = silu(W·x) ⊙ (up·x) (fused SwiGLU).
+    y may be a sequence of up to MAX_PARTS arrays (n_slots, n_cols, rows_p) with Σ rows_p = n_rows:
+    the stacked matrix's rows in order, one part per array.
     """
     if up is not None and (up.ggml_type, up.k, up.n_rows, up.n_mats) != (
             w.ggml_type, w.k, w.n_rows, w.n_mats):
@@ -510,12 +537,35 @@ def gemv(w: DeviceQuantMatrix, x, y, *, slot_mat=None, slot_x=None,
         xq, xd, xs = x.xq, x.xd, x.xs
     if k != w.k or not 1 <= n_cols <= MAX_COLS:
         raise ValueError(f"activations (·, {n_cols}, {k}) do not fit W (k={w.k}, ≤{MAX_COLS} cols)")
-    check_array("y", y, np.float32, (n_slots, n_cols, w.n_rows))
+    parts, ends = _output_parts(y, n_slots, n_cols, w.n_rows)
+    if bias is not None:
+        check_array("bias", bias, np.float32, (w.n_rows,))
     lanes = lanes_per_row(w.ggml_type, k)
     grid = (cdiv(w.n_rows, WARPS_PER_BLOCK * (32 // lanes)), n_slots)
     _gemv_kernel(w.ggml_type, n_cols, up is not None)[grid, 32 * WARPS_PER_BLOCK, stream](
         w.data, w.data if up is None else up.data, w.row_bytes, w.n_rows, w.n_rows * w.row_bytes,
-        k, lanes, slot_mat, slot_x, xq, xd, xs, y.reshape(y.size))
+        k, lanes, slot_mat, slot_x, xq, xd, xs, parts[0] if bias is None else bias,
+        bias is not None, *parts, ends)
+
+
+def _output_parts(y, n_slots: int, n_cols: int, n_rows: int) -> tuple[list, tuple[int, ...]]:
+    """The GEMV's output arrays flattened and padded to MAX_PARTS, and each part's end row."""
+    ys = list(y) if isinstance(y, (list, tuple)) else [y]
+    if not 1 <= len(ys) <= MAX_PARTS:
+        raise ValueError(f"a GEMV writes 1..{MAX_PARTS} outputs, got {len(ys)}")
+    ends, end = [], 0
+    for i, part in enumerate(ys):
+        check_array(f"y[{i}]", part, np.float32)
+        if tuple(part.shape[:2]) != (n_slots, n_cols) or len(part.shape) != 3:
+            raise ValueError(f"y[{i}]: shape {tuple(part.shape)}, expected "
+                             f"({n_slots}, {n_cols}, ·)")
+        end += part.shape[2]
+        ends.append(end)
+    if end != n_rows:
+        raise ValueError(f"outputs hold {end} rows, the matrix has {n_rows}")
+    flat = [part.reshape(part.size) for part in ys]
+    pad = MAX_PARTS - len(flat)
+    return flat + [flat[-1]] * pad, tuple(ends + [end] * pad)
 
 
 # ---------------------------------------------------------------- numpy references

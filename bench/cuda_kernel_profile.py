@@ -1,0 +1,87 @@
+"""GPU time per kernel of one batch-1 decode step (graph replays), read through CUPTI.
+
+    python bench/cuda_kernel_profile.py <preset> OUT.json [--ctx 512] [--steps 20]
+
+Needs PyTorch (its profiler is the CUPTI client; the H200 image has it). Prints and writes: the
+step's wall time, the sum of its kernels' GPU times, and per kernel name the launches per step and
+GPU µs per step. wall − Σ kernels = the gaps between dependent kernels (launch latency).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import time
+from collections import defaultdict
+
+import numpy as np
+from rich.console import Console
+
+from sparkinfer_cli.bench import ensure_synthetic
+from sparkinfer_cli.model.batch import SequenceBatch
+from sparkinfer_cli.model.loader import load_model
+
+
+def _short(name: str) -> str:
+    """numba's mangled kernel names → the Python function's name."""
+    parts = re.findall(r"\d+([A-Za-z_][A-Za-z0-9_]*)", name)
+    words = [p for p in parts if not p.startswith(("_3c", "closure", "locals", "dyn"))]
+    return next((w for w in words if "kernel" in w or w in ("gemv", "kv_store", "decode_split")),
+                words[-1] if words else name)[:60]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("preset")
+    ap.add_argument("out")
+    ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=20)
+    args = ap.parse_args()
+    from torch.profiler import ProfilerActivity, profile
+
+    model = load_model(ensure_synthetic(args.preset, Console(stderr=True)), "cuda")
+    n_blocks = -(-(args.ctx + args.steps + 8) // 16)
+    cache = model.create_cache(n_blocks, 16, 1)
+    table = np.arange(n_blocks, dtype=np.int32)
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, model.config.n_vocab, args.ctx).astype(np.int32)
+    for lo in range(0, args.ctx, 4096):
+        logits = model.forward(SequenceBatch.single(prompt[lo:lo + 4096], lo, table, 0), cache)
+    pos = args.ctx
+
+    def step() -> None:
+        nonlocal logits, pos
+        tok = np.array([int(logits[0].argmax())], np.int32)
+        logits = model.forward(SequenceBatch.single(tok, pos, table, 0), cache)
+        pos += 1
+
+    for _ in range(3):  # compile + capture the decode graph
+        step()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.steps):
+            step()
+    wall_us = (time.perf_counter() - t0) / args.steps * 1e6
+    per_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for ev in prof.events():
+        if ev.device_type.name == "CUDA" and ev.device_time_total > 0:
+            entry = per_name[_short(ev.name)]
+            entry[0] += 1
+            entry[1] += ev.device_time_total
+    rows = sorted(((n, c / args.steps, t / args.steps) for n, (c, t) in per_name.items()),
+                  key=lambda r: -r[2])
+    kernels_us = sum(r[2] for r in rows)
+    result = {"preset": args.preset, "ctx": args.ctx, "wall_us_per_step": wall_us,
+              "kernel_us_per_step": kernels_us,
+              "launches_per_step": sum(r[1] for r in rows),
+              "kernels": [{"name": n, "per_step": c, "us_per_step": t} for n, c, t in rows]}
+    print(f"step {wall_us:.0f} µs wall, kernels {kernels_us:.0f} µs, "
+          f"{result['launches_per_step']:.0f} launches")
+    for n, c, t in rows:
+        print(f"  {t:8.1f} µs  {c:6.1f}×  {n}")
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
