@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sparkinfer_cli.kernels.cpu import ops
+from sparkinfer_cli.kernels.cpu import decode_ops, ops
 from sparkinfer_cli.kernels.cpu.llvm_jit import has_avx2
 from sparkinfer_cli.kernels.cpu.packed_matvec import PackedMatvec
 from sparkinfer_cli.kernels.cpu.quant import embedding_rows, matmul
@@ -72,6 +72,8 @@ class RMSNorm:
         self.weight, self.eps = weight.as_f32(), eps
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
+        if x.shape[0] == 1 and x.ndim == 2 and x.dtype == np.float32:
+            return decode_ops.rms_norm(x, self.weight, self.eps)
         return ops.rms_norm(x, self.weight, self.eps)
 
 
@@ -125,16 +127,24 @@ class Attention:
         v = v.reshape(N, cfg.n_head_kv, cfg.head_dim)
         if self.attn_q_norm is not None:
             q, k = self.attn_q_norm(q), self.attn_k_norm(k)
-        q = ops.rope(q, fwd.positions, cfg.n_rot, cfg.rope_base, cfg.rope_style)
-        k = ops.rope(k, fwd.positions, cfg.n_rot, cfg.rope_base, cfg.rope_style)
+        rope = ops.rope if N > 1 else decode_ops.rope
+        pos = fwd.positions if N > 1 else int(fwd.positions[0])
+        q = rope(q, pos, cfg.n_rot, cfg.rope_base, cfg.rope_style)
+        k = rope(k, pos, cfg.n_rot, cfg.rope_base, cfg.rope_style)
         return q, k, v
 
     def attend(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, fwd: Forward) -> np.ndarray:
         """Write k, v into each sequence's cache, attend, return (N, H·D)."""
         out = np.empty_like(q)  # (N, H, D)
+        cache = fwd.cache
         for s in fwd.spans:
-            fwd.cache.write_kv(self.layer, s.block_table, s.start, k[s.lo:s.hi], v[s.lo:s.hi])
-            keys, values = fwd.cache.read_kv(self.layer, s.block_table, s.end)
+            cache.write_kv(self.layer, s.block_table, s.start, k[s.lo:s.hi], v[s.lo:s.hi])
+            if s.hi - s.lo == 1:  # a decode token: read the paged cache in place
+                li = cache.attn_index[self.layer]
+                out[s.lo:s.hi] = decode_ops.attend_paged(q[s.lo:s.hi], cache.k[li], cache.v[li],
+                                                         s.block_table, s.end)
+                continue
+            keys, values = cache.read_kv(self.layer, s.block_table, s.end)
             out[s.lo:s.hi] = ops.causal_attention(q[s.lo:s.hi], keys, values, s.start)
         return out.reshape(len(q), -1)
 

@@ -40,15 +40,22 @@ class PackedMatvec:
         return self.row_starts[-1]
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        x = np.ascontiguousarray(x, dtype=np.float32).reshape(1, -1)
-        if x.shape[1] != self.ne0:
-            raise ValueError(f"x must be (1, {self.ne0}), got {x.shape}")
+        if x.shape != (1, self.ne0) or x.dtype != np.float32 or not x.flags.c_contiguous:
+            x = np.ascontiguousarray(x, dtype=np.float32)
+            if x.shape != (1, self.ne0):
+                raise ValueError(f"x must be (1, {self.ne0}), got {x.shape}")
+        nb = self.ne0 // Q8_BLOCK
         xq = np.empty((1, self.ne0), np.int8)  # (1, ne0)
-        xds = np.empty((2, 1, self.ne0 // Q8_BLOCK), np.float32)  # (xd | xs, 1, n_blocks)
+        xds = np.empty((2, 1, nb), np.float32)  # (xd | xs, 1, n_blocks)
         _quantize_rows(x, xq, xds[0], xds[1])
-        y = np.empty(self.rows, np.float32)  # (Σ rows,)
-        args = (xq.ctypes.data, xds.ctypes.data, xds.ctypes.data + 4 * (self.ne0 // Q8_BLOCK))
-        out = y.ctypes.data
+        y = np.empty((1, self.rows), np.float32)  # (1, Σ rows)
+        xd = xds.ctypes.data
+        self._run(xq.ctypes.data, xd, xd + 4 * nb, y.ctypes.data)
+        if self.bias is not None:
+            y += self.bias
+        return y
+
+    def _run(self, xq: int, xd: int, xs: int, out: int) -> None:
         starts, members = self.row_starts, self._members
 
         def rows(r0: int, r1: int) -> None:  # rows r0..r1 of the concatenation
@@ -56,12 +63,9 @@ class PackedMatvec:
                 a, b = max(r0, starts[i]), min(r1, starts[i + 1])
                 if a < b:
                     o = starts[i]
-                    kernel(w, row_bytes, *args, n_blocks, a - o, b - o, out + 4 * o)
+                    kernel(w, row_bytes, xq, xd, xs, n_blocks, a - o, b - o, out + 4 * o)
 
         _parallel_rows(rows, self.rows, self.ne0)
-        if self.bias is not None:
-            y += self.bias
-        return y.reshape(1, -1)
 
     def split(self, y: np.ndarray) -> list[np.ndarray]:
         """y (1, Σ rows) → each weight's (1, rows_i) view."""

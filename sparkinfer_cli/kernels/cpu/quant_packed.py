@@ -193,21 +193,22 @@ def _unpack_quants(layout: BlockLayout) -> str:
            "  %nib = shufflevector <16 x i8> %lo, <16 x i8> %hi, <32 x i32> "
            + _vec("i32", list(range(32))) + "\n")
     if layout.high == NO_HIGH:
-        return ir + "  %qv = or <32 x i8> %nib, zeroinitializer\n"
+        return ir.replace("%nib =", "%qv =")
     return ir + _high_bits(layout) + "  %qv = or <32 x i8> %nib, %hb\n"
 
 
 def _int_dot(layout: BlockLayout) -> str:
     """IR: <8 x i32> %s; lane k = Σ q·xq over elements 4k..4k+3 (signed q: bias removed)."""
+    ir, qa, xa = "", "%qv", "%xv"  # unsigned quants go into vpmaddubsw as they are
     if layout.is_signed:  # llama.cpp's sign trick: |q| (≤ 128, unsigned) · (x with q's sign)
-        ir = "" if layout.is_q8 else f"  %qb = sub <32 x i8> %qv, {_i8s(layout.bias)}\n"
-        q = "%qv" if layout.is_q8 else "%qb"
+        q, qa, xa = "%qv", "%qa", "%xa"
+        if not layout.is_q8:
+            ir, q = f"  %qb = sub <32 x i8> %qv, {_i8s(layout.bias)}\n", "%qb"
         ir += (f"  %qa = call <32 x i8> @llvm.abs.v32i8(<32 x i8> {q}, i1 false)\n"
                f"  %xa = call <32 x i8> @llvm.x86.avx2.psign.b(<32 x i8> %xv, <32 x i8> {q})\n")
-    else:
-        ir = "  %qa = or <32 x i8> %qv, zeroinitializer\n  %xa = or <32 x i8> %xv, zeroinitializer\n"
     # i16 pair sums stay below 2·128·127; vpmaddwd with ones widens them to int32
-    return ir + ("  %p16 = call <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8> %qa, <32 x i8> %xa)\n"
+    return ir + (f"  %p16 = call <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8> {qa}, "
+                 f"<32 x i8> {xa})\n"
                  "  %s = call <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16> %p16, <16 x i16> "
                  + _vec("i16", [1] * 16) + ")\n")
 
