@@ -4,8 +4,11 @@
 
 Starts `sparkinfer serve` on a synthetic preset (written on first use), sends N concurrent greedy
 streaming requests per round, and records per round: client-side tokens/s (first to last SSE chunk),
-the engine's own decode_tps from the usage block, and their ratio. Results are written after each
-round, so a run cut short still leaves what it measured.
+the engine's own decode_tps from the usage block, and their ratio; and, from the server's /metrics
+before and after the round, the engine thread's mean step time against model.forward's per step
+kind (decode: graph-replayed passes; mixed: passes with a prefill), whose ratio is the engine's
+own overhead (scheduler + sampling + detokenizing + events). Results are written after each round,
+so a run cut short still leaves what it measured.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import time
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
 from sparkinfer_cli.bench import ensure_synthetic
@@ -74,6 +78,30 @@ async def one_stream(client: httpx.AsyncClient, base: str, i: int) -> dict:
             "engine_decode_tps": usage.get("decode_tps")}
 
 
+def engine_counters(base: str) -> dict[tuple[str, str], float]:
+    """(metric, step kind) → value of the engine's cumulative step counters."""
+    text = httpx.get(f"{base}/metrics", timeout=30).text
+    return {(s.name, s.labels["kind"]): s.value
+            for family in text_string_to_metric_families(text) if family.name.startswith(
+                "sparkinfer_engine_") for s in family.samples if s.name.endswith("_total")}
+
+
+def engine_overhead(before: dict, after: dict) -> dict:
+    """Per step kind over one round: steps, mean step and forward ms, engine overhead fraction."""
+    out: dict = {}
+    for kind in ("decode", "mixed"):
+        delta = {name: after[(f"sparkinfer_engine_{name}_total", kind)] -
+                 before[(f"sparkinfer_engine_{name}_total", kind)]
+                 for name in ("steps", "step_seconds", "forward_seconds")}
+        steps = delta["steps"]
+        out[f"engine_{kind}_steps"] = int(steps)
+        if steps:
+            out[f"engine_{kind}_step_ms"] = delta["step_seconds"] / steps * 1e3
+            out[f"engine_{kind}_forward_ms"] = delta["forward_seconds"] / steps * 1e3
+            out[f"engine_{kind}_overhead"] = 1 - delta["forward_seconds"] / delta["step_seconds"]
+    return out
+
+
 async def round_of(base: str, n: int) -> dict:
     async with httpx.AsyncClient(timeout=600) as client:
         streams = await asyncio.gather(*(one_stream(client, base, i) for i in range(n)))
@@ -101,9 +129,12 @@ def main() -> None:
     proc = start_server(path, args.device, port)
     try:
         result["startup_s"] = wait_healthy(base, proc, 600)
-        asyncio.run(round_of(base, 1))  # warm-up: graph capture of the batch-1 bucket
+        asyncio.run(round_of(base, 1))  # warm-up: first-request costs (JIT, allocations)
         for n in (int(v) for v in args.streams.split(",")):
-            result.setdefault("rounds", []).append(asyncio.run(round_of(base, n)))
+            before = engine_counters(base)
+            measured = asyncio.run(round_of(base, n))
+            measured.update(engine_overhead(before, engine_counters(base)))
+            result.setdefault("rounds", []).append(measured)
             args.out.write_text(json.dumps(result, indent=2))
             print(json.dumps(result["rounds"][-1]), flush=True)
     finally:

@@ -26,6 +26,7 @@ the same seed over the same logits gives the same token sequence.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -86,6 +87,8 @@ class Sampler:
         self.n_vocab = n_vocab
         self._rng = np.random.default_rng(params.seed)
         self._bias_ids, self._bias_values = logit_bias_arrays(params.logit_bias, n_vocab)
+        self.may_touch_logits = bool(params.repetition_penalty != 1.0 or params.presence_penalty
+                                     or params.frequency_penalty or params.logit_bias)
 
     def sample(self, logits: np.ndarray, prompt_ids: Sequence[int],
                output_ids: Sequence[int]) -> SampleResult:
@@ -114,6 +117,8 @@ class Sampler:
                        output_ids: Sequence[int]) -> TouchedLogits:
         """Steps 1–3, computed on the few ids they touch."""
         p = self.params
+        if not self.may_touch_logits:
+            return NOTHING_TOUCHED
         penalised = np.unique(recent_tokens(prompt_ids, output_ids)) \
             if p.repetition_penalty != 1.0 else NO_IDS  # each distinct token penalised once
         counted, counts = np.unique(np.asarray(output_ids, dtype=np.int64), return_counts=True) \
@@ -181,7 +186,7 @@ def greedy_token(logits: np.ndarray, touched: TouchedLogits, ws: Workspace) -> i
 
 
 def check_finite(token_id: int, logit: float) -> int:
-    if not np.isfinite(logit):
+    if not math.isfinite(logit):
         raise ValueError("every token is banned (logit_bias) or the logits are not finite")
     return token_id
 

@@ -21,6 +21,8 @@ class StopStringMatcher:
         """(text safe to emit now, stopped?); on a match, the text before the stop string."""
         if self.stopped:
             return "", True
+        if not self.stops:
+            return text, False
         buffer = self._held + text
         cut = self._first_match(buffer)
         if cut is not None:

@@ -1,17 +1,18 @@
 """AsyncEngine: the bridge between the engine thread and the asyncio server.
 
 It owns everything about a request's life that is not HTTP: admission (503 while draining, engine
-errors → 429/400/503), one asyncio queue per HTTP request fed from the engine thread with
-loop.call_soon_threadsafe, the request deadline (504), cancel-on-disconnect (abort on close) and
-the drain that graceful shutdown waits for. Route handlers only iterate a `Generation`.
+errors → 429/400/503), one asyncio queue per HTTP request fed from the engine thread through a
+LoopRelay, the request deadline (504), cancel-on-disconnect (abort on close) and the drain that
+graceful shutdown waits for. Route handlers only iterate a `Generation`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from sparkinfer_cli.engine.config import EngineStoppedError, QueueFullError, RequestTooLargeError
@@ -20,6 +21,30 @@ from sparkinfer_cli.server.metrics import ServerMetrics
 from sparkinfer_cli.server.protocol import ApiError
 
 log = logging.getLogger(__name__)
+
+
+class LoopRelay:
+    """Runs engine-thread callbacks on the event loop, in order, with one wake-up per burst: the
+    events of one engine step cost one call_soon_threadsafe (a self-pipe write), not one each."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._pending: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Queues fn(*args) for the loop (any thread); RuntimeError if the loop is closed."""
+        with self._lock:
+            self._pending.append((fn, args))
+            if len(self._pending) > 1:
+                return  # NOTE: pending is non-empty exactly while a drain is scheduled
+        self.loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for fn, args in pending:
+            fn(*args)
 
 
 class AsyncEngine:
@@ -33,6 +58,14 @@ class AsyncEngine:
         self._in_flight: set[Generation] = set()
         self._idle = asyncio.Event()
         self._idle.set()
+        self._relay: LoopRelay | None = None
+
+    def relay(self) -> LoopRelay:
+        """The LoopRelay of the running event loop."""
+        loop = asyncio.get_running_loop()
+        if self._relay is None or self._relay.loop is not loop:
+            self._relay = LoopRelay(loop)
+        return self._relay
 
     @property
     def num_in_flight(self) -> int:
@@ -98,7 +131,7 @@ class Generation:
 
     def __init__(self, owner: AsyncEngine, num_choices: int, deadline: float | None):
         self._owner, self._engine = owner, owner.engine
-        self._loop = asyncio.get_running_loop()
+        self._relay = owner.relay()
         self._queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
         self._deadline = deadline
         self._running: dict[int, str] = {}  # choice index → engine request id
@@ -110,7 +143,7 @@ class Generation:
                request_id: str) -> None:
         def on_event(event: Any) -> None:  # engine thread
             try:
-                self._loop.call_soon_threadsafe(self._queue.put_nowait, (index, event))
+                self._relay.call(self._queue.put_nowait, (index, event))
             except RuntimeError:  # the loop is closed: nobody is listening any more
                 pass
 

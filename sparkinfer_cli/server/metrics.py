@@ -20,6 +20,8 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 OUTCOMES = ("ok", "client_error", "overloaded", "timeout", "cancelled", "server_error")
 PREFIX = "sparkinfer"
@@ -44,6 +46,30 @@ def outcome_of_status(status: int) -> str:
 
 def _read_stat(stats: Callable[[], Any], read: Callable[[Any], float]) -> float:
     return float(read(stats()))
+
+
+class StepTimingsCollector(Collector):
+    """The engine thread's cumulative step and model.forward time per step kind, read at scrape
+    time: the engine's own overhead over a window is 1 − Δforward / Δstep."""
+
+    def __init__(self, stats: Callable[[], Any]):
+        self._stats = stats
+
+    def collect(self) -> Any:
+        timings = self._stats().step_timings
+        steps = CounterMetricFamily(f"{PREFIX}_engine_steps", "engine steps run", labels=["kind"])
+        step_s = CounterMetricFamily(f"{PREFIX}_engine_step_seconds",
+                                     "engine-thread time in steps", labels=["kind"])
+        forward_s = CounterMetricFamily(f"{PREFIX}_engine_forward_seconds",
+                                        "model.forward time in steps", labels=["kind"])
+        overhead = GaugeMetricFamily(f"{PREFIX}_engine_overhead_ratio",
+                                     "share of step time outside model.forward", labels=["kind"])
+        for kind in timings.steps:
+            steps.add_metric([kind], timings.steps[kind])
+            step_s.add_metric([kind], timings.step_s[kind])
+            forward_s.add_metric([kind], timings.forward_s[kind])
+            overhead.add_metric([kind], timings.overhead_fraction(kind))
+        return [steps, step_s, forward_s, overhead]
 
 
 class ServerMetrics:
@@ -100,6 +126,7 @@ class ServerMetrics:
               registry=self.registry).set_function(lambda: time.monotonic() - self._started)
         Gauge(f"{PREFIX}_accepting_requests", "1 unless draining or stopped",
               registry=self.registry).set_function(lambda: float(is_accepting()))
+        self.registry.register(StepTimingsCollector(stats))
 
     def count_request(self, outcome: str, *, streaming: bool) -> None:
         self.requests.inc()

@@ -92,7 +92,8 @@ def test_32_concurrent_streams_equal_their_solo_output(real) -> None:
     prompts = [GOLDENS["prompt_long"][:12 + 9 * i] for i in range(8)]
     solo = [sdk(real).completions.create(model="m", prompt=p, max_tokens=8, temperature=0)
             .choices[0].text for p in prompts]
-    before = {k: metric(real.url, k) for k in ("sparkinfer_requests_total",
+    steps = 'sparkinfer_engine_steps_total{kind="decode"}'
+    before = {k: metric(real.url, k) for k in ("sparkinfer_requests_total", steps,
                                                 'sparkinfer_tokens_total{kind="completion"}')}
 
     async def stream_all() -> list[tuple[str, int]]:
@@ -117,6 +118,9 @@ def test_32_concurrent_streams_equal_their_solo_output(real) -> None:
         == 32
     assert metric(real.url, 'sparkinfer_tokens_total{kind="completion"}') - \
         before['sparkinfer_tokens_total{kind="completion"}'] == sum(n for _, n in results)
+    assert metric(real.url, steps) - before[steps] >= 7  # 8 tokens: ≥ 7 decode steps
+    assert 0 < metric(real.url, 'sparkinfer_engine_forward_seconds_total{kind="decode"}') <= \
+        metric(real.url, 'sparkinfer_engine_step_seconds_total{kind="decode"}')
 
 
 def test_disconnect_mid_stream_frees_kv(real) -> None:
