@@ -85,9 +85,9 @@ def test_matvec_matches_float64_oracle(t: GGMLType, rng: np.random.Generator) ->
     raw = random_weight(t, rng)
     matvec = PackedMatvec([pack(raw, t, NE0)], [None])
     for x in (rng.standard_normal((1, NE0)).astype(np.float32),
-              np.where(np.arange(NE0) < 64, 0, rng.standard_normal(NE0)).astype(np.float32)):
+              np.where(np.arange(NE0) < 64, 0, rng.standard_normal((1, NE0))).astype(np.float32)):
         got = matvec(x)  # second x: two all-zero activation blocks (d = 0)
-        want, scale = oracle([(raw, t)], x.reshape(1, NE0))
+        want, scale = oracle([(raw, t)], x)
         assert got.shape == (1, N_ROWS) and got.dtype == np.float32
         assert np.all(np.abs(got - want) <= 1e-5 * scale), np.max(np.abs(got - want) / scale)
 
