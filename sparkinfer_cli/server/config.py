@@ -9,8 +9,6 @@ from typing import Any
 from sparkinfer_cli import env
 from sparkinfer_cli.engine.config import EngineConfig
 
-DEFAULT_CTX = 4096  # KV pool tokens when neither --ctx nor CTX is given
-
 
 @dataclass(frozen=True)
 class ServerConfig:
@@ -68,10 +66,14 @@ class ServerConfig:
 
 def build_engine_config(ctx: int | None, trained_context_length: int,
                         environ: Mapping[str, str] | None = None, **overrides: Any) -> EngineConfig:
-    """EngineConfig from --ctx (else CTX, else 4096; 0 = the model's trained context length) and
-    the scheduler/admission variables of the environment."""
+    """EngineConfig from --ctx (else CTX; unset or 0 = the model's trained context length, as the
+    README and the seed's CTX=0 say) and the scheduler/admission variables of the environment.
+
+    NOTE: a request reserves KV for prompt + max_tokens, and an omitted max_tokens is as many as
+    fit (up to SPARKINFER_MAX_OUTPUT_TOKENS): a pool barely larger than that cap serves such
+    requests one at a time, so the default is the model's full context, not a small pool."""
     ctx = env.CTX.get(environ) if ctx is None else ctx
-    ctx = DEFAULT_CTX if ctx is None else (ctx or trained_context_length)
+    ctx = ctx or trained_context_length
     values: dict[str, Any] = {
         "ctx": ctx,
         "max_batch_tokens": env.SPARKINFER_BATCH_TOKENS.get(environ),

@@ -91,4 +91,4 @@ def test_engine_config_from_env_and_ctx_rules() -> None:
     assert config.prefix_token_ids == (1, 2)
     assert build_engine_config(1024, 32768, environ).ctx == 1024  # --ctx beats CTX
     assert build_engine_config(0, 32768, {}).ctx == 32768  # 0 = the model's own context
-    assert build_engine_config(None, 32768, {}).ctx == 4096
+    assert build_engine_config(None, 32768, {}).ctx == 32768  # unset: the model's own context
