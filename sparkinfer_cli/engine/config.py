@@ -33,6 +33,7 @@ class EngineConfig:
     request_timeout_s: float = 0.0  # 0 = off
     max_num_seqs: int = 64
     prefix_token_ids: tuple[int, ...] = ()
+    sampling_threads: int = 0  # argmax threads for greedy rows (0 = auto, 1 = none)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prefix_token_ids", tuple(int(t) for t in self.prefix_token_ids))
@@ -49,6 +50,7 @@ class EngineConfig:
             (self.request_timeout_s >= 0, "request_timeout_s must be >= 0"),
             (self.max_num_seqs >= 1, "max_num_seqs must be at least 1"),
             (all(t >= 0 for t in self.prefix_token_ids), "prefix token ids must be >= 0"),
+            (self.sampling_threads >= 0, "sampling_threads must be >= 0"),
         ]
         for ok, message in checks:
             if not ok:

@@ -20,11 +20,12 @@ from sparkinfer_cli.engine.config import (
     QueueFullError,
     RequestTooLargeError,
 )
+from sparkinfer_cli.engine.greedy_batch import GreedyBatch, default_num_threads
 from sparkinfer_cli.engine.kv_cache import CacheOps, KVCacheManager
 from sparkinfer_cli.engine.model_runner import Model, ModelRunner
 from sparkinfer_cli.engine.policy import create_policy
 from sparkinfer_cli.engine.request import OutputStream, Request, RequestEvent
-from sparkinfer_cli.engine.sampler import Sampler
+from sparkinfer_cli.engine.sampler import Sampler, SampleResult
 from sparkinfer_cli.engine.sampling_params import SamplingParams
 from sparkinfer_cli.engine.scheduler import Scheduler, SchedulerOutput
 from sparkinfer_cli.engine.step_timings import StepTimings
@@ -67,6 +68,7 @@ class ContinuousBatchEngine:
                                    getattr(model, "max_pass_tokens", 0))
         self.runner = ModelRunner(model, cache)
         self.timings = StepTimings()
+        self.greedy = GreedyBatch(config.sampling_threads or default_num_threads())
         self._lock = threading.Condition()
         self._inbox: list[Request] = []
         self._aborts: list[str] = []
@@ -182,14 +184,28 @@ class ContinuousBatchEngine:
             self._fail_step(output, exc)
             return output
         self.scheduler.update_from_output(output)
-        for request_id, row in logits.items():
-            self._append_sample(self.scheduler.requests[request_id], row)
+        requests = [self.scheduler.requests[request_id] for request_id in logits]
+        rows = list(logits.values())
+        for request, row, token in zip(requests, rows, self._greedy_tokens(requests, rows)):
+            self._append_sample(request, row, token)
         return output
 
-    def _append_sample(self, request: Request, logits: np.ndarray) -> None:
+    def _greedy_tokens(self, requests: list[Request], rows: list[np.ndarray]) -> list[int | None]:
+        """The plain greedy rows' tokens, sampled together; None for the other rows."""
+        greedy = [i for i, (request, row) in enumerate(zip(requests, rows))
+                  if request.sampler is not None and request.sampler.is_plain_greedy and
+                  row.dtype == np.float32]
+        tokens: list[int | None] = [None] * len(rows)
+        for i, token in zip(greedy, self.greedy.tokens([rows[i] for i in greedy])):
+            tokens[i] = token
+        return tokens
+
+    def _append_sample(self, request: Request, logits: np.ndarray, token: int | None) -> None:
+        """token: the row's argmax when GreedyBatch already sampled it."""
         try:
             assert request.sampler is not None
-            result = request.sampler.sample(logits, request.prompt_ids, request.output_ids)
+            result = SampleResult(token, None) if token is not None else \
+                request.sampler.sample(logits, request.prompt_ids, request.output_ids)
             reason = request.append_sample(result)
         except Exception as exc:
             log.exception("sampling failed for %s", request.request_id)
@@ -233,6 +249,7 @@ class ContinuousBatchEngine:
             try:
                 commands = self._wait_for_commands()
                 if commands is None:
+                    self.greedy.shutdown()
                     return
                 started = time.perf_counter()  # NOTE: busy time only; idle waits are excluded
                 self._apply_commands(*commands)

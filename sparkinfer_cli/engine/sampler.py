@@ -90,6 +90,11 @@ class Sampler:
         self.may_touch_logits = bool(params.repetition_penalty != 1.0 or params.presence_penalty
                                      or params.frequency_penalty or params.logit_bias)
 
+    @property
+    def is_plain_greedy(self) -> bool:
+        """The token is the argmax of the raw logits (GreedyBatch may sample it)."""
+        return self.params.is_greedy and not self.params.logprobs and not self.may_touch_logits
+
     def sample(self, logits: np.ndarray, prompt_ids: Sequence[int],
                output_ids: Sequence[int]) -> SampleResult:
         if logits.shape != (self.n_vocab,):
