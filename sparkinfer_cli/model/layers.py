@@ -14,7 +14,7 @@ from sparkinfer_cli.kernels.cpu import decode_ops, ops
 from sparkinfer_cli.kernels.cpu.llvm_jit import has_avx2
 from sparkinfer_cli.kernels.cpu.packed_matvec import PackedMatvec
 from sparkinfer_cli.kernels.cpu.quant import embedding_rows, matmul
-from sparkinfer_cli.kernels.cpu.quant_packed import PACKED_TYPES, PackedWeight, pack
+from sparkinfer_cli.kernels.cpu.quant_packed import PackedWeight, can_pack, pack
 from sparkinfer_cli.model.batch import SequenceSpan
 from sparkinfer_cli.model.cache import ModelCache
 from sparkinfer_cli.model.config import ModelConfig
@@ -35,7 +35,7 @@ class Linear:
         packed-weight AVX2 kernel, several times faster than the float dequant·dot; prefill
         stays float."""
         w = self.weight
-        if w.ggml_type in PACKED_TYPES and w.raw.ndim == 2 and has_avx2():
+        if can_pack(w.ggml_type, w.ne0) and w.raw.ndim == 2 and has_avx2():
             self.packed = pack(w.raw, w.ggml_type, w.ne0)
             self.decode = PackedMatvec([self.packed], [self.bias])
 

@@ -14,42 +14,37 @@ from sparkinfer_cli.ggml_types import GGMLType
 from sparkinfer_cli.kernels.cpu import quant
 from sparkinfer_cli.kernels.cpu.llvm_jit import has_avx2
 from sparkinfer_cli.kernels.cpu.packed_matvec import PackedMatvec
-from sparkinfer_cli.kernels.cpu.quant_packed import (
-    HIGH_1BIT,
-    HIGH_2BIT,
-    PACKED_TYPES,
-    BlockLayout,
-    pack,
-)
+from sparkinfer_cli.kernels.cpu.quant_packed import PACKED_TYPES, RecordLayout, can_pack, pack
 
 TYPES = sorted(GGMLType(t) for t in PACKED_TYPES)
 needs_avx2 = pytest.mark.skipif(not has_avx2(), reason="the packed kernel is AVX2 code")
 
 
-def dequantize_packed(blocks: np.ndarray, layout: BlockLayout) -> np.ndarray:
-    """float32 (rows, ne0) from packed blocks, following the layout in quant_packed's docstring."""
-    rows = blocks.shape[0]
-    b = blocks.reshape(-1, layout.size)  # (n_blocks, size)
-    sdt = np.float16 if layout.scale == "half" else np.float32
-    sb = np.dtype(sdt).itemsize
-    d = b[:, :layout.n_scales * sb].copy().view(sdt).astype(np.float32)  # (n_blocks, n_scales)
-    qs = b[:, layout.qs_offset:]
+def dequantize_packed(records: np.ndarray, layout: RecordLayout) -> np.ndarray:
+    """float32 (rows, ne0) from packed records, following the layout in quant_packed's
+    docstring."""
+    rows = records.shape[0]
+    r = records.reshape(-1, layout.size)  # (n_records, size)
     if layout.is_q8:
-        q = qs.view(np.int8).astype(np.float32)
-    else:
-        q = np.concatenate([qs & 15, qs >> 4], axis=1).astype(np.int32)  # (n_blocks, 32)
-        high = b[:, layout.high_offset:layout.qs_offset]
-        if layout.high == HIGH_1BIT:
-            bits = high.copy().view("<u4") >> np.arange(32, dtype=np.uint32)
-            q |= ((bits & 1) << 4).astype(np.int32)
-        elif layout.high == HIGH_2BIT:
-            fields = (high[:, None, :] >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3
-            q |= fields.reshape(-1, 32).astype(np.int32) << 4  # element j + 8g from byte j
-        q = (q - layout.bias).astype(np.float32)
-    w = q.reshape(-1, layout.n_scales, 32 // layout.n_scales) * d[:, :, None]
+        d = r[:, :2].copy().view(np.float16).astype(np.float32)  # (n, 1)
+        return (r[:, 2:].view(np.int8).astype(np.float32) * d).reshape(rows, -1)
+    n_sc = layout.n_scales
+    d = r[:, :8 * n_sc].copy().view("<f4").reshape(-1, 2, n_sc)  # (n, AB, n_scales)
+    nib = r[:, layout.nibble_offset:]  # (n, 32)
+    q = np.stack([nib & 15, nib >> 4], axis=1).astype(np.int64)  # (n, AB, 32)
+    lb = layout.low_bits
+    if lb:
+        planes = r[:, layout.low_offset:layout.nibble_offset].copy().view(
+            "<u4" if lb == 1 else "<u8").astype(np.uint64)  # (n, AB)
+        e = np.arange(32)
+        k, b = e // 4, e % 4
+        pos = (8 * b + k if lb == 1 else 32 * (k & 1) + 8 * b + 2 * (k >> 1)).astype(np.uint64)
+        low = (planes[:, :, None] >> pos) & np.uint64(2 ** lb - 1)  # (n, AB, 32)
+        q = (q << lb) | low.astype(np.int64)
+    w = (q - layout.bias).astype(np.float32).reshape(-1, 2, n_sc, 32 // n_sc) * d[..., None]
     if layout.has_m:
-        m = b[:, layout.m_offset:layout.m_offset + sb].copy().view(sdt).astype(np.float32)
-        w = w + m[:, :, None]
+        m = r[:, layout.m_offset:layout.m_offset + 8].copy().view("<f4")  # (n, AB)
+        w = w + m[:, :, None, None]
     return w.reshape(rows, -1)
 
 
@@ -74,7 +69,7 @@ def test_pack_is_lossless(t: GGMLType, rng: np.random.Generator) -> None:
     raw = random_weight(t, rng)
     w = pack(raw, t, NE0)
     want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(t))
-    got = dequantize_packed(w.blocks, w.layout)
+    got = dequantize_packed(w.records, w.layout)
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
     assert w.nbytes <= raw.nbytes * 4 // 3  # compact: at most a third above ggml's own bytes
 
@@ -120,6 +115,10 @@ def test_rejects_bad_input(rng: np.random.Generator) -> None:
     raw = random_weight(GGMLType.Q8_0, rng)
     with pytest.raises(ValueError, match="ggml types"):
         pack(raw, int(GGMLType.IQ4_NL), NE0)
+    q5 = random_weight(GGMLType.Q5_0, rng)
+    assert not can_pack(GGMLType.Q5_0, 96) and can_pack(GGMLType.Q8_0, 96)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        pack(q5.reshape(-1, 22 * 3), GGMLType.Q5_0, 96)
     with pytest.raises(ValueError, match="raw must be"):
         pack(raw[:, :-1], GGMLType.Q8_0, NE0)
     w = pack(raw, GGMLType.Q8_0, NE0)

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from sparkinfer_cli.kernels.cpu.quant import _parallel_rows
-from sparkinfer_cli.kernels.cpu.quant_packed import PackedWeight, row_kernel
-from sparkinfer_cli.kernels.cpu.quant_q8 import Q8_BLOCK, _quantize_rows
+from sparkinfer_cli.kernels.cpu.quant_packed import PackedWeight, quantize_x, row_kernel
+from sparkinfer_cli.kernels.cpu.quant_q8 import Q8_BLOCK
 
 
 class PackedMatvec:
@@ -27,9 +27,9 @@ class PackedMatvec:
         self.ne0 = ne0.pop()
         self.weights = list(weights)  # keeps the blocks alive: the kernels get raw pointers
         self.row_starts = np.cumsum([0] + [w.rows for w in weights]).tolist()
-        # per weight: kernel, weight pointer, row bytes, blocks per row
-        self._members = [(row_kernel(w.layout), w.blocks.ctypes.data, w.blocks.shape[1],
-                          self.ne0 // Q8_BLOCK) for w in weights]
+        # per weight: kernel, weight pointer, row bytes, records per row
+        self._members = [(row_kernel(w.layout), w.records.ctypes.data, w.records.shape[1],
+                          self.ne0 // (Q8_BLOCK * w.layout.blocks)) for w in weights]
         has_bias = any(b is not None for b in biases)
         self.bias = np.concatenate([np.zeros(w.rows, np.float32) if b is None else
                                     np.asarray(b, np.float32).reshape(w.rows)
@@ -44,26 +44,24 @@ class PackedMatvec:
             x = np.ascontiguousarray(x, dtype=np.float32)
             if x.shape != (1, self.ne0):
                 raise ValueError(f"x must be (1, {self.ne0}), got {x.shape}")
-        nb = self.ne0 // Q8_BLOCK
-        xq = np.empty((1, self.ne0), np.int8)  # (1, ne0)
-        xds = np.empty((2, 1, nb), np.float32)  # (xd | xs, 1, n_blocks)
-        _quantize_rows(x, xq, xds[0], xds[1])
+        xq, xds, xl = quantize_x(x)
         y = np.empty((1, self.rows), np.float32)  # (1, Σ rows)
         xd = xds.ctypes.data
-        self._run(xq.ctypes.data, xd, xd + 4 * nb, y.ctypes.data)
+        self._run(xq.ctypes.data, xd, xd + 4 * (self.ne0 // Q8_BLOCK), xl.ctypes.data,
+                  y.ctypes.data)
         if self.bias is not None:
             y += self.bias
         return y
 
-    def _run(self, xq: int, xd: int, xs: int, out: int) -> None:
+    def _run(self, xq: int, xd: int, xs: int, xl: int, out: int) -> None:
         starts, members = self.row_starts, self._members
 
         def rows(r0: int, r1: int) -> None:  # rows r0..r1 of the concatenation
-            for i, (kernel, w, row_bytes, n_blocks) in enumerate(members):
+            for i, (kernel, w, row_bytes, n_records) in enumerate(members):
                 a, b = max(r0, starts[i]), min(r1, starts[i + 1])
                 if a < b:
                     o = starts[i]
-                    kernel(w, row_bytes, xq, xd, xs, n_blocks, a - o, b - o, out + 4 * o)
+                    kernel(w, row_bytes, xq, xd, xs, xl, n_records, a - o, b - o, out + 4 * o)
 
         _parallel_rows(rows, self.rows, self.ne0)
 

@@ -1,26 +1,25 @@
-"""Decode matvec (T = 1, int8 activations) on weights kept in compact 32-element blocks.
+"""Decode matvec (T = 1, int8 activations) on weights repacked at load into compact records.
 
-Decode is bound by memory bandwidth, so the weights stay about as compact as ggml's own:
+Decode streams every weight once per token, so the packed weights stay about as small as
+ggml's, but are laid out so that the AVX2 kernel unpacks them in few instructions (bench/results:
+the kernel is compute-bound on one core at ggml's own layouts). Q8_0 keeps its GGUF rows
+(zero-copy). Every other type is unpacked losslessly (quant_repack's unpackers) to unsigned
+quants q in 0..2^bits-1, a float32 scale d per 32 (Q6_K: per 16) and an offset m (Q4_1, Q5_1,
+K-quants), with value = (q - bias)·d + m, bit for bit ggml's, and stored as records of two
+32-blocks A and B:
 
-    Q4_0 Q4_1 Q5_0 Q5_1 Q8_0   the GGUF rows themselves, zero-copy
-    Q4_K Q5_K                  repacked at load into Q4_1/Q5_1-like blocks whose d (= d·sc) and
-                               m (= -dmin·mn) are float32       (0.75 / 0.875 bytes per weight)
-    Q6_K                       repacked into blocks of two float32 scales d·sc, one per 16
-                               elements, 4 low and 2 high bits per quant           (1 byte)
+    [d_A d_B (Q6_K: 2 each), float32] [m_A m_B, float32]? [low bits of A, of B]? [32 nibble bytes]
 
-so that q·d + m is ggml's dequantized value bit for bit. A block is
+Byte i of the nibble bytes holds q_A[i] >> lb (low nibble) and q_B[i] >> lb (high nibble), lb =
+0 (Q4_*), 1 (Q5_*) or 2 (Q6_K) low bits kept apart: with element e = 4k + b (k = 0..7, b = 0..3),
+a 1-bit plane (uint32) holds q & 1 at bit 8b + k, a 2-bit plane (uint64) holds q & 3 at bit
+32·(k & 1) + 8b + 2·(k >> 1), so that one variable shift per 32-bit lane k lines them up
+(0.75-1.0 bytes per weight, against ggml's 0.56-0.82).
 
-    [d]{1,2} [m]? [high bits: 4 bytes (1 per quant) | 8 bytes (2 per quant)]? [qs]
-
-byte i of the 16 qs bytes holds element i (low nibble) and i + 16 (high nibble); bit i of the
-4 high bytes (little-endian) is bit 4 of element i; bits 2g, 2g+1 of high byte j are bits 4, 5 of
-element j + 8g. Q8_0's qs is 32 int8.
-
-The row kernel is LLVM IR for AVX2 (llvm_jit): a block is unpacked to 32 int8 quants in
-registers and multiplied with x's int8 quants (quant_q8.quantize_q8, blocks of 32) by vpmaddubsw +
-vpmaddwd into 8 int32 lanes, which are scaled and accumulated in 8 float lanes. Unsigned nibble
-quants go straight into vpmaddubsw and their bias joins the offset term, (m - bias·d)·xs with
-xs = xd·Σxq; signed ones (Q8_0, Q6_K) use llama.cpp's sign trick.
+The row kernel (LLVM IR, llvm_jit) multiplies the unsigned quants with x's int8 quants
+(quant_q8's rounding, blocks of 32) by vpmaddubsw + vpmaddwd into 8 int32 lanes, lane k summing
+elements 4k..4k+3, subtracts bias·Σxq per lane (exact integers), and scales and accumulates in
+float32 lanes; offsets add m·xd·Σxq. Q8_0 uses llama.cpp's sign trick instead.
 """
 
 from __future__ import annotations
@@ -30,116 +29,136 @@ from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
+from numba import njit
 
 from sparkinfer_cli.ggml_types import BLOCK_GEOMETRY, row_bytes
 from sparkinfer_cli.kernels.cpu import llvm_jit
 from sparkinfer_cli.kernels.cpu.quant import _readonly
 from sparkinfer_cli.kernels.cpu.quant_blocks import Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
-from sparkinfer_cli.kernels.cpu.quant_repack import _k_quant, _q6_k
-
-F16, F32 = "half", "float"
-NO_HIGH, HIGH_1BIT, HIGH_2BIT = 0, 4, 8  # bytes of high bits per block
+from sparkinfer_cli.kernels.cpu.quant_q8 import Q8_BLOCK, _quantize_rows
+from sparkinfer_cli.kernels.cpu.quant_repack import _UNPACK
 
 
 @dataclass(frozen=True)
-class BlockLayout:
-    """One 32-element block: q = (nibble | high bits << 4) - bias, or 32 int8 when is_q8."""
-    size: int  # bytes per block
-    scale: str  # F16 or F32: the type of d and m
-    n_scales: int  # 1, or 2 (elements 0..15 and 16..31)
-    has_m: bool  # an offset m after the scales: value = q·d + m
-    high: int  # NO_HIGH, HIGH_1BIT or HIGH_2BIT
-    bias: int
-    is_q8: bool = False
-
-    @property
-    def scale_bytes(self) -> int:
-        return 2 if self.scale == F16 else 4
+class RecordLayout:
+    """A record of `blocks` 32-element blocks (2, or 1 for Q8_0's own GGUF block)."""
+    blocks: int
+    n_scales: int  # per block: 1, or 2 (elements 0..15 and 16..31)
+    has_m: bool
+    low_bits: int  # bits of q below the nibble: 0, 1 or 2
+    bias: int  # a power of two, or 0
+    is_q8: bool = False  # Q8_0: [d float16][32 int8]
 
     @property
     def m_offset(self) -> int:
-        return self.n_scales * self.scale_bytes
+        return 4 * self.blocks * self.n_scales
 
     @property
-    def high_offset(self) -> int:
-        return self.m_offset + (self.scale_bytes if self.has_m else 0)
+    def low_offset(self) -> int:
+        return self.m_offset + (4 * self.blocks if self.has_m else 0)
 
     @property
-    def qs_offset(self) -> int:
-        return self.high_offset + self.high
+    def nibble_offset(self) -> int:
+        return self.low_offset + self.blocks * 4 * self.low_bits
 
     @property
-    def is_signed(self) -> bool:
-        """Quants with a sign bit (or 6 bits: |q - bias|·x pairs would overflow vpmaddubsw)."""
-        return self.is_q8 or self.high == HIGH_2BIT
+    def size(self) -> int:
+        return 34 if self.is_q8 else self.nibble_offset + 32
 
 
-LAYOUTS: dict[int, BlockLayout] = {
-    Q4_0: BlockLayout(18, F16, 1, False, NO_HIGH, 8),
-    Q4_1: BlockLayout(20, F16, 1, True, NO_HIGH, 0),
-    Q5_0: BlockLayout(22, F16, 1, False, HIGH_1BIT, 16),
-    Q5_1: BlockLayout(24, F16, 1, True, HIGH_1BIT, 0),
-    Q8_0: BlockLayout(34, F16, 1, False, NO_HIGH, 0, is_q8=True),
-    Q4_K: BlockLayout(24, F32, 1, True, NO_HIGH, 0),
-    Q5_K: BlockLayout(28, F32, 1, True, HIGH_1BIT, 0),
-    Q6_K: BlockLayout(32, F32, 2, False, HIGH_2BIT, 32),
+LAYOUTS: dict[int, RecordLayout] = {
+    Q4_0: RecordLayout(2, 1, False, 0, 8),
+    Q4_1: RecordLayout(2, 1, True, 0, 0),
+    Q5_0: RecordLayout(2, 1, False, 1, 16),
+    Q5_1: RecordLayout(2, 1, True, 1, 0),
+    Q8_0: RecordLayout(1, 1, False, 0, 0, is_q8=True),
+    Q4_K: RecordLayout(2, 1, True, 0, 0),
+    Q5_K: RecordLayout(2, 1, True, 1, 0),
+    Q6_K: RecordLayout(2, 2, False, 2, 32),
 }
 PACKED_TYPES: frozenset[int] = frozenset(LAYOUTS)
 
 
 @dataclass(frozen=True)
 class PackedWeight:
-    blocks: np.ndarray  # uint8 (rows, ne0 / 32 · layout.size)
+    records: np.ndarray  # uint8 (rows, ne0 / (32 · layout.blocks) · layout.size)
     ne0: int
-    layout: BlockLayout
+    layout: RecordLayout
 
     @property
     def rows(self) -> int:
-        return self.blocks.shape[0]
+        return self.records.shape[0]
 
     @property
     def nbytes(self) -> int:
-        return self.blocks.nbytes
+        return self.records.nbytes
+
+
+def can_pack(ggml_type: int, ne0: int) -> bool:
+    """Whether pack takes this type and row length (records of 64 need ne0 % 64 == 0)."""
+    return ggml_type in LAYOUTS and ne0 % (32 * LAYOUTS[ggml_type].blocks) == 0
 
 
 def pack(raw: np.ndarray, ggml_type: int, ne0: int) -> PackedWeight:
-    """raw uint8 (rows, row_bytes) as GGUFFile.raw gives it → PackedWeight (a view of raw for
-    the legacy types, a lossless repack for the K-quants)."""
-    if ggml_type not in LAYOUTS:
-        raise ValueError(f"pack supports ggml types {sorted(LAYOUTS)}, got {ggml_type}")
+    """raw uint8 (rows, row_bytes) as GGUFFile.raw gives it → PackedWeight, lossless."""
+    if not can_pack(ggml_type, ne0):
+        raise ValueError(f"pack supports ggml types {sorted(LAYOUTS)} with ne0 a multiple of "
+                         f"64 (Q8_0: 32), got type {ggml_type}, ne0 {ne0}")
     if raw.ndim != 2 or raw.shape[1] != row_bytes(ggml_type, ne0):
         raise ValueError(f"raw must be (rows, {row_bytes(ggml_type, ne0)}) uint8, got {raw.shape}")
     layout = LAYOUTS[ggml_type]
-    if ggml_type in (Q4_K, Q5_K, Q6_K):
-        raw = _repack_k(raw, ggml_type, layout)
+    if not layout.is_q8:
+        raw = _records(raw, ggml_type, layout)
     return PackedWeight(_readonly(np.ascontiguousarray(raw)), ne0, layout)
 
 
-def _repack_k(raw: np.ndarray, ggml_type: int, layout: BlockLayout) -> np.ndarray:
-    """K-quant superblocks → this module's 32-blocks: uint8 (rows, n_blocks · layout.size)."""
-    superblocks = np.ascontiguousarray(raw).reshape(-1, BLOCK_GEOMETRY[ggml_type][1])
-    if ggml_type == Q6_K:
-        q, d, m = _q6_k(superblocks)  # q (n_super, 256) in -32..31; d (n_super, 16)
-        q = q + 32
-    else:
-        q, d, m = _k_quant(superblocks, layout.high == HIGH_1BIT)  # d, m (n_super, 8)
-    q = q.reshape(-1, 32).astype(np.uint8)  # (n_blocks, 32) unsigned quants
-    parts = [_bytes(d, np.float32, layout.n_scales)]
+def _records(raw: np.ndarray, ggml_type: int, layout: RecordLayout) -> np.ndarray:
+    """ggml blocks → records: uint8 (rows, n_records · layout.size)."""
+    q, d, m = _UNPACK[ggml_type][1](np.ascontiguousarray(raw).reshape(
+        -1, BLOCK_GEOMETRY[ggml_type][1]))
+    q = (q.astype(np.int16) + layout.bias).astype(np.uint8).reshape(-1, 2, 32)  # (n_rec, AB, e)
+    parts = [_bytes(d, "<f4", 2 * layout.n_scales)]
     if layout.has_m:
-        parts.append(_bytes(m, np.float32, 1))
-    if layout.high == HIGH_1BIT:
-        bits = (q >> 4).astype(np.uint32) << np.arange(32, dtype=np.uint32)  # (n_blocks, 32)
-        parts.append(_bytes(bits.sum(axis=1, dtype=np.uint32), "<u4", 1))
-    elif layout.high == HIGH_2BIT:
-        fields = (q >> 4).reshape(-1, 4, 8) << np.array([0, 2, 4, 6], np.uint8)[:, None]
-        parts.append(np.bitwise_or.reduce(fields, axis=1))  # (n_blocks, 8)
-    parts.append((q[:, :16] & 15) | ((q[:, 16:] & 15) << 4))  # (n_blocks, 16)
-    return np.concatenate(parts, axis=1).reshape(raw.shape[0], -1)  # (rows, n_blocks · size)
+        parts.append(_bytes(m, "<f4", 2))
+    lb = layout.low_bits
+    if lb:
+        e = np.arange(32)
+        k, b = e // 4, e % 4
+        pos = 8 * b + k if lb == 1 else 32 * (k & 1) + 8 * b + 2 * (k >> 1)  # (32,)
+        low = (q & (2 ** lb - 1)).astype(np.uint64) << pos.astype(np.uint64)  # (n_rec, AB, e)
+        plane = low.sum(axis=2, dtype=np.uint64)  # (n_rec, AB)
+        parts.append(_bytes(plane, "<u4" if lb == 1 else "<u8", 2))
+    parts.append((q[:, 0] >> lb) | ((q[:, 1] >> lb) << 4))  # (n_rec, 32)
+    return np.concatenate(parts, axis=1).reshape(raw.shape[0], -1)
 
 
-def _bytes(a: np.ndarray, dtype: type | str, per_block: int) -> np.ndarray:
-    """per_block values of each 32-block as uint8 (n_blocks, itemsize · per_block)."""
-    return np.ascontiguousarray(a, dtype=dtype).reshape(-1, per_block).view(np.uint8)
+def _bytes(a: np.ndarray, dtype: str, per_record: int) -> np.ndarray:
+    """per_record values of each record as uint8 (n_records, itemsize · per_record)."""
+    return np.ascontiguousarray(a, dtype=dtype).reshape(-1, per_record).view(np.uint8)
+
+
+# ---- activations -------------------------------------------------------------------------------
+
+@njit(cache=True, nogil=True)
+def _quantize_with_lane_sums(x, xq, xd, xs, xl):
+    """quant_q8's quantization of x (1, ne0), plus xl (n_blocks, 8): Σ of xq over each 4."""
+    _quantize_rows(x, xq, xd, xs)
+    for b in range(xl.shape[0]):
+        for k in range(8):
+            e = 32 * b + 4 * k
+            xl[b, k] = (np.int32(xq[0, e]) + np.int32(xq[0, e + 1]) + np.int32(xq[0, e + 2])
+                        + np.int32(xq[0, e + 3]))
+
+
+def quantize_x(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x float32 (1, ne0) → xq int8 (1, ne0), xds float32 (2, 1, n_blocks) = (xd, xs),
+    xl int32 (n_blocks, 8): what the row kernel reads."""
+    nb = x.shape[1] // Q8_BLOCK
+    xq = np.empty(x.shape, np.int8)  # (1, ne0)
+    xds = np.empty((2, 1, nb), np.float32)  # (xd | xs, 1, n_blocks)
+    xl = np.empty((nb, 8), np.int32)  # (n_blocks, lanes)
+    _quantize_with_lane_sums(x, xq, xds[0], xds[1], xl)
+    return xq, xds, xl
 
 
 # ---- kernel -----------------------------------------------------------------------------------
@@ -148,105 +167,112 @@ def _vec(ty: str, values: list[int]) -> str:
     return "<" + ", ".join(f"{ty} {v}" for v in values) + ">"
 
 
-def _i8s(v: int, n: int = 32) -> str:
-    return _vec("i8", [v] * n)
+def _i8s(v: int) -> str:
+    return _vec("i8", [v] * 32)
 
 
-def _load_scale(name: str, offset: int, scale: str) -> str:
-    """IR: float %{name} read from the block at byte offset."""
-    ir = (f"  %{name}p = getelementptr i8, ptr %bp, i64 {offset}\n"
-          f"  %{name}r = load {scale}, ptr %{name}p, align 1\n")
-    if scale == F16:
-        return ir + f"  %{name} = fpext half %{name}r to float\n"
-    return ir + f"  %{name} = fadd float %{name}r, -0.0\n"
+def _at(name: str, offset: int | str) -> str:
+    """IR: %{name} = pointer offset bytes into the record."""
+    return f"  %{name} = getelementptr i8, ptr %rp, i64 {offset}\n"
 
 
-def _high_bits(layout: BlockLayout) -> str:
-    """IR: <32 x i8> %hb, each quant's high bits already shifted to bit 4 (and 5)."""
-    ir = f"  %hp = getelementptr i8, ptr %bp, i64 {layout.high_offset}\n"
-    if layout.high == HIGH_1BIT:  # byte i // 8 to lane i, tested against bit i % 8
-        masks = [(1 << (i % 8)) - (256 if i % 8 == 7 else 0) for i in range(32)]
-        return ir + ("  %h = load <4 x i8>, ptr %hp, align 1\n"
-                     "  %hx = shufflevector <4 x i8> %h, <4 x i8> poison, <32 x i32> "
-                     + _vec("i32", [i // 8 for i in range(32)]) + "\n"
-                     f"  %hm = and <32 x i8> %hx, {_vec('i8', masks)}\n"
-                     "  %hs = icmp ne <32 x i8> %hm, zeroinitializer\n"
-                     f"  %hb = select <32 x i1> %hs, <32 x i8> {_i8s(16)}, <32 x i8> {_i8s(0)}\n")
-    # 8 bytes to each quarter of the lanes; quarter g shifts its fields 2g down (dword shifts:
-    # the bits a byte takes from its neighbour are masked off)
-    return ir + ("  %h = load <8 x i8>, ptr %hp, align 1\n"
-                 "  %hx = shufflevector <8 x i8> %h, <8 x i8> poison, <32 x i32> "
-                 + _vec("i32", [i % 8 for i in range(32)]) + "\n"
-                 "  %hd = bitcast <32 x i8> %hx to <8 x i32>\n"
-                 "  %hsh = lshr <8 x i32> %hd, " + _vec("i32", [0, 0, 2, 2, 4, 4, 6, 6]) + "\n"
-                 "  %h8 = bitcast <8 x i32> %hsh to <32 x i8>\n"
-                 f"  %h3 = and <32 x i8> %h8, {_i8s(3)}\n  %hb = shl <32 x i8> %h3, {_i8s(4)}\n")
+def _quants(lay: RecordLayout, j: int) -> str:
+    """IR: <32 x i8> %q{j}: block j's unsigned quants (Q8_0: signed)."""
+    if lay.is_q8:
+        return _at(f"qp{j}", 2) + f"  %q{j} = load <32 x i8>, ptr %qp{j}, align 1\n"
+    lb, mask = lay.low_bits, _i8s(15 << lay.low_bits)
+    shift = f"shl <32 x i8> %nib, {_i8s(lb)}" if j == 0 else f"lshr <32 x i8> %nib, {_i8s(4 - lb)}"
+    ir = f"  %n{j}s = {shift}\n  %n{j} = and <32 x i8> %n{j}s, {mask}\n"
+    if not lb:
+        return ir.replace(f"%n{j} =", f"%q{j} =")
+    lanes = [0, 1, 2, 3, 4, 5, 6, 7] if lb == 1 else [0, 0, 2, 2, 4, 4, 6, 6]
+    ty = "i32" if lb == 1 else "i64"
+    n = 8 if lb == 1 else 4
+    ir += (_at(f"lp{j}", lay.low_offset + 4 * lb * j)
+           + f"  %l{j} = load {ty}, ptr %lp{j}, align 1\n"
+           f"  %l{j}i = insertelement <{n} x {ty}> poison, {ty} %l{j}, i32 0\n"
+           f"  %l{j}v = shufflevector <{n} x {ty}> %l{j}i, <{n} x {ty}> poison, <{n} x i32> "
+           "zeroinitializer\n"
+           f"  %l{j}d = bitcast <{n} x {ty}> %l{j}v to <8 x i32>\n"
+           f"  %l{j}s = lshr <8 x i32> %l{j}d, {_vec('i32', lanes)}\n"
+           f"  %l{j}b = bitcast <8 x i32> %l{j}s to <32 x i8>\n"
+           f"  %l{j}m = and <32 x i8> %l{j}b, {_i8s(2 ** lb - 1)}\n")
+    return ir + f"  %q{j} = or <32 x i8> %n{j}, %l{j}m\n"
 
 
-def _unpack_quants(layout: BlockLayout) -> str:
-    """IR: <32 x i8> %qv, the block's quants (unsigned for nibble types, before the bias)."""
-    ir = f"  %qsp = getelementptr i8, ptr %bp, i64 {layout.qs_offset}\n"
-    if layout.is_q8:
-        return ir + "  %qv = load <32 x i8>, ptr %qsp, align 1\n"
-    ir += ("  %qs = load <16 x i8>, ptr %qsp, align 1\n"
-           f"  %lo = and <16 x i8> %qs, {_i8s(15, 16)}\n  %hi = lshr <16 x i8> %qs, {_i8s(4, 16)}\n"
-           "  %nib = shufflevector <16 x i8> %lo, <16 x i8> %hi, <32 x i32> "
-           + _vec("i32", list(range(32))) + "\n")
-    if layout.high == NO_HIGH:
-        return ir.replace("%nib =", "%qv =")
-    return ir + _high_bits(layout) + "  %qv = or <32 x i8> %nib, %hb\n"
-
-
-def _int_dot(layout: BlockLayout) -> str:
-    """IR: <8 x i32> %s; lane k = Σ q·xq over elements 4k..4k+3 (signed q: bias removed)."""
-    ir, qa, xa = "", "%qv", "%xv"  # unsigned quants go into vpmaddubsw as they are
-    if layout.is_signed:  # llama.cpp's sign trick: |q| (≤ 128, unsigned) · (x with q's sign)
-        q, qa, xa = "%qv", "%qa", "%xa"
-        if not layout.is_q8:
-            ir, q = f"  %qb = sub <32 x i8> %qv, {_i8s(layout.bias)}\n", "%qb"
-        ir += (f"  %qa = call <32 x i8> @llvm.abs.v32i8(<32 x i8> {q}, i1 false)\n"
-               f"  %xa = call <32 x i8> @llvm.x86.avx2.psign.b(<32 x i8> %xv, <32 x i8> {q})\n")
+def _int_dot(lay: RecordLayout, j: int) -> str:
+    """IR: <8 x i32> %s{j}; lane k = Σ (q - bias)·xq over elements 4k..4k+3 of block j."""
+    ir, qa, xa = "", f"%q{j}", f"%xv{j}"
+    if lay.is_q8:  # llama.cpp's sign trick: |q| (≤ 128, unsigned) · (x with q's sign)
+        qa, xa = f"%qa{j}", f"%xa{j}"
+        ir = (f"  %qa{j} = call <32 x i8> @llvm.abs.v32i8(<32 x i8> %q{j}, i1 false)\n"
+              f"  %xa{j} = call <32 x i8> @llvm.x86.avx2.psign.b(<32 x i8> %xv{j}, "
+              f"<32 x i8> %q{j})\n")
     # i16 pair sums stay below 2·128·127; vpmaddwd with ones widens them to int32
-    return ir + (f"  %p16 = call <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8> {qa}, "
-                 f"<32 x i8> {xa})\n"
-                 "  %s = call <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16> %p16, <16 x i16> "
-                 + _vec("i16", [1] * 16) + ")\n")
+    ir += (f"  %p{j} = call <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8> {qa}, "
+           f"<32 x i8> {xa})\n"
+           f"  %u{j} = call <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16> %p{j}, <16 x i16> "
+           + _vec("i16", [1] * 16) + ")\n")
+    if not lay.bias:
+        return ir.replace(f"%u{j} =", f"%s{j} =")
+    log2_bias = _vec("i32", [lay.bias.bit_length() - 1] * 8)
+    return ir + (f"  %xlp{j} = getelementptr <8 x i32>, ptr %xl, i64 %b{j}\n"
+                 f"  %xl{j} = load <8 x i32>, ptr %xlp{j}, align 4\n"
+                 f"  %xb{j} = shl <8 x i32> %xl{j}, {log2_bias}\n"
+                 f"  %s{j} = sub <8 x i32> %u{j}, %xb{j}\n")
 
 
-def _scale_lanes(layout: BlockLayout) -> str:
-    """IR: <8 x float> %scv, d·xd per lane (lanes 0-3 are elements 0..15, 4-7 are 16..31)."""
-    ir = _load_scale("ds", 0, layout.scale) + "  %sc = fmul float %ds, %xds\n"
-    ir += "  %sci = insertelement <8 x float> poison, float %sc, i32 0\n"
-    if layout.n_scales == 1:
-        return ir + ("  %scv = shufflevector <8 x float> %sci, <8 x float> poison, <8 x i32> "
-                     "zeroinitializer\n")
-    return ir + (_load_scale("ds1", layout.scale_bytes, layout.scale)
-                 + "  %sc1 = fmul float %ds1, %xds\n"
-                 "  %scj = insertelement <8 x float> %sci, float %sc1, i32 1\n"
-                 "  %scv = shufflevector <8 x float> %scj, <8 x float> poison, <8 x i32> "
+def _scale_lanes(lay: RecordLayout, j: int) -> str:
+    """IR: <8 x float> %sv{j}: d·xd per lane (lanes 0-3 are elements 0..15, 4-7 are 16..31)."""
+    if lay.is_q8:
+        ir = (_at("dp0", 0) + "  %dh0 = load half, ptr %dp0, align 1\n"
+              "  %d0 = fpext half %dh0 to float\n")
+    else:
+        ir = "".join(_at(f"dp{j}{h}", 4 * (lay.n_scales * j + h))
+                     + f"  %d{j}{'' if h == 0 else h} = load float, ptr %dp{j}{h}, align 1\n"
+                     for h in range(lay.n_scales))
+    ir += f"  %sc{j} = fmul float %d{j}, %xd{j}\n"
+    ir += f"  %si{j} = insertelement <8 x float> poison, float %sc{j}, i32 0\n"
+    if lay.n_scales == 1:
+        return ir + (f"  %sv{j} = shufflevector <8 x float> %si{j}, <8 x float> poison, "
+                     "<8 x i32> zeroinitializer\n")
+    return ir + (f"  %sc{j}1 = fmul float %d{j}1, %xd{j}\n"
+                 f"  %sj{j} = insertelement <8 x float> %si{j}, float %sc{j}1, i32 1\n"
+                 f"  %sv{j} = shufflevector <8 x float> %sj{j}, <8 x float> poison, <8 x i32> "
                  + _vec("i32", [0, 0, 0, 0, 1, 1, 1, 1]) + "\n")
 
 
-def _offset_term(layout: BlockLayout) -> str:
-    """IR: %accm2 = %accm + (m - bias·d)·xs for unsigned quants (xs = xd·Σ xq of the block)."""
-    if layout.is_signed:
-        return "  %accm2 = fadd float %accm, -0.0\n"
-    ir = f"  %mt0 = fmul float %ds, -{layout.bias}.0\n"
-    if layout.has_m:
-        ir += _load_scale("ms", layout.m_offset, layout.scale) + "  %mt = fadd float %ms, %mt0\n"
-    else:
-        ir += "  %mt = fadd float %mt0, -0.0\n"
-    return ir + ("  %xsp = getelementptr float, ptr %xs, i64 %b\n  %xsv = load float, ptr %xsp\n"
-                 "  %accm2 = call float @llvm.fma.f32(float %mt, float %xsv, float %accm)\n")
+def _block(lay: RecordLayout, j: int) -> str:
+    """IR of block j of the record: %acc{j+1}, %accm{j+1} from %acc{j}, %accm{j}."""
+    ir = (f"  %b{j} = add i64 %b, {j}\n  %e{j} = shl i64 %b{j}, 5\n"
+          f"  %xp{j} = getelementptr i8, ptr %xq, i64 %e{j}\n"
+          f"  %xv{j} = load <32 x i8>, ptr %xp{j}, align 1\n"
+          f"  %xdp{j} = getelementptr float, ptr %xd, i64 %b{j}\n"
+          f"  %xd{j} = load float, ptr %xdp{j}\n")
+    ir += _quants(lay, j) + _int_dot(lay, j) + _scale_lanes(lay, j)
+    ir += (f"  %f{j} = sitofp <8 x i32> %s{j} to <8 x float>\n"
+           f"  %acc{j + 1} = call <8 x float> @llvm.fma.v8f32(<8 x float> %f{j}, "
+           f"<8 x float> %sv{j}, <8 x float> %acc{j})\n")
+    if not lay.has_m:
+        return ir + f"  %accm{j + 1} = fadd float %accm{j}, -0.0\n"
+    return ir + (_at(f"mp{j}", lay.m_offset + 4 * j)
+                 + f"  %m{j} = load float, ptr %mp{j}, align 1\n"
+                 f"  %xsp{j} = getelementptr float, ptr %xs, i64 %b{j}\n"
+                 f"  %xs{j} = load float, ptr %xsp{j}\n"
+                 f"  %accm{j + 1} = call float @llvm.fma.f32(float %m{j}, float %xs{j}, "
+                 f"float %accm{j})\n")
 
 
 # Software prefetch this far ahead in the row: measured 17-25 % faster on the 144 MB output
-# matrix, where the hardware prefetcher alone falls behind on 22-34-byte blocks.
-_PREFETCH_BYTES = 1024
+# matrix, where the hardware prefetcher alone falls behind.
+_PREFETCH_BYTES = 2048
 
 
-def _row_kernel_ir(layout: BlockLayout) -> str:
-    """void dots(w, row_bytes, xq, xd, xs, n_blocks, r0, r1, out): out[r] for r0 <= r < r1."""
+def _row_kernel_ir(lay: RecordLayout) -> str:
+    """void dots(w, row_bytes, xq, xd, xs, xl, n_records, r0, r1, out): out[r], r0 <= r < r1."""
+    R = lay.blocks
+    nib = "" if lay.is_q8 else (_at("nibp", lay.nibble_offset)
+                                + "  %nib = load <32 x i8>, ptr %nibp, align 1\n")
     return f"""
 declare <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16>, <16 x i16>)
 declare <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8>, <32 x i8>)
@@ -256,38 +282,30 @@ declare <8 x float> @llvm.fma.v8f32(<8 x float>, <8 x float>, <8 x float>)
 declare float @llvm.fma.f32(float, float, float)
 declare void @llvm.prefetch.p0(ptr, i32, i32, i32)
 declare float @llvm.vector.reduce.fadd.v8f32(float, <8 x float>)
-define void @dots(ptr %w, i64 %rb, ptr %xq, ptr %xd, ptr %xs, i64 %nb, i64 %r0, i64 %r1,
-                  ptr %out) {{
+define void @dots(ptr %w, i64 %rb, ptr %xq, ptr %xd, ptr %xs, ptr %xl, i64 %nrec, i64 %r0,
+                  i64 %r1, ptr %out) {{
 entry:
   br label %row
 row:
   %r = phi i64 [%r0, %entry], [%rn, %rowend]
   %ro = mul i64 %r, %rb
   %rowp = getelementptr i8, ptr %w, i64 %ro
-  br label %blk
-blk:
-  %b = phi i64 [0, %row], [%bn, %blk]
-  %acc = phi <8 x float> [zeroinitializer, %row], [%acc2, %blk]
-  %accm = phi float [0.0, %row], [%accm2, %blk]
-  %bo = mul i64 %b, {layout.size}
-  %bp = getelementptr i8, ptr %rowp, i64 %bo
-  %pfp = getelementptr i8, ptr %bp, i64 {_PREFETCH_BYTES}
-  call void @llvm.prefetch.p0(ptr %pfp, i32 0, i32 3, i32 1)
-  %e = shl i64 %b, 5
-  %xp = getelementptr i8, ptr %xq, i64 %e
-  %xv = load <32 x i8>, ptr %xp, align 1
-  %xdp = getelementptr float, ptr %xd, i64 %b
-  %xds = load float, ptr %xdp
-{_unpack_quants(layout)}{_int_dot(layout)}{_scale_lanes(layout)}
-  %f = sitofp <8 x i32> %s to <8 x float>
-  %acc2 = call <8 x float> @llvm.fma.v8f32(<8 x float> %f, <8 x float> %scv, <8 x float> %acc)
-{_offset_term(layout)}
-  %bn = add i64 %b, 1
-  %bc = icmp ult i64 %bn, %nb
-  br i1 %bc, label %blk, label %rowend
+  br label %rec
+rec:
+  %i = phi i64 [0, %row], [%in, %rec]
+  %acc0 = phi <8 x float> [zeroinitializer, %row], [%acc{R}, %rec]
+  %accm0 = phi float [0.0, %row], [%accm{R}, %rec]
+  %b = mul i64 %i, {R}
+  %rpo = mul i64 %i, {lay.size}
+  %rp = getelementptr i8, ptr %rowp, i64 %rpo
+{_at("pfp", _PREFETCH_BYTES)}  call void @llvm.prefetch.p0(ptr %pfp, i32 0, i32 3, i32 1)
+{nib}{"".join(_block(lay, j) for j in range(R))}
+  %in = add i64 %i, 1
+  %ic = icmp ult i64 %in, %nrec
+  br i1 %ic, label %rec, label %rowend
 rowend:
-  %sum = call float @llvm.vector.reduce.fadd.v8f32(float -0.0, <8 x float> %acc2)
-  %tot = fadd float %sum, %accm2
+  %sum = call float @llvm.vector.reduce.fadd.v8f32(float -0.0, <8 x float> %acc{R})
+  %tot = fadd float %sum, %accm{R}
   %op = getelementptr float, ptr %out, i64 %r
   store float %tot, ptr %op
   %rn = add i64 %r, 1
@@ -299,10 +317,10 @@ done:
 """
 
 
-_ARGS = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 \
+_ARGS = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 \
     + [ctypes.c_void_p]
 
 
-def row_kernel(layout: BlockLayout) -> Callable:
-    """ctypes fn(w, row_bytes, xq, xd, xs, n_blocks, r0, r1, out) for this CPU (needs AVX2)."""
+def row_kernel(layout: RecordLayout) -> Callable:
+    """ctypes fn(w, row_bytes, xq, xd, xs, xl, n_records, r0, r1, out) for this CPU (AVX2)."""
     return llvm_jit.compile_function(_row_kernel_ir(layout), "dots", _ARGS)
