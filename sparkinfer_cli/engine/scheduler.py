@@ -106,25 +106,31 @@ class Scheduler:
         exclusive = self.policy.is_exclusive_prefill
         if num_decodes >= self.config.max_batch_tokens and not exclusive:
             return []
-        budget = self.policy.prefill_budget() or self.max_step_tokens or sys.maxsize
         room = (self.max_step_tokens - (0 if exclusive else num_decodes)
                 if self.max_step_tokens else sys.maxsize)  # tokens the forward pass still takes
+        left = min(self.policy.prefill_budget() or sys.maxsize, room)  # for pieces after the 1st
         pieces: list[tuple[Request, int]] = []
         for request in self._prefill_queue():
-            remaining = request.num_tokens - (request.num_computed_tokens if request.kv else
-                                              self.kv.num_prefix_hit_tokens(request.prompt_ids))
-            piece = self.policy.prefill_piece(remaining)
-            if not pieces:
+            piece = self.policy.prefill_piece(self._num_uncomputed(request))
+            if not pieces:  # NOTE: the first piece may exceed the budget (then runs alone)
                 piece = 0 if self._must_wait(piece, num_decodes) else min(piece, room)
-            else:
-                left = min(budget, room) - sum(n for _, n in pieces)
-                piece = min(piece, left) if self.policy.is_chunking else piece * (piece <= left)
+            elif self.policy.is_chunking:
+                piece = min(piece, left)
+            elif piece > left:
+                piece = 0  # a whole prompt that does not fit waits; no later one jumps ahead
             if piece <= 0 or (request.kv is None and not self._admit(request, ops)):
                 break
             pieces.append((request, piece))
+            left -= piece
             if not self.policy.may_batch_prefills:
                 break
         return pieces
+
+    def _num_uncomputed(self, request: Request) -> int:
+        """Tokens still to compute; a request not yet admitted skips a shared-prefix hit."""
+        if request.kv is not None:
+            return request.num_tokens - request.num_computed_tokens
+        return request.num_tokens - self.kv.num_prefix_hit_tokens(request.prompt_ids)
 
     def _prefill_queue(self) -> list[Request]:
         """Running partial prefills first, then the waiting requests in policy order."""

@@ -140,7 +140,9 @@ def draw(values: np.ndarray, temperature: float, rng: np.random.Generator, ws: W
     """Position drawn from softmax(values / temperature)."""
     weights = ws.weights[:len(values)]
     np.subtract(values, values.max(), out=weights)
-    np.exp(np.divide(weights, np.float32(temperature), out=weights), out=weights)
+    if temperature != 1.0:  # NOTE: dividing by 1 changes no bit; skip the pass
+        np.divide(weights, np.float32(temperature), out=weights)
+    np.exp(weights, out=weights)
     return cumulative_search(weights, rng.random(), side="right")
 
 
