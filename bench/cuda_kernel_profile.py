@@ -22,12 +22,18 @@ from sparkinfer_cli.model.batch import SequenceBatch
 from sparkinfer_cli.model.loader import load_model
 
 
-def _short(name: str) -> str:
-    """numba's mangled kernel names → the Python function's name."""
-    parts = re.findall(r"\d+([A-Za-z_][A-Za-z0-9_]*)", name)
-    words = [p for p in parts if not p.startswith(("_3c", "closure", "locals", "dyn"))]
-    return next((w for w in words if "kernel" in w or w in ("gemv", "kv_store", "decode_split")),
-                words[-1] if words else name)[:60]
+def _kernel_name(event_name: str) -> str:
+    """'module.function' of a numba kernel from its (mangled or demangled) symbol name."""
+    if event_name.startswith("_ZN"):  # Itanium: N <len><name>... ; numba appends its ABI tags
+        parts, rest = [], event_name[3:]
+        while (m := re.match(r"(\d+)", rest)) is not None:
+            n = int(m.group(1))
+            parts.append(rest[len(m.group(1)):len(m.group(1)) + n])
+            rest = rest[len(m.group(1)) + n:]
+        parts = [re.sub(r"B\d.*$", "", p) for p in parts if p not in ("_3clocals_3e", "cudapy")]
+    else:
+        parts = re.split(r"::", re.split(r"\[abi|\(", event_name)[0])
+    return ".".join(parts[-3:])[:100]
 
 
 def main() -> None:
@@ -65,7 +71,7 @@ def main() -> None:
     per_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     for ev in prof.events():
         if ev.device_type.name == "CUDA" and ev.device_time_total > 0:
-            entry = per_name[_short(ev.name)]
+            entry = per_name[_kernel_name(ev.name)]
             entry[0] += 1
             entry[1] += ev.device_time_total
     rows = sorted(((n, c / args.steps, t / args.steps) for n, (c, t) in per_name.items()),
@@ -74,7 +80,9 @@ def main() -> None:
     result = {"preset": args.preset, "ctx": args.ctx, "wall_us_per_step": wall_us,
               "kernel_us_per_step": kernels_us,
               "launches_per_step": sum(r[1] for r in rows),
-              "kernels": [{"name": n, "per_step": c, "us_per_step": t} for n, c, t in rows]}
+              "kernels": [{"name": n, "per_step": c, "us_per_step": t} for n, c, t in rows],
+              "raw_names": sorted({ev.name[:300] for ev in prof.events()
+                                   if ev.device_type.name == "CUDA"})}
     print(f"step {wall_us:.0f} µs wall, kernels {kernels_us:.0f} µs, "
           f"{result['launches_per_step']:.0f} launches")
     for n, c, t in rows:

@@ -6,7 +6,8 @@ p of a sequence lives in block block_table[seq, p // block_size] at offset p % b
 runs in two kernels so the graph shape never depends on the context length (a prefill runs as one
 query row per token, row_seq naming each row's sequence and seq_lens = position + 1):
   1. grid (n_heads, n_seqs, n_splits): each block scans keys [split·split_len, +split_len) of its
-     sequence with one online softmax per warp, and writes a partial (max, sum, unnormalised out);
+     sequence, CHUNK keys at a time (one per thread: every key's K row is read in parallel) with
+     an online softmax, and writes a partial (max, sum, unnormalised out);
   2. grid (n_heads, n_seqs): merge the partials of all splits (empty splits carry max = -inf).
 """
 
@@ -16,73 +17,95 @@ import functools
 import math
 
 import numpy as np
-from numba import cuda, float32
+from numba import cuda, float32, int32
 
+from sparkinfer_cli.kernels.cuda.intrinsics import bits_to_f32, f16_bits_to_f32, ld_v4_u32
 from sparkinfer_cli.kernels.cuda.launch import cdiv, check_array
-from sparkinfer_cli.kernels.cuda.warp import warp_sum
+from sparkinfer_cli.kernels.cuda.warp import block_max, block_sum
 
-WARPS = 4
+CHUNK = 128  # keys scored at once: one per thread
+WARPS = CHUNK // 32
+
+
+@cuda.jit(device=True, inline=True)
+def _dot_q(q_sh, cache, off, head_dim, f16):
+    """Σ_d q_sh[d]·cache[off + d], reading the cached row 16 bytes at a time."""
+    s = float32(0.0)
+    if f16:
+        for d in range(0, head_dim, 8):
+            w = ld_v4_u32(cache, 2 * (off + d))
+            for j in range(4):
+                s += q_sh[d + 2 * j] * f16_bits_to_f32(w[j] & 0xFFFF)
+                s += q_sh[d + 2 * j + 1] * f16_bits_to_f32(w[j] >> 16)
+    else:
+        for d in range(0, head_dim, 4):
+            w = ld_v4_u32(cache, 4 * (off + d))
+            for j in range(4):
+                s += q_sh[d + j] * bits_to_f32(w[j])
+    return s
 
 
 @functools.cache
-def _split_kernel(head_dim: int):
+def _split_kernel(head_dim: int, f16: bool):
     per_lane = head_dim // 32
-    acc_len = WARPS * head_dim
 
     @cuda.jit(fastmath=True)
     def decode_split(q, k_cache, v_cache, block_table, max_blocks, row_seq, seq_lens, n_kv,
                      block_size, split_len, scale, part_m, part_l, part_acc):
-        # seq = query row; its keys are those of sequence row_seq[seq] (block-table row)
+        # One block per (head, query row, split), keys in chunks of CHUNK: thread t scores key
+        # t of the chunk (its whole K row), the block agrees on the running max, then warp w
+        # accumulates p·V over keys w, w + WARPS, ..., lane l owning dims [l·per_lane, +per_lane).
         h, seq, split = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
         n_heads, n_splits = cuda.gridDim.x, cuda.gridDim.z
-        warp, lane = cuda.threadIdx.x // 32, cuda.threadIdx.x % 32
+        tid = cuda.threadIdx.x
+        warp, lane = tid // 32, tid % 32
         kv_head = h // (n_heads // n_kv)
         table = row_seq[seq] * max_blocks
-        qv = cuda.local.array(per_lane, float32)  # (head_dim / 32,)
-        acc = cuda.local.array(per_lane, float32)
+        q_sh = cuda.shared.array(head_dim, float32)
+        p_sh = cuda.shared.array(CHUNK, float32)
+        row_sh = cuda.shared.array(CHUNK, int32)  # element offset of each chunk key's row
+        scratch = cuda.shared.array(33, float32)
+        acc_sh = cuda.shared.array(WARPS * head_dim, float32)  # (warps, head_dim)
+        for d in range(tid, head_dim, CHUNK):
+            q_sh[d] = q[(seq * n_heads + h) * head_dim + d] * scale
+        acc = cuda.local.array(per_lane, float32)  # (head_dim / 32,)
         for e in range(per_lane):
-            qv[e] = q[(seq * n_heads + h) * head_dim + lane * per_lane + e] * scale
             acc[e] = 0.0
         m, l_sum = float32(-math.inf), float32(0.0)
-        start = split * split_len
-        for t in range(start + warp, min(seq_lens[seq], start + split_len), WARPS):
-            blk = block_table[table + t // block_size]
-            base = ((blk * block_size + t % block_size) * n_kv + kv_head) * head_dim
-            base += lane * per_lane
-            s = float32(0.0)
-            for e in range(per_lane):
-                s += qv[e] * float32(k_cache[base + e])
-            s = warp_sum(s)
-            m_new = max(m, s)
-            corr = math.exp(m - m_new)
-            p = math.exp(s - m_new)
-            l_sum = l_sum * corr + p
-            for e in range(per_lane):
-                acc[e] = acc[e] * corr + p * float32(v_cache[base + e])
-            m = m_new
-        sm_m = cuda.shared.array(WARPS, float32)
-        sm_l = cuda.shared.array(WARPS, float32)
-        sm_acc = cuda.shared.array(acc_len, float32)  # (warps, head_dim)
-        if lane == 0:
-            sm_m[warp] = m
-            sm_l[warp] = l_sum
-        for e in range(per_lane):
-            sm_acc[warp * head_dim + lane * per_lane + e] = acc[e]
+        end = min(seq_lens[seq], (split + 1) * split_len)
         cuda.syncthreads()
-        m_all = sm_m[0]
-        for w in range(1, WARPS):
-            m_all = max(m_all, sm_m[w])
+        for c0 in range(split * split_len, end, CHUNK):
+            t = c0 + tid
+            s = float32(-math.inf)
+            if t < end:
+                blk = block_table[table + t // block_size]
+                row_sh[tid] = ((blk * block_size + t % block_size) * n_kv + kv_head) * head_dim
+                s = _dot_q(q_sh, k_cache, row_sh[tid], head_dim, f16)
+            m_new = max(m, block_max(s, scratch))
+            corr = math.exp(m - m_new)  # m = -inf on the first chunk: corr = 0
+            p = math.exp(s - m_new) if t < end else float32(0.0)
+            p_sh[tid] = p
+            l_sum = l_sum * corr + block_sum(p, scratch)  # its barriers publish p_sh, row_sh
+            for e in range(per_lane):
+                acc[e] *= corr
+            for j in range(warp, min(CHUNK, end - c0), WARPS):
+                pj, off = p_sh[j], row_sh[j] + lane * per_lane
+                for e in range(per_lane):
+                    acc[e] += pj * float32(v_cache[off + e])
+            m = m_new
+            cuda.syncthreads()  # before the next chunk overwrites p_sh / row_sh
+        for e in range(per_lane):
+            acc_sh[warp * head_dim + lane * per_lane + e] = acc[e]
+        cuda.syncthreads()
         part = (seq * n_heads + h) * n_splits + split
-        for d in range(cuda.threadIdx.x, head_dim, cuda.blockDim.x):
-            num, den = float32(0.0), float32(0.0)
+        for d in range(tid, head_dim, CHUNK):
+            total = float32(0.0)
             for w in range(WARPS):
-                c = math.exp(sm_m[w] - m_all) if sm_m[w] > -math.inf else float32(0.0)
-                num += c * sm_acc[w * head_dim + d]
-                den += c * sm_l[w]
-            part_acc[part * head_dim + d] = num
-            if d == 0:
-                part_m[part] = m_all
-                part_l[part] = den
+                total += acc_sh[w * head_dim + d]
+            part_acc[part * head_dim + d] = total
+        if tid == 0:
+            part_m[part] = m
+            part_l[part] = l_sum
     return decode_split
 
 
@@ -136,7 +159,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, out, ws: 
         row_seq = _identity_rows(n_seqs)
     check_array("row_seq", row_seq, np.int32, (n_seqs,))
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    _split_kernel(head_dim)[(n_heads, n_seqs, ws.n_splits), 32 * WARPS, stream](
+    f16 = k_cache.dtype == np.float16
+    _split_kernel(head_dim, f16)[(n_heads, n_seqs, ws.n_splits), CHUNK, stream](
         q.reshape(q.size), k_cache.reshape(k_cache.size), v_cache.reshape(v_cache.size),
         block_table.reshape(block_table.size), block_table.shape[1], row_seq, seq_lens, n_kv,
         block_size, ws.split_len,

@@ -1,22 +1,24 @@
 """RMSNorm on the GPU: plain, fused with the residual add (or the MoE combine), gated by silu(z).
 
-Rows are independent: one block per row of `d` elements. The same kernel serves per-head q/k norms
+Rows are independent: one block per row of `d` elements, held in registers between the sum of
+squares and the scaling. The same kernel serves per-head q/k norms
 (rows = tokens × heads, d = head_dim) since the weight index is the position within the row.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
 from numba import cuda, float32
 
 from sparkinfer_cli.kernels.cuda.intrinsics import IS_SIMULATOR
-from sparkinfer_cli.kernels.cuda.launch import check_array
+from sparkinfer_cli.kernels.cuda.launch import cdiv, check_array
 from sparkinfer_cli.kernels.cuda.quant_gemv import store_q8
 from sparkinfer_cli.kernels.cuda.warp import block_sum
 
-THREADS = 32 if IS_SIMULATOR else 256  # kernels are blockDim-generic; the simulator is slow
+MAX_THREADS = 32 if IS_SIMULATOR else 512  # threads per row (the simulator is slow)
 
 
 # modes: what the first pass adds into the row before normalising
@@ -34,42 +36,52 @@ def _moe_sum(x, moe_w, k, shared, gate, row, i, d, with_shared):
     return acc
 
 
-@cuda.jit(fastmath=True)
-def _rms_norm_kernel(x, residual, w, out, d, eps, mode, quantize, xq, xd, xs, moe_w, k, shared,
-                     gate):
-    # PLAIN: out = norm(x)·w;  ADD: h = x + residual, residual ← h, out = norm(h)·w;
-    # SILU_GATE: out = norm(x)·w·silu(residual)  (residual holds the gate z);
-    # MOE(_SHARED): as ADD with x = the MoE output: x holds each row's k expert outputs, combined
-    # with weights moe_w (+ the shared expert, gated by sigmoid(gate)).
-    # quantize: also write out as int8 per 32 elements (quant_gemv's q8 activations); the second
-    # loop then runs whole warps over rows of d % 32 == 0 so each warp owns one 32-block per pass.
-    scratch = cuda.shared.array(33, float32)
-    row = cuda.blockIdx.x
-    base = row * d
-    accumulates = mode == ADD or mode >= MOE
-    partial = float32(0.0)
-    for i in range(cuda.threadIdx.x, d, cuda.blockDim.x):
-        if mode >= MOE:
-            v = _moe_sum(x, moe_w, k, shared, gate, row, i, d, mode == MOE_SHARED)
-        else:
-            v = x[base + i]
-        if accumulates:
-            v += residual[base + i]
-            residual[base + i] = v
-        partial += v * v
-    inv = float32(1.0) / math.sqrt(block_sum(partial, scratch) / float32(d) + eps)
-    for start in range(0, d, cuda.blockDim.x):
-        i = start + cuda.threadIdx.x
-        y = float32(0.0)
-        if i < d:
-            v = residual[base + i] if accumulates else x[base + i]
-            y = v * inv * w[i]
-            if mode == SILU_GATE:
-                z = residual[base + i]
-                y *= z / (float32(1.0) + math.exp(-z))
-            out[base + i] = y
-        if quantize and start + cuda.threadIdx.x // 32 * 32 < d:
-            store_q8(y, base + i, xq, xd, xs)
+@functools.cache
+def _norm_kernel(per_thread: int, k: int):
+    """per_thread: elements each thread keeps in registers; k: experts of the MOE modes (a
+    compile-time count, so their loads unroll)."""
+
+    @cuda.jit(fastmath=True)
+    def rms_norm(x, residual, w, out, d, eps, mode, quantize, xq, xd, xs, moe_w, shared, gate):
+        # PLAIN: out = norm(x)·w;  ADD: h = x + residual, residual ← h, out = norm(h)·w;
+        # SILU_GATE: out = norm(x)·w·silu(residual)  (residual holds the gate z);
+        # MOE(_SHARED): as ADD with x = the MoE output: x holds each row's k expert outputs,
+        # combined with weights moe_w (+ the shared expert, gated by sigmoid(gate)).
+        # Thread t owns elements t + j·blockDim. quantize: also write out as int8 per 32 elements
+        # (quant_gemv's q8 activations): with d % 32 == 0 each warp holds whole 32-blocks.
+        scratch = cuda.shared.array(33, float32)
+        vals = cuda.local.array(per_thread, float32)
+        tid, n_threads = cuda.threadIdx.x, cuda.blockDim.x
+        row = cuda.blockIdx.x
+        base = row * d
+        accumulates = mode == ADD or mode >= MOE
+        partial = float32(0.0)
+        for j in range(per_thread):
+            i = tid + j * n_threads
+            v = float32(0.0)
+            if i < d:
+                if mode >= MOE:
+                    v = _moe_sum(x, moe_w, k, shared, gate, row, i, d, mode == MOE_SHARED)
+                else:
+                    v = x[base + i]
+                if accumulates:
+                    v += residual[base + i]
+                    residual[base + i] = v
+            vals[j] = v
+            partial += v * v
+        inv = float32(1.0) / math.sqrt(block_sum(partial, scratch) / float32(d) + eps)
+        for j in range(per_thread):
+            i = tid + j * n_threads
+            y = float32(0.0)
+            if i < d:
+                y = vals[j] * inv * w[i]
+                if mode == SILU_GATE:
+                    z = residual[base + i]
+                    y *= z / (float32(1.0) + math.exp(-z))
+                out[base + i] = y
+            if quantize and j * n_threads + tid // 32 * 32 < d:
+                store_q8(y, base + i, xq, xd, xs)
+    return rms_norm
 
 
 def _launch(x, residual, w, out, eps: float, mode: int, stream, act=None, moe=None) -> None:
@@ -86,9 +98,10 @@ def _launch(x, residual, w, out, eps: float, mode: int, stream, act=None, moe=No
     q = (act.xq, act.xd, act.xs) if act is not None else (out.reshape(out.size),) * 3
     moe_w, shared, gate = moe if moe is not None else (w, None, None)
     k = moe_w.size // (out.size // d) if moe is not None else 0
-    _rms_norm_kernel[out.size // d, THREADS, stream](
+    threads = min(MAX_THREADS, cdiv(d, 32) * 32)
+    _norm_kernel(cdiv(d, threads), k)[out.size // d, threads, stream](
         x.reshape(x.size), residual.reshape(residual.size), w, out.reshape(out.size), d,
-        float32(eps), mode, act is not None, *q, moe_w.reshape(moe_w.size), k,
+        float32(eps), mode, act is not None, *q, moe_w.reshape(moe_w.size),
         w if shared is None else shared.reshape(shared.size),
         w if gate is None else gate.reshape(gate.size))
 

@@ -7,6 +7,7 @@ same xor butterfly in both modes, so float results are bit-identical.
 
 from __future__ import annotations
 
+import math
 import threading
 
 from numba import cuda, float32
@@ -56,20 +57,32 @@ def warp_max(v):
 
 
 @cuda.jit(device=True, inline=True)
-def block_sum(v, scratch):
-    """Sum over the whole block (all threads call it); scratch: float32 shared array[≥ 33]."""
+def _block_reduce(v, scratch, is_max):
+    """Sum or max over the whole block (all threads call it); scratch: float32 shared [≥ 33]."""
     warp = cuda.threadIdx.x // WARP_SIZE
     lane = cuda.threadIdx.x % WARP_SIZE
-    v = warp_sum(v)
+    v = warp_max(v) if is_max else warp_sum(v)
     if lane == 0:
         scratch[warp] = v
     cuda.syncthreads()
     if warp == 0:
         n_warps = cuda.blockDim.x // WARP_SIZE
-        v = warp_sum(scratch[lane] if lane < n_warps else float32(0.0))
+        identity = float32(-math.inf) if is_max else float32(0.0)
+        v = scratch[lane] if lane < n_warps else identity
+        v = warp_max(v) if is_max else warp_sum(v)
         if lane == 0:
             scratch[32] = v
     cuda.syncthreads()
     total = scratch[32]
     cuda.syncthreads()  # scratch may be reused right after
     return total
+
+
+@cuda.jit(device=True, inline=True)
+def block_sum(v, scratch):
+    return _block_reduce(v, scratch, False)
+
+
+@cuda.jit(device=True, inline=True)
+def block_max(v, scratch):
+    return _block_reduce(v, scratch, True)
