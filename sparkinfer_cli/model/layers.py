@@ -138,12 +138,13 @@ class Attention:
         out = np.empty_like(q)  # (N, H, D)
         cache = fwd.cache
         for s in fwd.spans:
-            cache.write_kv(self.layer, s.block_table, s.start, k[s.lo:s.hi], v[s.lo:s.hi])
-            if s.hi - s.lo == 1:  # a decode token: read the paged cache in place
+            if s.hi - s.lo == 1:  # a decode token: one kernel stores k, v and attends in place
                 li = cache.attn_index[self.layer]
-                out[s.lo:s.hi] = decode_ops.attend_paged(q[s.lo:s.hi], cache.k[li], cache.v[li],
-                                                         s.block_table, s.end)
+                out[s.lo:s.hi] = decode_ops.attend_paged(q[s.lo:s.hi], k[s.lo:s.hi], v[s.lo:s.hi],
+                                                         cache.k[li], cache.v[li], s.block_table,
+                                                         s.start)
                 continue
+            cache.write_kv(self.layer, s.block_table, s.start, k[s.lo:s.hi], v[s.lo:s.hi])
             keys, values = cache.read_kv(self.layer, s.block_table, s.end)
             out[s.lo:s.hi] = ops.causal_attention(q[s.lo:s.hi], keys, values, s.start)
         return out.reshape(len(q), -1)
@@ -170,4 +171,5 @@ class SwiGLU:
             gate, up = self.gate_up_decode.split(self.gate_up_decode(x))
         else:
             gate, up = self.ffn_gate(x), self.ffn_up(x)
-        return self.ffn_down(ops.swiglu(gate, up))
+        act = decode_ops.swiglu if len(x) == 1 else ops.swiglu
+        return self.ffn_down(act(gate, up))

@@ -1,5 +1,6 @@
 """Decode-step numba ops against float64 numpy references written here (RMSNorm, RoPE in both
-styles, one query's GQA attention over a paged cache with a scattered block table)."""
+styles, storing one token's K/V in a paged cache with a scattered block table and its query's
+GQA attention there, SwiGLU)."""
 
 from __future__ import annotations
 
@@ -37,21 +38,36 @@ def test_rope(style: str, n_rot: int, rng: np.random.Generator) -> None:
     np.testing.assert_array_equal(got[..., n_rot:], x[..., n_rot:])  # unrotated dims pass
 
 
-@pytest.mark.parametrize("length", [1, 37])
-def test_attend_paged(length: int, rng: np.random.Generator) -> None:
+@pytest.mark.parametrize("position", [0, 36])
+def test_attend_paged_stores_then_attends(position: int, rng: np.random.Generator) -> None:
     H, H_kv, D, block_size, num_blocks = 6, 2, 32, 8, 12
     k = rng.standard_normal((num_blocks, block_size, H_kv, D)).astype(np.float32)
     v = rng.standard_normal((num_blocks, block_size, H_kv, D)).astype(np.float32)
-    table = rng.permutation(num_blocks)[:-(-length // block_size)].astype(np.int32)
+    k_new, v_new = rng.standard_normal((2, 1, H_kv, D)).astype(np.float32)
+    table = rng.permutation(num_blocks)[:position // block_size + 1].astype(np.int32)
     q = rng.standard_normal((1, H, D)).astype(np.float32)
-    pos = np.arange(length)
-    keys = k[table[pos // block_size], pos % block_size].astype(np.float64)  # (length, H_kv, D)
-    values = v[table[pos // block_size], pos % block_size].astype(np.float64)
+    pos = np.arange(position + 1)
+    slot = table[pos // block_size], pos % block_size
+    keys, values = k[slot].astype(np.float64), v[slot].astype(np.float64)  # (length, H_kv, D)
+    keys[-1], values[-1] = k_new[0], v_new[0]
     kv_head = np.arange(H) // (H // H_kv)
     scores = np.einsum("hd,thd->ht", q[0], keys[:, kv_head]) / np.sqrt(D)  # (H, length)
     probs = np.exp(scores - scores.max(axis=1, keepdims=True))
     probs /= probs.sum(axis=1, keepdims=True)
     want = np.einsum("ht,thd->hd", probs, values[:, kv_head])
-    got = decode_ops.attend_paged(q, k, v, table, length)
+    untouched = k.copy()
+    got = decode_ops.attend_paged(q, k_new, v_new, k, v, table, position)
     assert got.shape == (1, H, D)
     np.testing.assert_allclose(got[0], want, rtol=1e-5, atol=1e-5)
+    last = table[position // block_size], position % block_size
+    np.testing.assert_array_equal(k[last], k_new[0])
+    np.testing.assert_array_equal(v[last], v_new[0])
+    untouched[last] = k_new[0]
+    np.testing.assert_array_equal(k, untouched)  # nothing else written
+
+
+def test_swiglu(rng: np.random.Generator) -> None:
+    gate, up = (rng.standard_normal((2, 1, 300)) * 4).astype(np.float32)
+    g64 = gate.astype(np.float64)
+    want = g64 / (1 + np.exp(-g64)) * up
+    np.testing.assert_allclose(decode_ops.swiglu(gate, up), want, rtol=1e-5, atol=1e-6)

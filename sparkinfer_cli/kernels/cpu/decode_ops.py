@@ -1,7 +1,7 @@
 """The small ops of a decode step (one new token) as numba kernels; ops.py is their reference.
 
 At T = 1 the numpy versions cost 15-45 µs each in call overhead and temporaries (a decode token
-of Qwen2.5-0.5B runs about 100 of them), and attention gathered each sequence's whole K/V out of
+of Qwen2.5-0.5B runs about 150 of them), and attention gathered each sequence's whole K/V out of
 the paged cache first. These read the cache in place and allocate only their outputs.
 """
 
@@ -33,59 +33,84 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
 
 
 @njit(cache=True, nogil=True)
-def _rope_heads(x, cos, sin, neox, out):
-    """out = x (H, D) rotated in its first 2·len(cos) dims; neox pairs i with i + half."""
-    half = cos.shape[0]
+def _rope_heads(x, position, inv_freq, neox, out):
+    """out = x (H, D) rotated in its first 2·len(inv_freq) dims; neox pairs i with i + half."""
+    half = inv_freq.shape[0]
+    for i in range(half):
+        angle = position * inv_freq[i]  # float64, as ops.rope
+        c, s = np.float32(np.cos(angle)), np.float32(np.sin(angle))
+        ia, ib = (i, i + half) if neox else (2 * i, 2 * i + 1)
+        for h in range(x.shape[0]):
+            a, b = x[h, ia], x[h, ib]
+            out[h, ia] = a * c - b * s
+            out[h, ib] = a * s + b * c
     for h in range(x.shape[0]):
         for d in range(2 * half, x.shape[1]):
             out[h, d] = x[h, d]
-        for i in range(half):
-            ia, ib = (i, i + half) if neox else (2 * i, 2 * i + 1)
-            a, b = x[h, ia], x[h, ib]
-            out[h, ia] = a * cos[i] - b * sin[i]
-            out[h, ib] = a * sin[i] + b * cos[i]
 
 
 def rope(x: np.ndarray, position: int, n_rot: int, base: float, style: str) -> np.ndarray:
     """ops.rope of x (1, H, D) at one position."""
-    angles = position * _inv_freq(n_rot, base)  # (n_rot/2,) float64
     out = np.empty_like(x)  # (1, H, D)
-    _rope_heads(x[0], np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32),
-                style == ROPE_NEOX, out[0])
+    _rope_heads(x[0], float(position), _inv_freq(n_rot, base), style == ROPE_NEOX, out[0])
     return out
 
 
-@njit(cache=True, nogil=True, fastmath=True)
-def _attend_paged(q, k, v, block_table, length, out):
-    """out (H, D) = softmax(q·Kᵀ/√D)·V over positions 0..length-1 of a paged cache layer
-    k, v (block, slot, H_kv, D); query head h reads KV head h // (H / H_kv)."""
+@njit(cache=True, nogil=True, fastmath=True, error_model="numpy")
+def _attend_paged(q, k_new, v_new, k, v, block_table, position, out):
+    """Store k_new, v_new (H_kv, D) at `position` of a paged cache layer k, v (block, slot,
+    H_kv, D), then out (H, D) = softmax(q·Kᵀ/√D)·V over positions 0..position; query head h
+    reads KV head h // (H / H_kv)."""
     H, D = q.shape
-    block_size, group = k.shape[1], H // k.shape[2]
+    H_kv, block_size = k.shape[2], k.shape[1]
+    group, length = H // H_kv, position + 1
+    k[block_table[position // block_size], position % block_size] = k_new
+    v[block_table[position // block_size], position % block_size] = v_new
     scale = _f32(1.0 / np.sqrt(D))
-    p = np.empty(length, np.float32)  # (length,)
-    for h in range(H):
-        kv = h // group
+    p = np.empty((group, length), np.float32)  # (group, length)
+    for kv in range(H_kv):
+        heads = q[kv * group:(kv + 1) * group]  # (group, D): the heads that read this KV head
         for t in range(length):
-            b, s = block_table[t // block_size], t % block_size
-            acc = _f32(0)
-            for d in range(D):
-                acc += q[h, d] * k[b, s, kv, d]
-            p[t] = acc * scale
-        p_max, total = p.max(), _f32(0)
+            kt = k[block_table[t // block_size], t % block_size, kv]  # (D,)
+            for g in range(group):
+                acc = _f32(0)
+                for d in range(D):
+                    acc += heads[g, d] * kt[d]
+                p[g, t] = acc * scale
+        for g in range(group):
+            p_max, total = p[g].max(), _f32(0)
+            for t in range(length):
+                p[g, t] = np.exp(p[g, t] - p_max)
+                total += p[g, t]
+            p[g] /= total
+        o = out[kv * group:(kv + 1) * group]  # (group, D)
+        o[:] = 0
         for t in range(length):
-            p[t] = np.exp(p[t] - p_max)
-            total += p[t]
-        out[h, :] = 0
-        for t in range(length):
-            b, s, wt = block_table[t // block_size], t % block_size, p[t] / total
-            for d in range(D):
-                out[h, d] += wt * v[b, s, kv, d]
+            vt = v[block_table[t // block_size], t % block_size, kv]  # (D,)
+            for g in range(group):
+                for d in range(D):
+                    o[g, d] += p[g, t] * vt[d]
 
 
-def attend_paged(q: np.ndarray, k: np.ndarray, v: np.ndarray, block_table: np.ndarray,
-                 length: int) -> np.ndarray:
-    """ops.causal_attention of one new query q (1, H, D) at position length - 1, reading the
-    layer's paged cache k, v (num_blocks, block_size, H_kv, D) through block_table."""
+def attend_paged(q: np.ndarray, k_new: np.ndarray, v_new: np.ndarray, k: np.ndarray,
+                 v: np.ndarray, block_table: np.ndarray, position: int) -> np.ndarray:
+    """One new token: store its k_new, v_new (1, H_kv, D) in the layer's paged cache k, v
+    (num_blocks, block_size, H_kv, D) at `position` (ModelCache's region map), then
+    ops.causal_attention of its query q (1, H, D) over positions 0..position."""
     out = np.empty_like(q)  # (1, H, D)
-    _attend_paged(q[0], k, v, block_table, length, out[0])
+    _attend_paged(q[0], k_new[0], v_new[0], k, v, block_table, position, out[0])
+    return out
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _swiglu_row(gate, up, out):
+    for i in range(gate.shape[0]):
+        g = gate[i]
+        out[i] = g / (_f32(1.0) + np.exp(-g)) * up[i]
+
+
+def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """ops.swiglu of gate, up (1, n)."""
+    out = np.empty(gate.shape, np.float32)  # (1, n)
+    _swiglu_row(gate[0], up[0], out[0])
     return out

@@ -1,19 +1,24 @@
 """One decode step (T = 1) of several packed weights that read the same input, as one call.
 
 q/k/v and gate/up share their input: x is quantized once, and one thread-pool dispatch splits
-the rows of all of them between the threads. Everything a call needs but x (kernels, weight
-pointers, the concatenated bias) is prepared at load, so a call costs a few microseconds of
-Python besides the kernels.
+the rows of all of them between the threads. Everything a call needs but x and y (kernels,
+pointers to the weights and to a scratch for the quantized x, the concatenated bias) is prepared
+at load, so a call costs a few microseconds of Python besides the kernels.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import numpy as np
 
 from sparkinfer_cli.kernels.cpu.quant import _parallel_rows
-from sparkinfer_cli.kernels.cpu.quant_packed import PackedWeight, quantize_x, row_kernel
+from sparkinfer_cli.kernels.cpu.quant_packed import (
+    PackedWeight,
+    quantize_with_lane_sums,
+    row_kernel,
+)
 from sparkinfer_cli.kernels.cpu.quant_q8 import Q8_BLOCK
 
 
@@ -34,6 +39,14 @@ class PackedMatvec:
         self.bias = np.concatenate([np.zeros(w.rows, np.float32) if b is None else
                                     np.asarray(b, np.float32).reshape(w.rows)
                                     for w, b in zip(weights, biases)]) if has_bias else None
+        nb = self.ne0 // Q8_BLOCK
+        self._xq = np.empty((1, self.ne0), np.int8)  # (1, ne0): scratch for the quantized x
+        xds = np.empty((2, 1, nb), np.float32)  # (xd | xs, 1, n_blocks)
+        self._xd, self._xs = xds[0], xds[1]
+        self._xl = np.empty((nb, 8), np.int32)  # (n_blocks, lanes)
+        self._x_ptrs = (self._xq.ctypes.data, xds.ctypes.data, xds.ctypes.data + 4 * nb,
+                        self._xl.ctypes.data)
+        self._lock = threading.Lock()  # one call at a time uses the scratch
 
     @property
     def rows(self) -> int:
@@ -44,11 +57,10 @@ class PackedMatvec:
             x = np.ascontiguousarray(x, dtype=np.float32)
             if x.shape != (1, self.ne0):
                 raise ValueError(f"x must be (1, {self.ne0}), got {x.shape}")
-        xq, xds, xl = quantize_x(x)
         y = np.empty((1, self.rows), np.float32)  # (1, Σ rows)
-        xd = xds.ctypes.data
-        self._run(xq.ctypes.data, xd, xd + 4 * (self.ne0 // Q8_BLOCK), xl.ctypes.data,
-                  y.ctypes.data)
+        with self._lock:
+            quantize_with_lane_sums(x, self._xq, self._xd, self._xs, self._xl)
+            self._run(*self._x_ptrs, y.ctypes.data)
         if self.bias is not None:
             y += self.bias
         return y

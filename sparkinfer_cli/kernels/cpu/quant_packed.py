@@ -35,7 +35,7 @@ from sparkinfer_cli.ggml_types import BLOCK_GEOMETRY, row_bytes
 from sparkinfer_cli.kernels.cpu import llvm_jit
 from sparkinfer_cli.kernels.cpu.quant import _readonly
 from sparkinfer_cli.kernels.cpu.quant_blocks import Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
-from sparkinfer_cli.kernels.cpu.quant_q8 import Q8_BLOCK, _quantize_rows
+from sparkinfer_cli.kernels.cpu.quant_q8 import _quantize_rows
 from sparkinfer_cli.kernels.cpu.quant_repack import _UNPACK
 
 
@@ -140,25 +140,15 @@ def _bytes(a: np.ndarray, dtype: str, per_record: int) -> np.ndarray:
 # ---- activations -------------------------------------------------------------------------------
 
 @njit(cache=True, nogil=True)
-def _quantize_with_lane_sums(x, xq, xd, xs, xl):
-    """quant_q8's quantization of x (1, ne0), plus xl (n_blocks, 8): Σ of xq over each 4."""
+def quantize_with_lane_sums(x, xq, xd, xs, xl):
+    """quant_q8's quantization of x (1, ne0) into xq, xd, xs (1, n_blocks), plus the lane sums
+    the row kernel subtracts the bias with: xl (n_blocks, 8) int32, Σ of xq over each 4."""
     _quantize_rows(x, xq, xd, xs)
     for b in range(xl.shape[0]):
         for k in range(8):
             e = 32 * b + 4 * k
             xl[b, k] = (np.int32(xq[0, e]) + np.int32(xq[0, e + 1]) + np.int32(xq[0, e + 2])
                         + np.int32(xq[0, e + 3]))
-
-
-def quantize_x(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """x float32 (1, ne0) → xq int8 (1, ne0), xds float32 (2, 1, n_blocks) = (xd, xs),
-    xl int32 (n_blocks, 8): what the row kernel reads."""
-    nb = x.shape[1] // Q8_BLOCK
-    xq = np.empty(x.shape, np.int8)  # (1, ne0)
-    xds = np.empty((2, 1, nb), np.float32)  # (xd | xs, 1, n_blocks)
-    xl = np.empty((nb, 8), np.int32)  # (n_blocks, lanes)
-    _quantize_with_lane_sums(x, xq, xds[0], xds[1], xl)
-    return xq, xds, xl
 
 
 # ---- kernel -----------------------------------------------------------------------------------
