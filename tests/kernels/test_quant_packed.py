@@ -25,9 +25,10 @@ def dequantize_packed(records: np.ndarray, layout: RecordLayout) -> np.ndarray:
     docstring."""
     rows = records.shape[0]
     r = records.reshape(-1, layout.size)  # (n_records, size)
-    if layout.is_q8:
-        d = r[:, :2].copy().view(np.float16).astype(np.float32)  # (n, 1)
-        return (r[:, 2:].view(np.int8).astype(np.float32) * d).reshape(rows, -1)
+    if layout.is_q8:  # two GGUF blocks
+        b = r.reshape(-1, 34)
+        d = b[:, :2].copy().view(np.float16).astype(np.float32)  # (2n, 1)
+        return (b[:, 2:].view(np.int8).astype(np.float32) * d).reshape(rows, -1)
     n_sc = layout.n_scales
     d = r[:, :8 * n_sc].copy().view("<f4").reshape(-1, 2, n_sc)  # (n, AB, n_scales)
     nib = r[:, layout.nibble_offset:]  # (n, 32)
@@ -116,7 +117,7 @@ def test_rejects_bad_input(rng: np.random.Generator) -> None:
     with pytest.raises(ValueError, match="ggml types"):
         pack(raw, int(GGMLType.IQ4_NL), NE0)
     q5 = random_weight(GGMLType.Q5_0, rng)
-    assert not can_pack(GGMLType.Q5_0, 96) and can_pack(GGMLType.Q8_0, 96)
+    assert not can_pack(GGMLType.Q8_0, 96) and can_pack(GGMLType.Q8_0, 128)
     with pytest.raises(ValueError, match="multiple of 64"):
         pack(q5.reshape(-1, 22 * 3), GGMLType.Q5_0, 96)
     with pytest.raises(ValueError, match="raw must be"):

@@ -15,6 +15,7 @@ import numpy as np
 
 from sparkinfer_cli.kernels.cpu.quant import _parallel_rows
 from sparkinfer_cli.kernels.cpu.quant_packed import (
+    RECORD_ELEMENTS,
     PackedWeight,
     quantize_with_lane_sums,
     row_kernel,
@@ -34,7 +35,7 @@ class PackedMatvec:
         self.row_starts = np.cumsum([0] + [w.rows for w in weights]).tolist()
         # per weight: kernel, weight pointer, row bytes, records per row
         self._members = [(row_kernel(w.layout), w.records.ctypes.data, w.records.shape[1],
-                          self.ne0 // (Q8_BLOCK * w.layout.blocks)) for w in weights]
+                          self.ne0 // RECORD_ELEMENTS) for w in weights]
         has_bias = any(b is not None for b in biases)
         self.bias = np.concatenate([np.zeros(w.rows, np.float32) if b is None else
                                     np.asarray(b, np.float32).reshape(w.rows)
