@@ -29,8 +29,9 @@ def dequantize_packed(records: np.ndarray, layout: RecordLayout) -> np.ndarray:
         b = r.reshape(-1, 34)
         d = b[:, :2].copy().view(np.float16).astype(np.float32)  # (2n, 1)
         return (b[:, 2:].view(np.int8).astype(np.float32) * d).reshape(rows, -1)
-    n_sc = layout.n_scales
-    d = r[:, :8 * n_sc].copy().view("<f4").reshape(-1, 2, n_sc)  # (n, AB, n_scales)
+    n_sc, sb = layout.n_scales, layout.scale_bytes
+    sdt = "<f2" if layout.scale == "half" else "<f4"
+    d = r[:, :2 * sb * n_sc].copy().view(sdt).astype(np.float32).reshape(-1, 2, n_sc)
     nib = r[:, layout.nibble_offset:]  # (n, 32)
     q = np.stack([nib & 15, nib >> 4], axis=1).astype(np.int64)  # (n, AB, 32)
     lb = layout.low_bits
@@ -44,7 +45,7 @@ def dequantize_packed(records: np.ndarray, layout: RecordLayout) -> np.ndarray:
         q = (q << lb) | low.astype(np.int64)
     w = (q - layout.bias).astype(np.float32).reshape(-1, 2, n_sc, 32 // n_sc) * d[..., None]
     if layout.has_m:
-        m = r[:, layout.m_offset:layout.m_offset + 8].copy().view("<f4")  # (n, AB)
+        m = r[:, layout.m_offset:layout.m_offset + 2 * sb].copy().view(sdt).astype(np.float32)
         w = w + m[:, :, None, None]
     return w.reshape(rows, -1)
 

@@ -4,17 +4,17 @@ Decode streams every weight once per token, so the packed weights stay about as 
 ggml's, but are laid out so that the AVX2 kernel unpacks them in few instructions (on one core
 the kernel is compute-bound at ggml's own layouts). Q8_0 keeps its GGUF rows (zero-copy, read two
 blocks at a time). Every other type is unpacked losslessly (quant_repack's unpackers) to unsigned
-quants q in 0..2^bits-1, a float32 scale d per 32 (Q6_K: per 16) and an offset m (Q4_1, Q5_1,
-K-quants), with value = (q - bias)·d + m, bit for bit ggml's, and stored as records of two
-32-blocks A and B:
+quants q in 0..2^bits-1, a scale d per 32 (Q6_K: per 16) and an offset m (Q4_1, Q5_1, K-quants),
+with value = (q - bias)·d + m, bit for bit ggml's (d, m float16 as in ggml for the legacy types,
+float32 products d·sc for the K-quants), and stored as records of two 32-blocks A and B:
 
-    [d_A d_B (Q6_K: 2 each), float32] [m_A m_B, float32]? [low bits of A, of B]? [32 nibble bytes]
+    [d_A d_B (Q6_K: 2 each)] [m_A m_B]? [low bits of A, of B]? [32 nibble bytes]
 
 Byte i of the nibble bytes holds q_A[i] >> lb (low nibble) and q_B[i] >> lb (high nibble), lb =
 0 (Q4_*), 1 (Q5_*) or 2 (Q6_K) low bits kept apart: with element e = 4k + b (k = 0..7, b = 0..3),
 a 1-bit plane (uint32) holds q & 1 at bit 8b + k, a 2-bit plane (uint64) holds q & 3 at bit
 32·(k & 1) + 8b + 2·(k >> 1), so that one variable shift per 32-bit lane k lines them up
-(0.75-1.0 bytes per weight, against ggml's 0.56-0.82).
+(legacy types: ggml's own bytes; K-quants 0.75-1.0 bytes per weight against ggml's 0.56-0.82).
 
 The row kernel (LLVM IR, llvm_jit) multiplies the unsigned quants with x's int8 quants
 (quant_q8's rounding, blocks of 32) by vpmaddubsw + vpmaddwd into 8 int32 lanes, lane k summing
@@ -48,15 +48,20 @@ class RecordLayout:
     has_m: bool
     low_bits: int  # bits of q below the nibble: 0, 1 or 2
     bias: int  # a power of two, or 0
+    scale: str = "float"  # type of d and m: "float", or "half" where ggml's are float16
     is_q8: bool = False  # Q8_0: two GGUF blocks [d float16][32 int8] as they are
 
     @property
+    def scale_bytes(self) -> int:
+        return 2 if self.scale == "half" else 4
+
+    @property
     def m_offset(self) -> int:
-        return 8 * self.n_scales
+        return 2 * self.scale_bytes * self.n_scales
 
     @property
     def low_offset(self) -> int:
-        return self.m_offset + (8 if self.has_m else 0)
+        return self.m_offset + (2 * self.scale_bytes if self.has_m else 0)
 
     @property
     def nibble_offset(self) -> int:
@@ -68,11 +73,11 @@ class RecordLayout:
 
 
 LAYOUTS: dict[int, RecordLayout] = {
-    Q4_0: RecordLayout(1, False, 0, 8),
-    Q4_1: RecordLayout(1, True, 0, 0),
-    Q5_0: RecordLayout(1, False, 1, 16),
-    Q5_1: RecordLayout(1, True, 1, 0),
-    Q8_0: RecordLayout(1, False, 0, 0, is_q8=True),
+    Q4_0: RecordLayout(1, False, 0, 8, "half"),
+    Q4_1: RecordLayout(1, True, 0, 0, "half"),
+    Q5_0: RecordLayout(1, False, 1, 16, "half"),
+    Q5_1: RecordLayout(1, True, 1, 0, "half"),
+    Q8_0: RecordLayout(1, False, 0, 0, "half", is_q8=True),
     Q4_K: RecordLayout(1, True, 0, 0),
     Q5_K: RecordLayout(1, True, 1, 0),
     Q6_K: RecordLayout(2, False, 2, 32),
@@ -118,9 +123,10 @@ def _records(raw: np.ndarray, ggml_type: int, layout: RecordLayout) -> np.ndarra
     q, d, m = _UNPACK[ggml_type][1](np.ascontiguousarray(raw).reshape(
         -1, BLOCK_GEOMETRY[ggml_type][1]))
     q = (q.astype(np.int16) + layout.bias).astype(np.uint8).reshape(-1, 2, 32)  # (n_rec, AB, e)
-    parts = [_bytes(d, "<f4", 2 * layout.n_scales)]
+    scale = "<f2" if layout.scale == "half" else "<f4"  # float16: ggml's own d, m, exactly
+    parts = [_bytes(d, scale, 2 * layout.n_scales)]
     if layout.has_m:
-        parts.append(_bytes(m, "<f4", 2))
+        parts.append(_bytes(m, scale, 2))
     lb = layout.low_bits
     if lb:
         e = np.arange(32)
@@ -213,14 +219,21 @@ def _int_dot(lay: RecordLayout, j: int) -> str:
                  f"  %s{j} = sub <8 x i32> %u{j}, %xb{j}\n")
 
 
+def _load_scale(name: str, offset: int, scale: str) -> str:
+    """IR: float %{name}, the record's scale at byte offset."""
+    ir = _at(f"{name}p", offset) + f"  %{name}r = load {scale}, ptr %{name}p, align 1\n"
+    if scale == "half":
+        return ir + f"  %{name} = fpext half %{name}r to float\n"
+    return ir + f"  %{name} = fadd float %{name}r, -0.0\n"
+
+
 def _scale_lanes(lay: RecordLayout, j: int) -> str:
     """IR: <8 x float> %sv{j}: d·xd per lane (lanes 0-3 are elements 0..15, 4-7 are 16..31)."""
     if lay.is_q8:
-        ir = (_at(f"dp{j}", 34 * j) + f"  %dh{j} = load half, ptr %dp{j}, align 1\n"
-              f"  %d{j} = fpext half %dh{j} to float\n")
+        ir = _load_scale(f"d{j}", 34 * j, "half")
     else:
-        ir = "".join(_at(f"dp{j}{h}", 4 * (lay.n_scales * j + h))
-                     + f"  %d{j}{'' if h == 0 else h} = load float, ptr %dp{j}{h}, align 1\n"
+        ir = "".join(_load_scale(f"d{j}{'' if h == 0 else h}",
+                                 lay.scale_bytes * (lay.n_scales * j + h), lay.scale)
                      for h in range(lay.n_scales))
     ir += f"  %sc{j} = fmul float %d{j}, %xd{j}\n"
     ir += f"  %si{j} = insertelement <8 x float> poison, float %sc{j}, i32 0\n"
@@ -246,9 +259,8 @@ def _block(lay: RecordLayout, j: int) -> str:
            f"<8 x float> %sv{j}, <8 x float> %acc{j})\n")
     if not lay.has_m:
         return ir + f"  %accm{j + 1} = fadd float %accm{j}, -0.0\n"
-    return ir + (_at(f"mp{j}", lay.m_offset + 4 * j)
-                 + f"  %m{j} = load float, ptr %mp{j}, align 1\n"
-                 f"  %xsp{j} = getelementptr float, ptr %xs, i64 %b{j}\n"
+    return ir + (_load_scale(f"m{j}", lay.m_offset + lay.scale_bytes * j, lay.scale)
+                 + f"  %xsp{j} = getelementptr float, ptr %xs, i64 %b{j}\n"
                  f"  %xs{j} = load float, ptr %xsp{j}\n"
                  f"  %accm{j + 1} = call float @llvm.fma.f32(float %m{j}, float %xs{j}, "
                  f"float %accm{j})\n")
