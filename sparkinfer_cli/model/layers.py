@@ -171,5 +171,4 @@ class SwiGLU:
             gate, up = self.gate_up_decode.split(self.gate_up_decode(x))
         else:
             gate, up = self.ffn_gate(x), self.ffn_up(x)
-        act = decode_ops.swiglu if len(x) == 1 else ops.swiglu
-        return self.ffn_down(act(gate, up))
+        return self.ffn_down(ops.swiglu(gate, up))

@@ -1,6 +1,6 @@
 """Decode-step numba ops against float64 numpy references written here (RMSNorm, RoPE in both
 styles, storing one token's K/V in a paged cache with a scattered block table and its query's
-GQA attention there, SwiGLU)."""
+GQA attention there)."""
 
 from __future__ import annotations
 
@@ -64,10 +64,3 @@ def test_attend_paged_stores_then_attends(position: int, rng: np.random.Generato
     np.testing.assert_array_equal(v[last], v_new[0])
     untouched[last] = k_new[0]
     np.testing.assert_array_equal(k, untouched)  # nothing else written
-
-
-def test_swiglu(rng: np.random.Generator) -> None:
-    gate, up = (rng.standard_normal((2, 1, 300)) * 4).astype(np.float32)
-    g64 = gate.astype(np.float64)
-    want = g64 / (1 + np.exp(-g64)) * up
-    np.testing.assert_allclose(decode_ops.swiglu(gate, up), want, rtol=1e-5, atol=1e-6)

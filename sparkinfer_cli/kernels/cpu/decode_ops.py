@@ -100,17 +100,3 @@ def attend_paged(q: np.ndarray, k_new: np.ndarray, v_new: np.ndarray, k: np.ndar
     out = np.empty_like(q)  # (1, H, D)
     _attend_paged(q[0], k_new[0], v_new[0], k, v, block_table, position, out[0])
     return out
-
-
-@njit(cache=True, nogil=True, error_model="numpy")
-def _swiglu_row(gate, up, out):
-    for i in range(gate.shape[0]):
-        g = gate[i]
-        out[i] = g / (_f32(1.0) + np.exp(-g)) * up[i]
-
-
-def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
-    """ops.swiglu of gate, up (1, n)."""
-    out = np.empty(gate.shape, np.float32)  # (1, n)
-    _swiglu_row(gate[0], up[0], out[0])
-    return out
