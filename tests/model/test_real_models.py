@@ -24,6 +24,7 @@ from sparkinfer_cli.model.loader import load_model
 
 MODELS = {"qwen25coder": "qwen2.5-coder-0.5b", "smollm2": "smollm2-135m"}
 TOL = 1e-3
+INT8_MARGIN = 0.1
 BLOCK = 16
 
 
@@ -133,3 +134,23 @@ def test_native_llama_cpp_choices_where_its_margin_is_clear(real, deqf32):
         picking_clear = clear[len(prompt) - 1:]
         horizon = next((i for i in range(agreed) if not picking_clear[i]), agreed)
         assert greedy(model, g[f"p{p}_prompt"], horizon) == f32kv[:horizon]
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def real_int8(request, demo_model_path, fixtures_dir):
+    name = request.param
+    return (name, load_model(demo_model_path(MODELS[name]), int8_decode=True),
+            np.load(fixtures_dir / f"real/real_{name}_goldens.npz"))
+
+
+def test_int8_decode_follows_native_llama_cpp_greedy(real_int8):
+    """The packed int8-activation decode path (what generate/serve/bench run) picks llama.cpp's
+    native greedy ids for as long as llama.cpp's own f32kv and f16kv runs agree and each pick's
+    top-1 margin exceeds INT8_MARGIN (the same activation scheme: only rounding order differs)."""
+    name, model, g = real_int8
+    for p in range(3):
+        f32kv, f16kv = g[f"p{p}_f32kv_greedy"].tolist(), g[f"p{p}_f16kv_greedy"].tolist()
+        agreed = next((i for i, (a, b) in enumerate(zip(f32kv, f16kv)) if a != b), len(f32kv))
+        picking = margins(path_rows(g, "native", p)[1])[len(g[f"p{p}_prompt"]) - 1:]
+        horizon = next((i for i in range(agreed) if picking[i] <= INT8_MARGIN), agreed)
+        assert greedy(model, g[f"p{p}_prompt"], horizon) == f32kv[:horizon], f"{name} prompt {p}"
