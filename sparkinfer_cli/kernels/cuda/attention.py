@@ -48,6 +48,7 @@ def _dot_q(q_sh, cache, off, head_dim, f16):
 @functools.cache
 def _split_kernel(head_dim: int, f16: bool):
     per_lane = head_dim // 32
+    acc_len = WARPS * head_dim
 
     @cuda.jit(fastmath=True)
     def decode_split(q, k_cache, v_cache, block_table, max_blocks, row_seq, seq_lens, n_kv,
@@ -65,7 +66,7 @@ def _split_kernel(head_dim: int, f16: bool):
         p_sh = cuda.shared.array(CHUNK, float32)
         row_sh = cuda.shared.array(CHUNK, int32)  # element offset of each chunk key's row
         scratch = cuda.shared.array(33, float32)
-        acc_sh = cuda.shared.array(WARPS * head_dim, float32)  # (warps, head_dim)
+        acc_sh = cuda.shared.array(acc_len, float32)  # (warps, head_dim)
         for d in range(tid, head_dim, CHUNK):
             q_sh[d] = q[(seq * n_heads + h) * head_dim + d] * scale
         acc = cuda.local.array(per_lane, float32)  # (head_dim / 32,)
