@@ -255,7 +255,7 @@ def _dequant_range(rows: np.ndarray, ggml_type: int, r0: int, r1: int, out: np.n
         out[:r1 - r0] = rows[r0:r1]
         return
     sbe = BLOCK_TYPES[ggml_type].sub_block
-    args = (rows, ggml_type, _lut(ggml_type))
+    args = (rows, int(ggml_type), _lut(ggml_type))  # an IntEnum would be re-typed every call
     kernel = _dequant_rows_16 if ggml_type in (F16, BF16) else _dequant_rows
 
     def part(a: int, b: int) -> None:
@@ -285,8 +285,8 @@ def embedding_rows(raw: np.ndarray, ggml_type: int, ne0: int, ids: np.ndarray) -
         raise ValueError(f"embedding ids must lie in [0, {rows.shape[0]}), got "
                          f"[{ids.min()}, {ids.max()}]")
     out = np.empty((len(ids), ne0), np.float32)  # (len(ids), ne0)
-    for k, r in enumerate(ids.tolist()):
-        _dequant_range(rows, ggml_type, r, r + 1, out[k:])
+    for k, r in enumerate(ids.tolist()):  # one row is less work than a thread handoff
+        _dequant_range(rows, ggml_type, r, r + 1, out[k:], threaded=False)
     return out
 
 
@@ -309,7 +309,7 @@ def _matmul_tiled(rows: np.ndarray, ggml_type: int, x: np.ndarray) -> np.ndarray
 
 def _matmul_fused(rows: np.ndarray, ggml_type: int, x: np.ndarray) -> np.ndarray:
     out = np.empty((x.shape[0], rows.shape[0]), np.float32)  # (T, rows)
-    args = (rows, ggml_type, _lut(ggml_type), _readonly(x))
+    args = (rows, int(ggml_type), _lut(ggml_type), _readonly(x))
     kernel = _matmul_rows_16 if ggml_type in (F16, BF16) else _matmul_rows
     _parallel_rows(lambda r0, r1: kernel(*args, r0, r1, out), rows.shape[0],
                    x.shape[1] * x.shape[0])
