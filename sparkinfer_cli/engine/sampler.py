@@ -20,6 +20,10 @@ Logprobs are the log-softmax of the logits after steps 1–3: the penalised, bia
 before truncation and temperature (what vLLM calls processed logprobs, without temperature). The
 sampled token's logprob is therefore always finite, and top_logprobs does not depend on top-k/p.
 
+Cost on a 248k vocabulary: steps 1–3 are computed on the few ids they touch, and greedy without
+logprobs is one argmax of the raw row (the row is copied only when the winner itself is touched);
+truncation.py finds steps 4–6 without sorting the row.
+
 Each Sampler owns a numpy Generator seeded with ``params.seed`` (fresh OS entropy when None), so
 the same seed over the same logits gives the same token sequence.
 """
