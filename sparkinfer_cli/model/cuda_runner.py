@@ -21,13 +21,14 @@ from __future__ import annotations
 import importlib
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 from numba import cuda
 from rich.console import Console
 
 from sparkinfer_cli.gguf_file import GGUFFile
-from sparkinfer_cli.kernels.cuda import graphs, norm
+from sparkinfer_cli.kernels.cuda import graphs, norm, sampling
 from sparkinfer_cli.kernels.cuda.intrinsics import IS_SIMULATOR
 from sparkinfer_cli.kernels.cuda.model_ops import gather_rows
 from sparkinfer_cli.model.base import CausalLM, DecoderLayer
@@ -68,6 +69,15 @@ class StepTimes:
     def mean_us(self, kind: str) -> tuple[float, float]:
         n = max(self.steps[kind], 1)
         return self.host_s[kind] / n * 1e6, self.total_s[kind] / n * 1e6
+
+
+class QueuedPass(NamedTuple):
+    ws: Workspace
+    logit_rows: int  # the bucket of rows that produce logits
+    n_logits: int  # of which real
+    t0: float  # perf_counter at the start of the call
+    t_queued: float  # perf_counter once the GPU work was queued
+    kind: str  # "decode" (graph replay) | "eager"
 
 
 class CudaModel:
@@ -112,6 +122,26 @@ class CudaModel:
 
     def forward(self, batch: SequenceBatch, cache: CudaModelCache) -> np.ndarray:
         """Logits (num_seqs, V) for each sequence's last new token, or (N, V) if all_logits."""
+        p = self._pass(batch, cache)
+        logits = self._logits(p.ws, p.logit_rows).reshape(p.logit_rows, -1)[:p.n_logits]
+        logits = logits.copy_to_host(stream=self.stream)
+        self._finish(p)
+        return logits  # (n_logits, n_vocab)
+
+    def forward_greedy(self, batch: SequenceBatch, cache: CudaModelCache) -> np.ndarray:
+        """The argmax token id (num_seqs,) int32 of each sequence's logits (ties → lowest id),
+        picked on the device: only the ids come back, not num_seqs × V floats."""
+        p = self._pass(batch, cache)
+        greedy = p.ws.greedy(p.logit_rows, self.output.n_rows)
+        sampling.sample(self._logits(p.ws, p.logit_rows).reshape(p.logit_rows, -1),
+                        *greedy.params, greedy.ids, greedy.workspace, stream=self.stream)
+        ids = greedy.ids[:p.n_logits].copy_to_host(stream=self.stream)
+        self._finish(p)
+        return ids  # (n_logits,)
+
+    # ---- internals -----------------------------------------------------------------------------
+    def _pass(self, batch: SequenceBatch, cache: CudaModelCache) -> QueuedPass:
+        """Queue a forward pass (graph replay or eager launches) up to the logits on the device."""
         t0 = time.perf_counter()
         if len(batch.token_ids) > MAX_PASS_TOKENS:
             raise ValueError(f"a CUDA forward pass takes at most {MAX_PASS_TOKENS} tokens, got "
@@ -134,14 +164,13 @@ class CudaModel:
             if decode:
                 ws.graphs[logit_rows] = graphs.capture(
                     lambda s: self._run(ws, cache, logit_rows, s), self.stream)
-        t_host = time.perf_counter()
-        logits = self._logits(ws, logit_rows).reshape(logit_rows, -1)[:n_logits].copy_to_host(
-            stream=self.stream)
-        self.stream.synchronize()
-        self.times.add("decode" if replay else "eager", t_host - t0, time.perf_counter() - t0)
-        return logits  # (n_logits, n_vocab)
+        return QueuedPass(ws, logit_rows, n_logits, t0, time.perf_counter(),
+                          "decode" if replay else "eager")
 
-    # ---- internals -----------------------------------------------------------------------------
+    def _finish(self, p: QueuedPass) -> None:
+        self.stream.synchronize()
+        self.times.add(p.kind, p.t_queued - p.t0, time.perf_counter() - p.t0)
+
     def _workspace(self, cache: CudaModelCache, n_rows: int) -> Workspace:
         if n_rows not in cache.steps:
             heads = self.config.n_head if self.config.attention_layers else 0

@@ -16,6 +16,7 @@ import numpy as np
 from numba import cuda
 
 from sparkinfer_cli.kernels.cuda import quant_gemv as qg
+from sparkinfer_cli.kernels.cuda import sampling
 from sparkinfer_cli.kernels.cuda.attention import CHUNK, DecodeWorkspace
 from sparkinfer_cli.kernels.cuda.launch import cdiv
 from sparkinfer_cli.model.batch import SequenceBatch
@@ -52,6 +53,23 @@ class Act:
         if q is not None:
             q.shape = (groups * cols, 1, k)
         return Act(self.f.reshape(groups * cols, 1, k), q)
+
+
+class GreedySampling:
+    """sampling.sample's inputs for temperature 0 (argmax), and its output ids (n_rows,)."""
+
+    def __init__(self, n_rows: int, n_vocab: int):
+        zeros = cuda.to_device(np.zeros(n_rows, np.float32))
+        # temperature, top_k, top_p, min_p, uniform: greedy ignores all but temperature
+        self.params = (zeros, cuda.to_device(np.zeros(n_rows, np.int32)),
+                       cuda.to_device(np.ones(n_rows, np.float32)), zeros, zeros)
+        self.ids = cuda.device_array(n_rows, np.int32)
+        self.workspace = sampling.SamplingWorkspace(n_rows, n_vocab)
+
+    @property
+    def nbytes(self) -> int:
+        ws = self.workspace
+        return sum(a.nbytes for a in (*self.params, self.ids, ws.cand_v, ws.cand_i))
 
 
 class Workspace:
@@ -91,6 +109,13 @@ class Workspace:
         if key not in self._bufs:
             q = qg.QuantizedActivations(groups, cols, k) if self.quantized else None
             self._bufs[key] = Act(self.buf(name, groups, cols, k), q)
+        return self._bufs[key]
+
+    def greedy(self, n_rows: int, n_vocab: int) -> GreedySampling:
+        """Device buffers that turn n_rows rows of logits into argmax ids (sampling.sample)."""
+        key = ("greedy", n_rows)
+        if key not in self._bufs:
+            self._bufs[key] = GreedySampling(n_rows, n_vocab)
         return self._bufs[key]
 
     def iota(self, n: int, div: int = 1):

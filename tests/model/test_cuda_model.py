@@ -105,6 +105,26 @@ def test_exact_decode_graph_steps_match_one_pass_and_greedy(family: str, variant
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("family", ("qwen3", "qwen35moe"))
+def test_forward_greedy_ids_are_the_argmax_of_the_logits(family: str) -> None:
+    """Device argmax (forward_greedy) vs numpy argmax of forward's logits, on two caches fed the
+    same llama.cpp greedy continuation (decode steps replay graphs)."""
+    g = _goldens(family)
+    model = _tiny(family, _variants(family)[0], exact=False)
+    prompt = g["prompt_short"]
+    tokens = g[f"lc_{_float_key(_variants(family)[0])}_greedy_short"][:6]
+    caches = [model.create_cache(-(-(len(prompt) + 8) // BLOCK_SIZE), BLOCK_SIZE, 1)
+              for _ in range(2)]
+    table = np.arange(caches[0].num_blocks)
+    pieces = [(prompt, 0)] + [([t], len(prompt) + i) for i, t in enumerate(tokens)]
+    for ids, start in pieces:
+        ids = np.asarray(ids, np.int32)
+        logits = model.forward(SequenceBatch.single(ids, start, table), caches[0])
+        picked = model.forward_greedy(SequenceBatch.single(ids, start, table), caches[1])
+        assert picked.tolist() == logits.argmax(axis=1).tolist()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("family,variant", CASES)
 def test_q8_top1_matches_native_llama_cpp_where_clear(family: str, variant: str) -> None:
     g, model = _goldens(family), _tiny(family, variant, exact=False)
