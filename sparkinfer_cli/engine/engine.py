@@ -177,18 +177,26 @@ class ContinuousBatchEngine:
     def step(self) -> SchedulerOutput:
         """One iteration: schedule, run the model, sample, update, report. Returns what ran."""
         output = self.scheduler.schedule()
+        on_device = self.runner.can_pick_greedy and self._is_all_plain_greedy(output)
         try:
-            logits = self.runner.run(output)
+            results = self.runner.run_greedy(output) if on_device else self.runner.run(output)
         except Exception as exc:  # a failed forward pass ends the requests it carried
             log.exception("model forward failed")
             self._fail_step(output, exc)
             return output
         self.scheduler.update_from_output(output)
-        requests = [self.scheduler.requests[request_id] for request_id in logits]
-        rows = list(logits.values())
-        for request, row, token in zip(requests, rows, self._greedy_tokens(requests, rows)):
+        requests = [self.scheduler.requests[request_id] for request_id in results]
+        rows = list(results.values())  # logits, or the tokens the model picked
+        tokens = [int(t) for t in rows] if on_device else self._greedy_tokens(requests, rows)
+        for request, row, token in zip(requests, rows, tokens):
             self._append_sample(request, row, token)
         return output
+
+    def _is_all_plain_greedy(self, output: SchedulerOutput) -> bool:
+        requests = [self.scheduler.requests[s.request_id] for s in output.sequences
+                    if s.needs_logits]
+        return bool(requests) and all(r.sampler is not None and r.sampler.is_plain_greedy
+                                      for r in requests)
 
     def _greedy_tokens(self, requests: list[Request], rows: list[np.ndarray]) -> list[int | None]:
         """The plain greedy rows' tokens, sampled together; None for the other rows."""

@@ -7,7 +7,7 @@ SequenceBatch and runs the model.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -46,14 +46,28 @@ class ModelRunner:
 
     def run(self, output: SchedulerOutput) -> dict[str, np.ndarray]:
         """request id → (n_vocab,) logits, for each sequence whose piece ends its known tokens."""
+        return self._run(output, self.model.forward)  # rows of (num_seqs, n_vocab)
+
+    @property
+    def can_pick_greedy(self) -> bool:
+        """The model picks argmax tokens on its device (CudaModel.forward_greedy)."""
+        return hasattr(self.model, "forward_greedy")
+
+    def run_greedy(self, output: SchedulerOutput) -> dict[str, np.ndarray]:
+        """request id → the argmax token (a 0-d array) of the same sequences as run(), picked
+        by the model: only the ids leave the device, not num_seqs × n_vocab floats."""
+        return self._run(output, self.model.forward_greedy)  # type: ignore[attr-defined]
+
+    def _run(self, output: SchedulerOutput,
+             forward: Callable[[SequenceBatch, ModelCache], np.ndarray]) -> dict[str, np.ndarray]:
         self.apply_cache_ops(output.cache_ops)
         if not output.sequences:
             return {}
         batch = self.prepare_batch(output.sequences)
         started = time.perf_counter()
-        logits = self.model.forward(batch, self.cache)  # (num_seqs, n_vocab)
+        result = forward(batch, self.cache)  # (num_seqs, ...)
         self.last_forward_s = time.perf_counter() - started
-        return {seq.request_id: logits[i] for i, seq in enumerate(output.sequences)
+        return {seq.request_id: result[i] for i, seq in enumerate(output.sequences)
                 if seq.needs_logits}
 
     def apply_cache_ops(self, ops: CacheOps) -> None:

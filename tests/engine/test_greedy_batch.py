@@ -62,3 +62,51 @@ def test_engine_samples_plain_greedy_rows_on_the_argmax_threads(monkeypatch):
         assert any(name.startswith("sparkinfer-argmax") for name in threads)
     finally:
         engine.shutdown()
+
+
+class DeviceGreedyModel(FakeModel):
+    """A FakeModel that, like CudaModel.forward_greedy, can return argmax ids instead of logits."""
+
+    def __init__(self):
+        super().__init__()
+        self.passes: list[str] = []
+
+    def forward(self, batch, cache):
+        self.passes.append("logits")
+        return super().forward(batch, cache)
+
+    def forward_greedy(self, batch, cache):
+        logits = super().forward(batch, cache)  # (num_seqs, n_vocab)
+        self.passes.append("greedy")
+        return np.argmax(logits, axis=1).astype(np.int32)  # (num_seqs,)
+
+
+def run_all(engine, prompts, params):
+    done, results = threading.Semaphore(0), {}
+
+    def on_event(event):
+        results.setdefault(event.request_id, []).extend(event.token_ids)
+        if event.finish_reason:
+            done.release()
+
+    ids = [engine.submit(p, s, on_event) for p, s in zip(prompts, params)]
+    engine.start()
+    try:
+        for _ in ids:
+            assert done.acquire(timeout=20)
+    finally:
+        engine.shutdown()
+    return [results[i] for i in ids]
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_steps_of_plain_greedy_rows_let_the_model_pick_the_tokens(mixed):
+    model = DeviceGreedyModel()
+    engine = ContinuousBatchEngine(model, make_tokenizer(), EngineConfig(ctx=2048, block_size=8))
+    prompts = [[(3 * i + j) % 50 for j in range(2 + i % 5)] for i in range(10)]
+    logprobs = [mixed and i == 3 for i in range(10)]  # its row must come back: logits
+    params = [SamplingParams(max_tokens=1 if lp else 5, temperature=0.0, logprobs=lp)
+              for lp in logprobs]
+    assert run_all(engine, prompts, params) == \
+        [expected_greedy(p, s.max_tokens) for p, s in zip(prompts, params)]
+    assert set(model.passes) == ({"greedy", "logits"} if mixed else {"greedy"})
