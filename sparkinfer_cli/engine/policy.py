@@ -5,9 +5,8 @@ All three share one schedule(); they differ only here (STYLE rule 3):
 - chunked:    FIFO; prefills always advance in pieces of prefill_chunk_tokens beside the decodes.
 - priority:   highest priority first (FIFO among equals); prefills run alone (decodes pause).
 
-With prefill_batched (the default), one step may carry several prefill pieces, in queue order,
-up to prefill_budget() prompt tokens; without it, one piece per step, and continuous and priority
-prefills advance in chunks too.
+A step carries at most one prefill piece (the seed server's rule). Without prefill_batched,
+continuous and priority prefills also advance in chunks of prefill_chunk_tokens.
 """
 
 from __future__ import annotations
@@ -27,7 +26,6 @@ class BasePolicy:
     def __init__(self, config: EngineConfig):
         self.chunk_tokens = config.prefill_chunk_tokens
         self.mix_max = config.prefill_mix_max
-        self.may_batch_prefills = config.prefill_batched
         self.is_chunking = not config.prefill_batched
 
     def sort_key(self, request: Request) -> tuple[int, ...]:
@@ -38,12 +36,6 @@ class BasePolicy:
         if self.is_chunking and self.chunk_tokens:
             return min(num_remaining, self.chunk_tokens)
         return num_remaining
-
-    def prefill_budget(self) -> int:
-        """Most prompt tokens the step's prefill pieces add up to (0 = no limit); the step's first
-        piece may exceed it and then runs as the only prefill."""
-        limits = (self.mix_max, self.chunk_tokens if self.is_chunking else 0)
-        return min((n for n in limits if n), default=0)
 
 
 class ContinuousPolicy(BasePolicy):

@@ -65,8 +65,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         # Progress model: a request chases num_computed_tokens toward num_tokens. A decode has one
         # token to go, a prefill more. Decodes are packed first (least recently run first) up to
-        # max_batch_tokens; then prefill pieces join in queue order (running partial prefills,
-        # then admissions in policy order) while they fit the policy's prefill budget.
+        # max_batch_tokens; then at most one prefill piece joins (a running partial prefill first,
+        # else the next admission in policy order).
         output = SchedulerOutput()
         decodes = self._pick_decodes()
         prefills = self._pick_prefills(len(decodes), output.cache_ops)
@@ -102,29 +102,22 @@ class Scheduler:
         return decodes[:self.config.max_batch_tokens]
 
     def _pick_prefills(self, num_decodes: int, ops: CacheOps) -> list[tuple[Request, int]]:
-        """(request, prompt tokens) of the step's prefill pieces; admits the new ones."""
+        """The step's prefill piece, [(request, prompt tokens)] or []: at most one per step, as
+        the seed server schedules."""
         exclusive = self.policy.is_exclusive_prefill
         if num_decodes >= self.config.max_batch_tokens and not exclusive:
             return []
         room = (self.max_step_tokens - (0 if exclusive else num_decodes)
                 if self.max_step_tokens else sys.maxsize)  # tokens the forward pass still takes
-        left = min(self.policy.prefill_budget() or sys.maxsize, room)  # for pieces after the 1st
-        pieces: list[tuple[Request, int]] = []
-        for request in self._prefill_queue():
-            piece = self.policy.prefill_piece(self._num_uncomputed(request))
-            if not pieces:  # NOTE: the first piece may exceed the budget (then runs alone)
-                piece = 0 if self._must_wait(piece, num_decodes) else min(piece, room)
-            elif self.policy.is_chunking:
-                piece = min(piece, left)
-            elif piece > left:
-                piece = 0  # a whole prompt that does not fit waits; no later one jumps ahead
-            if piece <= 0 or (request.kv is None and not self._admit(request, ops)):
-                break
-            pieces.append((request, piece))
-            left -= piece
-            if not self.policy.may_batch_prefills:
-                break
-        return pieces
+        queue = self._prefill_queue()
+        if not queue:
+            return []
+        request = queue[0]  # no later request jumps the queue
+        piece = self.policy.prefill_piece(self._num_uncomputed(request))
+        piece = 0 if self._must_wait(piece, num_decodes) else min(piece, room)
+        if piece <= 0 or (request.kv is None and not self._admit(request, ops)):
+            return []
+        return [(request, piece)]
 
     def _num_uncomputed(self, request: Request) -> int:
         """Tokens still to compute; a request not yet admitted skips a shared-prefix hit."""

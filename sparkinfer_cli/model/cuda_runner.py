@@ -81,6 +81,8 @@ class QueuedPass(NamedTuple):
 
 
 class CudaModel:
+    max_pass_tokens = MAX_PASS_TOKENS  # the engine keeps each step's tokens within this
+
     def __init__(self, cpu_model: CausalLM, *, exact: bool = False, use_graphs: bool | None = None,
                  console: Console | None = None, total_bytes: int | None = None):
         self.config, self.exact = cpu_model.config, exact

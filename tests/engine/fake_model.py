@@ -192,11 +192,7 @@ class SchedulerHarness:
         requests = [sched.requests[s.request_id] for s in output.sequences]
         is_prefill = [r.is_prefilling for r in requests]
         prefill_tokens = [len(s.token_ids) for s, p in zip(output.sequences, is_prefill) if p]
-        if not self.config.prefill_batched:
-            assert len(prefill_tokens) <= 1, "more than one prefill in a step"
-        budget = sched.policy.prefill_budget()
-        if len(prefill_tokens) > 1 and budget:
-            assert sum(prefill_tokens) <= budget, "the prefills exceed the step's budget"
+        assert len(prefill_tokens) <= 1, "more than one prefill in a step"
         if self.max_step_tokens:
             assert output.num_tokens <= self.max_step_tokens, "the step exceeds the model's pass"
         assert is_prefill == sorted(is_prefill), "a prefill was packed before a decode"

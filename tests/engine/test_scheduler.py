@@ -31,14 +31,15 @@ def test_many_requests_complete_and_every_block_returns():
     assert harness.kv.num_free_blocks == harness.initial_free_blocks == 64
 
 
-def test_decodes_are_packed_first_then_waiting_prefills_join():
+def test_decodes_are_packed_first_then_one_prefill_joins():
     harness = SchedulerHarness(ctx=1024)
     decoders = _decoding(harness, [[1, 2], [3, 4, 5], [6]])
     waiting = [harness.add([7] * 10, 5), harness.add([8] * 10, 5)]
     output = harness.step()
     ids = [s.request_id for s in output.sequences]
-    assert ids == [r.request_id for r in [*decoders, *waiting]]
-    assert [len(s.token_ids) for s in output.sequences] == [1, 1, 1, 10, 10]
+    assert ids == [r.request_id for r in [*decoders, waiting[0]]]
+    assert [len(s.token_ids) for s in output.sequences] == [1, 1, 1, 10]
+    assert waiting[1].status is RequestStatus.WAITING
 
 
 def test_unbatched_prefills_join_one_per_step():
@@ -51,54 +52,43 @@ def test_unbatched_prefills_join_one_per_step():
     assert waiting[1].status is RequestStatus.WAITING
 
 
-def test_requests_arriving_together_are_admitted_in_one_step():
+def test_requests_arriving_together_are_admitted_one_per_step_in_order():
     rng = random.Random(1)
     harness = SchedulerHarness(ctx=8192, max_num_seqs=64)
-    requests = [harness.add([rng.randrange(50) for _ in range(rng.randint(5, 40))], 12)
+    requests = [harness.add([rng.randrange(50) for _ in range(rng.randint(5, 40))], 40)
                 for _ in range(32)]
-    output = harness.step()
-    assert [s.request_id for s in output.sequences] == [r.request_id for r in requests]
-    assert all(not r.is_prefilling for r in requests)
-    assert len(harness.step().sequences) == 32  # then they all decode together
+    for k in range(32):  # step k: the k running requests decode, request k is prefilled
+        output = harness.step()
+        assert [s.request_id for s in output.sequences][-1] == requests[k].request_id
+        assert len(output.sequences) == k + 1
     harness.run_to_completion()
-    assert all(r.output_ids == expected_greedy(r.prompt_ids, 12) for r in requests)
+    assert all(r.output_ids == expected_greedy(r.prompt_ids, 40) for r in requests)
     assert harness.kv.num_free_blocks == harness.initial_free_blocks
 
 
-def test_whole_prefills_join_until_the_budget_in_queue_order():
-    harness = SchedulerHarness(ctx=2048, prefill_mix_max=30)
-    _decoding(harness, [[1, 2]])
-    first, second, third, short = (harness.add([i] * n, 3) for i, n in
-                                   [(3, 12), (4, 15), (5, 10), (6, 2)])
-    output = harness.step()
-    assert [len(s.token_ids) for s in output.sequences] == [1, 12, 15]  # 27 + 10 > 30
-    assert third.status is short.status is RequestStatus.WAITING  # no jumping the queue
-    assert [len(s.token_ids) for s in harness.step().sequences] == [1, 1, 1, 10, 2]
-
-
-def test_a_first_prefill_over_the_budget_runs_as_the_only_prefill():
+def test_a_prefill_over_the_mix_limit_runs_when_no_decode_waits():
     harness = SchedulerHarness(ctx=2048, prefill_mix_max=30)
     long_request, short = harness.add([3] * 50, 3), harness.add([4] * 5, 3)
     assert [len(s.token_ids) for s in harness.step().sequences] == [50]
     assert short.status is RequestStatus.WAITING and not long_request.is_prefilling
 
 
-def test_chunked_pieces_fill_the_chunk_budget_and_resume_first():
+def test_chunked_prefill_resumes_before_new_admissions():
     harness = SchedulerHarness(ctx=2048, sched_policy="chunked", prefill_chunk_tokens=16)
-    a, b, c = harness.add([3] * 10, 3), harness.add([4] * 10, 3), harness.add([5] * 10, 3)
-    output = harness.step()
-    assert [(s.request_id, len(s.token_ids)) for s in output.sequences] == \
-        [(a.request_id, 10), (b.request_id, 6)]
-    output = harness.step()  # a decodes; b's rest goes first, c fills the budget
-    assert [(s.request_id, len(s.token_ids)) for s in output.sequences] == \
-        [(a.request_id, 1), (b.request_id, 4), (c.request_id, 10)]
+    a, b = harness.add([3] * 40, 3), harness.add([4] * 10, 3)
+    pieces = [[(s.request_id, len(s.token_ids)) for s in harness.step().sequences]
+              for _ in range(4)]
+    assert pieces == [[(a.request_id, 16)], [(a.request_id, 16)], [(a.request_id, 8)],
+                      [(a.request_id, 1), (b.request_id, 10)]]
 
 
 def test_admission_stops_when_kv_runs_out():
     harness = SchedulerHarness(ctx=128, block_size=8)  # 16 blocks
     requests = [harness.add([i] * 20, 20) for i in range(4)]  # 5 blocks each
-    output = harness.step()
-    assert len(output.sequences) == 3 and requests[3].status is RequestStatus.WAITING
+    for _ in range(4):
+        harness.step()
+    assert [r.status for r in requests].count(RequestStatus.WAITING) == 1
+    assert requests[3].status is RequestStatus.WAITING
     harness.run_to_completion()
     assert all(r.output_ids == expected_greedy(r.prompt_ids, 20) for r in requests)
     assert harness.kv.num_free_blocks == 16
@@ -115,12 +105,11 @@ def test_steps_never_exceed_the_models_pass_limit(policy):
     assert all(r.output_ids == expected_greedy(r.prompt_ids, 6) for r in requests)
 
 
-def test_priority_admits_several_prefills_in_priority_order():
+def test_priority_admits_prefills_in_priority_order():
     harness = SchedulerHarness(ctx=2048, sched_policy="priority")
     low, high, mid = (harness.add([i] * 4, 2, priority=p) for i, p in [(1, 0), (2, 9), (3, 5)])
-    output = harness.step()
-    assert [s.request_id for s in output.sequences] == \
-        [high.request_id, mid.request_id, low.request_id]
+    firsts = [harness.step().sequences[-1].request_id for _ in range(3)]
+    assert firsts == [high.request_id, mid.request_id, low.request_id]
 
 
 def test_decode_budget_rotates_over_running_requests():

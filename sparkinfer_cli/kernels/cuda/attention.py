@@ -45,6 +45,17 @@ def _dot_q(q_sh, cache, off, head_dim, f16):
     return s
 
 
+@cuda.jit(device=True, inline=True)
+def _accumulate_pv(acc, corr, p_sh, row_sh, v_cache, n, warp, dim0, per_lane):
+    """acc ← corr·acc + Σ p_j·V_j[dim0 : dim0 + per_lane] over this warp's share of n chunk keys."""
+    for e in range(per_lane):
+        acc[e] *= corr
+    for j in range(warp, n, WARPS):
+        pj, off = p_sh[j], row_sh[j] + dim0
+        for e in range(per_lane):
+            acc[e] += pj * float32(v_cache[off + e])
+
+
 @functools.cache
 def _split_kernel(head_dim: int, f16: bool):
     per_lane = head_dim // 32
@@ -87,12 +98,8 @@ def _split_kernel(head_dim: int, f16: bool):
             p = math.exp(s - m_new) if t < end else float32(0.0)
             p_sh[tid] = p
             l_sum = l_sum * corr + block_sum(p, scratch)  # its barriers publish p_sh, row_sh
-            for e in range(per_lane):
-                acc[e] *= corr
-            for j in range(warp, min(CHUNK, end - c0), WARPS):
-                pj, off = p_sh[j], row_sh[j] + lane * per_lane
-                for e in range(per_lane):
-                    acc[e] += pj * float32(v_cache[off + e])
+            _accumulate_pv(acc, corr, p_sh, row_sh, v_cache, min(CHUNK, end - c0), warp,
+                           lane * per_lane, per_lane)
             m = m_new
             cuda.syncthreads()  # before the next chunk overwrites p_sh / row_sh
         for e in range(per_lane):
