@@ -175,11 +175,11 @@ def ensure_synthetic(preset: str, console: Console) -> Path:
 
 
 def _load(gguf: GGUFFile, device: str, console: Console) -> tuple[CausalLM, Tokenizer]:
-    from sparkinfer_cli.model.loader import load_model
+    from sparkinfer_cli.model.loader import load_runtime_model
     from sparkinfer_cli.tokenizer.tokenizer import Tokenizer
 
     with console.status(f"loading {gguf.path.name} on {device}"):
-        return load_model(gguf, device, int8_decode=device == "cpu"), Tokenizer.from_gguf(gguf)
+        return load_runtime_model(gguf, device), Tokenizer.from_gguf(gguf)
 
 
 # ---- measuring -----------------------------------------------------------------------------------

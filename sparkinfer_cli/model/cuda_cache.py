@@ -5,7 +5,8 @@ scratch block and one scratch state slot past the engine's range: the padding ro
 graph's batch-size bucket write and read there, never in a block or slot the engine owns.
 
 Layouts (kernels/cuda): K/V per attention layer (num_blocks + 1, block_size, n_kv, head_dim) f16
-(f32 for exact runs, as the CPU cache and the oracle fixtures keep it);
+(f32 for exact runs, as the CPU cache and the oracle fixtures keep it; int8 with a float32 scale per
+32 values in k_scales / v_scales under SPARKINFER_KV_INT8);
 conv state per GDN layer (slots + 1, conv_dim, K − 1) f32; delta state (slots + 1, H_v, d_v, d_k)
 f32 (value column j, key index i contiguous: transposed from the CPU cache's (H_v, d_k, d_v)).
 """
@@ -44,6 +45,10 @@ class CudaModelCache:
         self.attn_index = {layer: i for i, layer in enumerate(config.attention_layers)}
         self.k = [device_zeros(kv_shape, kv_dtype) for _ in self.attn_index]
         self.v = [device_zeros(kv_shape, kv_dtype) for _ in self.attn_index]
+        scale_shape = (*kv_shape[:3], config.head_dim // 32)  # int8 KV: a scale per 32 values
+        is_int8 = np.dtype(kv_dtype) == np.int8
+        self.k_scales = [device_zeros(scale_shape, np.float32) for _ in self.k if is_int8]
+        self.v_scales = [device_zeros(scale_shape, np.float32) for _ in self.v if is_int8]
         self.rec_index = {layer: i for i, layer in enumerate(config.recurrent_layer_ids)}
         K, C, H_v = config.ssm_conv_kernel, config.ssm_conv_dim, config.ssm_n_v_heads
         d_v = config.ssm_inner_size // max(H_v, 1)
@@ -58,12 +63,19 @@ class CudaModelCache:
         """The longest sequence the pool can hold (all blocks)."""
         return self.num_blocks * self.block_size
 
+    def kv_scales(self, attn_layer: int) -> tuple | None:
+        """(k_scales, v_scales) of an int8 KV layer, None for float caches."""
+        if not self.k_scales:
+            return None
+        return self.k_scales[attn_layer], self.v_scales[attn_layer]
+
     def memory_bytes(self) -> dict[str, int]:
-        return {"kv_pool": sum(a.nbytes for a in self.k + self.v),
+        kv = self.k + self.v + self.k_scales + self.v_scales
+        return {"kv_pool": sum(a.nbytes for a in kv),
                 "state_pool": sum(a.nbytes for a in self.conv_state + self.delta_state)}
 
     def copy_blocks(self, src: Sequence[int], dst: Sequence[int]) -> None:
-        for pool in self.k + self.v:
+        for pool in self.k + self.v + self.k_scales + self.v_scales:
             for s, d in zip(src, dst):
                 pool[d].copy_to_device(pool[s])
 

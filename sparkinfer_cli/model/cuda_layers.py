@@ -142,11 +142,12 @@ class CudaAttention:
         li = cache.attn_index[self.layer]
         prepare_attention_input(q, k, v, self.q_norm, self.k_norm, cfg.rms_eps, ws.positions,
                                 cfg.n_rot, cfg.rope_base, cache.k[li], cache.v[li],
-                                ws.slot_mapping, neox=cfg.rope_style == ROPE_NEOX, stream=stream)
+                                ws.slot_mapping, neox=cfg.rope_style == ROPE_NEOX,
+                                scales=cache.kv_scales(li), stream=stream)
         out = ws.act("attn.out", H * D)
         attention.paged_decode_attention(q, cache.k[li], cache.v[li], ws.block_tables, ws.seq_lens,
                                          out.f.reshape(rows, H, D), ws.attn, stream=stream,
-                                         row_seq=ws.row_seq)
+                                         row_seq=ws.row_seq, scales=cache.kv_scales(li))
         if self.gated:
             activation.sigmoid_mul(out.f, gate[0], out.f, stream=stream, act=out.q)
         else:

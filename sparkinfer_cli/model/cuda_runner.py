@@ -83,9 +83,13 @@ class QueuedPass(NamedTuple):
 class CudaModel:
     max_pass_tokens = MAX_PASS_TOKENS  # the engine keeps each step's tokens within this
 
-    def __init__(self, cpu_model: CausalLM, *, exact: bool = False, use_graphs: bool | None = None,
+    def __init__(self, cpu_model: CausalLM, *, exact: bool = False, kv_int8: bool = False,
+                 use_graphs: bool | None = None,
                  console: Console | None = None, total_bytes: int | None = None):
         self.config, self.exact = cpu_model.config, exact
+        if exact and kv_int8:
+            raise ValueError("exact mode keeps the KV cache in float32: no int8 KV")
+        self.kv_dtype = np.float32 if exact else (np.int8 if kv_int8 else np.float16)
         self.use_graphs = (not IS_SIMULATOR) if use_graphs is None else use_graphs
         self.embedding = cpu_model.token_embd  # looked up on the host
         self.stream = cuda.stream()
@@ -114,8 +118,8 @@ class CudaModel:
     # ---- the Model interface -------------------------------------------------------------------
     def create_cache(self, num_blocks: int, block_size: int,
                      num_state_slots: int) -> CudaModelCache:
-        kv_dtype = np.float32 if self.exact else np.float16
-        cache = CudaModelCache(self.config, num_blocks, block_size, num_state_slots, kv_dtype)
+        cache = CudaModelCache(self.config, num_blocks, block_size, num_state_slots,
+                               self.kv_dtype)
         if self.console is not None:
             mem = self.memory_report(cache)
             self.console.print("CUDA memory: " + ", ".join(f"{k} {v / 2**30:.2f} GiB"
@@ -218,9 +222,9 @@ class CudaModel:
 
 
 def load_cuda_model(gguf: GGUFFile, config: ModelConfig, *, exact: bool = False,
-                    console: Console | None = None) -> CudaModel:
+                    kv_int8: bool = False, console: Console | None = None) -> CudaModel:
     """Build the architecture's CPU model (zero-copy views of the file), upload it to the GPU."""
     module = importlib.import_module(f"sparkinfer_cli.model.{config.arch}")
     cpu_model = module.Model(gguf, config)
     total = None if exact else sum(info.n_bytes for info in gguf.tensors.values())
-    return CudaModel(cpu_model, exact=exact, console=console, total_bytes=total)
+    return CudaModel(cpu_model, exact=exact, kv_int8=kv_int8, console=console, total_bytes=total)

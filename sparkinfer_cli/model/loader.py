@@ -3,22 +3,29 @@
 from __future__ import annotations
 
 import importlib
+import logging
+from collections.abc import Mapping
 from pathlib import Path
 
+from sparkinfer_cli import env
 from sparkinfer_cli.gguf_file import GGUFFile
 from sparkinfer_cli.model.base import CausalLM
 from sparkinfer_cli.model.config import ModelConfig
 
+log = logging.getLogger(__name__)
+
 
 def load_model(path: str | Path | GGUFFile, device: str = "cpu", *,
-               int8_decode: bool = False) -> CausalLM:
+               int8_decode: bool = False, kv_int8: bool = False) -> CausalLM:
     """int8_decode (CPU): decode steps quantize activations to int8 like llama.cpp, ~2x faster;
-    off, every op is float32 (what the oracle tests check to 1e-3)."""
+    off, every op is float32 (what the oracle tests check to 1e-3).
+    kv_int8 (CUDA): int8 KV cache with a scale per 32 values (SPARKINFER_KV_INT8), half of F16's
+    memory; the CPU cache stays float32."""
     gguf = path if isinstance(path, GGUFFile) else GGUFFile(path)
     config = ModelConfig.from_gguf(gguf)  # refuses unsupported architectures
     if device == "cuda":
         from sparkinfer_cli.model.cuda_runner import load_cuda_model  # imports numba.cuda only here
-        return load_cuda_model(gguf, config)
+        return load_cuda_model(gguf, config, kv_int8=kv_int8)
     if device != "cpu":
         raise ValueError(f"device {device!r} is not available in this build (use 'cpu' or 'cuda')")
     module = importlib.import_module(f"sparkinfer_cli.model.{config.arch}")
@@ -26,3 +33,15 @@ def load_model(path: str | Path | GGUFFile, device: str = "cpu", *,
     if int8_decode:
         model.use_int8_decode()
     return model
+
+
+def load_runtime_model(gguf: GGUFFile, device: str,
+                       environ: Mapping[str, str] | None = None) -> CausalLM:
+    """The model as generate / serve / bench run it: int8 decode on the CPU; on CUDA an int8 KV
+    cache when SPARKINFER_KV_INT8 is set (the CPU cache stays float32, and a warning says so)."""
+    kv_int8 = bool(env.SPARKINFER_KV_INT8.get(environ))
+    if kv_int8 and device != "cuda":
+        log.warning("SPARKINFER_KV_INT8 applies to the CUDA backend: the CPU KV cache stays "
+                    "float32")
+    return load_model(gguf, device, int8_decode=device == "cpu",
+                      kv_int8=kv_int8 and device == "cuda")

@@ -146,14 +146,14 @@ def run_server(model_path: str | Path, host: str | None = None, port: int | None
     Arguments left None come from the environment (HOST, PORT, CTX, SPARKINFER_*)."""
     from sparkinfer_cli.engine.engine import ContinuousBatchEngine, warm_up
     from sparkinfer_cli.gguf_file import GGUFFile
-    from sparkinfer_cli.model.loader import load_model
+    from sparkinfer_cli.model.loader import load_runtime_model
     from sparkinfer_cli.tokenizer.chat_template import ChatTemplate
     from sparkinfer_cli.tokenizer.tokenizer import Tokenizer
 
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     gguf = GGUFFile(model_path)
-    model = load_model(gguf, device, int8_decode=device == "cpu")
+    model = load_runtime_model(gguf, device, environ)
     tokenizer = Tokenizer.from_gguf(gguf)
     server_config = ServerConfig.from_env(environ, host=host, port=port, api_key=api_key,
                                           model_name=model_name or default_model_name(gguf))

@@ -7,6 +7,7 @@ import pytest
 from numba import cuda
 
 from sparkinfer_cli.kernels.cpu import ops
+from sparkinfer_cli.kernels.cuda import quant_gemv as qg
 from sparkinfer_cli.kernels.cuda.attention_input import prepare_attention_input
 from sparkinfer_cli.kernels.cuda.norm import rms_norm_reference
 
@@ -39,3 +40,23 @@ def test_norm_rope_and_store_match_the_unfused_ops(style, with_norm, kv_dtype):
     np.testing.assert_allclose(flat_v[slots], v, rtol=tol, atol=tol)
     untouched = np.setdiff1d(np.arange(len(flat_k)), slots)
     assert not flat_k[untouched].any() and not flat_v[untouched].any()
+
+
+def test_int8_cache_stores_q8_blocks_of_the_rotated_keys_and_values():
+    rng = np.random.default_rng(9)
+    n_tok, n_heads, n_kv, d, n_rot = 2, 2, 2, 64, 32
+    q = rng.standard_normal((n_tok, n_heads, d)).astype(np.float32)
+    k, v = (rng.standard_normal((n_tok, n_kv, d)).astype(np.float32) for _ in range(2))
+    slots = np.array([3, 1], np.int32)
+    caches = [cuda.to_device(np.zeros((2, 2, n_kv, d), np.int8)) for _ in range(2)]
+    scales = [cuda.to_device(np.zeros((2, 2, n_kv, d // 32), np.float32)) for _ in range(2)]
+    dk = cuda.to_device(k)
+    prepare_attention_input(cuda.to_device(q), dk, cuda.to_device(v), None, None, 1e-6,
+                            cuda.to_device(np.array([4, 9], np.int32)), n_rot, 1e4, *caches,
+                            cuda.to_device(slots), scales=scales)
+    for stored, scale, x in zip(caches, scales, (dk.copy_to_host(), v)):
+        want_q, want_d, _ = qg.quantize_q8_reference(x)  # x: the float rows the kernel stored
+        got_q = stored.copy_to_host().reshape(-1, n_kv, d)[slots]
+        got_d = scale.copy_to_host().reshape(-1, n_kv, d // 32)[slots]
+        np.testing.assert_array_equal(got_q, want_q)
+        np.testing.assert_allclose(got_d, want_d, rtol=1e-6)

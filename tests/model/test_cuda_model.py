@@ -48,11 +48,11 @@ CASES = [(f, v) for f in FAMILIES for v in _variants(f)]
 
 
 @functools.lru_cache(maxsize=4)
-def _gpu_model(path: Path, exact: bool):
+def _gpu_model(path: Path, exact: bool, kv_int8: bool = False):
     from sparkinfer_cli.model.cuda_runner import load_cuda_model
 
     gguf = GGUFFile(path)
-    return load_cuda_model(gguf, ModelConfig.from_gguf(gguf), exact=exact)
+    return load_cuda_model(gguf, ModelConfig.from_gguf(gguf), exact=exact, kv_int8=kv_int8)
 
 
 def _tiny(family: str, variant: str, exact: bool):
@@ -122,6 +122,31 @@ def test_forward_greedy_ids_are_the_argmax_of_the_logits(family: str) -> None:
         logits = model.forward(SequenceBatch.single(ids, start, table), caches[0])
         picked = model.forward_greedy(SequenceBatch.single(ids, start, table), caches[1])
         assert picked.tolist() == logits.argmax(axis=1).tolist()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ("qwen3", "qwen35moe"))
+def test_int8_kv_decode_follows_f16_kv_where_clear(family: str) -> None:
+    """SPARKINFER_KV_INT8: decode logits over an int8 cache pick F16's top-1 wherever F16's
+    margin is clear (F16 KV is the path checked against llama.cpp above)."""
+    g, variant = _goldens(family), _variants(family)[0]
+    path = TINY / family / f"{family}-{variant}.gguf"
+    prompt = g["prompt_short"]
+    tokens = g[f"lc_{_float_key(variant)}_greedy_short"]
+
+    def decode(model) -> np.ndarray:
+        cache = model.create_cache(-(-(len(prompt) + len(tokens)) // BLOCK_SIZE), BLOCK_SIZE, 1)
+        table = np.arange(cache.num_blocks)
+        steps = [model.forward(SequenceBatch.single(prompt, 0, table), cache)[0]]
+        for i, token in enumerate(tokens[:-1]):
+            batch = SequenceBatch.single([token], len(prompt) + i, table)
+            steps.append(model.forward(batch, cache)[0])
+        return np.stack(steps)  # (len(tokens), V)
+
+    f16, int8 = decode(_gpu_model(path, False)), decode(_gpu_model(path, False, kv_int8=True))
+    assert np.abs(f16 - int8).max() > 0, "the int8 model did not use an int8 cache"
+    clear = _top1_margin(f16) > NATIVE_MARGIN
+    assert (f16.argmax(1) == int8.argmax(1))[clear].all()
 
 
 @pytest.mark.gpu

@@ -1,7 +1,8 @@
-"""Attention over a paged F16 KV cache: split-K decode (one query per sequence); attention_input.py
+"""Attention over a paged KV cache: split-K decode (one query per sequence); attention_input.py
 stores new K/V.
 
-Cache layout: (num_blocks, block_size, n_kv_heads, head_dim) float16 (float32 for exact runs); token
+Cache layout: (num_blocks, block_size, n_kv_heads, head_dim) float16 (float32 for exact runs; int8
+with one float32 scale per 32 values, llama.cpp's q8_0 scheme, under SPARKINFER_KV_INT8); token
 p of a sequence lives in block block_table[seq, p // block_size] at offset p % block_size. Decode
 runs in two kernels so the graph shape never depends on the context length (a prefill runs as one
 query row per token, row_seq naming each row's sequence and seq_lens = position + 1):
@@ -17,21 +18,74 @@ import functools
 import math
 
 import numpy as np
-from numba import cuda, float32, int32
+from numba import cuda, float32, int8, int32
+from numba.cuda.types import float16
 
 from sparkinfer_cli.kernels.cuda.intrinsics import bits_to_f32, f16_bits_to_f32, ld_v4_u32
 from sparkinfer_cli.kernels.cuda.launch import cdiv, check_array
-from sparkinfer_cli.kernels.cuda.warp import block_max, block_sum
+from sparkinfer_cli.kernels.cuda.warp import block_max, block_sum, warp_max
 
 CHUNK = 128  # keys scored at once: one per thread
+KV_F32, KV_F16, KV_I8 = 0, 1, 2  # cache element types
 WARPS = CHUNK // 32
 
 
 @cuda.jit(device=True, inline=True)
-def _dot_q(q_sh, cache, off, head_dim, f16):
-    """Σ_d q_sh[d]·cache[off + d], reading the cached row 16 bytes at a time."""
+def kv_value(cache, scales, idx, kind):
+    """Element idx of a K or V cache as float32 (KV_I8: times its 32-block's scale)."""
+    if kind == KV_I8:
+        return float32(cache[idx]) * scales[idx // 32]
+    return float32(cache[idx])
+
+
+@cuda.jit(device=True, inline=True)
+def store_kv(cache, scales, idx, y, kind):
+    """cache[idx] = y in the cache's type. KV_I8: int8 per 32-element block with d = max|y|/127
+    (q8_0's scheme); the 32 lanes of the warp that holds the block call it together."""
+    if kind == KV_I8:
+        amax = warp_max(abs(y))
+        d = amax / float32(127.0)
+        cache[idx] = int8(math.floor(y / d + float32(0.5)) if amax > 0 else 0)
+        if idx % 32 == 0:
+            scales[idx // 32] = d
+    elif kind == KV_F16:
+        cache[idx] = float16(y)
+    else:
+        cache[idx] = y
+
+
+def flat_scales(kind: int, scales, cache_size: int) -> tuple:
+    """The (k, v) scale arrays a kernel takes: the int8 caches' own, else placeholders."""
+    if kind != KV_I8:
+        return _placeholder(), _placeholder()
+    if scales is None or any(s.size * 32 != cache_size for s in scales):
+        raise ValueError("an int8 KV cache needs (k_scales, v_scales) with one per 32 values")
+    return tuple(s.reshape(s.size) for s in scales)
+
+
+@functools.cache
+def _placeholder():
+    return cuda.to_device(np.zeros(1, np.float32))  # (1,)
+
+
+def kv_kind(cache) -> int:
+    kinds = {np.dtype(np.float32): KV_F32, np.dtype(np.float16): KV_F16, np.dtype(np.int8): KV_I8}
+    if np.dtype(cache.dtype) not in kinds:
+        raise ValueError(f"KV cache of {cache.dtype}: float32, float16 or int8 expected")
+    return kinds[np.dtype(cache.dtype)]
+
+
+@cuda.jit(device=True, inline=True)
+def _dot_q(q_sh, cache, scales, off, head_dim, kind):
+    """Σ_d q_sh[d]·K[off + d], reading f16/f32 rows 16 bytes at a time."""
     s = float32(0.0)
-    if f16:
+    if kind == KV_I8:
+        for b in range(0, head_dim, 32):
+            part = float32(0.0)
+            for d in range(b, b + 32):
+                part += q_sh[d] * float32(cache[off + d])
+            s += part * scales[(off + b) // 32]
+    elif kind == KV_F16:
         for d in range(0, head_dim, 8):
             w = ld_v4_u32(cache, 2 * (off + d))
             for j in range(4):
@@ -46,24 +100,24 @@ def _dot_q(q_sh, cache, off, head_dim, f16):
 
 
 @cuda.jit(device=True, inline=True)
-def _accumulate_pv(acc, corr, p_sh, row_sh, v_cache, n, warp, dim0, per_lane):
+def _accumulate_pv(acc, corr, p_sh, row_sh, v_cache, v_scales, kind, n, warp, dim0, per_lane):
     """acc ← corr·acc + Σ p_j·V_j[dim0 : dim0 + per_lane] over this warp's share of n chunk keys."""
     for e in range(per_lane):
         acc[e] *= corr
     for j in range(warp, n, WARPS):
         pj, off = p_sh[j], row_sh[j] + dim0
         for e in range(per_lane):
-            acc[e] += pj * float32(v_cache[off + e])
+            acc[e] += pj * kv_value(v_cache, v_scales, off + e, kind)
 
 
 @functools.cache
-def _split_kernel(head_dim: int, f16: bool):
+def _split_kernel(head_dim: int, kind: int):
     per_lane = head_dim // 32
     acc_len = WARPS * head_dim
 
     @cuda.jit(fastmath=True)
-    def decode_split(q, k_cache, v_cache, block_table, max_blocks, row_seq, seq_lens, n_kv,
-                     block_size, split_len, scale, part_m, part_l, part_acc):
+    def decode_split(q, k_cache, v_cache, k_scales, v_scales, block_table, max_blocks, row_seq,
+                     seq_lens, n_kv, block_size, split_len, scale, part_m, part_l, part_acc):
         # One block per (head, query row, split), keys in chunks of CHUNK: thread t scores key
         # t of the chunk (its whole K row), the block agrees on the running max, then warp w
         # accumulates p·V over keys w, w + WARPS, ..., lane l owning dims [l·per_lane, +per_lane).
@@ -92,14 +146,14 @@ def _split_kernel(head_dim: int, f16: bool):
             if t < end:
                 blk = block_table[table + t // block_size]
                 row_sh[tid] = ((blk * block_size + t % block_size) * n_kv + kv_head) * head_dim
-                s = _dot_q(q_sh, k_cache, row_sh[tid], head_dim, f16)
+                s = _dot_q(q_sh, k_cache, k_scales, row_sh[tid], head_dim, kind)
             m_new = max(m, block_max(s, scratch))
             corr = math.exp(m - m_new)  # m = -inf on the first chunk: corr = 0
             p = math.exp(s - m_new) if t < end else float32(0.0)
             p_sh[tid] = p
             l_sum = l_sum * corr + block_sum(p, scratch)  # its barriers publish p_sh, row_sh
-            _accumulate_pv(acc, corr, p_sh, row_sh, v_cache, min(CHUNK, end - c0), warp,
-                           lane * per_lane, per_lane)
+            _accumulate_pv(acc, corr, p_sh, row_sh, v_cache, v_scales, kind,
+                           min(CHUNK, end - c0), warp, lane * per_lane, per_lane)
             m = m_new
             cuda.syncthreads()  # before the next chunk overwrites p_sh / row_sh
         for e in range(per_lane):
@@ -148,11 +202,13 @@ class DecodeWorkspace:
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, out, ws: DecodeWorkspace,
-                           scale: float | None = None, stream=0, row_seq=None) -> None:
+                           scale: float | None = None, stream=0, row_seq=None,
+                           scales=None) -> None:
     """q (n_rows, n_heads, head_dim) f32 attends to the first seq_lens[r] cached tokens → out.
 
     row_seq: int32 (n_rows,) block-table row of each query row (default: row r uses row r), so the
     T query rows of one prefilled sequence share its table, with seq_lens = position + 1 (causal).
+    scales: (k_scales, v_scales) f32, one per 32 cached values, for int8 caches.
     """
     n_seqs, n_heads, head_dim = q.shape
     _, block_size, n_kv, _ = k_cache.shape
@@ -167,12 +223,13 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, out, ws: 
         row_seq = _identity_rows(n_seqs)
     check_array("row_seq", row_seq, np.int32, (n_seqs,))
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    f16 = k_cache.dtype == np.float16
-    _split_kernel(head_dim, f16)[(n_heads, n_seqs, ws.n_splits), CHUNK, stream](
+    kind = kv_kind(k_cache)
+    k_scales, v_scales = flat_scales(kind, scales, k_cache.size)
+    _split_kernel(head_dim, kind)[(n_heads, n_seqs, ws.n_splits), CHUNK, stream](
         q.reshape(q.size), k_cache.reshape(k_cache.size), v_cache.reshape(v_cache.size),
-        block_table.reshape(block_table.size), block_table.shape[1], row_seq, seq_lens, n_kv,
-        block_size, ws.split_len,
-        float32(scale), ws.part_m, ws.part_l, ws.part_acc)
+        k_scales, v_scales, block_table.reshape(block_table.size), block_table.shape[1], row_seq,
+        seq_lens, n_kv, block_size, ws.split_len, float32(scale), ws.part_m, ws.part_l,
+        ws.part_acc)
     _merge_kernel[(n_heads, n_seqs), min(head_dim, 256), stream](
         ws.part_m, ws.part_l, ws.part_acc, ws.n_splits, head_dim, out.reshape(out.size))
 

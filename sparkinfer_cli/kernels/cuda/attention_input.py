@@ -15,8 +15,8 @@ import math
 
 import numpy as np
 from numba import cuda, float32, float64
-from numba.cuda.types import float16
 
+from sparkinfer_cli.kernels.cuda.attention import flat_scales, kv_kind, store_kv
 from sparkinfer_cli.kernels.cuda.launch import check_array
 from sparkinfer_cli.kernels.cuda.warp import block_sum
 
@@ -29,10 +29,10 @@ def rope_cos_sin(pos, i, n_rot, log_base):
 
 
 @functools.cache
-def _prepare_kernel(head_dim: int, f16: bool):
+def _prepare_kernel(head_dim: int, kind: int):
     @cuda.jit(fastmath=True)
     def prepare(q, k, v, q_norm, k_norm, has_norm, eps, positions, n_rot, log_base, neox,
-                k_cache, v_cache, slot_mapping, n_heads, n_kv):
+                k_cache, v_cache, k_scales, v_scales, slot_mapping, n_heads, n_kv):
         # grid (n_tokens, n_heads + 2·n_kv), block head_dim threads: thread i owns element i
         tok, head = cuda.blockIdx.x, cuda.blockIdx.y
         i = cuda.threadIdx.x
@@ -42,7 +42,7 @@ def _prepare_kernel(head_dim: int, f16: bool):
         if is_v:
             at = (tok * n_kv + head - n_heads - n_kv) * head_dim + i
             dst = slot_mapping[tok] * n_kv * head_dim + at - tok * n_kv * head_dim
-            v_cache[dst] = float16(v[at]) if f16 else v[at]
+            store_kv(v_cache, v_scales, dst, v[at], kind)
             return
         x = q if is_q else k
         at = ((tok * n_heads + head) if is_q else (tok * n_kv + head - n_heads)) * head_dim + i
@@ -62,15 +62,16 @@ def _prepare_kernel(head_dim: int, f16: bool):
         x[at] = y
         if not is_q:
             dst = slot_mapping[tok] * n_kv * head_dim + at - tok * n_kv * head_dim
-            k_cache[dst] = float16(y) if f16 else y
+            store_kv(k_cache, k_scales, dst, y, kind)
     return prepare
 
 
 def prepare_attention_input(q, k, v, q_norm, k_norm, eps: float, positions, n_rot: int,
                             base: float, k_cache, v_cache, slot_mapping, *, neox: bool = True,
-                            stream=0) -> None:
+                            scales=None, stream=0) -> None:
     """q (n_tokens, n_heads, D), k/v (n_tokens, n_kv, D) f32: q, k ← rope(rms_norm(·)·w) in
-    place (no norm when q_norm is None), then k and v → the caches at slot_mapping."""
+    place (no norm when q_norm is None), then k and v → the caches at slot_mapping (int8 caches:
+    scales = (k_scales, v_scales), one float32 per 32 values)."""
     n_tokens, n_heads, head_dim = q.shape
     n_kv = k.shape[1]
     check_array("q", q, np.float32)
@@ -80,12 +81,13 @@ def prepare_attention_input(q, k, v, q_norm, k_norm, eps: float, positions, n_ro
     check_array("slot_mapping", slot_mapping, np.int32, (n_tokens,))
     if head_dim % 32 or head_dim > 1024 or n_rot % 2 or n_rot > head_dim:
         raise ValueError(f"head_dim {head_dim} (32·n ≤ 1024) and n_rot {n_rot} (even, ≤ head_dim)")
-    f16 = k_cache.dtype == np.float16
-    if k_cache.shape[2:] != (n_kv, head_dim) or not (f16 or k_cache.dtype == np.float32):
-        raise ValueError(f"cache {k_cache.shape} {k_cache.dtype} cannot hold ({n_kv}, {head_dim})")
+    kind = kv_kind(k_cache)
+    if k_cache.shape[2:] != (n_kv, head_dim):
+        raise ValueError(f"cache {k_cache.shape} cannot hold ({n_kv}, {head_dim})")
     has_norm = q_norm is not None
     q_norm, k_norm = (q_norm, k_norm) if has_norm else (q.reshape(q.size),) * 2
-    _prepare_kernel(head_dim, f16)[(n_tokens, n_heads + 2 * n_kv), head_dim, stream](
+    _prepare_kernel(head_dim, kind)[(n_tokens, n_heads + 2 * n_kv), head_dim, stream](
         q.reshape(q.size), k.reshape(k.size), v.reshape(v.size), q_norm, k_norm, has_norm,
         float32(eps), positions, n_rot, math.log(base), neox, k_cache.reshape(k_cache.size),
-        v_cache.reshape(v_cache.size), slot_mapping, n_heads, n_kv)
+        v_cache.reshape(v_cache.size), *flat_scales(kind, scales, k_cache.size), slot_mapping,
+        n_heads, n_kv)
