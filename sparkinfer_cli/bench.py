@@ -176,10 +176,10 @@ def ensure_synthetic(preset: str, console: Console) -> Path:
 
 def _load(gguf: GGUFFile, device: str, console: Console) -> tuple[CausalLM, Tokenizer]:
     from sparkinfer_cli.model.loader import load_runtime_model
-    from sparkinfer_cli.tokenizer.tokenizer import Tokenizer
+    from sparkinfer_cli.tokenizer.vocab_override import load_tokenizer
 
     with console.status(f"loading {gguf.path.name} on {device}"):
-        return load_runtime_model(gguf, device), Tokenizer.from_gguf(gguf)
+        return load_runtime_model(gguf, device), load_tokenizer(gguf)
 
 
 # ---- measuring -----------------------------------------------------------------------------------

@@ -96,7 +96,9 @@ CTX: EnvVar[int | None] = EnvVar(
     "KV pool size in tokens, same as --ctx; 0 = the model's trained context length")
 HOST: EnvVar[str] = EnvVar("HOST", str, "127.0.0.1", "address the server binds")
 PORT: EnvVar[int] = EnvVar("PORT", parse_port, 8080, "TCP port the server listens on")
-SPARKINFER_ROOT: EnvVar[str] = EnvVar("SPARKINFER_ROOT", str, ".", "repository root")
+SPARKINFER_ROOT: EnvVar[str] = EnvVar(
+    "SPARKINFER_ROOT", str, ".", "base of relative paths in SPARKINFER_TOKENIZER_URL and "
+    "SPARKINFER_SERVER_PREFIX_TOKEN_FILE")
 SPARKINFER_API_KEY: EnvVar[str | None] = EnvVar(
     "SPARKINFER_API_KEY", str, None, "Bearer key required on every /v1/* route (same as --api-key)")
 SPARKINFER_BATCH_TOKENS: EnvVar[int] = EnvVar(
@@ -158,7 +160,7 @@ def prefix_token_ids(environ: Mapping[str, str] | None = None) -> tuple[int, ...
     if ids:
         raise EnvError("set SPARKINFER_SERVER_PREFIX_TOKEN_FILE or "
                        "SPARKINFER_SERVER_PREFIX_TOKEN_IDS, not both")
-    return _read_token_file(Path(path))
+    return _read_token_file(Path(SPARKINFER_ROOT.get(environ)) / path)  # relative: to the root
 
 
 def _is_token_id(value: object) -> bool:

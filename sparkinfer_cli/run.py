@@ -27,14 +27,14 @@ def run_generate(req: GenerateRequest, err: Console) -> None:
     from sparkinfer_cli.gguf_file import GGUFFile
     from sparkinfer_cli.hub import resolve_model
     from sparkinfer_cli.model.loader import load_runtime_model
-    from sparkinfer_cli.tokenizer.tokenizer import Tokenizer
+    from sparkinfer_cli.tokenizer.vocab_override import load_tokenizer
 
     path, note = resolve_model(req.model, prefer_gpu=req.device == "cuda")
     if note:
         err.print(f"[yellow]{note}[/]")
     gguf = GGUFFile(path)
     model = load_runtime_model(gguf, req.device)
-    tokenizer = Tokenizer.from_gguf(gguf)
+    tokenizer = load_tokenizer(gguf)
     ids = build_prompt(tokenizer, req.prompt, raw=req.raw, system=req.system,
                        enable_thinking=req.enable_thinking)
     stats = GenerationStats()

@@ -148,13 +148,13 @@ def run_server(model_path: str | Path, host: str | None = None, port: int | None
     from sparkinfer_cli.gguf_file import GGUFFile
     from sparkinfer_cli.model.loader import load_runtime_model
     from sparkinfer_cli.tokenizer.chat_template import ChatTemplate
-    from sparkinfer_cli.tokenizer.tokenizer import Tokenizer
+    from sparkinfer_cli.tokenizer.vocab_override import load_tokenizer
 
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     gguf = GGUFFile(model_path)
     model = load_runtime_model(gguf, device, environ)
-    tokenizer = Tokenizer.from_gguf(gguf)
+    tokenizer = load_tokenizer(gguf, environ)
     server_config = ServerConfig.from_env(environ, host=host, port=port, api_key=api_key,
                                           model_name=model_name or default_model_name(gguf))
     engine_config = build_engine_config(ctx, model.config.context_length, environ)

@@ -52,6 +52,9 @@ def test_prefix_tokens_from_file_or_ids(tmp_path) -> None:
     path = tmp_path / "prefix.json"
     path.write_text(json.dumps([5, 6, 7]))
     assert env.prefix_token_ids({"SPARKINFER_SERVER_PREFIX_TOKEN_FILE": str(path)}) == (5, 6, 7)
+    relative = {"SPARKINFER_SERVER_PREFIX_TOKEN_FILE": "prefix.json",
+                "SPARKINFER_ROOT": str(tmp_path)}  # relative paths start at SPARKINFER_ROOT
+    assert env.prefix_token_ids(relative) == (5, 6, 7)
     assert env.prefix_token_ids({"SPARKINFER_SERVER_PREFIX_TOKEN_IDS": "9,8"}) == (9, 8)
     with pytest.raises(env.EnvError, match="not both"):
         env.prefix_token_ids({"SPARKINFER_SERVER_PREFIX_TOKEN_FILE": str(path),
