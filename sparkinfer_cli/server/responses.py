@@ -2,16 +2,77 @@
 
 from __future__ import annotations
 
+import json
 import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from sparkinfer_cli.server.protocol import ChatCompletionRequest, ResponseHeader, Timings, Usage
+from sparkinfer_cli.server.protocol import ChatCompletionRequest
 from sparkinfer_cli.server.stream_router import RoutedText, StreamRouter
 
 if TYPE_CHECKING:
     from sparkinfer_cli.server.routes import ServerState
 
 MIN_LOGPROB = -9999.0  # OpenAI's floor; -inf is not valid JSON
+
+
+@dataclass(frozen=True)
+class Timings:
+    ttft_ms: float
+    generation_ms: float
+    decode_tps: float
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    reasoning_tokens: int = 0
+    timings: Timings | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "completion_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
+        }
+        if self.timings is not None:
+            out.update(ttft_ms=round(self.timings.ttft_ms, 3),
+                       generation_ms=round(self.timings.generation_ms, 3),
+                       decode_tps=round(self.timings.decode_tps, 3))
+        return out
+
+
+@dataclass(frozen=True)
+class ResponseHeader:
+    """The fields shared by every chunk of one response (OpenAI keeps id and created constant)."""
+
+    id: str
+    model: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def chat(self, choices: list[dict[str, Any]], usage: Usage | None) -> dict[str, Any]:
+        return {"id": self.id, "object": "chat.completion", "created": self.created,
+                "model": self.model, "choices": choices,
+                "usage": usage.to_dict() if usage else None}
+
+    def chat_chunk(self, choices: list[dict[str, Any]],
+                   usage: Usage | None = None) -> dict[str, Any]:
+        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                "model": self.model, "choices": choices,
+                "usage": usage.to_dict() if usage else None}
+
+    def completion(self, choices: list[dict[str, Any]], usage: Usage | None) -> dict[str, Any]:
+        return {"id": self.id, "object": "text_completion", "created": self.created,
+                "model": self.model, "choices": choices,
+                "usage": usage.to_dict() if usage else None}
+
+
+_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))  # built once: hot path
+
+
+def dumps(obj: Any) -> str:
+    return _ENCODER.encode(obj)
 
 
 class TokenTexts:

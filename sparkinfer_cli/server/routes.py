@@ -25,15 +25,19 @@ from sparkinfer_cli.server.metrics import CONTENT_TYPE, ServerMetrics, outcome_o
 from sparkinfer_cli.server.protocol import (
     ApiError,
     ChatCompletionRequest,
-    ResponseHeader,
-    dumps,
     invalid,
     parse_chat_request,
     parse_completion_request,
     parse_json_body,
     parse_tokenize_request,
 )
-from sparkinfer_cli.server.responses import ChatResponse, CompletionResponse, TokenTexts
+from sparkinfer_cli.server.responses import (
+    ChatResponse,
+    CompletionResponse,
+    ResponseHeader,
+    TokenTexts,
+    dumps,
+)
 from sparkinfer_cli.server.stream_router import THINK_CLOSE, THINK_OPEN, prompt_opens_thinking
 from sparkinfer_cli.server.tool_calls import forced_call_prefix, uses_xml_format
 
