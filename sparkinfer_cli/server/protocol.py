@@ -1,4 +1,4 @@
-"""OpenAI request and response shapes: validated request dataclasses, response builders, errors.
+"""OpenAI request shapes: validated request dataclasses and errors (responses.py builds replies).
 
 Parsing is strict about types (a bool is not an int, numbers are finite) and lenient about fields
 it does not use (unknown keys are ignored, as OpenAI adds fields often). Every rejection is an
