@@ -14,6 +14,7 @@ f32 (value column j, key index i contiguous: transposed from the CPU cache's (H_
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 from numba import cuda
@@ -23,7 +24,7 @@ from sparkinfer_cli.kernels.cuda.intrinsics import IS_SIMULATOR
 from sparkinfer_cli.model.config import ModelConfig
 
 
-def device_zeros(shape: tuple[int, ...], dtype) -> object:
+def device_zeros(shape: tuple[int, ...], dtype) -> Any:  # a numba device array
     arr = cuda.device_array(shape, dtype)
     if IS_SIMULATOR:  # the simulator's arrays are numpy arrays
         arr[...] = 0

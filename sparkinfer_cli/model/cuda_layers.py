@@ -128,9 +128,9 @@ class CudaAttention:
         self.gated = gate is not None
         self.qkv = up.stacked([mixer.attn_q, mixer.attn_k, mixer.attn_v] + ([gate] if gate else []))
         self.o = up.linear(mixer.attn_output)
-        has_norm = mixer.attn_q_norm is not None
-        self.q_norm = up.f32(mixer.attn_q_norm.weight) if has_norm else None
-        self.k_norm = up.f32(mixer.attn_k_norm.weight) if has_norm else None
+        q_norm, k_norm = mixer.attn_q_norm, mixer.attn_k_norm
+        self.q_norm = up.f32(q_norm.weight) if q_norm is not None else None
+        self.k_norm = up.f32(k_norm.weight) if k_norm is not None else None
         self.layer, self.cfg = mixer.layer, config
 
     def __call__(self, ws: Workspace, cache: CudaModelCache, stream) -> None:

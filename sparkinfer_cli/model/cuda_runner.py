@@ -21,7 +21,7 @@ from __future__ import annotations
 import importlib
 import time
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 from numba import cuda
@@ -39,6 +39,7 @@ from sparkinfer_cli.model.cuda_layers import CudaAttention, CudaGatedDeltaNet, C
 from sparkinfer_cli.model.cuda_weights import Uploader, upload_progress
 from sparkinfer_cli.model.cuda_workspace import Workspace, row_bucket
 from sparkinfer_cli.model.gated_delta_net import GatedDeltaNet
+from sparkinfer_cli.model.layers import Attention, SwiGLU
 from sparkinfer_cli.model.moe import MoE
 
 MAX_GRAPH_ROWS = 64  # decode batches up to this many sequences replay a graph
@@ -47,9 +48,9 @@ MAX_PASS_TOKENS = 4096  # expert GEMV slots (tokens · top-k) must fit CUDA's gr
 
 @dataclass
 class CudaLayer:
-    attn_norm: object
+    attn_norm: Any  # float32 device array
     mixer: CudaAttention | CudaGatedDeltaNet
-    ffn_norm: object
+    ffn_norm: Any
     ffn: CudaSwiGLU | CudaMoE
 
 
@@ -109,9 +110,13 @@ class CudaModel:
 
     def _upload_layer(self, up: Uploader, layer: DecoderLayer) -> CudaLayer:
         cfg, mixer, ffn = self.config, layer.mixer, layer.ffn
-        gpu_mixer = CudaGatedDeltaNet(up, mixer, cfg) if isinstance(mixer, GatedDeltaNet) \
-            else CudaAttention(up, mixer, cfg)
-        gpu_ffn = CudaMoE(up, ffn, cfg) if isinstance(ffn, MoE) else CudaSwiGLU(up, ffn, "ffn")
+        gpu_mixer: CudaAttention | CudaGatedDeltaNet
+        if isinstance(mixer, GatedDeltaNet):
+            gpu_mixer = CudaGatedDeltaNet(up, mixer, cfg)
+        else:
+            gpu_mixer = CudaAttention(up, cast(Attention, mixer), cfg)
+        gpu_ffn = CudaMoE(up, ffn, cfg) if isinstance(ffn, MoE) else \
+            CudaSwiGLU(up, cast(SwiGLU, ffn), "ffn")
         return CudaLayer(up.f32(layer.attn_norm.weight), gpu_mixer, up.f32(layer.ffn_norm.weight),
                          gpu_ffn)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from numba import cuda
@@ -18,6 +19,7 @@ from numba import cuda
 from sparkinfer_cli.kernels.cuda import quant_gemv as qg
 from sparkinfer_cli.kernels.cuda import sampling
 from sparkinfer_cli.kernels.cuda.attention import CHUNK, DecodeWorkspace
+from sparkinfer_cli.kernels.cuda.graphs import CapturedGraph
 from sparkinfer_cli.kernels.cuda.launch import cdiv
 from sparkinfer_cli.model.batch import SequenceBatch
 from sparkinfer_cli.model.cuda_cache import CudaModelCache, device_zeros
@@ -36,7 +38,7 @@ def row_bucket(n: int) -> int:
 @dataclass
 class Act:
     """GEMV input: float32 (groups, cols, k), plus its q8 form (None in exact mode)."""
-    f: object
+    f: Any  # float32 device array
     q: qg.QuantizedActivations | None
 
     def quantize(self, stream) -> None:
@@ -76,7 +78,7 @@ class Workspace:
     def __init__(self, n_rows: int, cache: CudaModelCache, n_embd: int, quantized: bool,
                  n_heads: int, head_dim: int):
         self.n_rows, self.cache, self.quantized = n_rows, cache, quantized
-        self._bufs: dict[tuple, object] = {}
+        self._bufs: dict[tuple, Any] = {}
         self.cols = min(n_rows, MAX_COLS)
         self.groups = n_rows // self.cols
         self.table_width = cache.num_blocks + 1
@@ -94,7 +96,7 @@ class Workspace:
         split = max(CHUNK, cdiv(cache.max_context, 32))  # ≤ 32 key splits per row
         self.attn = DecodeWorkspace(n_rows, n_heads, head_dim, cache.max_context, split) \
             if n_heads else None
-        self.graphs: dict[int, object] = {}  # logit rows → captured decode graph
+        self.graphs: dict[int, CapturedGraph] = {}  # logit rows → captured decode graph
 
     # ---- lazily created buffers (all exist after one eager pass, before any capture) ----------
     def buf(self, name: str, *shape: int, dtype=np.float32):
