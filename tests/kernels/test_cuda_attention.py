@@ -49,7 +49,7 @@ def test_int8_cache_attends_like_its_dequantized_values():
     from sparkinfer_cli.kernels.cuda.quant_gemv import quantize_q8_reference
 
     rng = np.random.default_rng(10)
-    block_size, n_kv, head_dim, n_heads, lens = 4, 2, 64, 4, (11, 6)
+    block_size, n_kv, head_dim, n_heads, lens = 4, 1, 64, 2, (11, 6)  # small: the simulator
     per_seq = -(-max(lens) // block_size)
     block_table = rng.permutation(2 * per_seq).astype(np.int32).reshape(2, per_seq)
     rows = [block_table[s, p // block_size] * block_size + p % block_size
@@ -66,7 +66,7 @@ def test_int8_cache_attends_like_its_dequantized_values():
         dequantized.append(paged_cache(deq, np.array(rows), 2 * per_seq, block_size, np.float32))
     q = rng.standard_normal((2, n_heads, head_dim)).astype(np.float32)
     out = cuda.device_array_like(q)
-    ws = attention.DecodeWorkspace(2, n_heads, head_dim, 16, 8)
+    ws = attention.DecodeWorkspace(2, n_heads, head_dim, 16, 16)
     seq_lens = np.array(lens, np.int32)
     attention.paged_decode_attention(cuda.to_device(q), *caches, cuda.to_device(block_table),
                                      cuda.to_device(seq_lens), out, ws, scales=scales)
