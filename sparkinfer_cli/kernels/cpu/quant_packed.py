@@ -35,7 +35,7 @@ from sparkinfer_cli.ggml_types import BLOCK_GEOMETRY, row_bytes
 from sparkinfer_cli.kernels.cpu import llvm_jit
 from sparkinfer_cli.kernels.cpu.quant import _readonly
 from sparkinfer_cli.kernels.cpu.quant_blocks import Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
-from sparkinfer_cli.kernels.cpu.quant_q8 import _quantize_rows
+from sparkinfer_cli.kernels.cpu.quant_q8 import quantize_rows
 from sparkinfer_cli.kernels.cpu.quant_repack import _UNPACK
 
 RECORD_ELEMENTS = 64
@@ -150,7 +150,7 @@ def _bytes(a: np.ndarray, dtype: str, per_record: int) -> np.ndarray:
 def quantize_with_lane_sums(x, xq, xd, xs, xl):
     """quant_q8's quantization of x (1, ne0) into xq, xd, xs (1, n_blocks), plus the lane sums
     the row kernel subtracts the bias with: xl (n_blocks, 8) int32, Σ of xq over each 4."""
-    _quantize_rows(x, xq, xd, xs)
+    quantize_rows(x, xq, xd, xs)
     for b in range(xl.shape[0]):
         for k in range(8):
             e = 32 * b + 4 * k
