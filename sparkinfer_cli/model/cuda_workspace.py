@@ -93,7 +93,7 @@ class Workspace:
         self.h = device_zeros((self.groups, self.cols, n_embd), np.float32)  # residual stream
         self.delta = self.buf("delta", self.groups, self.cols, n_embd)  # sub-layer output
         self.x = self.act("x", n_embd)  # normed sub-layer input
-        split = max(CHUNK, cdiv(cache.max_context, 32))  # ≤ 32 key splits per row
+        split = max(2 * CHUNK, cdiv(cache.max_context, 32))  # ≤ 32 key splits per row
         self.attn = DecodeWorkspace(n_rows, n_heads, head_dim, cache.max_context, split) \
             if n_heads else None
         self.graphs: dict[int, CapturedGraph] = {}  # logit rows → captured decode graph
@@ -134,7 +134,8 @@ class Workspace:
         q8 = [b.q for b in self._bufs.values() if isinstance(b, Act) and b.q is not None]
         arrays = [b for b in self._bufs.values() if not isinstance(b, Act)]
         arrays += [a for q in q8 for a in (q.xq, q.xd, q.xs)]
-        return sum(a.nbytes for a in arrays) + self.ints.nbytes + self.h.nbytes
+        attn = [self.attn.part_m, self.attn.part_l, self.attn.part_acc] if self.attn else []
+        return sum(a.nbytes for a in arrays + attn) + self.ints.nbytes + self.h.nbytes
 
     # ---- GEMV ----------------------------------------------------------------------------------
     def linear(self, lin: DeviceLinear, x: Act, y, stream, up: DeviceLinear | None = None) -> None:

@@ -11,10 +11,10 @@ from sparkinfer_cli.kernels.cuda import attention
 
 @pytest.mark.parametrize("block_size, n_kv, head_dim, n_heads, lens, split_len", [
     (8, 1, 32, 2, (19, 5), 12),
+    (8, 1, 32, 1, (300, 130), 256),  # several CHUNKs per split: the online-softmax rescaling
     pytest.param(16, 2, 256, 16, (3000, 700), 512, marks=pytest.mark.gpu),  # Qwen3.6 attention
 ])
-def test_paged_decode_matches_reference(block_size, n_kv, head_dim, n_heads, lens,
-                                                      split_len):
+def test_paged_decode_matches_reference(block_size, n_kv, head_dim, n_heads, lens, split_len):
     rng = np.random.default_rng(6)
     per_seq = -(-max(lens) // block_size)
     n_blocks = 2 * per_seq

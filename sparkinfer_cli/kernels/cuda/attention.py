@@ -18,7 +18,7 @@ import functools
 import math
 
 import numpy as np
-from numba import cuda, float32, int8, int32
+from numba import cuda, float32, int8, int64
 from numba.cuda.types import float16
 
 from sparkinfer_cli.kernels.cuda.intrinsics import bits_to_f32, f16_bits_to_f32, ld_v4_u32
@@ -129,7 +129,7 @@ def _split_kernel(head_dim: int, kind: int):
         table = row_seq[seq] * max_blocks
         q_sh = cuda.shared.array(head_dim, float32)
         p_sh = cuda.shared.array(CHUNK, float32)
-        row_sh = cuda.shared.array(CHUNK, int32)  # element offset of each chunk key's row
+        row_sh = cuda.shared.array(CHUNK, int64)  # element offset of each chunk key's row
         scratch = cuda.shared.array(33, float32)
         acc_sh = cuda.shared.array(acc_len, float32)  # (warps, head_dim)
         for d in range(tid, head_dim, CHUNK):

@@ -126,6 +126,8 @@ def moe_add_rms_norm(expert_out, weights, residual, w, out, eps: float, stream=0
     check_array("weights", weights, np.float32)
     if expert_out.size != weights.size * w.shape[0]:
         raise ValueError(f"expert_out has {expert_out.size} values, expected weights.size · d")
+    if (shared is None) != (shared_gate is None):
+        raise ValueError("the shared expert needs both its output and its gate logits")
     mode = MOE if shared is None else MOE_SHARED
     _launch(expert_out, residual, w, out, eps, mode, stream, act, (weights, shared, shared_gate))
 
