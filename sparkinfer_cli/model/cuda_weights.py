@@ -116,12 +116,6 @@ class Uploader:
         bias = self.f32(lin.bias) if lin.bias is not None else None
         return DeviceLinear(self.matrix(lin.weight), bias)
 
-    def vector_matrix(self, v: np.ndarray) -> DeviceQuantMatrix:
-        """A (k,) float vector as a one-row F32 matrix (a per-token scalar projection)."""
-        data = to_device_bytes(np.ascontiguousarray(v, np.float32), self.stream)
-        self._advance(data.size)
-        return DeviceQuantMatrix(data, GGMLType.F32, v.size, 1)
-
     def f32(self, a: np.ndarray):
         dev = cuda.to_device(np.ascontiguousarray(a, np.float32), stream=self.stream)
         self._advance(dev.nbytes)
