@@ -1,6 +1,10 @@
-"""GPU time per kernel of one batch-1 decode step (graph replays), read through CUPTI.
+"""GPU time per kernel of one decode step (graph replays) or one prefill, read through CUPTI.
 
-    python bench/cuda_kernel_profile.py <preset> OUT.json [--ctx 512] [--steps 20]
+    python bench/cuda_kernel_profile.py <preset> OUT.json [--ctx 512] [--steps 20] [--batch 1]
+    python bench/cuda_kernel_profile.py <preset> OUT.json --prefill 4096 [--steps 2]
+
+--batch B: B sequences of ctx tokens each decode together. --prefill N: one eager forward of N new
+tokens (after ctx cached ones) per step instead of decode steps.
 
 Needs PyTorch (its profiler is the CUPTI client; the H200 image has it). Prints and writes: the
 step's wall time, the sum of its kernels' GPU times, and per kernel name the launches per step and
@@ -13,6 +17,7 @@ import json
 import re
 import time
 from collections import defaultdict
+from collections.abc import Callable
 
 import numpy as np
 from rich.console import Console
@@ -36,31 +41,53 @@ def _kernel_name(event_name: str) -> str:
     return ".".join(parts[-3:])[:100]
 
 
+def _decode_step(model, args) -> Callable[[], None]:
+    """A step: one new token for each of args.batch sequences that hold args.ctx tokens."""
+    n_blocks = -(-(args.ctx + 4 * args.steps + 16) // 16)
+    cache = model.create_cache(n_blocks * args.batch, 16, args.batch)
+    tables = [np.arange(n_blocks, dtype=np.int32) + b * n_blocks for b in range(args.batch)]
+    rng = np.random.default_rng(0)
+    for b, table in enumerate(tables):
+        prompt = rng.integers(0, model.config.n_vocab, args.ctx).astype(np.int32)
+        for lo in range(0, args.ctx, 4096):
+            model.forward(SequenceBatch.single(prompt[lo:lo + 4096], lo, table, b), cache)
+    pos = args.ctx
+    tokens = rng.integers(0, model.config.n_vocab, args.batch).astype(np.int32)
+
+    def step() -> None:
+        nonlocal tokens, pos
+        batch = SequenceBatch(tokens, [pos] * args.batch, [1] * args.batch, tables,
+                              list(range(args.batch)))
+        tokens = model.forward_greedy(batch, cache)
+        pos += 1
+    return step
+
+
+def _prefill_step(model, args) -> Callable[[], None]:
+    """A step: args.prefill new tokens after args.ctx cached ones, one sequence, eager."""
+    n_blocks = -(-(args.ctx + args.prefill) // 16)
+    cache = model.create_cache(n_blocks, 16, 1)
+    table = np.arange(n_blocks, dtype=np.int32)
+    prompt = np.random.default_rng(0).integers(0, model.config.n_vocab, args.prefill)
+
+    def step() -> None:
+        model.forward(SequenceBatch.single(prompt.astype(np.int32), args.ctx, table, 0), cache)
+    return step
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("preset")
     ap.add_argument("out")
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--prefill", type=int, default=0)
     args = ap.parse_args()
     from torch.profiler import ProfilerActivity, profile
 
     model = load_model(ensure_synthetic(args.preset, Console(stderr=True)), "cuda")
-    n_blocks = -(-(args.ctx + args.steps + 8) // 16)
-    cache = model.create_cache(n_blocks, 16, 1)
-    table = np.arange(n_blocks, dtype=np.int32)
-    rng = np.random.default_rng(0)
-    prompt = rng.integers(0, model.config.n_vocab, args.ctx).astype(np.int32)
-    for lo in range(0, args.ctx, 4096):
-        logits = model.forward(SequenceBatch.single(prompt[lo:lo + 4096], lo, table, 0), cache)
-    pos = args.ctx
-
-    def step() -> None:
-        nonlocal logits, pos
-        tok = np.array([int(logits[0].argmax())], np.int32)
-        logits = model.forward(SequenceBatch.single(tok, pos, table, 0), cache)
-        pos += 1
-
+    step = _prefill_step(model, args) if args.prefill else _decode_step(model, args)
     for _ in range(3):  # compile + capture the decode graph
         step()
     t0 = time.perf_counter()
@@ -77,7 +104,8 @@ def main() -> None:
     rows = sorted(((n, c / args.steps, t / args.steps) for n, (c, t) in per_name.items()),
                   key=lambda r: -r[2])
     kernels_us = sum(r[2] for r in rows)
-    result = {"preset": args.preset, "ctx": args.ctx, "wall_us_per_step": wall_us,
+    result = {"preset": args.preset, "ctx": args.ctx, "batch": args.batch, "prefill": args.prefill,
+              "wall_us_per_step": wall_us,
               "kernel_us_per_step": kernels_us,
               "launches_per_step": sum(r[1] for r in rows),
               "kernels": [{"name": n, "per_step": c, "us_per_step": t} for n, c, t in rows],

@@ -10,54 +10,41 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import cuda, float32
+from numba import cuda, float32, uint32
 
-from sparkinfer_cli.kernels.cuda.intrinsics import IS_SIMULATOR
-from sparkinfer_cli.kernels.cuda.launch import check_array
-from sparkinfer_cli.kernels.cuda.warp import block_max, block_sum
+from sparkinfer_cli.kernels.cuda.launch import cdiv, check_array
+from sparkinfer_cli.kernels.cuda.warp import WARP_SIZE, block_max, block_sum
 
 MAX_EXPERTS = 1024  # router logits held in shared memory
-THREADS = 32 if IS_SIMULATOR else 256
 MIN_WEIGHT_SUM = 6.103515625e-5  # llama.cpp clamps the renormalising sum to the smallest f16 normal
 
 
-@cuda.jit(device=True, inline=True)
-def _ranks_before(v, i, best_v, best_i):
-    """Order of the top-k: larger value first, then lower index."""
-    return v > best_v or (v == best_v and i < best_i)
-
-
-@cuda.jit
+@cuda.jit(fastmath=True)
 def _router_topk_kernel(logits, n_experts, k, ids, weights):
-    # a block per token, thread t for experts t, t + blockDim, ...: softmax over all experts, and
-    # each expert's rank = how many experts order before it (all in parallel, no k rounds);
-    # experts of rank < k are the picks, written at their rank.
-    tok = cuda.blockIdx.x
-    tid, n_threads = cuda.threadIdx.x, cuda.blockDim.x
+    # a block per token, a thread per expert: softmax over all experts, and each expert's rank =
+    # how many experts order before it (larger logit, ties → lower index), counted by every
+    # thread at once over the logits in shared memory; ranks < k are the picks, written at
+    # their rank. Unsigned indices keep the counting loop free of negative-index wraparound code.
+    tok, e = cuda.blockIdx.x, cuda.threadIdx.x
+    n, eu = uint32(n_experts), uint32(e)
+    live = e < n_experts
     vals = cuda.shared.array(MAX_EXPERTS, float32)
     scratch = cuda.shared.array(33, float32)
-    row = tok * n_experts
-    m = float32(-math.inf)
-    for e in range(tid, n_experts, n_threads):
-        vals[e] = logits[row + e]
-        m = max(m, vals[e])
-    m = block_max(m, scratch)  # its barriers also publish vals
-    denom = float32(0.0)
-    for e in range(tid, n_experts, n_threads):
-        denom += math.exp(vals[e] - m)
-    denom = block_sum(denom, scratch)
-    picked = float32(0.0)
-    for e in range(tid, n_experts, n_threads):
-        v, rank = vals[e], 0
-        for other in range(n_experts):
-            rank += _ranks_before(vals[other], other, v, e)
-        if rank < k:
-            picked += math.exp(v - m) / denom
-            ids[tok * k + rank] = e
-            weights[tok * k + rank] = math.exp(v - m) / denom
-    picked = block_sum(picked, scratch)
-    for r in range(tid, k, n_threads):  # renormalise over the picks
-        weights[tok * k + r] /= max(picked, float32(MIN_WEIGHT_SUM))
+    v = logits[tok * n_experts + min(e, n_experts - 1)]  # idle threads repeat the last logit
+    if live:
+        vals[e] = v
+    m = block_max(v, scratch)  # its barriers also publish vals
+    p = math.exp(v - m) if live else float32(0.0)
+    denom = block_sum(p, scratch)
+    rank = uint32(0)
+    for j in range(n):
+        o = vals[uint32(j)]
+        rank += uint32(o > v) + uint32(o == v) * uint32(uint32(j) < eu)
+    picked = live and rank < k
+    total = block_sum(p if picked else float32(0.0), scratch)
+    if picked:  # renormalised over the picks: p / Σ_picks p, the sum clamped as llama.cpp does
+        ids[tok * k + rank] = e
+        weights[tok * k + rank] = (p / denom) / max(total / denom, float32(MIN_WEIGHT_SUM))
 
 
 def router_topk(logits, k: int, ids, weights, stream=0) -> None:
@@ -70,7 +57,8 @@ def router_topk(logits, k: int, ids, weights, stream=0) -> None:
     check_array("logits", logits, np.float32)
     check_array("ids", ids, np.int32, (n_tokens, k))
     check_array("weights", weights, np.float32, (n_tokens, k))
-    _router_topk_kernel[n_tokens, THREADS, stream](
+    threads = cdiv(n_experts, WARP_SIZE) * WARP_SIZE
+    _router_topk_kernel[n_tokens, threads, stream](
         logits.reshape(logits.size), n_experts, k, ids.reshape(ids.size), weights.reshape(ids.size))
 
 
