@@ -93,7 +93,7 @@ class Workspace:
         self.h = device_zeros((self.groups, self.cols, n_embd), np.float32)  # residual stream
         self.delta = self.buf("delta", self.groups, self.cols, n_embd)  # sub-layer output
         self.x = self.act("x", n_embd)  # normed sub-layer input
-        split = max(2 * CHUNK, cdiv(cache.max_context, 32))  # ≤ 32 key splits per row
+        split = max(CHUNK, cdiv(cache.max_context, 32))  # ≤ 32 key splits per row
         self.attn = DecodeWorkspace(n_rows, n_heads, head_dim, cache.max_context, split) \
             if n_heads else None
         self.graphs: dict[int, CapturedGraph] = {}  # logit rows → captured decode graph

@@ -18,10 +18,16 @@ import functools
 import math
 
 import numpy as np
-from numba import cuda, float32, int8, int64
+from numba import cuda, float32, int8, int32, int64
 from numba.cuda.types import float16
 
-from sparkinfer_cli.kernels.cuda.intrinsics import bits_to_f32, f16_bits_to_f32, ld_v4_u32
+from sparkinfer_cli.kernels.cuda.intrinsics import (
+    bits_to_f32,
+    f16_bits_to_f32,
+    ld_u32,
+    ld_v2_u32,
+    ld_v4_u32,
+)
 from sparkinfer_cli.kernels.cuda.launch import cdiv, check_array
 from sparkinfer_cli.kernels.cuda.warp import block_max, block_sum, warp_max
 
@@ -76,8 +82,23 @@ def kv_kind(cache) -> int:
 
 
 @cuda.jit(device=True, inline=True)
+def _dot16(q_sh, d, cache, byte_off, kind):
+    """Σ q_sh[d + i]·K_i over the 8 halves / 4 floats of the 16 bytes at byte_off."""
+    w = ld_v4_u32(cache, byte_off)
+    s = float32(0.0)
+    for j in range(4):
+        if kind == KV_F16:
+            s += q_sh[d + 2 * j] * f16_bits_to_f32(w[j] & 0xFFFF)
+            s += q_sh[d + 2 * j + 1] * f16_bits_to_f32(w[j] >> 16)
+        else:
+            s += q_sh[d + j] * bits_to_f32(w[j])
+    return s
+
+
+@cuda.jit(device=True, inline=True)
 def _dot_q(q_sh, cache, scales, off, head_dim, kind):
-    """Σ_d q_sh[d]·K[off + d], reading f16/f32 rows 16 bytes at a time."""
+    """Σ_d q_sh[d]·K[off + d]. f16/f32 rows: four 16-byte loads per round, written out so all
+    four are in flight at once (the compiler does not unroll this loop by itself)."""
     s = float32(0.0)
     if kind == KV_I8:
         for b in range(0, head_dim, 32):
@@ -85,29 +106,66 @@ def _dot_q(q_sh, cache, scales, off, head_dim, kind):
             for d in range(b, b + 32):
                 part += q_sh[d] * float32(cache[off + d])
             s += part * scales[(off + b) // 32]
-    elif kind == KV_F16:
-        for d in range(0, head_dim, 8):
-            w = ld_v4_u32(cache, 2 * (off + d))
-            for j in range(4):
-                s += q_sh[d + 2 * j] * f16_bits_to_f32(w[j] & 0xFFFF)
-                s += q_sh[d + 2 * j + 1] * f16_bits_to_f32(w[j] >> 16)
-    else:
-        for d in range(0, head_dim, 4):
-            w = ld_v4_u32(cache, 4 * (off + d))
-            for j in range(4):
-                s += q_sh[d + j] * bits_to_f32(w[j])
+        return s
+    per16 = 8 if kind == KV_F16 else 4  # elements per 16 bytes
+    size = 2 if kind == KV_F16 else 4
+    for d in range(0, head_dim, 4 * per16):
+        b = size * (off + d)
+        s += (_dot16(q_sh, d, cache, b, kind) + _dot16(q_sh, d + per16, cache, b + 16, kind)
+              + _dot16(q_sh, d + 2 * per16, cache, b + 32, kind)
+              + _dot16(q_sh, d + 3 * per16, cache, b + 48, kind))
     return s
 
 
 @cuda.jit(device=True, inline=True)
-def _accumulate_pv(acc, corr, p_sh, row_sh, v_cache, v_scales, kind, n, warp, dim0, per_lane):
-    """acc ← corr·acc + Σ p_j·V_j[dim0 : dim0 + per_lane] over this warp's share of n chunk keys."""
-    for e in range(per_lane):
-        acc[e] *= corr
-    for j in range(warp, n, WARPS):
-        pj, off = p_sh[j], row_sh[j] + dim0
+def _s8(w, shift):
+    """The signed byte at bit `shift` of the u32 w, as float32."""
+    b = (w >> shift) & 0xFF
+    return float32(int32(b) - 256 if b > 127 else int32(b))
+
+
+@cuda.jit(device=True, inline=True)
+def _value4(cache, scales, idx, kind):
+    """cache[idx : idx + 4] as four float32 (idx % 4 == 0): one 16-, 8- or 4-byte load."""
+    if kind == KV_F32:
+        w = ld_v4_u32(cache, 4 * idx)
+        return bits_to_f32(w[0]), bits_to_f32(w[1]), bits_to_f32(w[2]), bits_to_f32(w[3])
+    if kind == KV_F16:
+        lo, hi = ld_v2_u32(cache, 2 * idx)
+        return (f16_bits_to_f32(lo & 0xFFFF), f16_bits_to_f32(lo >> 16),
+                f16_bits_to_f32(hi & 0xFFFF), f16_bits_to_f32(hi >> 16))
+    w, d = ld_u32(cache, idx), scales[idx // 32]
+    return _s8(w, 0) * d, _s8(w, 8) * d, _s8(w, 16) * d, _s8(w, 24) * d
+
+
+@cuda.jit(device=True, inline=True)
+def _add_pv(acc, p_sh, row_sh, v_cache, v_scales, kind, j, n, dim0, per_lane):
+    """acc += p_j·V_j[dim0 : dim0 + per_lane]; a key j ≥ n re-reads key n - 1 with p = 0, so the
+    loads never depend on a branch and the caller's unrolled rounds keep them all in flight."""
+    jj = min(j, n - 1)
+    pj = p_sh[jj] if j < n else float32(0.0)
+    off = row_sh[jj] + dim0
+    if per_lane % 4 == 0:
+        for e in range(0, per_lane, 4):
+            v = _value4(v_cache, v_scales, off + e, kind)
+            for i in range(4):
+                acc[e + i] += pj * v[i]
+    else:
         for e in range(per_lane):
             acc[e] += pj * kv_value(v_cache, v_scales, off + e, kind)
+
+
+@cuda.jit(device=True, inline=True)
+def _accumulate_pv(acc, corr, p_sh, row_sh, v_cache, v_scales, kind, n, warp, dim0, per_lane):
+    """acc ← corr·acc + Σ p_j·V_j[dim0 : dim0 + per_lane] over this warp's share of n chunk keys,
+    four keys per round written out (the loop is bound by load latency, not bandwidth)."""
+    for e in range(per_lane):
+        acc[e] *= corr
+    for j in range(warp, n, 4 * WARPS):
+        _add_pv(acc, p_sh, row_sh, v_cache, v_scales, kind, j, n, dim0, per_lane)
+        _add_pv(acc, p_sh, row_sh, v_cache, v_scales, kind, j + WARPS, n, dim0, per_lane)
+        _add_pv(acc, p_sh, row_sh, v_cache, v_scales, kind, j + 2 * WARPS, n, dim0, per_lane)
+        _add_pv(acc, p_sh, row_sh, v_cache, v_scales, kind, j + 3 * WARPS, n, dim0, per_lane)
 
 
 @functools.cache
