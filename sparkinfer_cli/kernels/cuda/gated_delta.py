@@ -15,11 +15,61 @@ import math
 import numpy as np
 from numba import cuda, float32
 
+from sparkinfer_cli.kernels.cuda.intrinsics import IS_SIMULATOR, bits_to_f32, ld_u32, ld_v4_u32
 from sparkinfer_cli.kernels.cuda.launch import cdiv, check_array
-from sparkinfer_cli.kernels.cuda.warp import warp_sum
+from sparkinfer_cli.kernels.cuda.warp import shfl_xor, warp_sum
 
 THREADS = 256
 WARPS = 4
+
+if IS_SIMULATOR:
+
+    def rsqrt(x):
+        return float32(1.0) / math.sqrt(x)
+
+    def st_f32(arr, off, x):
+        """Store a float32 at byte offset off of a float32 array."""
+        arr[off // 4] = x
+
+    def st_v4_f32(arr, off, x0, x1, x2, x3):
+        """Store 4 float32 at byte offset off (16-byte aligned) of a float32 array."""
+        i = off // 4
+        arr[i], arr[i + 1], arr[i + 2], arr[i + 3] = x0, x1, x2, x3
+
+else:
+    from llvmlite import ir
+    rsqrt = cuda.libdevice.rsqrtf
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    def _store(ptx: str, n: int):
+        """Codegen of `ptx` storing n float32 args to byte offset args[1] of array args[0]."""
+        def codegen(context, builder, sig, args):
+            ary = context.make_array(sig.args[0])(context, builder, value=args[0])
+            i64 = ir.IntType(64)
+            addr = builder.add(builder.ptrtoint(ary.data, i64),
+                               context.cast(builder, args[1], sig.args[1], types.int64))
+            vals = [context.cast(builder, v, t, types.float32)
+                    for v, t in zip(args[2:], sig.args[2:])]
+            fn = ir.FunctionType(ir.VoidType(), [i64] + [ir.FloatType()] * n)
+            constraint = ",".join(["l"] + ["f"] * n)
+            builder.call(ir.InlineAsm(fn, ptx, constraint, side_effect=True), [addr] + vals)
+            return context.get_dummy_value()
+        return codegen
+
+    def _is_store(arr, off) -> bool:
+        return isinstance(arr, types.Array) and isinstance(off, types.Integer)
+
+    @intrinsic
+    def st_f32(typingctx, arr, off, x):
+        if _is_store(arr, off):
+            return types.void(arr, off, x), _store("st.global.f32 [$0], $1;", 1)
+
+    @intrinsic
+    def st_v4_f32(typingctx, arr, off, x0, x1, x2, x3):
+        if _is_store(arr, off):
+            return (types.void(arr, off, x0, x1, x2, x3),
+                    _store("st.global.v4.f32 [$0], {$1, $2, $3, $4};", 4))
 
 
 @cuda.jit(fastmath=True)
@@ -193,55 +243,126 @@ def conv_silu_seq(mixed, conv_w, conv_state, state_slots, seq_lo, seq_n, out, st
         state_slots, seq_lo, seq_n, conv_dim, out.reshape(out.size))
 
 
+# Layout of delta_seq: a value column j (dk state rows S[j][·]) lives in a group of 8 lanes, lane
+# `sub` holding rows 4·(sub + 8m) + c (m < dk/32, c < 4), so state and q/k rows move as float4s
+# and a column's dot products need 3 shuffles. A warp holds 4 columns, a block WARPS·4 of one head.
+# The state stays in registers over the sequence; token r + 1's inputs load while r computes.
+GROUP = 8  # lanes per value column
+SEQ_BLOCKS = 64  # grid rows; block row y runs sequences y, y + 64, … (most of n_rows are padding)
+
+
+@cuda.jit(device=True, inline=True, fastmath=True)
+def _group_sum(v):
+    for offset in (4, 2, 1):
+        v += shfl_xor(v, offset)
+    return v
+
+
+def _delta_seq_blocks(dv: int) -> tuple[int, int]:
+    """(warps per block, blocks per head): WARPS·4 columns a block, fewer when dv is small."""
+    warps = min(WARPS, cdiv(dv, 4))
+    return warps, cdiv(dv, 4 * warps)
+
+
 @functools.cache
 def _delta_seq_kernel(dk: int, dv: int):
-    per_lane = dk // 32
+    vecs = dk // 32  # float4s per lane per row
+    per_lane = 4 * vecs
+    half = per_lane // 2
+    warps, col_blocks = _delta_seq_blocks(dv)
+
+    @cuda.jit(device=True, inline=True, fastmath=True)
+    def load_row(arr, off, x):
+        """x ← this lane's per_lane floats of the row at byte offset off (lane part included)."""
+        for m in range(vecs):
+            w = ld_v4_u32(arr, off + 128 * m)
+            for c in range(4):
+                x[4 * m + c] = bits_to_f32(w[c])
+
+    @cuda.jit(device=True, inline=True, fastmath=True)
+    def load_token(u, a, b, u_row, g_row, q_off, k_off, v_off, q, k):
+        """q, k ← a token's key-head rows (u_row, g_row: byte offsets of its u and gate rows);
+        returns its (v[j], a, b)."""
+        load_row(u, u_row + q_off, q)
+        load_row(u, u_row + k_off, k)
+        return (bits_to_f32(ld_u32(u, u_row + v_off)), bits_to_f32(ld_u32(a, g_row)),
+                bits_to_f32(ld_u32(b, g_row)))
+
+    @cuda.jit(device=True, inline=True, fastmath=True)
+    def token_step(s, q, k, v, ga, gb, neg_a, bias, eps):
+        """Advance the state by one token; returns this column's output Sᵀq̂ / sqrt(dk)."""
+        sq, sk, p0, p1 = float32(0.0), float32(0.0), float32(0.0), float32(0.0)
+        for e in range(half):  # two partial sums shorten the s → proj dependency chain
+            p0 += s[e] * k[e]
+            p1 += s[half + e] * k[half + e]
+        for e in range(per_lane):
+            sq += q[e] * q[e]
+            sk += k[e] * k[e]
+        proj, sq, sk = _group_sum(p0 + p1), _group_sum(sq), _group_sum(sk)
+        t = ga + bias
+        soft = math.log(float32(1.0) + math.exp(min(t, float32(20.0))))  # both sides: no branch
+        decay = math.exp(neg_a * (t if t > float32(20.0) else soft))
+        beta = float32(1.0) / (float32(1.0) + math.exp(-gb))
+        k_scale = rsqrt(sk + eps)
+        kd = beta * (v - decay * proj * k_scale) * k_scale  # δ·k_scale
+        o = float32(0.0)
+        for e in range(per_lane):
+            s[e] = s[e] * decay + k[e] * kd
+            o += s[e] * q[e]
+        return _group_sum(o) * rsqrt((sq + eps) * float32(dk))
 
     @cuda.jit(fastmath=True)
     def delta_seq(u, a, b, ssm_a, dt_bias, state, state_slots, seq_lo, seq_n, n_k_heads,
                   head_map_mod, eps, out):
-        h, seq = cuda.blockIdx.x, cuda.blockIdx.y
-        n_v_heads = cuda.gridDim.x
-        warp, lane = cuda.threadIdx.x // 32, cuda.threadIdx.x % 32
-        j = cuda.blockIdx.z * WARPS + warp  # one value column per warp
-        if j >= dv or seq_n[seq] == 0:
-            return
+        n_v_heads = cuda.gridDim.x // col_blocks
+        h = cuda.blockIdx.x // col_blocks
+        lane = cuda.threadIdx.x % 32
+        sub = lane % GROUP
+        j = ((cuda.blockIdx.x % col_blocks) * warps + cuda.threadIdx.x // 32) * 4 + lane // GROUP
+        jc = min(j, dv - 1)  # columns past dv compute a copy of the last one and store nothing
         kh = h % n_k_heads if head_map_mod else h // (n_v_heads // n_k_heads)
         key_dim = n_k_heads * dk
-        width = 2 * key_dim + n_v_heads * dv
-        col = ((state_slots[seq] * n_v_heads + h) * dv + j) * dk + lane
-        s = cuda.local.array(per_lane, float32)  # (dk / 32,) S[j][lane + 32e]
-        qv = cuda.local.array(per_lane, float32)
-        kv = cuda.local.array(per_lane, float32)
-        for e in range(per_lane):
-            s[e] = state[col + 32 * e]
-        for r in range(seq_lo[seq], seq_lo[seq] + seq_n[seq]):
-            sq, sk = float32(0.0), float32(0.0)
-            for e in range(per_lane):
-                qv[e] = u[r * width + kh * dk + lane + 32 * e]
-                kv[e] = u[r * width + key_dim + kh * dk + lane + 32 * e]
-                sq += qv[e] * qv[e]
-                sk += kv[e] * kv[e]
-            q_scale = float32(1.0) / math.sqrt((warp_sum(sq) + eps) * float32(dk))
-            k_scale = float32(1.0) / math.sqrt(warp_sum(sk) + eps)
-            t = a[r * n_v_heads + h] + dt_bias[h]
-            softplus = t if t > float32(20.0) else math.log(float32(1.0) + math.exp(t))
-            decay = math.exp(ssm_a[h] * softplus)
-            beta = float32(1.0) / (float32(1.0) + math.exp(-b[r * n_v_heads + h]))
-            proj = float32(0.0)
-            for e in range(per_lane):
-                s[e] *= decay
-                proj += s[e] * kv[e]
-            delta = beta * (u[r * width + 2 * key_dim + h * dv + j] - warp_sum(proj) * k_scale)
-            o = float32(0.0)
-            for e in range(per_lane):
-                s[e] += kv[e] * k_scale * delta
-                o += s[e] * qv[e]
-            o = warp_sum(o)
-            if lane == 0:
-                out[(r * n_v_heads + h) * dv + j] = o * q_scale
-        for e in range(per_lane):
-            state[col + 32 * e] = s[e]
+        u_step, g_step = 4 * (2 * key_dim + n_v_heads * dv), 4 * n_v_heads  # bytes a row
+        q_off = 4 * kh * dk + 16 * sub  # byte offsets within a u row
+        k_off = q_off + 4 * key_dim
+        v_off = 4 * (2 * key_dim + h * dv + jc)
+        neg_a, bias = ssm_a[h], dt_bias[h]
+        s = cuda.local.array(per_lane, float32)  # (per_lane,) S[j][4·(sub + 8m) + c]
+        qa, ka = cuda.local.array(per_lane, float32), cuda.local.array(per_lane, float32)
+        qb, kb = cuda.local.array(per_lane, float32), cuda.local.array(per_lane, float32)
+        for seq in range(cuda.blockIdx.y, seq_n.size, cuda.gridDim.y):
+            n = seq_n[seq]
+            if n == 0:
+                continue
+            col = 4 * (((state_slots[seq] * n_v_heads + h) * dv + jc) * dk) + 16 * sub  # bytes
+            load_row(state, col, s)
+            left = n - 1  # tokens after the current one
+            u_row, g_row = seq_lo[seq] * u_step, seq_lo[seq] * g_step + 4 * h
+            o_row = 4 * ((seq_lo[seq] * n_v_heads + h) * dv + j)
+            va, aa, ba = load_token(u, a, b, u_row, g_row, q_off, k_off, v_off, qa, ka)
+            while True:  # two tokens a trip: one computes from buffer A while B loads, then swap
+                u_nxt = u_row + (u_step if left > 0 else 0)
+                g_nxt = g_row + (g_step if left > 0 else 0)
+                vb, ab, bb = load_token(u, a, b, u_nxt, g_nxt, q_off, k_off, v_off, qb, kb)
+                o = token_step(s, qa, ka, va, aa, ba, neg_a, bias, eps)
+                if sub == 0 and j < dv:
+                    st_f32(out, o_row, o)
+                if left == 0:
+                    break
+                left, u_row, g_row, o_row = left - 1, u_nxt, g_nxt, o_row + 4 * n_v_heads * dv
+                u_nxt = u_row + (u_step if left > 0 else 0)
+                g_nxt = g_row + (g_step if left > 0 else 0)
+                va, aa, ba = load_token(u, a, b, u_nxt, g_nxt, q_off, k_off, v_off, qa, ka)
+                o = token_step(s, qb, kb, vb, ab, bb, neg_a, bias, eps)
+                if sub == 0 and j < dv:
+                    st_f32(out, o_row, o)
+                if left == 0:
+                    break
+                left, u_row, g_row, o_row = left - 1, u_nxt, g_nxt, o_row + 4 * n_v_heads * dv
+            if j < dv:
+                for m in range(vecs):
+                    st_v4_f32(state, col + 128 * m, s[4 * m], s[4 * m + 1], s[4 * m + 2],
+                              s[4 * m + 3])
     return delta_seq
 
 
@@ -260,7 +381,11 @@ def delta_rule_seq(u, a, b, ssm_a, dt_bias, state, state_slots, seq_lo, seq_n, o
         raise ValueError(f"u {u.shape} is not (n_rows, 2·H_k·dk + H_v·dv)")
     check_array("a", a, np.float32, (n_rows, n_v_heads))
     check_array("b", b, np.float32, (n_rows, n_v_heads))
-    _delta_seq_kernel(dk, dv)[(n_v_heads, n_seqs, cdiv(dv, WARPS)), 32 * WARPS, stream](
+    if (n_v_heads * dv) % 4 or u.size * 4 >= 2**31:
+        raise ValueError(f"u {u.shape}: H_v·dv must be a multiple of 4 and u under 2 GiB")
+    warps, col_blocks = _delta_seq_blocks(dv)
+    _delta_seq_kernel(dk, dv)[(n_v_heads * col_blocks, min(n_seqs, SEQ_BLOCKS)), 32 * warps,
+                              stream](
         u.reshape(u.size), a.reshape(a.size), b.reshape(b.size), ssm_a, dt_bias,
         state.reshape(state.size), state_slots, seq_lo, seq_n, n_k_heads, head_map_mod,
         float32(eps), out.reshape(out.size))
