@@ -46,3 +46,87 @@ def test_delta_rule_step_matches_reference_for_both_head_maps(n_seqs, n_k, n_v, 
                                                           head_map_mod, 1e-6)
         np.testing.assert_allclose(out.copy_to_host(), ref_out, rtol=1e-4, atol=1e-5)
         np.testing.assert_allclose(dev_state.copy_to_host(), ref_state, rtol=1e-4, atol=1e-5)
+
+
+def _delta_inputs(rng, rows: int, n_k: int, n_v: int, dk: int, dv: int, slots: int):
+    u = rng.standard_normal((rows, 2 * n_k * dk + n_v * dv)).astype(np.float32)
+    a, b = (rng.standard_normal((rows, n_v)).astype(np.float32) for _ in range(2))
+    a[::5] += 25  # some rows take softplus's t > 20 branch
+    ssm_a = -rng.uniform(0.05, 0.5, n_v).astype(np.float32)  # slow decay: long memory
+    dt_bias = rng.standard_normal(n_v).astype(np.float32)
+    state = (rng.standard_normal((slots, n_v, dv, dk)) * 0.1).astype(np.float32)
+    return u, a, b, ssm_a, dt_bias, state
+
+
+def _delta_seq_reference(u, a, b, ssm_a, dt_bias, state, slots, lo, n, n_k, head_map_mod):
+    """Sequence s's rows lo[s] .. + n[s] through delta_rule_step_reference one token at a time."""
+    out = np.zeros((u.shape[0], state.shape[1], state.shape[2]))  # (rows, H_v, dv)
+    new_state = state.astype(np.float64).copy()
+    for s in range(len(n)):
+        for r in range(lo[s], lo[s] + n[s]):
+            o, st = gd.delta_rule_step_reference(u[r:r + 1], a[r:r + 1], b[r:r + 1], ssm_a,
+                                                 dt_bias, new_state[slots[s]][None], n_k,
+                                                 head_map_mod, 1e-6)
+            out[r], new_state[slots[s]] = o[0], st[0]
+    return out, new_state
+
+
+def _run_delta_seq(u, a, b, ssm_a, dt_bias, state, slots, lo, n, n_k, head_map_mod):
+    dev_state = cuda.to_device(state)
+    out = cuda.to_device(np.full((u.shape[0], state.shape[1], state.shape[2]), 7, np.float32))
+    gd.delta_rule_seq(*(cuda.to_device(x) for x in (u, a, b, ssm_a, dt_bias)), dev_state,
+                      *(cuda.to_device(np.asarray(x, np.int32)) for x in (slots, lo, n)), out,
+                      n_k_heads=n_k, head_map_mod=head_map_mod, eps=1e-6)
+    return out.copy_to_host(), dev_state.copy_to_host()
+
+
+@pytest.mark.parametrize("head_map_mod", [True, False])
+def test_delta_rule_seq_runs_sequences_from_their_rows_and_slots(head_map_mod):
+    """Odd and even lengths (both prefetch buffers end a sequence), a length-1 sequence, an empty
+    entry between sequences, columns past dv (dv = 6: 8 lane groups, 2 idle) and an untouched
+    slot; rows no sequence owns keep their old output."""
+    rng = np.random.default_rng(3)
+    n_k, n_v, dk, dv = 1, 2, 32, 6
+    u, a, b, ssm_a, dt_bias, state = _delta_inputs(rng, 13, n_k, n_v, dk, dv, slots=4)
+    slots, lo, n = [2, 0, 3, 1], [1, 6, 0, 12], [5, 6, 0, 1]  # row 0 belongs to nobody
+    out, new_state = _run_delta_seq(u, a, b, ssm_a, dt_bias, state, slots, lo, n, n_k,
+                                    head_map_mod)
+    ref_out, ref_state = _delta_seq_reference(u, a, b, ssm_a, dt_bias, state, slots, lo, n, n_k,
+                                              head_map_mod)
+    np.testing.assert_allclose(out[1:], ref_out[1:], rtol=1e-4, atol=1e-5)
+    np.testing.assert_array_equal(out[0], 7)
+    np.testing.assert_allclose(new_state, ref_state, rtol=1e-4, atol=1e-5)
+    np.testing.assert_array_equal(new_state[3], state[3])
+
+
+def test_delta_rule_seq_long_sequence_and_more_entries_than_grid_rows():
+    """A 30-token sequence keeps its state in registers throughout (dk = 64: two float4s a
+    lane); with 66 sequence entries (model padding) grid row 1 also runs entry 65."""
+    rng = np.random.default_rng(4)
+    n_k, n_v, dk, dv = 1, 1, 64, 4
+    u, a, b, ssm_a, dt_bias, state = _delta_inputs(rng, 66, n_k, n_v, dk, dv, slots=3)
+    slots, lo, n = np.zeros((3, 66), np.int32)
+    slots[0], slots[65], lo[65], n[0], n[65] = 1, 2, 30, 30, 1
+    out, new_state = _run_delta_seq(u, a, b, ssm_a, dt_bias, state, slots, lo, n, n_k, False)
+    ref_out, ref_state = _delta_seq_reference(u, a, b, ssm_a, dt_bias, state, slots, lo, n, n_k,
+                                              False)
+    np.testing.assert_allclose(out[:31], ref_out[:31], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(new_state, ref_state, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths", [[300, 1, 77], [1] * 64])
+def test_delta_rule_seq_qwen36_shape(lengths):
+    """Qwen3.6 GDN heads (16 k / 32 v, dk = dv = 128): a prefill batch and a decode batch."""
+    rng = np.random.default_rng(5)
+    n_k, n_v, dk, dv = 16, 32, 128, 128
+    S = len(lengths)
+    lo = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int32)
+    u, a, b, ssm_a, dt_bias, state = _delta_inputs(rng, sum(lengths), n_k, n_v, dk, dv, S + 1)
+    slots = rng.permutation(S + 1)[:S].astype(np.int32)
+    out, new_state = _run_delta_seq(u, a, b, ssm_a, dt_bias, state, slots, lo, lengths, n_k,
+                                    True)
+    ref_out, ref_state = _delta_seq_reference(u, a, b, ssm_a, dt_bias, state, slots, lo, lengths,
+                                              n_k, True)
+    np.testing.assert_allclose(out, ref_out, rtol=1e-3, atol=1e-4)
+    np.testing.assert_allclose(new_state, ref_state, rtol=1e-3, atol=1e-4)
