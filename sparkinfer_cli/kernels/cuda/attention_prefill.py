@@ -1,0 +1,417 @@
+"""Causal attention of many query tokens over a paged KV cache, sharing each K/V tile between them.
+
+attention.py's decode kernel treats every query row on its own, so a prefill of T tokens reads the
+sequence's K/V T times. Here one block owns ROWS query rows, the G = n_heads / n_kv q heads that
+share one kv head times ROWS / G consecutive tokens, and walks the keys KT at a time: each K and V
+tile is staged (dequantized to float32) in shared memory once and used by all ROWS rows, with an
+online softmax per row (running max / sum, keys at or past a row's seq_len masked) and float32
+accumulation, the decode kernel's numerics. Same inputs as paged_decode_attention (its row_seq /
+seq_lens form, so the new tokens' K/V must already be in the cache), minus the split workspace.
+
+Per key tile, 256 threads:
+  1. S (ROWS, KT) = Q·Kᵀ over head_dim in DC-wide chunks (Q chunk and K chunk staged together);
+     thread (ty, tx) = (tid // 16, tid % 16) holds rows ty + 16i and keys tx + 16j, i, j < 4;
+  2. softmax update of the tile's 16-lane row groups (shuffles), P (KT, ROWS) → shared memory;
+  3. O (ROWS, head_dim) += P·V, V staged in sub-tiles of VK keys; warp w holds rows [8w, 8w + 8),
+     its lanes head_dim / 4 quads of dims (the accumulators stay in registers all along).
+A tile of ROWS / G tokens may hold the tail of one sequence and the head of the next: the block
+runs once per run of rows with the same row_seq (only the rows of that run are live).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+from numba import cuda, float32, int32, int64
+
+from sparkinfer_cli.kernels.cuda.attention import KV_F16, KV_F32, KV_I8, flat_scales, kv_kind
+from sparkinfer_cli.kernels.cuda.intrinsics import (IS_SIMULATOR, bits_to_f32, f16_bits_to_f32,
+                                                    ld_u32, ld_v2_u32, ld_v4_u32)
+from sparkinfer_cli.kernels.cuda.launch import cdiv, check_array
+from sparkinfer_cli.kernels.cuda.warp import shfl_xor
+
+ROWS = 64  # query rows per block: q heads of one kv head × tokens
+KT = 64  # keys per tile
+DC = 32  # head dims per Q·Kᵀ staging chunk
+THREADS = 256
+QK_STRIDE = DC + 4  # floats per staged Q/K row: 16-byte aligned, quarter-warps hit distinct banks
+P_STRIDE = ROWS + 4  # floats per staged P row (one per key)
+V_FLOATS = 4096  # staged V sub-tile: (VK, head_dim) with VK = V_FLOATS / head_dim
+BUF_FLOATS = max(2 * ROWS * QK_STRIDE, V_FLOATS)  # shared buffer of a Q|K chunk or a V sub-tile
+P_FLOATS = KT * P_STRIDE
+HEAD_DIMS = (64, 128, 256)
+# NOTE: fastmath lets LLVM assume no infinities, so masked scores / empty rows use a finite floor.
+MASKED = -1e30
+
+SMEM_ALIGN = None if IS_SIMULATOR else 16  # 16-byte vector access (the simulator has no alignment)
+
+if IS_SIMULATOR:
+
+    def ld_shared_v4(arr, idx):
+        return arr[idx], arr[idx + 1], arr[idx + 2], arr[idx + 3]
+
+    def st_shared_v4(arr, idx, a, b, c, d):
+        arr[idx], arr[idx + 1], arr[idx + 2], arr[idx + 3] = a, b, c, d
+
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    _V4 = ir.VectorType(ir.FloatType(), 4)
+
+    def _shared_quad(context, builder, arrty, arr, idxty, idx):
+        """<4 x float> addrspace(3)* to elements [idx, idx + 4) of a float32 shared array."""
+        data = context.make_array(arrty)(context, builder, value=arr).data
+        elem = builder.gep(data, [context.cast(builder, idx, idxty, types.int64)])
+        return builder.addrspacecast(builder.bitcast(elem, ir.PointerType(_V4)),
+                                     ir.PointerType(_V4, addrspace=3))
+
+    def _is_f32_array(arr, idx) -> bool:
+        return isinstance(arr, types.Array) and arr.dtype == types.float32 and \
+            isinstance(idx, types.Integer)
+
+    @intrinsic
+    def ld_shared_v4(typingctx, arr, idx):
+        """arr[idx : idx + 4] of a float32 shared array as one 16-byte load (idx % 4 == 0)."""
+        if not _is_f32_array(arr, idx):
+            return None
+
+        def codegen(context, builder, sig, args):
+            vec = builder.load(_shared_quad(context, builder, sig.args[0], args[0], sig.args[1],
+                                            args[1]), align=16)
+            return context.make_tuple(builder, sig.return_type,
+                                      [builder.extract_element(vec, ir.Constant(ir.IntType(32), e))
+                                       for e in range(4)])
+        return types.UniTuple(types.float32, 4)(arr, idx), codegen
+
+    @intrinsic
+    def st_shared_v4(typingctx, arr, idx, a, b, c, d):
+        """arr[idx : idx + 4] = (a, b, c, d) as one 16-byte store (idx % 4 == 0)."""
+        if not _is_f32_array(arr, idx):
+            return None
+
+        def codegen(context, builder, sig, args):
+            vec = ir.Constant(_V4, ir.Undefined)
+            for e in range(4):
+                val = context.cast(builder, args[2 + e], sig.args[2 + e], types.float32)
+                vec = builder.insert_element(vec, val, ir.Constant(ir.IntType(32), e))
+            builder.store(vec, _shared_quad(context, builder, sig.args[0], args[0], sig.args[1],
+                                            args[1]), align=16)
+            return context.get_dummy_value()
+        return types.void(arr, idx, a, b, c, d), codegen
+
+
+@cuda.jit(device=True, inline=True)
+def _i8(w, e):
+    """Signed byte e of the 32-bit word w as float32."""
+    b = int32((w >> (8 * e)) & 0xFF)
+    return float32(b - 2 * (b & 0x80))
+
+
+@cuda.jit(device=True, inline=True)
+def _load_quad(src, scales, off, kind, mul):
+    """src[off : off + 4] (off % 4 == 0) as float32 × mul (KV_I8: × its 32-block's scale too)."""
+    if kind == KV_I8:
+        w = ld_u32(src, off)
+        d = scales[off // 32] * mul
+        return _i8(w, 0) * d, _i8(w, 1) * d, _i8(w, 2) * d, _i8(w, 3) * d
+    if kind == KV_F16:
+        lo, hi = ld_v2_u32(src, 2 * off)
+        return (f16_bits_to_f32(lo & 0xFFFF) * mul, f16_bits_to_f32(lo >> 16) * mul,
+                f16_bits_to_f32(hi & 0xFFFF) * mul, f16_bits_to_f32(hi >> 16) * mul)
+    w = ld_v4_u32(src, 4 * off)
+    return (bits_to_f32(w[0]) * mul, bits_to_f32(w[1]) * mul, bits_to_f32(w[2]) * mul,
+            bits_to_f32(w[3]) * mul)
+
+
+@cuda.jit(device=True, inline=True)
+def _stage_quad(dst, dst_idx, src, scales, off, kind, mul):
+    """dst[dst_idx : +4] = 4 source values from element off (zeros where off < 0)."""
+    a, b, c, d = float32(0.0), float32(0.0), float32(0.0), float32(0.0)
+    if off >= 0:
+        a, b, c, d = _load_quad(src, scales, off, kind, mul)
+    st_shared_v4(dst, dst_idx, a, b, c, d)
+
+
+@cuda.jit(device=True, inline=True)
+def _group_end(row_seq, base, a, n_tok):
+    """End of the run of tokens [a, end) of this tile that share row a's sequence."""
+    b = a + 1
+    while b < n_tok and row_seq[base + b] == row_seq[base + a]:
+        b += 1
+    return b
+
+
+@cuda.jit(device=True, inline=True)
+def _setup_group(qrow_sh, lim_sh, seq_lens, base, a, b, n_heads, kv_head, group, head_dim):
+    """Per query row of the run [a, b): offset of its q / out vector (-1: not live) and its number
+    of visible keys (seq_len, 0 when not live); returns the run's key count."""
+    tid = cuda.threadIdx.x
+    if tid < ROWS:
+        t = tid // group
+        live = tid < group * (ROWS // group) and a <= t < b
+        qrow_sh[tid] = ((base + t) * n_heads + kv_head * group + tid % group) * int64(head_dim) \
+            if live else int64(-1)
+        lim_sh[tid] = seq_lens[base + t] if live else 0
+    kend = 0
+    for t in range(a, b):
+        kend = max(kend, seq_lens[base + t])
+    return kend
+
+
+@cuda.jit(device=True, inline=True)
+def _key_rows(krow_sh, block_table, table, k0, kend, block_size, n_kv, kv_head, head_dim):
+    """krow_sh[j] = element offset of key k0 + j's row in the cache (-1 past kend)."""
+    tid = cuda.threadIdx.x
+    if tid < KT:
+        key = k0 + tid
+        blk = int64(block_table[table + key // block_size]) if key < kend else int64(0)
+        krow_sh[tid] = ((blk * block_size + key % block_size) * n_kv + kv_head) * head_dim \
+            if key < kend else int64(-1)
+
+
+@cuda.jit(device=True, inline=True)
+def _offset(row_off, inner):
+    return row_off + inner if row_off >= 0 else int64(-1)
+
+
+@cuda.jit(device=True, inline=True)
+def _stage_qk(buf, q, qrow_sh, k_cache, k_scales, krow_sh, dc, kind, scale):
+    """buf[:ROWS·QK_STRIDE] = scale·Q[:, dc:dc+DC], then K[:, dc:dc+DC] of the tile's keys."""
+    for u in range(ROWS * DC // 4 // THREADS):
+        i = cuda.threadIdx.x + u * THREADS
+        r, dq = i // (DC // 4), i % (DC // 4)
+        _stage_quad(buf, r * QK_STRIDE + 4 * dq, q, q, _offset(qrow_sh[r], dc + 4 * dq), KV_F32,
+                    scale)
+    for u in range(KT * DC // 4 // THREADS):
+        i = cuda.threadIdx.x + u * THREADS
+        j, dq = i // (DC // 4), i % (DC // 4)
+        _stage_quad(buf, (ROWS + j) * QK_STRIDE + 4 * dq, k_cache, k_scales,
+                    _offset(krow_sh[j], dc + 4 * dq), kind, float32(1.0))
+
+
+@cuda.jit(device=True, inline=True)
+def _stage_v(buf, v_cache, v_scales, krow_sh, j0, kind, head_dim, vk):
+    """buf[:vk·head_dim] = V rows of the tile's keys [j0, j0 + vk)."""
+    for u in range(vk * head_dim // 4 // THREADS):
+        i = cuda.threadIdx.x + u * THREADS
+        j, dq = i // (head_dim // 4), i % (head_dim // 4)
+        _stage_quad(buf, j * head_dim + 4 * dq, v_cache, v_scales,
+                    _offset(krow_sh[j0 + j], 4 * dq), kind, float32(1.0))
+
+
+@cuda.jit(device=True, inline=True)
+def _qk_chunk(s, buf, ty, tx):
+    """s[4i + j] += Σ_d Q[ty + 16i, d]·K[tx + 16j, d] over the staged chunk."""
+    for d in range(0, DC, 4):
+        for i in range(4):
+            qa, qb, qc, qd = ld_shared_v4(buf, (ty + 16 * i) * QK_STRIDE + d)
+            for j in range(4):
+                ka, kb, kc, kd = ld_shared_v4(buf, (ROWS + tx + 16 * j) * QK_STRIDE + d)
+                s[4 * i + j] += qa * ka + qb * kb + qc * kc + qd * kd
+
+
+@cuda.jit(device=True, inline=True)
+def _fma_quad(acc, e, p, va, vb, vc, vd):
+    acc[e] += p * va
+    acc[e + 1] += p * vb
+    acc[e + 2] += p * vc
+    acc[e + 3] += p * vd
+
+
+@cuda.jit(device=True, inline=True)
+def _row_group_max(v):
+    for offset in (8, 4, 2, 1):  # the 16 lanes of one ty
+        v = max(v, shfl_xor(v, offset))
+    return v
+
+
+@cuda.jit(device=True, inline=True)
+def _row_group_sum(v):
+    for offset in (8, 4, 2, 1):
+        v += shfl_xor(v, offset)
+    return v
+
+
+@cuda.jit(device=True, inline=True)
+def _softmax_tile(s, m, l_sum, lim, p_sh, corr_sh, k0, ty, tx):
+    """Online-softmax update of this thread's 4 rows with the tile's scores; P → p_sh (key-major),
+    each row's rescale factor of its old sum / output → corr_sh."""
+    for i in range(4):
+        tile_max = float32(MASKED)
+        for j in range(4):
+            if k0 + tx + 16 * j >= lim[i]:  # causal / past the sequence
+                s[4 * i + j] = float32(MASKED)
+            tile_max = max(tile_max, s[4 * i + j])
+        m_new = max(m[i], _row_group_max(tile_max))
+        ref = m_new if m_new > MASKED else float32(0.0)  # a row with no key yet: p = 0
+        corr = math.exp(m[i] - ref)
+        p_sum = float32(0.0)
+        for j in range(4):
+            p = math.exp(s[4 * i + j] - ref)
+            p_sh[(tx + 16 * j) * P_STRIDE + ty + 16 * i] = p
+            p_sum += p
+        l_sum[i] = l_sum[i] * corr + _row_group_sum(p_sum)
+        m[i] = m_new
+        if tx == 0:
+            corr_sh[ty + 16 * i] = corr
+
+
+@functools.cache
+def _prefill_kernel(head_dim: int, kind: int):
+    quads = head_dim // 4
+    lanes_per_row = min(32, quads)
+    quads_per_lane = quads // lanes_per_row
+    rows_per_lane = ROWS * quads // (THREADS * quads_per_lane)  # 8 rows per warp in all
+    vk = min(KT, V_FLOATS // head_dim)
+    n_acc = rows_per_lane * quads_per_lane * 4
+
+    @cuda.jit(device=True, inline=True)
+    def accumulate_pv(acc, p_sh, buf, j0, r0, lq):
+        """acc[i, quad c] += Σ_j P[j0 + j, r0 + i]·V[j, 4·(lq + 32c) : +4] over the staged V."""
+        for j in range(vk):
+            for c in range(quads_per_lane):
+                va, vb, vc, vd = ld_shared_v4(buf, j * head_dim + 4 * (lq + lanes_per_row * c))
+                for i4 in range(0, rows_per_lane, 4):
+                    pa, pb, pc, pd = ld_shared_v4(p_sh, (j0 + j) * P_STRIDE + r0 + i4)
+                    e = (i4 * quads_per_lane + c) * 4  # acc index of (row i4, quad c)
+                    _fma_quad(acc, e, pa, va, vb, vc, vd)
+                    _fma_quad(acc, e + 4 * quads_per_lane, pb, va, vb, vc, vd)
+                    _fma_quad(acc, e + 8 * quads_per_lane, pc, va, vb, vc, vd)
+                    _fma_quad(acc, e + 12 * quads_per_lane, pd, va, vb, vc, vd)
+
+    @cuda.jit(device=True, inline=True)
+    def rescale(acc, corr_sh, r0):
+        for i in range(rows_per_lane):
+            corr = corr_sh[r0 + i]
+            for e in range(quads_per_lane * 4):
+                acc[i * quads_per_lane * 4 + e] *= corr
+
+    @cuda.jit(device=True, inline=True)
+    def write_out(out, acc, qrow_sh, l_sh, r0, lq):
+        for i in range(rows_per_lane):
+            off = qrow_sh[r0 + i]
+            if off >= 0:
+                inv = float32(1.0) / l_sh[r0 + i]
+                for c in range(quads_per_lane):
+                    for e in range(4):
+                        out[off + 4 * (lq + lanes_per_row * c) + e] = \
+                            acc[(i * quads_per_lane + c) * 4 + e] * inv
+
+    @cuda.jit(fastmath=True)
+    def prefill(q, k_cache, v_cache, k_scales, v_scales, block_table, max_blocks, row_seq,
+                seq_lens, n_rows, n_kv, block_size, scale, out):
+        n_heads = q.size // (n_rows * head_dim)
+        group = n_heads // n_kv
+        tokens = ROWS // group
+        tile = cuda.gridDim.x - 1 - cuda.blockIdx.x  # last tiles have the most keys: start first
+        kv_head = cuda.blockIdx.y
+        base = tile * tokens
+        n_tok = min(tokens, n_rows - base)
+        tid = cuda.threadIdx.x
+        ty, tx = tid // 16, tid % 16
+        r0 = (tid // 32) * 8 + (tid % 32) // lanes_per_row * rows_per_lane
+        lq = tid % lanes_per_row
+        buf = cuda.shared.array(BUF_FLOATS, float32, alignment=SMEM_ALIGN)  # Q|K chunk, or a V sub-tile
+        p_sh = cuda.shared.array(P_FLOATS, float32, alignment=SMEM_ALIGN)  # (KT, P_STRIDE)
+        krow_sh = cuda.shared.array(KT, int64)
+        qrow_sh = cuda.shared.array(ROWS, int64)
+        lim_sh = cuda.shared.array(ROWS, int32)
+        corr_sh = cuda.shared.array(ROWS, float32)
+        l_sh = cuda.shared.array(ROWS, float32)
+        s = cuda.local.array(16, float32)  # (4 rows, 4 keys) of S
+        m = cuda.local.array(4, float32)
+        l_sum = cuda.local.array(4, float32)
+        lim = cuda.local.array(4, int32)
+        acc = cuda.local.array(n_acc, float32)  # (rows_per_lane, quads_per_lane, 4) of O
+        a = 0
+        while a < n_tok:
+            b = _group_end(row_seq, base, a, n_tok)
+            cuda.syncthreads()  # the previous run is done with qrow_sh / l_sh
+            kend = _setup_group(qrow_sh, lim_sh, seq_lens, base, a, b, n_heads, kv_head, group,
+                                head_dim)
+            table = row_seq[base + a] * max_blocks
+            cuda.syncthreads()
+            for i in range(4):
+                m[i], l_sum[i], lim[i] = float32(MASKED), float32(0.0), lim_sh[ty + 16 * i]
+            for e in range(n_acc):
+                acc[e] = float32(0.0)
+            for k0 in range(0, kend, KT):
+                cuda.syncthreads()  # the previous tile is done with krow_sh / buf / p_sh
+                _key_rows(krow_sh, block_table, table, k0, kend, block_size, n_kv, kv_head,
+                          head_dim)
+                for e in range(16):
+                    s[e] = float32(0.0)
+                for dc in range(0, head_dim, DC):
+                    cuda.syncthreads()
+                    _stage_qk(buf, q, qrow_sh, k_cache, k_scales, krow_sh, dc, kind, scale)
+                    cuda.syncthreads()
+                    _qk_chunk(s, buf, ty, tx)
+                _softmax_tile(s, m, l_sum, lim, p_sh, corr_sh, k0, ty, tx)
+                for j0 in range(0, min(KT, kend - k0), vk):
+                    cuda.syncthreads()  # p_sh, corr_sh published; buf free
+                    if j0 == 0:
+                        rescale(acc, corr_sh, r0)
+                    _stage_v(buf, v_cache, v_scales, krow_sh, j0, kind, head_dim, vk)
+                    cuda.syncthreads()
+                    accumulate_pv(acc, p_sh, buf, j0, r0, lq)
+            if tx == 0:
+                for i in range(4):
+                    l_sh[ty + 16 * i] = l_sum[i]
+            cuda.syncthreads()
+            write_out(out, acc, qrow_sh, l_sh, r0, lq)
+            a = b
+    return prefill
+
+
+def prefill_attention(q, k_cache, v_cache, block_table, seq_lens, out, scale: float | None = None,
+                      stream=0, row_seq=None, scales=None) -> None:
+    """q (n_rows, n_heads, head_dim) f32: row r attends causally to the first seq_lens[r] cached
+    tokens of block-table row row_seq[r] → out (n_rows, n_heads, head_dim) f32.
+
+    paged_decode_attention's inputs for a multi-token pass (no split workspace): seq_lens[r] =
+    position + 1, the rows of one sequence consecutive (they then share K/V tiles), their K/V
+    already in the cache. row_seq defaults to row r → table row r. scales: (k_scales, v_scales)
+    f32, one per 32 cached values, for int8 caches. head_dim 64, 128 or 256; n_heads / n_kv ≤ 64.
+    """
+    n_rows, n_heads, head_dim = q.shape
+    _, block_size, n_kv, _ = k_cache.shape
+    _check_shapes(q, k_cache, v_cache, out)
+    check_array("block_table", block_table, np.int32)
+    check_array("seq_lens", seq_lens, np.int32, (n_rows,))
+    if row_seq is None:
+        if block_table.shape[0] != n_rows:
+            raise ValueError("block_table needs one row per query row when row_seq is not given")
+        row_seq = cuda.to_device(np.arange(n_rows, dtype=np.int32))  # (n_rows,)
+    check_array("row_seq", row_seq, np.int32, (n_rows,))
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    kind = kv_kind(k_cache)
+    k_scales, v_scales = flat_scales(kind, scales, k_cache.size)
+    grid = (cdiv(n_rows, ROWS // (n_heads // n_kv)), n_kv)
+    _prefill_kernel(head_dim, kind)[grid, THREADS, stream](
+        q.reshape(q.size), k_cache.reshape(k_cache.size), v_cache.reshape(v_cache.size),
+        k_scales, v_scales, block_table.reshape(block_table.size), block_table.shape[1], row_seq,
+        seq_lens, n_rows, n_kv, block_size, float32(scale), out.reshape(out.size))
+
+
+def _check_shapes(q, k_cache, v_cache, out) -> None:
+    if q.ndim != 3 or k_cache.ndim != 4:
+        raise ValueError(f"q {q.shape} must be (rows, heads, head_dim), the cache "
+                         f"{k_cache.shape} (blocks, block_size, kv_heads, head_dim)")
+    n_rows, n_heads, head_dim = q.shape
+    n_kv = k_cache.shape[2]
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim {head_dim}: prefill attention supports {HEAD_DIMS}")
+    if tuple(v_cache.shape) != tuple(k_cache.shape) or k_cache.shape[3] != head_dim:
+        raise ValueError(f"K/V caches {k_cache.shape} / {v_cache.shape} do not match q's "
+                         f"head_dim {head_dim}")
+    if n_heads % n_kv or n_heads // n_kv > ROWS:
+        raise ValueError(f"{n_heads} q heads over {n_kv} kv heads: need n_heads % n_kv == 0 "
+                         f"and at most {ROWS} q heads per kv head")
+    if np.dtype(v_cache.dtype) != np.dtype(k_cache.dtype):
+        raise ValueError(f"K cache {k_cache.dtype} and V cache {v_cache.dtype} differ")
+    check_array("q", q, np.float32)
+    check_array("out", out, np.float32, q.shape)
