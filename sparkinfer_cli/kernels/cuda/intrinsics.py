@@ -6,6 +6,13 @@ cache: only use them on buffers no kernel in the same launch writes. Alignment i
 (u16: 2 bytes, u32: 4, v2: 8, v4: 16); a misaligned address faults on the GPU.
 
 Under NUMBA_ENABLE_CUDASIM=1 the same names are plain Python functions giving bit-identical results.
+
+Tensor cores (mma.sync m16n8k16, f16 inputs, f32 accumulators): `ldmatrix_x4` reads a 16×16 f16
+tile from shared memory into a warp's fragments and `mma_f16_f32` multiplies fragments. A lane's
+simulator twin cannot see the other lanes' registers, so in the simulator a fragment register is a
+`MatrixFragment` that carries the whole 8×8 matrix it came from (its int() is the lane's real u32);
+the mma twin rebuilds A and B from them and returns exactly this lane's C elements (f32 sums in a
+fixed order: equal to the GPU's up to the order of the additions).
 """
 
 from __future__ import annotations
@@ -70,9 +77,44 @@ if IS_SIMULATOR:
     def bits_to_f32(u):
         return np.array([int(u) & 0xFFFFFFFF], np.uint32).view(np.float32)[0]
 
+    def pack_f16x2(lo, hi):
+        with np.errstate(over="ignore"):  # out of range → ±inf, as cvt.rn does
+            halves = np.array([lo, hi], np.float32).astype(np.float16)  # round to nearest even
+        return np.uint32(halves.view(np.uint32)[0])
+
+    class MatrixFragment:
+        """A lane's register from ldmatrix: its int() is row lane//4, cols 2·(lane%4)+{0,1}."""
+
+        __slots__ = ("matrix", "lane")
+
+        def __init__(self, matrix: np.ndarray, lane: int):
+            self.matrix, self.lane = matrix, lane  # (8, 8) float32 holding f16 values
+
+        def __int__(self) -> int:
+            g, t = divmod(self.lane, 4)
+            return int(self.matrix[g, 2 * t:2 * t + 2].astype(np.float16).view(np.uint32)[0])
+
+        __index__ = __int__
+
+    def ldmatrix_x4(arr, tile_off, row_stride, lane):
+        b = _bytes(arr)
+        tile = np.ndarray((16, 16), np.float16, buffer=b, offset=int(tile_off),
+                          strides=(int(row_stride), 2)).astype(np.float32)  # (16 rows, 16 k)
+        lane = int(lane)
+        return (MatrixFragment(tile[:8, :8], lane), MatrixFragment(tile[8:, :8], lane),
+                MatrixFragment(tile[:8, 8:], lane), MatrixFragment(tile[8:, 8:], lane))
+
+    def mma_f16_f32(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        g, t = divmod(a0.lane, 4)
+        b_lo, b_hi = b0.matrix[2 * t:2 * t + 2], b1.matrix[2 * t:2 * t + 2]  # (2 n, 8 k) each
+        top = a0.matrix[g] @ b_lo.T + a2.matrix[g] @ b_hi.T  # row g × cols 2t, 2t+1
+        bottom = a1.matrix[g] @ b_lo.T + a3.matrix[g] @ b_hi.T  # row g + 8
+        return (np.float32(c0 + top[0]), np.float32(c1 + top[1]),
+                np.float32(c2 + bottom[0]), np.float32(c3 + bottom[1]))
+
 else:
     from llvmlite import ir
-    from numba import types
+    from numba import cuda, types
     from numba.cuda.extending import intrinsic
 
     _I16, _I32, _I64 = ir.IntType(16), ir.IntType(32), ir.IntType(64)
@@ -170,3 +212,69 @@ else:
             bits = context.cast(builder, args[0], sig.args[0], types.uint32)
             return builder.bitcast(bits, ir.FloatType())
         return types.float32(u), codegen
+
+    @intrinsic
+    def pack_f16x2(typingctx, lo, hi):
+        """f16(lo) in the low half, f16(hi) in the high half of a u32 (round to nearest even)."""
+        if not all(isinstance(t, types.Float) for t in (lo, hi)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            vals = [context.cast(builder, v, t, types.float32) for v, t in zip(args, sig.args)]
+            # NOTE: cvt.rn.f16x2.f32 d, a, b puts a in the upper half
+            asm = ir.InlineAsm(ir.FunctionType(_I32, [ir.FloatType()] * 2),
+                               "cvt.rn.f16x2.f32 $0, $1, $2;", "=r,f,f")
+            return builder.call(asm, [vals[1], vals[0]], attrs=_PURE)
+        return types.uint32(lo, hi), codegen
+
+    @intrinsic
+    def _ldmatrix_x4_at(typingctx, arr, off):
+        """ldmatrix .x4 with this lane's row address = byte `off` of shared array `arr`."""
+        if not isinstance(arr, types.Array) or not isinstance(off, types.Integer):
+            return None
+
+        def codegen(context, builder, sig, args):
+            generic = _address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            to_shared = ir.InlineAsm(ir.FunctionType(_I64, [_I64]), "cvta.to.shared.u64 $0, $1;",
+                                     "=l,l")
+            addr = builder.trunc(builder.call(to_shared, [generic], attrs=_PURE), _I32)
+            asm = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([_I32] * 4), [_I32]),
+                               "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0, $1, $2, $3}, [$4];",
+                               "=r,=r,=r,=r,r,~{memory}", side_effect=True)
+            out = builder.call(asm, [addr])
+            return context.make_tuple(builder, sig.return_type,
+                                      [builder.extract_value(out, i) for i in range(4)])
+        return types.UniTuple(types.uint32, 4)(arr, off), codegen
+
+    @cuda.jit(device=True, inline=True)
+    def ldmatrix_x4(arr, tile_off, row_stride, lane):
+        """The four 8×8 matrices of the 16×16 f16 tile at byte `tile_off` of shared `arr` (rows
+        `row_stride` bytes apart, 16-byte aligned): (rows 0-7, cols 0-7), (rows 8-15, cols 0-7),
+        (rows 0-7, cols 8-15), (rows 8-15, cols 8-15); register i holds row lane//4, cols
+        2·(lane%4) and +1 of matrix i. That is the A fragment of mma m16n8k16 for a row-major
+        (m, k) tile, and the B fragments (R0, R2) and (R1, R3) of two n8 tiles for an (n, k) tile.
+        """
+        return _ldmatrix_x4_at(arr, tile_off + (lane & 15) * row_stride + (lane >> 4) * 16)
+
+    @intrinsic
+    def mma_f16_f32(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        """D = A·B + C for a warp: A 16×16 f16 (4 u32 per lane), B 16×8 (2 u32), C/D 16×8 f32."""
+        if not all(isinstance(t, types.Integer) for t in (a0, a1, a2, a3, b0, b1)):
+            return None
+        if not all(isinstance(t, types.Float) for t in (c0, c1, c2, c3)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            regs = [context.cast(builder, v, t, types.uint32) for v, t in zip(args[:6], sig.args)]
+            accs = [context.cast(builder, v, t, types.float32)
+                    for v, t in zip(args[6:], sig.args[6:])]
+            f32 = ir.FloatType()
+            asm = ir.InlineAsm(
+                ir.FunctionType(ir.LiteralStructType([f32] * 4), [_I32] * 6 + [f32] * 4),
+                "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0, $1, $2, $3}, "
+                "{$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
+                "=f,=f,=f,=f,r,r,r,r,r,r,0,1,2,3")
+            out = builder.call(asm, regs + accs, attrs=_PURE)
+            return context.make_tuple(builder, sig.return_type,
+                                      [builder.extract_value(out, i) for i in range(4)])
+        return types.UniTuple(types.float32, 4)(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3), codegen

@@ -1,0 +1,489 @@
+"""Prefill GEMM on tensor cores over weights in their GGUF byte layout.
+
+y[slot, r] = Σ_k W[mat][r, k] · x[xrow(slot), k] (+ bias[r])   (mma.sync m16n8k16, f16·f16 → f32)
+
+- `matmul`: dense, slot = token (x and y are (n_tok, ·)). `grouped_matmul`: MoE prefill, the token
+  tiles of an ExpertRoute (each tile's slots all use one expert matrix), x rows picked by slot_x.
+- A block computes BM = 128 weight rows × BN tokens (64 or 128), stepping k by BK = 32 through two
+  shared-memory buffers (one barrier per step: stage step s+1 into one buffer while the warps
+  multiply step s from the other). Staging dequantizes each weight row's 16-element piece straight
+  from the GGUF bytes to f16 and converts the float32 activations to f16.
+- 8 warps as WARPS_M × WARPS_N with 32 tokens per warp: a warp owns (BM / WARPS_M) rows × 32 tokens,
+  i.e. MT m16 tiles × 4 n8 tiles of f32 accumulators.
+- Fused SwiGLU (`up=`): the 128 staged rows are 64 gate rows and the same 64 rows of `up`,
+  interleaved so that every warp holds the gate and up accumulators of the same output rows.
+- Outputs may be split over up to MAX_PARTS arrays by row range, like quant_gemv.gemv.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import numpy as np
+from numba import cuda, float32, int32, int64, uint32
+
+from sparkinfer_cli.ggml_types import GGMLType
+from sparkinfer_cli.kernels.cuda import quant_gemv as qg
+from sparkinfer_cli.kernels.cuda.intrinsics import (
+    bits_to_f32,
+    byte_perm,
+    ld_u16,
+    ld_u32,
+    ld_v4_u32,
+    ldmatrix_x4,
+    mma_f16_f32,
+    pack_f16x2,
+)
+from sparkinfer_cli.kernels.cuda.launch import cdiv, check_array
+from sparkinfer_cli.kernels.cuda.quant_gemv import (
+    M1,
+    M2,
+    M4,
+    DeviceQuantMatrix,
+    _f16,
+    _scale_min_k4,
+    _spread4,
+    _store_part,
+    _u32_from_u16s,
+    _words4_aligned,
+    _words4_unaligned,
+)
+
+BM = 128  # weight rows staged per block
+BK = 32  # k elements per pipeline step
+THREADS = 256
+ROW_WORDS = 20  # u32 per staged row: 32 f16 + 16 pad bytes, so ldmatrix's 8 rows hit distinct banks
+ROW_STRIDE = 4 * ROW_WORDS
+TOKEN_TILES = (64, 128)  # BN choices
+_MAGIC = float32(8388608.0)  # 2^23: the float with bits 0x4B000000
+
+
+# ---------------------------------------------------------------- 16 weights → 8 f16x2 words
+@cuda.jit(device=True, inline=True)
+def _pair(word, i, scale, shift):
+    """Bytes i, i+1 of `word` → f16x2 of scale·byte + shift. prmt builds the float bits
+    0x4B0000bb = 2^23 + byte, so subtracting 2^23 gives the byte exactly."""
+    lo = bits_to_f32(byte_perm(word, 0x4B000000, 0x7440 | i)) - _MAGIC
+    hi = bits_to_f32(byte_perm(word, 0x4B000000, 0x7441 + i)) - _MAGIC
+    return pack_f16x2(scale * lo + shift, scale * hi + shift)
+
+
+@cuda.jit(device=True, inline=True)
+def _affine16(q, scale, shift):
+    """16 unsigned byte values (4 words) → 8 f16x2 words of scale·q + shift, in element order."""
+    return (_pair(q[0], 0, scale, shift), _pair(q[0], 2, scale, shift),
+            _pair(q[1], 0, scale, shift), _pair(q[1], 2, scale, shift),
+            _pair(q[2], 0, scale, shift), _pair(q[2], 2, scale, shift),
+            _pair(q[3], 0, scale, shift), _pair(q[3], 2, scale, shift))
+
+
+@cuda.jit(device=True, inline=True)
+def _nibbles(q, shift):
+    return ((q[0] >> shift) & M4, (q[1] >> shift) & M4, (q[2] >> shift) & M4, (q[3] >> shift) & M4)
+
+
+@cuda.jit(device=True, inline=True)
+def _pack4(v):
+    """4 float32 bit patterns → 2 f16x2 words."""
+    return (pack_f16x2(bits_to_f32(v[0]), bits_to_f32(v[1])),
+            pack_f16x2(bits_to_f32(v[2]), bits_to_f32(v[3])))
+
+
+# Each piece function: (weight bytes, byte offset of the row, element kk of the row, kk % 16 == 0)
+# → the row's elements kk..kk+15 as 8 f16x2 words.
+@cuda.jit(device=True, inline=True)
+def _piece_q4_0(w, off, kk):
+    bo = off + (kk >> 5) * 18
+    d = _f16(ld_u16(w, bo))
+    return _affine16(_nibbles(_words4_unaligned(w, bo + 2), 4 * ((kk >> 4) & 1)), d, -8 * d)
+
+
+@cuda.jit(device=True, inline=True)
+def _piece_q4_1(w, off, kk):
+    bo = off + (kk >> 5) * 20
+    dm = ld_u32(w, bo)
+    q = _nibbles(_words4_aligned(w, bo + 4), 4 * ((kk >> 4) & 1))
+    return _affine16(q, _f16(dm), _f16(dm >> 16))
+
+
+@cuda.jit(device=True, inline=True)
+def _q5_legacy(qs, qh, h):
+    """Element i of half h: nibble h of qs byte i, 5th bit = bit 16h + i of qh."""
+    hb = qh >> (16 * h)
+    return (((qs[0] >> (4 * h)) & M4) | (_spread4(hb & 0xF) << 4),
+            ((qs[1] >> (4 * h)) & M4) | (_spread4((hb >> 4) & 0xF) << 4),
+            ((qs[2] >> (4 * h)) & M4) | (_spread4((hb >> 8) & 0xF) << 4),
+            ((qs[3] >> (4 * h)) & M4) | (_spread4((hb >> 12) & 0xF) << 4))
+
+
+@cuda.jit(device=True, inline=True)
+def _piece_q5_0(w, off, kk):
+    bo = off + (kk >> 5) * 22
+    d = _f16(ld_u16(w, bo))
+    q = _q5_legacy(_words4_unaligned(w, bo + 6), _u32_from_u16s(w, bo + 2), (kk >> 4) & 1)
+    return _affine16(q, d, -16 * d)
+
+
+@cuda.jit(device=True, inline=True)
+def _piece_q5_1(w, off, kk):
+    bo = off + (kk >> 5) * 24
+    dm = ld_u32(w, bo)
+    q = _q5_legacy(_words4_aligned(w, bo + 8), ld_u32(w, bo + 4), (kk >> 4) & 1)
+    return _affine16(q, _f16(dm), _f16(dm >> 16))
+
+
+@cuda.jit(device=True, inline=True)
+def _piece_q8_0(w, off, kk):
+    bo = off + (kk >> 5) * 34
+    q = _words4_unaligned(w, bo + 2 + 16 * ((kk >> 4) & 1))
+    flipped = (q[0] ^ 0x80808080, q[1] ^ 0x80808080, q[2] ^ 0x80808080, q[3] ^ 0x80808080)
+    d = _f16(ld_u16(w, bo))
+    return _affine16(flipped, d, -128 * d)  # int8 b = (b ^ 0x80) − 128
+
+
+@cuda.jit(device=True, inline=True)
+def _k4_scales(w, bo, j):
+    """(d·sc_j, dmin·m_j) of sub-block j of a Q4_K/Q5_K super-block."""
+    dm = ld_u32(w, bo)
+    sc, mn = _scale_min_k4(j, ld_u32(w, bo + 4), ld_u32(w, bo + 8), ld_u32(w, bo + 12))
+    return _f16(dm) * float32(sc), _f16(dm >> 16) * float32(mn)
+
+
+@cuda.jit(device=True, inline=True)
+def _piece_q4_k(w, off, kk):
+    # sub-block j = elements 32j..32j+31: nibble j&1 of qs bytes 32(j//2)..+31
+    bo = off + (kk >> 8) * 144
+    j = (kk >> 5) & 7
+    q = _nibbles(ld_v4_u32(w, bo + 16 + 32 * (j >> 1) + 16 * ((kk >> 4) & 1)), 4 * (j & 1))
+    scale, mn = _k4_scales(w, bo, j)
+    return _affine16(q, scale, -mn)
+
+
+@cuda.jit(device=True, inline=True)
+def _piece_q5_k(w, off, kk):
+    # as Q4_K, plus the 5th bit of element i of sub-block j = bit j of qh byte i
+    bo = off + (kk >> 8) * 176
+    j = (kk >> 5) & 7
+    h = (kk >> 4) & 1
+    lo = _nibbles(ld_v4_u32(w, bo + 48 + 32 * (j >> 1) + 16 * h), 4 * (j & 1))
+    qh = ld_v4_u32(w, bo + 16 + 16 * h)
+    q = (lo[0] | (((qh[0] >> j) & M1) << 4), lo[1] | (((qh[1] >> j) & M1) << 4),
+         lo[2] | (((qh[2] >> j) & M1) << 4), lo[3] | (((qh[3] >> j) & M1) << 4))
+    scale, mn = _k4_scales(w, bo, j)
+    return _affine16(q, scale, -mn)
+
+
+@cuda.jit(device=True, inline=True)
+def _piece_q6_k(w, off, kk):
+    # element 128n + 32g + l (l < 32): nibble g//2 of ql[64n + 32(g&1) + l], bits 2g of qh[32n + l],
+    # minus 32, scale sc[8n + 2g + l//16]; a 16-element piece has l = 16h..16h+15.
+    bo = off + (kk >> 8) * 210
+    n = (kk >> 7) & 1
+    g = (kk >> 5) & 3
+    h = (kk >> 4) & 1
+    ql = _nibbles(_words4_unaligned(w, bo + 64 * n + 32 * (g & 1) + 16 * h), 4 * (g >> 1))
+    qh = _words4_unaligned(w, bo + 128 + 32 * n + 16 * h)
+    q = (ql[0] | (((qh[0] >> (2 * g)) & M2) << 4), ql[1] | (((qh[1] >> (2 * g)) & M2) << 4),
+         ql[2] | (((qh[2] >> (2 * g)) & M2) << 4), ql[3] | (((qh[3] >> (2 * g)) & M2) << 4))
+    sc = int32((ld_u16(w, bo + 192 + 8 * n + 2 * g) >> (8 * h)) & 0xFF)  # signed int8 scale
+    scale = _f16(ld_u16(w, bo + 208)) * float32(sc - 256 if sc > 127 else sc)
+    return _affine16(q, scale, -32 * scale)
+
+
+@cuda.jit(device=True, inline=True)
+def _piece_f16(w, off, kk):
+    a = ld_v4_u32(w, off + 2 * kk)
+    b = ld_v4_u32(w, off + 2 * kk + 16)
+    return (a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3])
+
+
+@cuda.jit(device=True, inline=True)
+def _bf16_pair(u):
+    return pack_f16x2(bits_to_f32(u << 16), bits_to_f32(u & 0xFFFF0000))
+
+
+@cuda.jit(device=True, inline=True)
+def _piece_bf16(w, off, kk):
+    a = ld_v4_u32(w, off + 2 * kk)
+    b = ld_v4_u32(w, off + 2 * kk + 16)
+    return (_bf16_pair(a[0]), _bf16_pair(a[1]), _bf16_pair(a[2]), _bf16_pair(a[3]),
+            _bf16_pair(b[0]), _bf16_pair(b[1]), _bf16_pair(b[2]), _bf16_pair(b[3]))
+
+
+@cuda.jit(device=True, inline=True)
+def _piece_f32(w, off, kk):
+    p0 = _pack4(ld_v4_u32(w, off + 4 * kk))
+    p1 = _pack4(ld_v4_u32(w, off + 4 * kk + 16))
+    p2 = _pack4(ld_v4_u32(w, off + 4 * kk + 32))
+    p3 = _pack4(ld_v4_u32(w, off + 4 * kk + 48))
+    return (p0[0], p0[1], p1[0], p1[1], p2[0], p2[1], p3[0], p3[1])
+
+
+_PIECES = {
+    GGMLType.Q4_0: _piece_q4_0, GGMLType.Q4_1: _piece_q4_1, GGMLType.Q5_0: _piece_q5_0,
+    GGMLType.Q5_1: _piece_q5_1, GGMLType.Q8_0: _piece_q8_0, GGMLType.Q4_K: _piece_q4_k,
+    GGMLType.Q5_K: _piece_q5_k, GGMLType.Q6_K: _piece_q6_k, GGMLType.F16: _piece_f16,
+    GGMLType.BF16: _piece_bf16, GGMLType.F32: _piece_f32,
+}
+SUPPORTED_TYPES = frozenset(_PIECES)
+
+
+def supports(ggml_type: int) -> bool:
+    """Whether the tensor-core GEMM reads this weight type (else fall back to quant_gemv)."""
+    return ggml_type in _PIECES
+
+
+# ---------------------------------------------------------------- the kernel
+@cuda.jit(device=True, inline=True)
+def _mma_into(acc, i, a, b0, b1):
+    d = mma_f16_f32(a[0], a[1], a[2], a[3], b0, b1, acc[i], acc[i + 1], acc[i + 2], acc[i + 3])
+    acc[i] = d[0]
+    acc[i + 1] = d[1]
+    acc[i + 2] = d[2]
+    acc[i + 3] = d[3]
+
+
+class _Tiling(NamedTuple):
+    """How a block of THREADS splits BM rows × bn tokens (all compile-time constants)."""
+
+    warps_n: int  # warps side by side over tokens (32 tokens each)
+    warp_rows: int  # staged rows per warp: 64 (bn 128) or 32 (bn 64)
+    mt: int  # m16 tiles per warp
+    mt_out: int  # ... of them holding outputs (with SwiGLU the rest hold the up rows)
+    rows_block: int  # output rows per block
+    tok_threads: int  # threads staging one token's BK activations
+    tok_elems: int  # floats each of them stages: 16 (bn 128) or 8 (bn 64)
+
+
+def _tiling(bn: int, swiglu: bool) -> _Tiling:
+    warps_n = bn // 32
+    warp_rows = BM * warps_n // (THREADS // 32)
+    mt = warp_rows // 16
+    return _Tiling(warps_n, warp_rows, mt, mt // 2 if swiglu else mt,
+                   BM // 2 if swiglu else BM, THREADS // bn, BK * bn // THREADS)
+
+
+@functools.cache
+def _stage_fn(ggml_type: GGMLType, bn: int):
+    piece = _PIECES[ggml_type]
+    a_words, b_words = BM * ROW_WORDS, bn * ROW_WORDS
+    tok_elems = _tiling(bn, False).tok_elems
+
+    @cuda.jit(device=True, inline=True)
+    def stage(sa, sb, buf, k0, w_src, w_off, a_at, x, x_off, b_at):
+        """Weights and activations of k0..k0+BK into buffer `buf` (this thread's share)."""
+        q = piece(w_src, w_off, k0 + (cuda.threadIdx.x & 1) * 16)
+        base = buf * a_words + a_at
+        for i in range(8):
+            sa[base + i] = q[i]
+        base = buf * b_words + b_at
+        for i in range(tok_elems // 4):
+            p = _pack4(ld_v4_u32(x, x_off + 4 * (k0 + 4 * i)))
+            sb[base + 2 * i] = p[0]
+            sb[base + 2 * i + 1] = p[1]
+    return stage
+
+
+@functools.cache
+def _multiply_fn(bn: int):
+    a_bytes, b_bytes, mt = 4 * BM * ROW_WORDS, 4 * bn * ROW_WORDS, _tiling(bn, False).mt
+
+    @cuda.jit(device=True, inline=True)
+    def multiply(sa, sb, buf, a_at, b_at, lane, acc):
+        """acc += this warp's rows × 32 tokens over the BK of buffer `buf` (two k16 steps)."""
+        for kh in range(2):
+            b_lo = ldmatrix_x4(sb, buf * b_bytes + b_at + 32 * kh, ROW_STRIDE, lane)
+            b_hi = ldmatrix_x4(sb, buf * b_bytes + b_at + 16 * ROW_STRIDE + 32 * kh, ROW_STRIDE,
+                               lane)
+            for mi in range(mt):
+                a = ldmatrix_x4(sa, buf * a_bytes + a_at + mi * 16 * ROW_STRIDE + 32 * kh,
+                                ROW_STRIDE, lane)
+                _mma_into(acc, 16 * mi, a, b_lo[0], b_lo[2])
+                _mma_into(acc, 16 * mi + 4, a, b_lo[1], b_lo[3])
+                _mma_into(acc, 16 * mi + 8, a, b_hi[0], b_hi[2])
+                _mma_into(acc, 16 * mi + 12, a, b_hi[1], b_hi[3])
+    return multiply
+
+
+@functools.cache
+def _operands_fn(bn: int, swiglu: bool, grouped: bool):
+    t = _tiling(bn, swiglu)
+    warp_rows, half = t.warp_rows, t.warp_rows // 2
+    tok_threads, tok_elems = t.tok_threads, t.tok_elems
+
+    @cuda.jit(device=True, inline=True)
+    def operands(row0, mat, lo, n_valid, n_rows, row_bytes, mat_bytes, k, order, slot_x):
+        """What this thread stages: (is an up row, weight row byte offset, its smem word, x byte
+        offset, its smem word). Staged row r: with SwiGLU, each warp's first half of rows are
+        gate rows and its second half the same rows of up. Tokens past the tile's end repeat its
+        last token and rows past the matrix its last row (computed, never stored)."""
+        tid = cuda.threadIdx.x
+        r = tid >> 1
+        w_row = row0 + r
+        is_up = False
+        if swiglu:
+            w_row = row0 + (r // warp_rows) * half + (r % warp_rows) % half
+            is_up = r % warp_rows >= half
+        w_off = int64(mat) * mat_bytes + int64(min(w_row, n_rows - 1)) * row_bytes
+        tok = tid // tok_threads
+        j = min(tok, n_valid - 1)
+        xrow = slot_x[order[lo + j]] if grouped else lo + j
+        x_off = 4 * (int64(xrow) * k + (tid % tok_threads) * tok_elems)
+        b_at = tok * ROW_WORDS + (tid % tok_threads) * (tok_elems // 2)
+        return is_up, w_off, r * ROW_WORDS + (tid & 1) * 8, x_off, b_at
+    return operands
+
+
+@functools.cache
+def _store_fn(bn: int, swiglu: bool, grouped: bool):
+    t = _tiling(bn, swiglu)
+    warps_n, mt_out, rows_warp = t.warps_n, t.mt_out, 16 * t.mt_out
+
+    @cuda.jit(device=True, inline=True)
+    def store(acc, row0, n_rows, lo, n_valid, order, bias, has_bias, y0, y1, y2, y3, ends):
+        """C fragments → y: a lane holds rows lane//4 (+8) × tokens 2·(lane%4) (+1) of each tile."""
+        lane = cuda.threadIdx.x & 31
+        warp = cuda.threadIdx.x >> 5
+        for mi in range(mt_out):
+            for ni in range(4):
+                for e in range(4):
+                    row = (row0 + (warp // warps_n) * rows_warp + 16 * mi + (lane >> 2)
+                           + 8 * (e >> 1))
+                    j = (warp % warps_n) * 32 + 8 * ni + 2 * (lane & 3) + (e & 1)
+                    if row < n_rows and j < n_valid:
+                        v = acc[16 * mi + 4 * ni + e]
+                        if swiglu:
+                            up = acc[16 * (mi + mt_out) + 4 * ni + e]
+                            v = v / (float32(1.0) + math.exp(-v)) * up
+                        if has_bias:
+                            v += bias[row]
+                        slot = order[lo + j] if grouped else lo + j
+                        _store_part(y0, y1, y2, y3, ends, slot, row, v)
+    return store
+
+
+@functools.cache
+def _gemm_kernel(ggml_type: GGMLType, bn: int, swiglu: bool, grouped: bool):
+    t = _tiling(bn, swiglu)
+    warps_n, warp_rows, rows_block = t.warps_n, t.warp_rows, t.rows_block
+    stage, multiply = _stage_fn(ggml_type, bn), _multiply_fn(bn)
+    operands, store = _operands_fn(bn, swiglu, grouped), _store_fn(bn, swiglu, grouped)
+    sa_size, sb_size, n_acc = 2 * BM * ROW_WORDS, 2 * bn * ROW_WORDS, 16 * t.mt
+
+    @cuda.jit(fastmath=True)
+    def gemm(w, w2, row_bytes, n_rows, mat_bytes, k, n_tok, x, tile_expert, tile_lo, tile_hi,
+             order, slot_x, bias, has_bias, y0, y1, y2, y3, ends):
+        if grouped:
+            lo = tile_lo[cuda.blockIdx.y]
+            n_valid = tile_hi[cuda.blockIdx.y] - lo
+            mat = tile_expert[cuda.blockIdx.y]
+        else:
+            lo = cuda.blockIdx.y * bn
+            n_valid = min(bn, n_tok - lo)
+            mat = 0
+        if n_valid <= 0:
+            return
+        row0 = cuda.blockIdx.x * rows_block
+        is_up, w_off, a_at, x_off, b_at = operands(row0, mat, lo, n_valid, n_rows, row_bytes,
+                                                   mat_bytes, k, order, slot_x)
+        w_src = w2 if is_up else w
+        sa = cuda.shared.array(sa_size, uint32)  # (2 buffers, BM rows, ROW_WORDS)
+        sb = cuda.shared.array(sb_size, uint32)  # (2 buffers, bn tokens, ROW_WORDS)
+        acc = cuda.local.array(n_acc, float32)  # (mt, 4 n8 tiles, 4) C fragments
+        for i in range(n_acc):
+            acc[i] = 0.0
+        warp = cuda.threadIdx.x >> 5
+        a_frag_at = 4 * (warp // warps_n) * warp_rows * ROW_WORDS
+        b_frag_at = 4 * (warp % warps_n) * 32 * ROW_WORDS
+        n_steps = k // BK
+        stage(sa, sb, 0, 0, w_src, w_off, a_at, x, x_off, b_at)
+        cuda.syncthreads()
+        for s in range(n_steps):
+            if s + 1 < n_steps:
+                stage(sa, sb, (s + 1) & 1, (s + 1) * BK, w_src, w_off, a_at, x, x_off, b_at)
+            multiply(sa, sb, s & 1, a_frag_at, b_frag_at, cuda.threadIdx.x & 31, acc)
+            cuda.syncthreads()
+        store(acc, row0, n_rows, lo, n_valid, order, bias, has_bias, y0, y1, y2, y3, ends)
+    return gemm
+
+
+# ---------------------------------------------------------------- launch wrappers
+_DUMMY = {}
+
+
+def _dummy_i32():
+    # NOTE: cached device array [0] for the unused route arguments of the dense kernel.
+    if "i32" not in _DUMMY:
+        _DUMMY["i32"] = cuda.to_device(np.zeros(1, np.int32))
+    return _DUMMY["i32"]
+
+
+def _check_weights(w: DeviceQuantMatrix, up: DeviceQuantMatrix | None, x) -> None:
+    if w.ggml_type not in _PIECES:
+        raise ValueError(f"no tensor-core GEMM for ggml type {w.ggml_type.name}")
+    if w.k % BK:
+        raise ValueError(f"tensor-core GEMM needs k % {BK} == 0, got k={w.k}")
+    if up is not None and (up.ggml_type, up.k, up.n_rows, up.n_mats) != (
+            w.ggml_type, w.k, w.n_rows, w.n_mats):
+        raise ValueError("gate and up matrices must share type and shape for the fused SwiGLU")
+    check_array("x", x, np.float32)
+    if len(x.shape) != 2 or x.shape[1] != w.k:
+        raise ValueError(f"x: shape {tuple(x.shape)}, expected (·, {w.k})")
+
+
+def _output_parts(y, n_slots: int, n_rows: int) -> tuple[list, tuple[int, ...]]:
+    """y (n_slots, rows) or a list of row-range parts → flat arrays + end rows (quant_gemv's)."""
+    ys = list(y) if isinstance(y, (list, tuple)) else [y]
+    for i, part in enumerate(ys):
+        if len(part.shape) != 2 or part.shape[0] != n_slots:
+            raise ValueError(f"y[{i}]: shape {tuple(part.shape)}, expected ({n_slots}, ·)")
+    return qg._output_parts([p.reshape(n_slots, 1, p.shape[1]) for p in ys], n_slots, 1, n_rows)
+
+
+def _launch(w, up, x, y, n_slots, grid_y, bn, grouped, route_args, bias, stream) -> None:
+    parts, ends = _output_parts(y, n_slots, w.n_rows)
+    if bias is not None:
+        check_array("bias", bias, np.float32, (w.n_rows,))
+    swiglu = up is not None
+    grid = (cdiv(w.n_rows, BM // 2 if swiglu else BM), grid_y)
+    kernel = _gemm_kernel(w.ggml_type, bn, swiglu, grouped)
+    kernel[grid, THREADS, stream](
+        w.data, w.data if up is None else up.data, w.row_bytes, w.n_rows, w.n_rows * w.row_bytes,
+        w.k, n_slots, x.reshape(x.size), *route_args, parts[0] if bias is None else bias,
+        bias is not None, *parts, ends)
+
+
+def matmul(w: DeviceQuantMatrix, x, y, *, bias=None, up: DeviceQuantMatrix | None = None,
+           stream=0) -> None:
+    """y (n_tok, n_rows) f32 ← x (n_tok, k) f32 @ dequant(W[0])ᵀ (+ bias (n_rows,) f32).
+
+    up: a second matrix of W's type and shape; then y = silu(x·Wᵀ) ⊙ (x·upᵀ) (bias added after).
+    y may be a sequence of up to MAX_PARTS arrays (n_tok, rows_p) with Σ rows_p = n_rows.
+    Raises ValueError for weight types outside SUPPORTED_TYPES (use quant_gemv.gemv then).
+    """
+    _check_weights(w, up, x)
+    n_tok = x.shape[0]
+    bn = TOKEN_TILES[0] if n_tok <= TOKEN_TILES[0] else TOKEN_TILES[1]
+    dummy = _dummy_i32()
+    _launch(w, up, x, y, n_tok, cdiv(n_tok, bn), bn, False, (dummy,) * 5, bias, stream)
+
+
+def grouped_matmul(w: DeviceQuantMatrix, x, y, route, slot_x, *,
+                   up: DeviceQuantMatrix | None = None, stream=0) -> None:
+    """MoE prefill: y[slot] (n_slots, n_rows) f32 ← x[slot_x[slot]] @ dequant(W[expert(slot)])ᵀ.
+
+    route: an ExpertRoute (device int32 order, tile_expert, tile_lo, tile_hi; int tile ≤ 128):
+    tile t covers slots order[tile_lo[t]:tile_hi[t]], all routed to expert tile_expert[t]; empty
+    tiles (tile_lo == tile_hi) do nothing. slot_x: int32 device array (n_slots,), the x row of each
+    slot. up: fused SwiGLU as in matmul. y may be split by row range like matmul's.
+    """
+    _check_weights(w, up, x)
+    if route.tile > TOKEN_TILES[-1]:
+        raise ValueError(f"route tile {route.tile} exceeds the GEMM's {TOKEN_TILES[-1]} tokens")
+    check_array("slot_x", slot_x, np.int32)
+    n_slots = slot_x.shape[0]
+    bn = TOKEN_TILES[0] if route.tile <= TOKEN_TILES[0] else TOKEN_TILES[1]
+    route_args = (route.tile_expert, route.tile_lo, route.tile_hi, route.order, slot_x)
+    _launch(w, up, x, y, n_slots, route.tile_lo.shape[0], bn, True, route_args, None, stream)

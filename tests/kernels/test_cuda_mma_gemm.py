@@ -1,0 +1,265 @@
+"""Tensor-core prefill GEMM vs float64 numpy on gguf.quants.dequantize'd weights.
+
+Simulator: tiny shapes (a launch is ≤ 5 blocks of 256 threads). The kernel multiplies f16 values,
+so the tight check rounds W and x to f16 first; the loose check compares with the exact product.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from gguf.quants import dequantize
+from numba import cuda
+from test_cuda_quant_gemv import random_weights
+
+from sparkinfer_cli.ggml_types import GGMLType, row_bytes
+from sparkinfer_cli.kernels.cuda import mma_gemm as mg
+from sparkinfer_cli.kernels.cuda.intrinsics import ldmatrix_x4, mma_f16_f32, pack_f16x2
+from sparkinfer_cli.kernels.cuda.launch import to_device_bytes
+from sparkinfer_cli.kernels.cuda.quant_gemv import DeviceQuantMatrix
+
+STRIDE_WORDS = 20  # the kernel's padded smem row: 16 words of data + 4 of padding
+
+
+# ---------------------------------------------------------------- intrinsics
+@cuda.jit
+def _fragments_kernel(a_rows, b_rows, regs, c):
+    # a_rows (16, 8) u32 = A 16×16 f16 row-major; b_rows (16, 8) u32 = B as 16 n-rows × 16 k
+    lane = cuda.threadIdx.x
+    sa = cuda.shared.array(16 * STRIDE_WORDS, np.uint32)
+    sb = cuda.shared.array(16 * STRIDE_WORDS, np.uint32)
+    for i in range(4):
+        sa[(lane // 2) * STRIDE_WORDS + (lane % 2) * 4 + i] = a_rows[lane // 2, (lane % 2) * 4 + i]
+        sb[(lane // 2) * STRIDE_WORDS + (lane % 2) * 4 + i] = b_rows[lane // 2, (lane % 2) * 4 + i]
+    cuda.syncthreads()
+    a = ldmatrix_x4(sa, 0, 4 * STRIDE_WORDS, lane)
+    b = ldmatrix_x4(sb, 0, 4 * STRIDE_WORDS, lane)
+    for i in range(4):
+        regs[lane, i] = a[i]
+    z = np.float32(0.0)
+    d0 = mma_f16_f32(a[0], a[1], a[2], a[3], b[0], b[2], z, z, z, z)  # n 0-7
+    d1 = mma_f16_f32(a[0], a[1], a[2], a[3], b[1], b[3], z, z, z, z)  # n 8-15
+    g, t = lane // 4, lane % 4
+    for e in range(4):
+        c[g + 8 * (e // 2), 2 * t + e % 2] = d0[e]
+        c[g + 8 * (e // 2), 8 + 2 * t + e % 2] = d1[e]
+
+
+@cuda.jit
+def _pack_kernel(lo, hi, out):
+    i = cuda.grid(1)
+    if i < out.size:
+        out[i] = pack_f16x2(lo[i], hi[i])
+
+
+def test_ldmatrix_and_mma_follow_the_ptx_fragment_layouts(rng):
+    a = rng.standard_normal((16, 16)).astype(np.float16)
+    b = rng.standard_normal((16, 16)).astype(np.float16)  # (n, k)
+    regs = np.zeros((32, 4), np.uint32)
+    c = np.zeros((16, 16), np.float32)
+    _fragments_kernel[1, 32](a.view(np.uint32), b.view(np.uint32), regs, c)
+    # PTX ISA: A fragment reg i of lane l = row l//4 (+8 for i = 1, 3), cols 2(l%4) (+8 for i ≥ 2)
+    for lane in range(32):
+        g, t = divmod(lane, 4)
+        for i in range(4):
+            row, col = g + 8 * (i % 2), 2 * t + 8 * (i // 2)
+            assert regs[lane, i] == a[row, col:col + 2].view(np.uint32)[0], (lane, i)
+    np.testing.assert_allclose(c, a.astype(np.float64) @ b.astype(np.float64).T, rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_pack_f16x2_rounds_like_numpy(rng):
+    edges = [65504.0, 65520.0, -1e6, 6e-8, 0.0, -0.0, 1.0 + 2 ** -11, 1.0 + 3 * 2 ** -11]  # ties
+    vals = np.concatenate([rng.standard_normal(60) * 10.0 ** rng.integers(-6, 5, 60), edges])
+    vals = vals.astype(np.float32)
+    lo, hi = vals, vals[::-1].copy()
+    out = np.zeros(vals.size, np.uint32)
+    _pack_kernel[1, 128](lo, hi, out)
+    with np.errstate(over="ignore"):
+        expect = np.stack([lo, hi], axis=1).astype(np.float16).view(np.uint32).reshape(-1)
+    np.testing.assert_array_equal(out, expect)
+
+
+# ---------------------------------------------------------------- dequantized pieces
+@functools.cache
+def _pieces_kernel(ggml_type: GGMLType):
+    piece = mg._PIECES[ggml_type]
+
+    @cuda.jit
+    def pieces(w, row_bytes_, k, out):
+        # out (n_rows, k / 2) u32: thread i dequantizes the i-th 16-element piece
+        i = cuda.grid(1)
+        per_row = k // 16
+        if i < out.shape[0] * per_row:
+            row, kk = i // per_row, (i % per_row) * 16
+            q = piece(w, row * row_bytes_, kk)
+            for j in range(8):
+                out[row, kk // 2 + j] = q[j]
+    return pieces
+
+
+@pytest.mark.parametrize("ggml_type", sorted(mg.SUPPORTED_TYPES), ids=lambda t: GGMLType(t).name)
+def test_pieces_match_gguf_dequantize(ggml_type, rng):
+    k, n_rows = 256, 2
+    raw = random_weights(ggml_type, n_rows, k, rng)
+    out = np.zeros((n_rows, k // 2), np.uint32)
+    _pieces_kernel(ggml_type)[1, 32](to_device_bytes(raw), row_bytes(ggml_type, k), k, out)
+    ref = dequantize(raw, ggml_type).reshape(n_rows, k)
+    got = out.view(np.float16).astype(np.float32)
+    # f16 of the f32 value: half an f16 ulp, plus one more where f32 rounding decides the f16 tie
+    np.testing.assert_allclose(got, ref, rtol=2 ** -10, atol=2 ** -24)
+
+
+# ---------------------------------------------------------------- GEMM
+def _weights(ggml_type, n_mats, n_rows, k, rng):
+    raw = random_weights(ggml_type, n_mats * n_rows, k, rng)
+    dev = DeviceQuantMatrix(to_device_bytes(raw), ggml_type, k, n_rows, n_mats)
+    return dev, dequantize(raw, ggml_type).reshape(n_mats, n_rows, k).astype(np.float64)
+
+
+def _f16(a: np.ndarray) -> np.ndarray:
+    return a.astype(np.float16).astype(np.float64)
+
+
+def _check(got, x, w, up=None, bias=None):
+    """got (n, rows) vs x (n, k) @ w (rows, k)ᵀ [SwiGLU with up] [+ bias], tight on f16 inputs."""
+    def product(xx, ww, uu):
+        y = xx @ ww.T
+        if uu is not None:
+            y = y / (1 + np.exp(-y)) * (xx @ uu.T)
+        return y if bias is None else y + bias
+
+    scale = np.abs(x) @ np.abs(w).T  # (n, rows): Σ|x||w|, the error yardstick
+    if up is not None:
+        scale = scale * (1 + np.abs(x) @ np.abs(up).T)
+    tight = product(_f16(x), _f16(w), None if up is None else _f16(up))
+    np.testing.assert_array_less(np.abs(got - tight), 5e-4 * scale + 1e-6)
+    np.testing.assert_array_less(np.abs(got - product(x, w, up)), 5e-3 * scale + 1e-5)
+
+
+@pytest.mark.parametrize("ggml_type, n_tok, n_rows", [
+    (GGMLType.Q4_K, 70, 150),  # 128-token tile cut at 70, second row block cut at 22
+    (GGMLType.Q6_K, 9, 40),  # 64-token tile
+    (GGMLType.F32, 64, 128),  # exact tiles
+])
+def test_matmul_matches_dequantized_reference(ggml_type, n_tok, n_rows, rng):
+    k = 256
+    w, w_ref = _weights(ggml_type, 1, n_rows, k, rng)
+    x = rng.standard_normal((n_tok, k)).astype(np.float32)
+    y = cuda.device_array((n_tok, n_rows), np.float32)
+    mg.matmul(w, cuda.to_device(x), y)
+    _check(y.copy_to_host(), x.astype(np.float64), w_ref[0])
+
+
+def test_matmul_splits_rows_over_outputs_and_adds_bias(rng):
+    k, parts, n_tok = 64, (50, 30, 20), 20
+    w, w_ref = _weights(GGMLType.Q8_0, 1, sum(parts), k, rng)
+    bias = rng.standard_normal(sum(parts)).astype(np.float32)
+    x = rng.standard_normal((n_tok, k)).astype(np.float32)
+    ys = [cuda.device_array((n_tok, n), np.float32) for n in parts]
+    mg.matmul(w, cuda.to_device(x), ys, bias=cuda.to_device(bias))
+    got = np.concatenate([y.copy_to_host() for y in ys], axis=1)  # (n_tok, Σ parts)
+    _check(got, x.astype(np.float64), w_ref[0], bias=bias)
+    with pytest.raises(ValueError, match="hold 80 rows"):
+        mg.matmul(w, cuda.to_device(x), ys[:2])
+
+
+def test_matmul_fused_swiglu_over_two_row_blocks(rng):
+    k, n_rows, n_tok = 64, 70, 12  # 64 output rows per block → 2 blocks
+    gate, gate_ref = _weights(GGMLType.Q5_0, 1, n_rows, k, rng)
+    up, up_ref = _weights(GGMLType.Q5_0, 1, n_rows, k, rng)
+    x = rng.standard_normal((n_tok, k)).astype(np.float32)
+    y = cuda.device_array((n_tok, n_rows), np.float32)
+    mg.matmul(gate, cuda.to_device(x), y, up=up)
+    _check(y.copy_to_host(), x.astype(np.float64), gate_ref[0], up=up_ref[0])
+
+
+def test_matmul_rejects_types_without_a_dequantizer():
+    w = DeviceQuantMatrix(to_device_bytes(np.zeros(136, np.uint8)), GGMLType.IQ4_XS, 256, 1)
+    with pytest.raises(ValueError, match="IQ4_XS"):
+        mg.matmul(w, cuda.to_device(np.zeros((1, 256), np.float32)),
+                  cuda.device_array((1, 1), np.float32))
+    assert not mg.supports(GGMLType.IQ4_XS) and mg.supports(GGMLType.Q4_K)
+
+
+# ---------------------------------------------------------------- grouped (MoE) GEMM
+def numpy_route(slot_expert: np.ndarray, n_expert: int, tile: int) -> SimpleNamespace:
+    """An ExpertRoute made on the host: slots sorted by expert, each expert cut in `tile` chunks."""
+    order = np.argsort(slot_expert, kind="stable").astype(np.int32)
+    offsets = np.concatenate([[0], np.cumsum(np.bincount(slot_expert, minlength=n_expert))])
+    max_tiles = slot_expert.size // tile + n_expert
+    tiles = [(e, lo, min(lo + tile, offsets[e + 1])) for e in range(n_expert)
+             for lo in range(offsets[e], offsets[e + 1], tile)]
+    tiles += [(0, 0, 0)] * (max_tiles - len(tiles))  # empty tiles: nothing to do
+    expert, lo, hi = (np.array(col, np.int32) for col in zip(*tiles))
+    return SimpleNamespace(tile=tile, order=cuda.to_device(order),
+                           tile_expert=cuda.to_device(expert), tile_lo=cuda.to_device(lo),
+                           tile_hi=cuda.to_device(hi))
+
+
+def _run_grouped(ggml_type, n_expert, n_rows, k, slot_expert, slot_x, n_x, tile, swiglu, rng):
+    gate, gate_ref = _weights(ggml_type, n_expert, n_rows, k, rng)
+    up, up_ref = _weights(ggml_type, n_expert, n_rows, k, rng) if swiglu else (None, None)
+    x = rng.standard_normal((n_x, k)).astype(np.float32)
+    y = cuda.device_array((slot_expert.size, n_rows), np.float32)
+    mg.grouped_matmul(gate, cuda.to_device(x), y, numpy_route(slot_expert, n_expert, tile),
+                      cuda.to_device(slot_x.astype(np.int32)), up=up)
+    return y.copy_to_host(), x.astype(np.float64), gate_ref, up_ref
+
+
+def test_grouped_matmul_routes_slots_to_their_expert(rng):
+    # expert 0: no slots, expert 1: 100 slots (two 64-slot tiles), expert 2: 30 slots
+    slot_expert = rng.permutation(np.repeat([1, 2], [100, 30]))
+    slot_x = rng.integers(0, 50, slot_expert.size)
+    got, x, w_ref, _ = _run_grouped(GGMLType.Q8_0, 3, 20, 64, slot_expert, slot_x, 50, 64,
+                                    False, rng)
+    for e in (1, 2):
+        slots = np.flatnonzero(slot_expert == e)
+        _check(got[slots], x[slot_x[slots]], w_ref[e])
+
+
+def test_grouped_matmul_fused_swiglu(rng):
+    slot_expert = rng.integers(0, 2, 40)
+    slot_x = rng.integers(0, 20, slot_expert.size)
+    got, x, gate_ref, up_ref = _run_grouped(GGMLType.Q4_0, 2, 24, 64, slot_expert, slot_x, 20, 32,
+                                            True, rng)
+    for e in (0, 1):
+        slots = np.flatnonzero(slot_expert == e)
+        _check(got[slots], x[slot_x[slots]], gate_ref[e], up=up_ref[e])
+
+
+# ---------------------------------------------------------------- real shapes (H200)
+@pytest.mark.gpu
+@pytest.mark.parametrize("ggml_type, n_tok, k, n_rows", [
+    (GGMLType.Q4_K, 4096, 2048, 4096),
+    (GGMLType.Q5_K, 4096, 2048, 512),
+    (GGMLType.Q6_K, 4096, 2048, 512),
+    (GGMLType.Q8_0, 4096, 2048, 512),
+    (GGMLType.F16, 1000, 2048, 512),
+])
+def test_matmul_real_shapes(ggml_type, n_tok, k, n_rows, rng):
+    w, w_ref = _weights(ggml_type, 1, n_rows, k, rng)
+    x = rng.standard_normal((n_tok, k)).astype(np.float32)
+    y = cuda.device_array((n_tok, n_rows), np.float32)
+    mg.matmul(w, cuda.to_device(x), y)
+    toks = np.sort(rng.choice(n_tok, 256, replace=False))
+    rows = np.sort(rng.choice(n_rows, 256, replace=False))
+    got = y.copy_to_host()[np.ix_(toks, rows)]
+    _check(got, x[toks].astype(np.float64), w_ref[0][rows])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_grouped_matmul_real_shapes(swiglu, rng):
+    # Qwen3.6-35B-A3B expert gate/up: 4096 tokens × top-8 over 256 experts, k 2048 → ff 512
+    n_tok, n_expert, k, n_rows = 4096, 256, 2048, 512
+    slot_expert = np.stack([rng.choice(n_expert, 8, replace=False) for _ in range(n_tok)]).ravel()
+    slot_x = np.repeat(np.arange(n_tok), 8)
+    got, x, gate_ref, up_ref = _run_grouped(GGMLType.Q4_K, n_expert, n_rows, k, slot_expert,
+                                            slot_x, n_tok, 128, swiglu, rng)
+    for e in rng.choice(n_expert, 4, replace=False):
+        slots = np.flatnonzero(slot_expert == e)
+        _check(got[slots], x[slot_x[slots]], gate_ref[e], None if up_ref is None else up_ref[e])
