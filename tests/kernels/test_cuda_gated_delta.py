@@ -48,6 +48,43 @@ def test_delta_rule_step_matches_reference_for_both_head_maps(n_seqs, n_k, n_v, 
         np.testing.assert_allclose(dev_state.copy_to_host(), ref_state, rtol=1e-4, atol=1e-5)
 
 
+def _conv_seq_reference(mixed, conv_w, state, slots, lo, n):
+    """Each sequence's rows through the causal conv one row at a time, float64."""
+    out, new_state = np.zeros(mixed.shape), state.astype(np.float64).copy()
+    for s in range(len(n)):
+        hist = new_state[slots[s]]  # (conv_dim, K − 1)
+        for r in range(lo[s], lo[s] + n[s]):
+            window = np.concatenate([hist, mixed[r][:, None]], axis=1)  # (conv_dim, K)
+            pre = (window * conv_w).sum(axis=1)
+            out[r], hist = pre / (1 + np.exp(-pre)), window[:, 1:]
+        new_state[slots[s]] = hist
+    return out, new_state
+
+
+def test_conv_silu_seq_blocks_of_several_rows_split_sequences():
+    """512 rows → 4 rows a block: sequence starts and their first K − 1 rows fall across block
+    edges; lengths 1 and 2 (< K − 1) keep part of the old state; rows nobody owns stay as they
+    were; a sequence entry after an empty one still runs."""
+    rng = np.random.default_rng(6)
+    mixed = rng.standard_normal((512, 6)).astype(np.float32)
+    conv_w = rng.standard_normal((6, 4)).astype(np.float32)
+    state = rng.standard_normal((6, 6, 3)).astype(np.float32)  # (slots, conv_dim, K − 1)
+    entries = np.zeros((3, 512), np.int32)  # slots, lo, n of 512 sequence entries (as padded)
+    entries[:, :5] = [[4, 0, 2, 1, 3], [1, 3, 14, 0, 15], [2, 11, 1, 0, 6]]
+    slots, lo, n = entries
+    dev_state = cuda.to_device(state)
+    out = cuda.to_device(np.full(mixed.shape, 7, np.float32))
+    gd.conv_silu_seq(cuda.to_device(mixed), cuda.to_device(conv_w), dev_state,
+                     *(cuda.to_device(x) for x in (slots, lo, n)), out)
+    ref_out, ref_state = _conv_seq_reference(mixed, conv_w, state, slots, lo, n)
+    owned = np.zeros(512, bool)
+    owned[1:21] = True
+    got = out.copy_to_host()
+    np.testing.assert_allclose(got[owned], ref_out[owned], rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(got[~owned], 7)
+    np.testing.assert_allclose(dev_state.copy_to_host(), ref_state, rtol=1e-6)
+
+
 def _delta_inputs(rng, rows: int, n_k: int, n_v: int, dk: int, dv: int, slots: int):
     u = rng.standard_normal((rows, 2 * n_k * dk + n_v * dv)).astype(np.float32)
     a, b = (rng.standard_normal((rows, n_v)).astype(np.float32) for _ in range(2))

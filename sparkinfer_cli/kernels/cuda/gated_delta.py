@@ -13,13 +13,13 @@ import functools
 import math
 
 import numpy as np
-from numba import cuda, float32
+from numba import cuda, float32, int32
 
 from sparkinfer_cli.kernels.cuda.intrinsics import IS_SIMULATOR, bits_to_f32, ld_u32, ld_v4_u32
 from sparkinfer_cli.kernels.cuda.launch import cdiv, check_array
 from sparkinfer_cli.kernels.cuda.warp import shfl_xor, warp_sum
 
-THREADS = 256
+THREADS = 32 if IS_SIMULATOR else 256  # conv kernels; the simulator runs a Python thread each
 WARPS = 4
 
 if IS_SIMULATOR:
@@ -200,36 +200,77 @@ def delta_rule_step_reference(u, a, b, ssm_a, dt_bias, state, n_k_heads, head_ma
 # ------------------------------------------------------------- whole sequences (prefill + decode)
 # Sequence s owns rows seq_lo[s] .. seq_lo[s] + seq_n[s] − 1 of the token-major inputs; one launch
 # runs its tokens in order with the state held in registers (decode is the case seq_n = 1).
+# conv_seq: a block covers `rows` (≤ CONV_ROWS) consecutive rows × THREADS channels. It first maps
+# its rows to their sequences in shared memory (scanning seq_lo / seq_n), then a thread walks its
+# channel down the rows. A sequence's first row runs its first K − 1 rows (the ones that see the
+# old conv state) and writes the new state, so only one thread ever touches a state row.
+CONV_ROWS = 32
+
+
 @functools.cache
 def _conv_seq_kernel(k_conv: int):
-    @cuda.jit(fastmath=True)
-    def conv_seq(mixed, conv_w, conv_state, state_slots, seq_lo, seq_n, conv_dim, out):
-        i = cuda.grid(1)
-        seq = i // conv_dim
-        if seq >= seq_n.size or seq_n[seq] == 0:
-            return
-        c = i - seq * conv_dim
-        hist = cuda.local.array(k_conv, float32)  # (K − 1 used,) oldest first
-        base = (state_slots[seq] * conv_dim + c) * (k_conv - 1)
-        for t in range(k_conv - 1):
+    n_hist = k_conv - 1
+
+    @cuda.jit(device=True, inline=True, fastmath=True)
+    def silu(x):
+        return x / (float32(1.0) + math.exp(-x))
+
+    @cuda.jit(device=True, inline=True)
+    def stream_at(mixed, hist, lo, i, conv_dim, c):
+        """Element i of the sequence's input stream (old state ⧺ its rows) in channel c."""
+        return hist[i] if i < n_hist else mixed[(lo + i - n_hist) * conv_dim + c]
+
+    @cuda.jit(device=True, inline=True, fastmath=True)
+    def sequence_head(mixed, w, conv_state, out, slot, lo, n, conv_dim, c):
+        hist = cuda.local.array(n_hist, float32)  # (K − 1,) old state, oldest first
+        base = (slot * conv_dim + c) * n_hist
+        for t in range(n_hist):
             hist[t] = conv_state[base + t]
-        for r in range(seq_lo[seq], seq_lo[seq] + seq_n[seq]):
-            x = mixed[r * conv_dim + c]
-            acc = conv_w[c * k_conv + k_conv - 1] * x
-            for t in range(k_conv - 1):
-                acc += conv_w[c * k_conv + t] * hist[t]
-            for t in range(k_conv - 2):
-                hist[t] = hist[t + 1]
-            hist[k_conv - 2] = x
-            out[r * conv_dim + c] = acc / (float32(1.0) + math.exp(-acc))
-        for t in range(k_conv - 1):
-            conv_state[base + t] = hist[t]
+        for d in range(min(n, n_hist)):
+            acc = float32(0.0)
+            for t in range(k_conv):
+                acc += w[t] * stream_at(mixed, hist, lo, d + t, conv_dim, c)
+            out[(lo + d) * conv_dim + c] = silu(acc)
+        for t in range(n_hist):
+            conv_state[base + t] = stream_at(mixed, hist, lo, n + t, conv_dim, c)
+
+    @cuda.jit(fastmath=True)
+    def conv_seq(mixed, conv_w, conv_state, state_slots, seq_lo, seq_n, conv_dim, rows, out):
+        row_seq = cuda.shared.array(CONV_ROWS, int32)  # (rows,) sequence of each row, or −1
+        tid = cuda.threadIdx.x
+        r0 = cuda.blockIdx.y * rows
+        if tid < rows:
+            row_seq[tid] = -1
+        cuda.syncthreads()
+        for s in range(tid, seq_n.size, cuda.blockDim.x):
+            for r in range(max(seq_lo[s], r0), min(seq_lo[s] + seq_n[s], r0 + rows)):
+                row_seq[r - r0] = s
+        cuda.syncthreads()
+        c = cuda.blockIdx.x * cuda.blockDim.x + tid
+        if c >= conv_dim:
+            return
+        w = cuda.local.array(k_conv, float32)  # (K,) tap 0 multiplies the oldest input
+        for t in range(k_conv):
+            w[t] = conv_w[c * k_conv + t]
+        for i in range(rows):
+            s = row_seq[i]
+            if s < 0:
+                continue
+            r = r0 + i
+            d = r - seq_lo[s]
+            if d == 0:
+                sequence_head(mixed, w, conv_state, out, state_slots[s], r, seq_n[s], conv_dim, c)
+            elif d >= n_hist:
+                acc = float32(0.0)
+                for t in range(k_conv):
+                    acc += w[t] * mixed[(r - n_hist + t) * conv_dim + c]
+                out[r * conv_dim + c] = silu(acc)
     return conv_seq
 
 
 def conv_silu_seq(mixed, conv_w, conv_state, state_slots, seq_lo, seq_n, out, stream=0) -> None:
     """mixed (n_rows, conv_dim) → out = silu(causal conv) per sequence; state advances by seq_n."""
-    conv_dim = mixed.shape[1]
+    n_rows, conv_dim = mixed.shape
     k_conv = conv_w.shape[1]
     n_seqs = seq_n.size
     check_array("conv_w", conv_w, np.float32, (conv_dim, k_conv))
@@ -238,9 +279,10 @@ def conv_silu_seq(mixed, conv_w, conv_state, state_slots, seq_lo, seq_n, out, st
         check_array(name, arr, np.int32, (n_seqs,))
     if k_conv < 2 or conv_state.shape[1:] != (conv_dim, k_conv - 1):
         raise ValueError(f"conv_state {conv_state.shape} is not (slots, {conv_dim}, {k_conv - 1})")
-    _conv_seq_kernel(k_conv)[cdiv(n_seqs * conv_dim, THREADS), THREADS, stream](
+    rows = min(CONV_ROWS, max(1, n_rows // 128))  # each block scans all n_seqs entries once
+    _conv_seq_kernel(k_conv)[(cdiv(conv_dim, THREADS), cdiv(n_rows, rows)), THREADS, stream](
         mixed.reshape(mixed.size), conv_w.reshape(conv_w.size), conv_state.reshape(conv_state.size),
-        state_slots, seq_lo, seq_n, conv_dim, out.reshape(out.size))
+        state_slots, seq_lo, seq_n, conv_dim, rows, out.reshape(out.size))
 
 
 # Layout of delta_seq: a value column j (dk state rows S[j][·]) lives in a group of 8 lanes, lane
