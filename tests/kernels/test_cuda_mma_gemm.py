@@ -7,7 +7,6 @@ so the tight check rounds W and x to f16 first; the loose check compares with th
 from __future__ import annotations
 
 import functools
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -17,6 +16,7 @@ from test_cuda_quant_gemv import random_weights
 
 from sparkinfer_cli.ggml_types import GGMLType, row_bytes
 from sparkinfer_cli.kernels.cuda import mma_gemm as mg
+from sparkinfer_cli.kernels.cuda.expert_route import ExpertRoute, route_experts
 from sparkinfer_cli.kernels.cuda.intrinsics import ldmatrix_x4, mma_f16_f32, pack_f16x2
 from sparkinfer_cli.kernels.cuda.launch import to_device_bytes
 from sparkinfer_cli.kernels.cuda.quant_gemv import DeviceQuantMatrix
@@ -186,27 +186,16 @@ def test_matmul_rejects_types_without_a_dequantizer():
 
 
 # ---------------------------------------------------------------- grouped (MoE) GEMM
-def numpy_route(slot_expert: np.ndarray, n_expert: int, tile: int) -> SimpleNamespace:
-    """An ExpertRoute made on the host: slots sorted by expert, each expert cut in `tile` chunks."""
-    order = np.argsort(slot_expert, kind="stable").astype(np.int32)
-    offsets = np.concatenate([[0], np.cumsum(np.bincount(slot_expert, minlength=n_expert))])
-    max_tiles = slot_expert.size // tile + n_expert
-    tiles = [(e, lo, min(lo + tile, offsets[e + 1])) for e in range(n_expert)
-             for lo in range(offsets[e], offsets[e + 1], tile)]
-    tiles += [(0, 0, 0)] * (max_tiles - len(tiles))  # empty tiles: nothing to do
-    expert, lo, hi = (np.array(col, np.int32) for col in zip(*tiles))
-    return SimpleNamespace(tile=tile, order=cuda.to_device(order),
-                           tile_expert=cuda.to_device(expert), tile_lo=cuda.to_device(lo),
-                           tile_hi=cuda.to_device(hi))
-
-
 def _run_grouped(ggml_type, n_expert, n_rows, k, slot_expert, slot_x, n_x, tile, swiglu, rng):
     gate, gate_ref = _weights(ggml_type, n_expert, n_rows, k, rng)
     up, up_ref = _weights(ggml_type, n_expert, n_rows, k, rng) if swiglu else (None, None)
     x = rng.standard_normal((n_x, k)).astype(np.float32)
-    y = cuda.device_array((slot_expert.size, n_rows), np.float32)
-    mg.grouped_matmul(gate, cuda.to_device(x), y, numpy_route(slot_expert, n_expert, tile),
-                      cuda.to_device(slot_x.astype(np.int32)), up=up)
+    n_slots = slot_expert.size
+    route = ExpertRoute(n_expert, n_slots, tile)
+    route_experts(cuda.to_device(slot_expert.astype(np.int32)), n_slots, route)
+    y = cuda.device_array((n_slots, n_rows), np.float32)
+    mg.grouped_matmul(gate, cuda.to_device(x), y, route, cuda.to_device(slot_x.astype(np.int32)),
+                      up=up)
     return y.copy_to_host(), x.astype(np.float64), gate_ref, up_ref
 
 

@@ -474,10 +474,11 @@ def grouped_matmul(w: DeviceQuantMatrix, x, y, route, slot_x, *,
                    up: DeviceQuantMatrix | None = None, stream=0) -> None:
     """MoE prefill: y[slot] (n_slots, n_rows) f32 ← x[slot_x[slot]] @ dequant(W[expert(slot)])ᵀ.
 
-    route: an ExpertRoute (device int32 order, tile_expert, tile_lo, tile_hi; int tile ≤ 128):
+    route: an expert_route.ExpertRoute filled by route_experts for these n_slots, tile ≤ 128:
     tile t covers slots order[tile_lo[t]:tile_hi[t]], all routed to expert tile_expert[t]; empty
-    tiles (tile_lo == tile_hi) do nothing. slot_x: int32 device array (n_slots,), the x row of each
-    slot. up: fused SwiGLU as in matmul. y may be split by row range like matmul's.
+    tiles (tile_lo == tile_hi) do nothing; the grid covers route.tiles_bound(n_slots) tiles.
+    slot_x: int32 device array (n_slots,), the x row of each slot. up: fused SwiGLU as in matmul.
+    y may be split by row range like matmul's.
     """
     _check_weights(w, up, x)
     if route.tile > TOKEN_TILES[-1]:
@@ -486,4 +487,4 @@ def grouped_matmul(w: DeviceQuantMatrix, x, y, route, slot_x, *,
     n_slots = slot_x.shape[0]
     bn = TOKEN_TILES[0] if route.tile <= TOKEN_TILES[0] else TOKEN_TILES[1]
     route_args = (route.tile_expert, route.tile_lo, route.tile_hi, route.order, slot_x)
-    _launch(w, up, x, y, n_slots, route.tile_lo.shape[0], bn, True, route_args, None, stream)
+    _launch(w, up, x, y, n_slots, route.tiles_bound(n_slots), bn, True, route_args, None, stream)
