@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from sparkinfer_cli.kernels.cuda import activation, attention, gated_delta, moe, norm
+from sparkinfer_cli.kernels.cuda import activation, attention, gated_delta, mma_gemm, moe, norm
 from sparkinfer_cli.kernels.cuda import quant_gemv as qg
 from sparkinfer_cli.kernels.cuda.attention_input import prepare_attention_input
+from sparkinfer_cli.kernels.cuda.attention_prefill import HEAD_DIMS, prefill_attention
+from sparkinfer_cli.kernels.cuda.expert_route import ExpertRoute, route_experts
 from sparkinfer_cli.model.config import ROPE_NEOX, ModelConfig
 from sparkinfer_cli.model.cuda_cache import CudaModelCache
 from sparkinfer_cli.model.cuda_weights import DeviceLinear, Uploader
@@ -72,14 +74,22 @@ class CudaMoE:
         logits = ws.linears(self.routers, ws.x, ("router", "shexp.gate"), stream)[0]
         ids, weights = self._picks(ws)
         moe.router_topk(logits.reshape(rows, self.n_expert), k, ids, weights, stream=stream)
-        slots = ids.reshape(rows * k)
+        route = self._route(ws, stream)
         hidden = ws.act("moe.hidden", self.gate.n_rows, rows * k, 1)  # (slots, 1, ff)
-        token_of_slot = ws.iota(rows * k, k)
-        self._experts(ws, self.gate, ws.x.as_rows(), hidden.f, slots, token_of_slot, stream)
+        self._experts(ws, route, ws.x.as_rows(), hidden.f, ws.iota(rows * k, k), stream)
         hidden.quantize(stream)
-        self._expert_gemv(self.down, hidden, self._down(ws), slots, ws.iota(rows * k), stream)
+        self._expert_gemv(ws, route, self.down, hidden, self._down(ws), ws.iota(rows * k), stream)
         if self.shared is not None:
             self.shared(ws, stream, self._shared_out(ws))
+
+    def _route(self, ws: Workspace, stream) -> ExpertRoute | None:
+        """Prefill passes: this pass's slots sorted by expert into GEMM tiles (None: per-slot)."""
+        if not ws.uses_mma(ws.n_rows, self.gate.matrix):
+            return None
+        n_slots = ws.n_rows * self.k
+        route = ws.expert_route(self.n_expert, n_slots, mma_gemm.TOKEN_TILES[0])
+        route_experts(self._picks(ws)[0].reshape(n_slots), n_slots, route, stream)
+        return route
 
     def add_norm(self, ws: Workspace, norm_w, eps: float, stream, act) -> None:
         """h += Σ_r w_r·expert_r (+ sigmoid(g)·shared); x = rms_norm(h)·norm_w."""
@@ -104,20 +114,28 @@ class CudaMoE:
     def _shared_out(ws: Workspace):
         return ws.buf("shexp.out", *ws.delta.shape)
 
-    def _experts(self, ws, gate, x, hidden, slots, token_of_slot, stream) -> None:
+    def _experts(self, ws, route, x, hidden, token_of_slot, stream) -> None:
         """hidden (slots, 1, ff) = silu(gate_e·x) ⊙ (up_e·x) for each slot's expert e."""
         if self.fused:
-            self._expert_gemv(gate, x, hidden, slots, token_of_slot, stream, up=self.up)
+            self._expert_gemv(ws, route, self.gate, x, hidden, token_of_slot, stream, up=self.up)
             return
         up = ws.buf("moe.up", *hidden.shape)
-        self._expert_gemv(gate, x, hidden, slots, token_of_slot, stream)
-        self._expert_gemv(self.up, x, up, slots, token_of_slot, stream)
+        self._expert_gemv(ws, route, self.gate, x, hidden, token_of_slot, stream)
+        self._expert_gemv(ws, route, self.up, x, up, token_of_slot, stream)
         activation.swiglu(hidden, up, hidden, stream=stream)
 
-    @staticmethod
-    def _expert_gemv(w: DeviceLinear, x, y, slots, slot_x, stream, up=None) -> None:
-        qg.gemv(w.matrix, x.for_matrix(w.matrix), y, slot_mat=slots, slot_x=slot_x,
-                up=None if up is None else up.matrix, stream=stream)
+    def _expert_gemv(self, ws, route, w: DeviceLinear, x, y, slot_x, stream, up=None) -> None:
+        """y[slot] = W[expert(slot)]·x[slot_x[slot]]: tensor-core GEMMs per expert tile when
+        routed, else one GEMV per slot reading only the selected experts (slot_mat = ids)."""
+        up_matrix = None if up is None else up.matrix
+        n_slots = y.shape[0]
+        if route is not None and ws.uses_mma(ws.n_rows, w.matrix):
+            mma_gemm.grouped_matmul(w.matrix, x.f.reshape(x.f.shape[0] * x.f.shape[1], -1),
+                                    y.reshape(n_slots, -1), route, slot_x, up=up_matrix,
+                                    stream=stream)
+            return
+        qg.gemv(w.matrix, x.for_matrix(w.matrix), y, slot_mat=self._picks(ws)[0].reshape(n_slots),
+                slot_x=slot_x, up=up_matrix, stream=stream)
 
 
 class CudaAttention:
@@ -145,9 +163,12 @@ class CudaAttention:
                                 ws.slot_mapping, neox=cfg.rope_style == ROPE_NEOX,
                                 scales=cache.kv_scales(li), stream=stream)
         out = ws.act("attn.out", H * D)
-        attention.paged_decode_attention(q, cache.k[li], cache.v[li], ws.block_tables, ws.seq_lens,
-                                         out.f.reshape(rows, H, D), ws.attn, stream=stream,
-                                         row_seq=ws.row_seq, scales=cache.kv_scales(li))
+        args = (q, cache.k[li], cache.v[li], ws.block_tables, ws.seq_lens, out.f.reshape(rows, H, D))
+        options = {"stream": stream, "row_seq": ws.row_seq, "scales": cache.kv_scales(li)}
+        if ws.multi_token and D in HEAD_DIMS:  # queries of one sequence share K/V tiles
+            prefill_attention(*args, **options)
+        else:  # one query per sequence: keys split over blocks
+            attention.paged_decode_attention(*args, ws.attn, **options)
         if self.gated:
             activation.sigmoid_mul(out.f, gate[0], out.f, stream=stream, act=out.q)
         else:

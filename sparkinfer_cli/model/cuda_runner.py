@@ -163,6 +163,7 @@ class CudaModel:
                     cache.reset_state(slot)
         ws = self._workspace(cache, row_bucket(len(batch.token_ids)))
         ws.fill(batch, self.embedding(batch.token_ids))
+        ws.multi_token = max(batch.num_new_tokens) > 1
         ws.upload(self.stream)
         n_logits = len(batch.logit_rows())
         logit_rows = row_bucket(n_logits)

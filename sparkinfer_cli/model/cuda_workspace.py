@@ -16,9 +16,11 @@ from typing import Any
 import numpy as np
 from numba import cuda
 
+from sparkinfer_cli.kernels.cuda import mma_gemm
 from sparkinfer_cli.kernels.cuda import quant_gemv as qg
 from sparkinfer_cli.kernels.cuda import sampling
 from sparkinfer_cli.kernels.cuda.attention import CHUNK, DecodeWorkspace
+from sparkinfer_cli.kernels.cuda.expert_route import ExpertRoute
 from sparkinfer_cli.kernels.cuda.graphs import CapturedGraph
 from sparkinfer_cli.kernels.cuda.launch import cdiv
 from sparkinfer_cli.model.batch import SequenceBatch
@@ -26,6 +28,9 @@ from sparkinfer_cli.model.cuda_cache import CudaModelCache, device_zeros
 from sparkinfer_cli.model.cuda_weights import DeviceLinear, StackedLinears
 
 MAX_COLS = qg.MAX_COLS
+# passes of at least this many tokens run their linears as tensor-core GEMMs (weights read once
+# per 64–128 tokens); smaller ones as GEMVs (weights read once per 8 tokens, no tile waste)
+MMA_MIN_ROWS = 128
 INT_FIELDS = ("positions", "seq_lens", "slot_mapping", "row_seq", "state_slots", "seq_lo", "seq_n",
               "logit_rows")
 
@@ -97,6 +102,7 @@ class Workspace:
         self.attn = DecodeWorkspace(n_rows, n_heads, head_dim, cache.max_context, split) \
             if n_heads else None
         self.graphs: dict[int, CapturedGraph] = {}  # logit rows → captured decode graph
+        self.multi_token = False  # set per pass: some sequence brings several new tokens
 
     # ---- lazily created buffers (all exist after one eager pass, before any capture) ----------
     def buf(self, name: str, *shape: int, dtype=np.float32):
@@ -127,6 +133,17 @@ class Workspace:
             self._bufs[key] = cuda.to_device((np.arange(n) // div).astype(np.int32))
         return self._bufs[key]
 
+    def expert_route(self, n_expert: int, n_slots: int, tile: int) -> ExpertRoute:
+        """Device buffers that sort this pass's n_slots expert picks by expert, in tiles."""
+        key = ("route", n_expert, n_slots, tile)
+        if key not in self._bufs:
+            self._bufs[key] = ExpertRoute(n_expert, n_slots, tile)
+        return self._bufs[key]
+
+    def uses_mma(self, n_tokens: int, w: qg.DeviceQuantMatrix) -> bool:
+        """Whether a linear over n_tokens rows of this pass runs on tensor cores."""
+        return self.quantized and n_tokens >= MMA_MIN_ROWS and mma_gemm.supports(w.ggml_type)
+
     def zeros_i32(self, n: int):
         return self.buf("zeros_i32", n, dtype=np.int32)
 
@@ -143,6 +160,12 @@ class Workspace:
 
         y may be a list of arrays (groups, cols, rows_i) when `lin` stacks several linears."""
         groups = (y[0] if isinstance(y, list) else y).shape[0]
+        n_tokens = x.f.shape[0] * x.f.shape[1]
+        if self.uses_mma(n_tokens, lin.matrix):
+            parts = [p.reshape(n_tokens, -1) for p in (y if isinstance(y, list) else [y])]
+            mma_gemm.matmul(lin.matrix, x.f.reshape(n_tokens, -1), parts, bias=lin.bias,
+                            up=None if up is None else up.matrix, stream=stream)
+            return
         qg.gemv(lin.matrix, x.for_matrix(lin.matrix), y, slot_mat=self.zeros_i32(groups),
                 slot_x=self.iota(groups), up=None if up is None else up.matrix, bias=lin.bias,
                 stream=stream)

@@ -5,7 +5,8 @@ On the H200 (`pytest -m gpu tests/model/test_cuda_model.py`):
   `lc_<V>_deqf32_logits_*` over whole prompts, decode steps (CUDA graphs) equal to one-pass logits
   and llama.cpp's greedy picks;
 - default mode (GGUF bytes, q8 activations like llama.cpp's CUDA path, F16 KV): top-1 agrees
-  with llama.cpp's native logits wherever its margin is clear;
+  with llama.cpp's native logits wherever its margin is clear, with the linears as GEMVs and as
+  tensor-core GEMMs (the latter is what prefills of ≥ MMA_MIN_ROWS tokens run);
 - a batch of sequences decoded together (one graph, padded bucket) equals each decoded alone;
 - the real demo models: greedy continuations on the GPU equal the CPU model's.
 Without a GPU, one small case runs in numba's simulator (every kernel of a qwen35moe pass).
@@ -150,8 +151,14 @@ def test_int8_kv_decode_follows_f16_kv_where_clear(family: str) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tensor_cores", (False, True))
 @pytest.mark.parametrize("family,variant", CASES)
-def test_q8_top1_matches_native_llama_cpp_where_clear(family: str, variant: str) -> None:
+def test_q8_top1_matches_native_llama_cpp_where_clear(family: str, variant: str,
+                                                      tensor_cores: bool, monkeypatch) -> None:
+    """tensor_cores: every linear of the prefill as an mma GEMM (f16 activations), not a GEMV."""
+    from sparkinfer_cli.model import cuda_workspace
+
+    monkeypatch.setattr(cuda_workspace, "MMA_MIN_ROWS", 1 if tensor_cores else 1 << 30)
     g, model = _goldens(family), _tiny(family, variant, exact=False)
     for prompt in ("short", "long"):
         native = g[f"lc_{variant}_logits_{prompt}"].astype(np.float32)
