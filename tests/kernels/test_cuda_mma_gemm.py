@@ -21,7 +21,8 @@ from sparkinfer_cli.kernels.cuda.intrinsics import ldmatrix_x4, mma_f16_f32, pac
 from sparkinfer_cli.kernels.cuda.launch import to_device_bytes
 from sparkinfer_cli.kernels.cuda.quant_gemv import DeviceQuantMatrix
 
-STRIDE_WORDS = 20  # the kernel's padded smem row: 16 words of data + 4 of padding
+STRIDE_WORDS = mg.ROW_WORDS  # the kernel's padded smem row: 16 words of data + 4 of padding
+TILE_WORDS = 16 * mg.ROW_WORDS  # one 16-row tile (a compile-time constant for shared.array)
 
 
 # ---------------------------------------------------------------- intrinsics
@@ -29,8 +30,8 @@ STRIDE_WORDS = 20  # the kernel's padded smem row: 16 words of data + 4 of paddi
 def _fragments_kernel(a_rows, b_rows, regs, c):
     # a_rows (16, 8) u32 = A 16×16 f16 row-major; b_rows (16, 8) u32 = B as 16 n-rows × 16 k
     lane = cuda.threadIdx.x
-    sa = cuda.shared.array(16 * STRIDE_WORDS, np.uint32)
-    sb = cuda.shared.array(16 * STRIDE_WORDS, np.uint32)
+    sa = cuda.shared.array(TILE_WORDS, np.uint32)
+    sb = cuda.shared.array(TILE_WORDS, np.uint32)
     for i in range(4):
         sa[(lane // 2) * STRIDE_WORDS + (lane % 2) * 4 + i] = a_rows[lane // 2, (lane % 2) * 4 + i]
         sb[(lane // 2) * STRIDE_WORDS + (lane % 2) * 4 + i] = b_rows[lane // 2, (lane % 2) * 4 + i]
@@ -168,7 +169,7 @@ def test_matmul_splits_rows_over_outputs_and_adds_bias(rng):
 
 
 def test_matmul_fused_swiglu_over_two_row_blocks(rng):
-    k, n_rows, n_tok = 64, 70, 12  # 64 output rows per block → 2 blocks
+    k, n_rows, n_tok = 64, 70, 70  # 64 output rows per block → 2 blocks; a 128-token tile
     gate, gate_ref = _weights(GGMLType.Q5_0, 1, n_rows, k, rng)
     up, up_ref = _weights(GGMLType.Q5_0, 1, n_rows, k, rng)
     x = rng.standard_normal((n_tok, k)).astype(np.float32)

@@ -446,6 +446,8 @@ def _launch(w, up, x, y, n_slots, grid_y, bn, grouped, route_args, bias, stream)
     parts, ends = _output_parts(y, n_slots, w.n_rows)
     if bias is not None:
         check_array("bias", bias, np.float32, (w.n_rows,))
+    if n_slots == 0:
+        return  # nothing to compute (and a grid of 0 blocks is a launch error)
     swiglu = up is not None
     grid = (cdiv(w.n_rows, BM // 2 if swiglu else BM), grid_y)
     kernel = _gemm_kernel(w.ggml_type, bn, swiglu, grouped)
