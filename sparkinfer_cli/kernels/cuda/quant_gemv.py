@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 from numba import cuda, float32, int32
@@ -40,6 +41,9 @@ from sparkinfer_cli.kernels.cuda.intrinsics import (
 )
 from sparkinfer_cli.kernels.cuda.launch import cdiv, check_array
 from sparkinfer_cli.kernels.cuda.warp import shfl_xor, warp_max, warp_sum
+
+if TYPE_CHECKING:
+    from sparkinfer_cli.kernels.cuda.expert_route import ExpertRoute
 
 Q8_BLOCK = 32
 WARPS_PER_BLOCK = 4
@@ -356,25 +360,31 @@ FLOAT_TYPES = frozenset({GGMLType.F32, GGMLType.F16, GGMLType.BF16})
 
 
 @functools.cache
-def _gemv_kernel(ggml_type: GGMLType, n_cols: int, swiglu: bool = False):
-    """swiglu: also dot the same rows of a second matrix w2 (up) and write silu(W·x) · (W2·x)."""
+def _block_rows(ggml_type: GGMLType, n_cols: int, swiglu: bool):
+    """The device body every GEMV kernel shares: this block's rows of the matrix at byte mat_base,
+    dotted with n_active ≤ n_cols activation columns; column c reads x from element xcol[c] and
+    lands in output column ycol[c]. The kernels differ only in how grid.y maps to those columns.
+
+    swiglu: also dot the same rows of a second matrix w2 (up) and write silu(W·x) · (W2·x).
+    """
     unit, blk_elems, blk_bytes, parts = _UNITS[ggml_type]
     n_acc = 2 * n_cols if swiglu else n_cols
 
     @cuda.jit(device=True, inline=True)
-    def accumulate(acc, w, w2, base, u, k, xq, xd, xs, xrow):
+    def accumulate(acc, w, w2, base, u, xcol, n_active, xq, xd, xs):
         blk = u // parts
         for c in range(n_cols):
-            xo = xrow + c * k + blk * blk_elems
-            acc[c] += unit(w, base + blk * blk_bytes, u - blk * parts, xq, xd, xs, xo)
-            if swiglu:
-                acc[n_cols + c] += unit(w2, base + blk * blk_bytes, u - blk * parts, xq, xd, xs, xo)
+            if c < n_active:
+                xo = xcol[c] + blk * blk_elems
+                acc[c] += unit(w, base + blk * blk_bytes, u - blk * parts, xq, xd, xs, xo)
+                if swiglu:
+                    acc[n_cols + c] += unit(w2, base + blk * blk_bytes, u - blk * parts, xq, xd,
+                                            xs, xo)
 
-    @cuda.jit(fastmath=True)
-    def gemv(w, w2, row_bytes, n_rows, mat_bytes, k, lanes_per_row, slot_mat, slot_x, xq, xd, xs,
-             bias, has_bias, y0, y1, y2, y3, ends):
+    @cuda.jit(device=True, inline=True)
+    def block_rows(w, w2, row_bytes, n_rows, mat_base, k, lanes_per_row, xcol, ycol, n_active,
+                   xq, xd, xs, bias, has_bias, y0, y1, y2, y3, ends):
         # a row per `lanes_per_row` lanes (32, fewer for short rows), two units in flight per lane
-        slot = cuda.blockIdx.y
         lane = cuda.threadIdx.x % 32
         rows_per_warp = 32 // lanes_per_row
         first = (cuda.blockIdx.x * WARPS_PER_BLOCK + cuda.threadIdx.x // 32) * rows_per_warp
@@ -386,29 +396,73 @@ def _gemv_kernel(ggml_type: GGMLType, n_cols: int, swiglu: bool = False):
         for c in range(n_acc):
             acc[c] = 0.0
         if row < n_rows:
-            base = slot_mat[slot] * mat_bytes + row * row_bytes
-            xrow = slot_x[slot] * n_cols * k
+            base = mat_base + row * row_bytes
             n_units = k // blk_elems * parts
             u = sub
             while u + lanes_per_row < n_units:
-                accumulate(acc, w, w2, base, u, k, xq, xd, xs, xrow)
-                accumulate(acc, w, w2, base, u + lanes_per_row, k, xq, xd, xs, xrow)
+                accumulate(acc, w, w2, base, u, xcol, n_active, xq, xd, xs)
+                accumulate(acc, w, w2, base, u + lanes_per_row, xcol, n_active, xq, xd, xs)
                 u += 2 * lanes_per_row
             if u < n_units:
-                accumulate(acc, w, w2, base, u, k, xq, xd, xs, xrow)
+                accumulate(acc, w, w2, base, u, xcol, n_active, xq, xd, xs)
         for c in range(n_acc):
             for offset in (16, 8, 4, 2, 1):
                 if offset < lanes_per_row:
                     acc[c] += shfl_xor(acc[c], offset)
         if sub == 0 and row < n_rows:
             for c in range(n_cols):
-                total = acc[c]
-                if swiglu:
-                    total = total / (float32(1.0) + math.exp(-total)) * acc[n_cols + c]
-                if has_bias:
-                    total += bias[row]
-                _store_part(y0, y1, y2, y3, ends, slot * n_cols + c, row, total)
+                if c < n_active:
+                    total = acc[c]
+                    if swiglu:
+                        total = total / (float32(1.0) + math.exp(-total)) * acc[n_cols + c]
+                    if has_bias:
+                        total += bias[row]
+                    _store_part(y0, y1, y2, y3, ends, ycol[c], row, total)
+    return block_rows
+
+
+@functools.cache
+def _gemv_kernel(ggml_type: GGMLType, n_cols: int, swiglu: bool = False):
+    """grid.y = slot: matrix slot_mat[slot], the n_cols columns of activation group slot_x[slot]."""
+    block_rows = _block_rows(ggml_type, n_cols, swiglu)
+
+    @cuda.jit(fastmath=True)
+    def gemv(w, w2, row_bytes, n_rows, mat_bytes, k, lanes_per_row, slot_mat, slot_x, xq, xd, xs,
+             bias, has_bias, y0, y1, y2, y3, ends):
+        slot = cuda.blockIdx.y
+        xcol = cuda.local.array(n_cols, int32)  # (n_cols,) element offsets into x
+        ycol = cuda.local.array(n_cols, int32)  # (n_cols,) output columns
+        for c in range(n_cols):
+            xcol[c] = (slot_x[slot] * n_cols + c) * k
+            ycol[c] = slot * n_cols + c
+        block_rows(w, w2, row_bytes, n_rows, slot_mat[slot] * mat_bytes, k, lanes_per_row, xcol,
+                   ycol, n_cols, xq, xd, xs, bias, has_bias, y0, y1, y2, y3, ends)
     return gemv
+
+
+@functools.cache
+def _grouped_gemv_kernel(ggml_type: GGMLType, n_cols: int, swiglu: bool):
+    """grid.y = tile of an ExpertRoute: its expert's matrix, one column per slot of the tile."""
+    block_rows = _block_rows(ggml_type, n_cols, swiglu)
+
+    @cuda.jit(fastmath=True)
+    def grouped_gemv(w, w2, row_bytes, n_rows, mat_bytes, k, lanes_per_row, tile_expert, tile_lo,
+                     tile_hi, order, slot_x, xq, xd, xs, y0, y1, y2, y3, ends):
+        t = cuda.blockIdx.y
+        lo = tile_lo[t]
+        n_active = tile_hi[t] - lo
+        if n_active <= 0:  # tiles past the route's n_tiles are empty
+            return
+        xcol = cuda.local.array(n_cols, int32)  # (n_cols,) element offsets into x
+        ycol = cuda.local.array(n_cols, int32)  # (n_cols,) output columns = slots
+        for c in range(n_cols):
+            if c < n_active:
+                slot = order[lo + c]
+                xcol[c] = slot_x[slot] * k
+                ycol[c] = slot
+        block_rows(w, w2, row_bytes, n_rows, tile_expert[t] * mat_bytes, k, lanes_per_row, xcol,
+                   ycol, n_active, xq, xd, xs, y0, False, y0, y1, y2, y3, ends)
+    return grouped_gemv
 
 
 @cuda.jit(device=True, inline=True)
@@ -522,30 +576,66 @@ def gemv(w: DeviceQuantMatrix, x, y, *, slot_mat=None, slot_x=None,
     y may be a sequence of up to MAX_PARTS arrays (n_slots, n_cols, rows_p) with Σ rows_p = n_rows:
     the stacked matrix's rows in order, one part per array.
     """
-    if up is not None and (up.ggml_type, up.k, up.n_rows, up.n_mats) != (
-            w.ggml_type, w.k, w.n_rows, w.n_mats):
-        raise ValueError("gate and up matrices must share type and shape for the fused SwiGLU")
+    _check_up(w, up)
     slot_mat = _default_slots() if slot_mat is None else slot_mat
     slot_x = _default_slots() if slot_x is None else slot_x
     n_slots = slot_mat.size
-    if w.takes_float_activations:
-        _, n_cols, k = x.shape
-        check_array("x", x, np.float32)
-        xq, xd, xs = x.reshape(x.size), _default_slots(), _default_slots()
-    else:
-        _, n_cols, k = x.shape
-        xq, xd, xs = x.xq, x.xd, x.xs
-    if k != w.k or not 1 <= n_cols <= MAX_COLS:
-        raise ValueError(f"activations (·, {n_cols}, {k}) do not fit W (k={w.k}, ≤{MAX_COLS} cols)")
+    xq, xd, xs, n_cols = _activation_args(w, x)
     parts, ends = _output_parts(y, n_slots, n_cols, w.n_rows)
     if bias is not None:
         check_array("bias", bias, np.float32, (w.n_rows,))
-    lanes = lanes_per_row(w.ggml_type, k)
+    lanes = lanes_per_row(w.ggml_type, w.k)
     grid = (cdiv(w.n_rows, WARPS_PER_BLOCK * (32 // lanes)), n_slots)
     _gemv_kernel(w.ggml_type, n_cols, up is not None)[grid, 32 * WARPS_PER_BLOCK, stream](
         w.data, w.data if up is None else up.data, w.row_bytes, w.n_rows, w.n_rows * w.row_bytes,
-        k, lanes, slot_mat, slot_x, xq, xd, xs, parts[0] if bias is None else bias,
+        w.k, lanes, slot_mat, slot_x, xq, xd, xs, parts[0] if bias is None else bias,
         bias is not None, *parts, ends)
+
+
+def grouped_gemv(w: DeviceQuantMatrix, x, y, route: ExpertRoute, slot_x, *,
+                 up: DeviceQuantMatrix | None = None, stream=0) -> None:
+    """What gemv(w, x, y, slot_mat=ids, slot_x=slot_x, up=up) writes, reading each expert once
+    per tile of its slots instead of once per slot: y (n_slots, 1, n_rows) f32, in slot order.
+
+    route: filled by expert_route.route_experts(ids, n_slots, route) (tile ≤ MAX_COLS) before this
+    runs on the same stream. x: (n_groups, 1, k), as for gemv; slot_x: int32 (n_slots,).
+    """
+    _check_up(w, up)
+    check_array("slot_x", slot_x, np.int32)
+    n_slots = slot_x.size
+    if not 1 <= route.tile <= MAX_COLS or n_slots > route.max_slots:
+        raise ValueError(f"a grouped GEMV needs a route of tiles ≤ {MAX_COLS} slots and ≥ "
+                         f"{n_slots} slots, got tile {route.tile}, {route.max_slots} slots")
+    xq, xd, xs, n_cols = _activation_args(w, x)
+    if n_cols != 1:
+        raise ValueError(f"a grouped GEMV takes one activation column per group, got {n_cols}")
+    parts, ends = _output_parts(y, n_slots, 1, w.n_rows)
+    lanes = lanes_per_row(w.ggml_type, w.k)
+    grid = (cdiv(w.n_rows, WARPS_PER_BLOCK * (32 // lanes)), max(1, route.tiles_bound(n_slots)))
+    _grouped_gemv_kernel(w.ggml_type, route.tile, up is not None)[
+        grid, 32 * WARPS_PER_BLOCK, stream](
+        w.data, w.data if up is None else up.data, w.row_bytes, w.n_rows, w.n_rows * w.row_bytes,
+        w.k, lanes, route.tile_expert, route.tile_lo, route.tile_hi, route.order, slot_x, xq, xd,
+        xs, *parts, ends)
+
+
+def _check_up(w: DeviceQuantMatrix, up: DeviceQuantMatrix | None) -> None:
+    if up is not None and (up.ggml_type, up.k, up.n_rows, up.n_mats) != (
+            w.ggml_type, w.k, w.n_rows, w.n_mats):
+        raise ValueError("gate and up matrices must share type and shape for the fused SwiGLU")
+
+
+def _activation_args(w: DeviceQuantMatrix, x) -> tuple:
+    """(xq, xd, xs, n_cols) kernel arguments of activations x of shape (n_groups, n_cols, w.k)."""
+    _, n_cols, k = x.shape
+    if w.takes_float_activations:
+        check_array("x", x, np.float32)
+        xq, xd, xs = x.reshape(x.size), _default_slots(), _default_slots()
+    else:
+        xq, xd, xs = x.xq, x.xd, x.xs
+    if k != w.k or not 1 <= n_cols <= MAX_COLS:
+        raise ValueError(f"activations (·, {n_cols}, {k}) do not fit W (k={w.k}, ≤{MAX_COLS} cols)")
+    return xq, xd, xs, n_cols
 
 
 def _output_parts(y, n_slots: int, n_cols: int, n_rows: int) -> tuple[list, tuple[int, ...]]:
