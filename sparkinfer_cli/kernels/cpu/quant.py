@@ -277,6 +277,9 @@ def dequantize(raw: np.ndarray, ggml_type: int, ne0: int) -> np.ndarray:
     return out.reshape(*raw.shape[:-1], ne0)
 
 
+_GATHER_MIN_ROWS = 64
+
+
 def embedding_rows(raw: np.ndarray, ggml_type: int, ne0: int, ids: np.ndarray) -> np.ndarray:
     """Dequantized rows `ids` of a (n_rows, row_bytes) tensor → float32 (len(ids), ne0)."""
     rows = _rows_view(raw, ggml_type, ne0)
@@ -285,6 +288,9 @@ def embedding_rows(raw: np.ndarray, ggml_type: int, ne0: int, ids: np.ndarray) -
         raise ValueError(f"embedding ids must lie in [0, {rows.shape[0]}), got "
                          f"[{ids.min()}, {ids.max()}]")
     out = np.empty((len(ids), ne0), np.float32)  # (len(ids), ne0)
+    if len(ids) > _GATHER_MIN_ROWS:  # a prefill: gather the rows, dequantize them on all threads
+        _dequant_range(rows[ids], ggml_type, 0, len(ids), out)
+        return out
     for k, r in enumerate(ids.tolist()):  # one row is less work than a thread handoff
         _dequant_range(rows, ggml_type, r, r + 1, out[k:], threaded=False)
     return out
