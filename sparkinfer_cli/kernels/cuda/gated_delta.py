@@ -1,10 +1,10 @@
-"""Gated DeltaNet decode on the GPU: causal conv step + SiLU, and the recurrent delta-rule step.
+"""Gated DeltaNet on the GPU: causal conv + SiLU, and the recurrent delta rule.
 
 State layout per slot: conv (conv_dim, K-1) float32 (oldest sample first); recurrent
-(H_v, dv, dk) float32 = S[h][j][i], i (the k index) contiguous, so a warp owning value column j
-reads its dk rows coalesced; grid (H_v, n_seqs, dv / 4), a warp per column (ARCHITECTURES.md §8).
-Sequences address their state through
-state_slots[seq].
+(H_v, dv, dk) float32 = S[h][j][i], i (the k index) contiguous, so the lanes owning value column j
+read its dk rows coalesced (ARCHITECTURES.md §4.5). Sequences address their state through
+state_slots[seq]. The *_step kernels run one token per sequence; the *_seq kernels (what the model
+launches, prefill and decode) run each sequence's rows seq_lo[s] .. + seq_n[s].
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import functools
 import math
 
 import numpy as np
-from numba import cuda, float32, int32
+from numba import cuda, float32, int32, uint32
 
 from sparkinfer_cli.kernels.cuda.intrinsics import IS_SIMULATOR, bits_to_f32, ld_u32, ld_v4_u32
 from sparkinfer_cli.kernels.cuda.launch import cdiv, check_array
@@ -198,8 +198,8 @@ def delta_rule_step_reference(u, a, b, ssm_a, dt_bias, state, n_k_heads, head_ma
 
 
 # ------------------------------------------------------------- whole sequences (prefill + decode)
-# Sequence s owns rows seq_lo[s] .. seq_lo[s] + seq_n[s] − 1 of the token-major inputs; one launch
-# runs its tokens in order with the state held in registers (decode is the case seq_n = 1).
+# Sequence s owns rows seq_lo[s] .. seq_lo[s] + seq_n[s] − 1 of the token-major inputs (decode is
+# the case seq_n = 1); entries with seq_n = 0 (the workspace pads to n_rows entries) are skipped.
 # conv_seq: a block covers `rows` (≤ CONV_ROWS) consecutive rows × THREADS channels. It first maps
 # its rows to their sequences in shared memory (scanning seq_lo / seq_n), then a thread walks its
 # channel down the rows. A sequence's first row runs its first K − 1 rows (the ones that see the
@@ -300,6 +300,28 @@ def _group_sum(v):
     return v
 
 
+if IS_SIMULATOR:
+
+    @cuda.jit(device=True)
+    def _ballot(pred, lane):
+        bits = uint32(1 << lane) if pred else uint32(0)
+        for offset in (16, 8, 4, 2, 1):
+            bits |= shfl_xor(bits, offset)
+        return bits
+
+else:
+
+    @cuda.jit(device=True, inline=True)
+    def _ballot(pred, lane):
+        return cuda.ballot_sync(0xFFFFFFFF, pred)
+
+
+@cuda.jit(device=True, inline=True)
+def _lanes_with_rows(seq_n, entry, lane):
+    """Bit l set ⇔ lane l's sequence entry has rows (a warp checks 32 entries at once)."""
+    return _ballot(entry < seq_n.size and seq_n[entry] > 0, lane)
+
+
 def _delta_seq_blocks(dv: int) -> tuple[int, int]:
     """(warps per block, blocks per head): WARPS·4 columns a block, fewer when dv is small."""
     warps = min(WARPS, cdiv(dv, 4))
@@ -353,6 +375,32 @@ def _delta_seq_kernel(dk: int, dv: int):
             o += s[e] * q[e]
         return _group_sum(o) * rsqrt((sq + eps) * float32(dk))
 
+    @cuda.jit(device=True, inline=True, fastmath=True)
+    def run_tokens(u, a, b, out, s, n, u_row, g_row, o_row, lane_offs, store, gates, qa, ka, qb,
+                   kb):
+        """s ← s advanced over n tokens from byte offsets u_row / g_row; outputs from o_row."""
+        q_off, k_off, v_off, u_step, g_step, o_step = lane_offs
+        neg_a, bias, eps = gates
+        left = n - 1  # tokens after the current one
+        va, aa, ba = load_token(u, a, b, u_row, g_row, q_off, k_off, v_off, qa, ka)
+        while True:  # two tokens a trip: one computes from buffer A while B loads, then swap
+            u_nxt, g_nxt = u_row + (u_step if left > 0 else 0), g_row + (g_step if left > 0 else 0)
+            vb, ab, bb = load_token(u, a, b, u_nxt, g_nxt, q_off, k_off, v_off, qb, kb)
+            o = token_step(s, qa, ka, va, aa, ba, neg_a, bias, eps)
+            if store:
+                st_f32(out, o_row, o)
+            if left == 0:
+                return
+            left, u_row, g_row, o_row = left - 1, u_nxt, g_nxt, o_row + o_step
+            u_nxt, g_nxt = u_row + (u_step if left > 0 else 0), g_row + (g_step if left > 0 else 0)
+            va, aa, ba = load_token(u, a, b, u_nxt, g_nxt, q_off, k_off, v_off, qa, ka)
+            o = token_step(s, qb, kb, vb, ab, bb, neg_a, bias, eps)
+            if store:
+                st_f32(out, o_row, o)
+            if left == 0:
+                return
+            left, u_row, g_row, o_row = left - 1, u_nxt, g_nxt, o_row + o_step
+
     @cuda.jit(fastmath=True)
     def delta_seq(u, a, b, ssm_a, dt_bias, state, state_slots, seq_lo, seq_n, n_k_heads,
                   head_map_mod, eps, out):
@@ -364,47 +412,29 @@ def _delta_seq_kernel(dk: int, dv: int):
         jc = min(j, dv - 1)  # columns past dv compute a copy of the last one and store nothing
         kh = h % n_k_heads if head_map_mod else h // (n_v_heads // n_k_heads)
         key_dim = n_k_heads * dk
-        u_step, g_step = 4 * (2 * key_dim + n_v_heads * dv), 4 * n_v_heads  # bytes a row
-        q_off = 4 * kh * dk + 16 * sub  # byte offsets within a u row
-        k_off = q_off + 4 * key_dim
-        v_off = 4 * (2 * key_dim + h * dv + jc)
-        neg_a, bias = ssm_a[h], dt_bias[h]
+        q_off = 4 * kh * dk + 16 * sub  # byte offsets within a u row, then row strides
+        lane_offs = (q_off, q_off + 4 * key_dim, 4 * (2 * key_dim + h * dv + jc),
+                     4 * (2 * key_dim + n_v_heads * dv), 4 * n_v_heads, 4 * n_v_heads * dv)
+        gates = (ssm_a[h], dt_bias[h], eps)
         s = cuda.local.array(per_lane, float32)  # (per_lane,) S[j][4·(sub + 8m) + c]
         qa, ka = cuda.local.array(per_lane, float32), cuda.local.array(per_lane, float32)
         qb, kb = cuda.local.array(per_lane, float32), cuda.local.array(per_lane, float32)
-        for seq in range(cuda.blockIdx.y, seq_n.size, cuda.gridDim.y):
-            n = seq_n[seq]
-            if n == 0:
-                continue
-            col = 4 * (((state_slots[seq] * n_v_heads + h) * dv + jc) * dk) + 16 * sub  # bytes
-            load_row(state, col, s)
-            left = n - 1  # tokens after the current one
-            u_row, g_row = seq_lo[seq] * u_step, seq_lo[seq] * g_step + 4 * h
-            o_row = 4 * ((seq_lo[seq] * n_v_heads + h) * dv + j)
-            va, aa, ba = load_token(u, a, b, u_row, g_row, q_off, k_off, v_off, qa, ka)
-            while True:  # two tokens a trip: one computes from buffer A while B loads, then swap
-                u_nxt = u_row + (u_step if left > 0 else 0)
-                g_nxt = g_row + (g_step if left > 0 else 0)
-                vb, ab, bb = load_token(u, a, b, u_nxt, g_nxt, q_off, k_off, v_off, qb, kb)
-                o = token_step(s, qa, ka, va, aa, ba, neg_a, bias, eps)
-                if sub == 0 and j < dv:
-                    st_f32(out, o_row, o)
-                if left == 0:
-                    break
-                left, u_row, g_row, o_row = left - 1, u_nxt, g_nxt, o_row + 4 * n_v_heads * dv
-                u_nxt = u_row + (u_step if left > 0 else 0)
-                g_nxt = g_row + (g_step if left > 0 else 0)
-                va, aa, ba = load_token(u, a, b, u_nxt, g_nxt, q_off, k_off, v_off, qa, ka)
-                o = token_step(s, qb, kb, vb, ab, bb, neg_a, bias, eps)
-                if sub == 0 and j < dv:
-                    st_f32(out, o_row, o)
-                if left == 0:
-                    break
-                left, u_row, g_row, o_row = left - 1, u_nxt, g_nxt, o_row + 4 * n_v_heads * dv
-            if j < dv:
-                for m in range(vecs):
-                    st_v4_f32(state, col + 128 * m, s[4 * m], s[4 * m + 1], s[4 * m + 2],
-                              s[4 * m + 3])
+        stride, busy = cuda.gridDim.y, uint32(0)
+        for seq in range(cuda.blockIdx.y, seq_n.size, stride):
+            bit = seq // stride % 32  # this entry's bit of busy
+            if bit == 0:  # one load a lane checks the next 32 entries (most are padding)
+                busy = _lanes_with_rows(seq_n, seq + lane * stride, lane)
+            if busy >> bit & 1:
+                lo = seq_lo[seq]
+                col = 4 * (((state_slots[seq] * n_v_heads + h) * dv + jc) * dk) + 16 * sub  # bytes
+                load_row(state, col, s)
+                run_tokens(u, a, b, out, s, seq_n[seq], lo * lane_offs[3],
+                           lo * lane_offs[4] + 4 * h, 4 * ((lo * n_v_heads + h) * dv + j),
+                           lane_offs, sub == 0 and j < dv, gates, qa, ka, qb, kb)
+                if j < dv:
+                    for m in range(vecs):
+                        st_v4_f32(state, col + 128 * m, s[4 * m], s[4 * m + 1], s[4 * m + 2],
+                                  s[4 * m + 3])
     return delta_seq
 
 
