@@ -30,7 +30,6 @@ from sparkinfer_cli.kernels.cuda.attention import KV_F16, KV_F32, KV_I8, flat_sc
 from sparkinfer_cli.kernels.cuda.intrinsics import (IS_SIMULATOR, bits_to_f32, f16_bits_to_f32,
                                                     ld_u32, ld_v2_u32, ld_v4_u32)
 from sparkinfer_cli.kernels.cuda.launch import cdiv, check_array
-from sparkinfer_cli.kernels.cuda.warp import shfl_xor
 
 ROWS = 64  # query rows per block: q heads of one kv head × tokens
 KT = 64  # keys per tile
@@ -41,6 +40,7 @@ P_STRIDE = ROWS + 4  # floats per staged P row (one per key)
 V_FLOATS = 4096  # staged V sub-tile: (VK, head_dim) with VK = V_FLOATS / head_dim
 BUF_FLOATS = max(2 * ROWS * QK_STRIDE, V_FLOATS)  # shared buffer of a Q|K chunk or a V sub-tile
 P_FLOATS = KT * P_STRIDE
+RED_FLOATS = ROWS * 16  # per-thread partial row max / sum of a score tile
 HEAD_DIMS = (64, 128, 256)
 # NOTE: fastmath lets LLVM assume no infinities, so masked scores / empty rows use a finite floor.
 MASKED = -1e30
@@ -146,9 +146,11 @@ def _group_end(row_seq, base, a, n_tok):
 
 
 @cuda.jit(device=True, inline=True)
-def _setup_group(qrow_sh, lim_sh, seq_lens, base, a, b, n_heads, kv_head, group, head_dim):
-    """Per query row of the run [a, b): offset of its q / out vector (-1: not live) and its number
-    of visible keys (seq_len, 0 when not live); returns the run's key count."""
+def _setup_group(qrow_sh, lim_sh, m_sh, l_sh, seq_lens, base, a, b, n_heads, kv_head, group,
+                 head_dim):
+    """Per query row of the run [a, b): offset of its q / out vector (-1: not live), its number
+    of visible keys (seq_len, 0 when not live) and empty softmax state; returns the run's key
+    count."""
     tid = cuda.threadIdx.x
     if tid < ROWS:
         t = tid // group
@@ -156,6 +158,7 @@ def _setup_group(qrow_sh, lim_sh, seq_lens, base, a, b, n_heads, kv_head, group,
         qrow_sh[tid] = ((base + t) * n_heads + kv_head * group + tid % group) * int64(head_dim) \
             if live else int64(-1)
         lim_sh[tid] = seq_lens[base + t] if live else 0
+        m_sh[tid], l_sh[tid] = float32(MASKED), float32(0.0)
     kend = 0
     for t in range(a, b):
         kend = max(kend, seq_lens[base + t])
@@ -211,53 +214,84 @@ def _qk_chunk(s, buf, ty, tx):
             qa, qb, qc, qd = ld_shared_v4(buf, (ty + 16 * i) * QK_STRIDE + d)
             for j in range(4):
                 ka, kb, kc, kd = ld_shared_v4(buf, (ROWS + tx + 16 * j) * QK_STRIDE + d)
-                s[4 * i + j] += qa * ka + qb * kb + qc * kc + qd * kd
+                s[4 * i + j] += qa * ka
+                s[4 * i + j] += qb * kb  # one FMA each (a 4-term sum would add a mul and add)
+                s[4 * i + j] += qc * kc
+                s[4 * i + j] += qd * kd
 
 
 @cuda.jit(device=True, inline=True)
-def _fma_quad(acc, e, p, va, vb, vc, vd):
-    acc[e] += p * va
-    acc[e + 1] += p * vb
-    acc[e + 2] += p * vc
-    acc[e + 3] += p * vd
+def _scores(s, buf, q, qrow_sh, k_cache, k_scales, krow_sh, kind, scale, head_dim, ty, tx):
+    """s (4 rows, 4 keys) = scale·Q·Kᵀ of this thread's rows and keys, DC dims at a time."""
+    for e in range(16):
+        s[e] = float32(0.0)
+    for dc in range(0, head_dim, DC):
+        cuda.syncthreads()  # krow_sh is written / the previous chunk is consumed
+        _stage_qk(buf, q, qrow_sh, k_cache, k_scales, krow_sh, dc, kind, scale)
+        cuda.syncthreads()
+        _qk_chunk(s, buf, ty, tx)
 
 
 @cuda.jit(device=True, inline=True)
-def _row_group_max(v):
-    for offset in (8, 4, 2, 1):  # the 16 lanes of one ty
-        v = max(v, shfl_xor(v, offset))
-    return v
-
-
-@cuda.jit(device=True, inline=True)
-def _row_group_sum(v):
-    for offset in (8, 4, 2, 1):
-        v += shfl_xor(v, offset)
-    return v
-
-
-@cuda.jit(device=True, inline=True)
-def _softmax_tile(s, m, l_sum, lim, p_sh, corr_sh, k0, ty, tx):
-    """Online-softmax update of this thread's 4 rows with the tile's scores; P → p_sh (key-major),
-    each row's rescale factor of its old sum / output → corr_sh."""
+def _mask_and_max(s, lim, red_sh, k0, ty, tx):
+    """Mask keys at or past each row's seq_len; red_sh[row, tx] = max of this thread's 4 keys."""
     for i in range(4):
-        tile_max = float32(MASKED)
+        part = float32(MASKED)
         for j in range(4):
             if k0 + tx + 16 * j >= lim[i]:  # causal / past the sequence
                 s[4 * i + j] = float32(MASKED)
-            tile_max = max(tile_max, s[4 * i + j])
-        m_new = max(m[i], _row_group_max(tile_max))
-        ref = m_new if m_new > MASKED else float32(0.0)  # a row with no key yet: p = 0
-        corr = math.exp(m[i] - ref)
-        p_sum = float32(0.0)
+            part = max(part, s[4 * i + j])
+        red_sh[(ty + 16 * i) * 16 + tx] = part
+
+
+@cuda.jit(device=True, inline=True)
+def _update_max(row, red_sh, m_sh, ref_sh, corr_sh):
+    """Row owner: new running max, the reference the tile's exps subtract and the old terms'
+    rescale factor (a row with no visible key yet keeps p = 0)."""
+    tile_max = red_sh[row * 16]
+    for x in range(1, 16):
+        tile_max = max(tile_max, red_sh[row * 16 + x])
+    m_new = max(m_sh[row], tile_max)
+    ref = m_new if m_new > MASKED else float32(0.0)
+    corr_sh[row] = math.exp(m_sh[row] - ref)
+    ref_sh[row], m_sh[row] = ref, m_new
+
+
+@cuda.jit(device=True, inline=True)
+def _probabilities(s, ref_sh, red_sh, p_sh, ty, tx):
+    """p = exp(s - ref) → p_sh (key-major); red_sh[row, tx] = Σ of this thread's 4 p."""
+    for i in range(4):
+        ref = ref_sh[ty + 16 * i]
+        part = float32(0.0)
         for j in range(4):
             p = math.exp(s[4 * i + j] - ref)
             p_sh[(tx + 16 * j) * P_STRIDE + ty + 16 * i] = p
-            p_sum += p
-        l_sum[i] = l_sum[i] * corr + _row_group_sum(p_sum)
-        m[i] = m_new
-        if tx == 0:
-            corr_sh[ty + 16 * i] = corr
+            part += p
+        red_sh[(ty + 16 * i) * 16 + tx] = part
+
+
+@cuda.jit(device=True, inline=True)
+def _update_sum(row, red_sh, l_sh, corr_sh):
+    total = float32(0.0)
+    for x in range(16):
+        total += red_sh[row * 16 + x]
+    l_sh[row] = l_sh[row] * corr_sh[row] + total
+
+
+@cuda.jit(device=True, inline=True)
+def _softmax_tile(s, lim, red_sh, m_sh, l_sh, ref_sh, corr_sh, p_sh, k0, ty, tx):
+    """Online-softmax step of the tile's scores: P → p_sh, per row the running max / sum in
+    m_sh / l_sh and the old output's rescale factor in corr_sh (published by the last barrier)."""
+    tid = cuda.threadIdx.x
+    _mask_and_max(s, lim, red_sh, k0, ty, tx)
+    cuda.syncthreads()
+    if tid < ROWS:
+        _update_max(tid, red_sh, m_sh, ref_sh, corr_sh)
+    cuda.syncthreads()
+    _probabilities(s, ref_sh, red_sh, p_sh, ty, tx)
+    cuda.syncthreads()
+    if tid < ROWS:
+        _update_sum(tid, red_sh, l_sh, corr_sh)
 
 
 @functools.cache
@@ -276,12 +310,13 @@ def _prefill_kernel(head_dim: int, kind: int):
             for c in range(quads_per_lane):
                 va, vb, vc, vd = ld_shared_v4(buf, j * head_dim + 4 * (lq + lanes_per_row * c))
                 for i4 in range(0, rows_per_lane, 4):
-                    pa, pb, pc, pd = ld_shared_v4(p_sh, (j0 + j) * P_STRIDE + r0 + i4)
-                    e = (i4 * quads_per_lane + c) * 4  # acc index of (row i4, quad c)
-                    _fma_quad(acc, e, pa, va, vb, vc, vd)
-                    _fma_quad(acc, e + 4 * quads_per_lane, pb, va, vb, vc, vd)
-                    _fma_quad(acc, e + 8 * quads_per_lane, pc, va, vb, vc, vd)
-                    _fma_quad(acc, e + 12 * quads_per_lane, pd, va, vb, vc, vd)
+                    p4 = ld_shared_v4(p_sh, (j0 + j) * P_STRIDE + r0 + i4)
+                    for i in range(4):
+                        e = ((i4 + i) * quads_per_lane + c) * 4  # acc index of (row, quad c)
+                        acc[e] += p4[i] * va
+                        acc[e + 1] += p4[i] * vb
+                        acc[e + 2] += p4[i] * vc
+                        acc[e + 3] += p4[i] * vd
 
     @cuda.jit(device=True, inline=True)
     def rescale(acc, corr_sh, r0):
@@ -306,62 +341,52 @@ def _prefill_kernel(head_dim: int, kind: int):
                 seq_lens, n_rows, n_kv, block_size, scale, out):
         n_heads = q.size // (n_rows * head_dim)
         group = n_heads // n_kv
-        tokens = ROWS // group
-        tile = cuda.gridDim.x - 1 - cuda.blockIdx.x  # last tiles have the most keys: start first
-        kv_head = cuda.blockIdx.y
-        base = tile * tokens
-        n_tok = min(tokens, n_rows - base)
+        base = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * (ROWS // group)  # longest tiles first
+        n_tok, kv_head = min(ROWS // group, n_rows - base), cuda.blockIdx.y
         tid = cuda.threadIdx.x
         ty, tx = tid // 16, tid % 16
         r0 = (tid // 32) * 8 + (tid % 32) // lanes_per_row * rows_per_lane
         lq = tid % lanes_per_row
-        buf = cuda.shared.array(BUF_FLOATS, float32, alignment=SMEM_ALIGN)  # Q|K chunk, or a V sub-tile
+        buf = cuda.shared.array(BUF_FLOATS, float32, alignment=SMEM_ALIGN)  # Q|K chunk or V
         p_sh = cuda.shared.array(P_FLOATS, float32, alignment=SMEM_ALIGN)  # (KT, P_STRIDE)
         krow_sh = cuda.shared.array(KT, int64)
+        red_sh = cuda.shared.array(RED_FLOATS, float32)  # (ROWS, 16)
         qrow_sh = cuda.shared.array(ROWS, int64)
         lim_sh = cuda.shared.array(ROWS, int32)
-        corr_sh = cuda.shared.array(ROWS, float32)
+        m_sh = cuda.shared.array(ROWS, float32)
         l_sh = cuda.shared.array(ROWS, float32)
+        ref_sh = cuda.shared.array(ROWS, float32)
+        corr_sh = cuda.shared.array(ROWS, float32)
         s = cuda.local.array(16, float32)  # (4 rows, 4 keys) of S
-        m = cuda.local.array(4, float32)
-        l_sum = cuda.local.array(4, float32)
         lim = cuda.local.array(4, int32)
         acc = cuda.local.array(n_acc, float32)  # (rows_per_lane, quads_per_lane, 4) of O
         a = 0
         while a < n_tok:
             b = _group_end(row_seq, base, a, n_tok)
-            cuda.syncthreads()  # the previous run is done with qrow_sh / l_sh
-            kend = _setup_group(qrow_sh, lim_sh, seq_lens, base, a, b, n_heads, kv_head, group,
-                                head_dim)
+            cuda.syncthreads()  # the previous run is done with the row arrays
+            kend = _setup_group(qrow_sh, lim_sh, m_sh, l_sh, seq_lens, base, a, b, n_heads,
+                                kv_head, group, head_dim)
             table = row_seq[base + a] * max_blocks
             cuda.syncthreads()
             for i in range(4):
-                m[i], l_sum[i], lim[i] = float32(MASKED), float32(0.0), lim_sh[ty + 16 * i]
+                lim[i] = lim_sh[ty + 16 * i]
             for e in range(n_acc):
                 acc[e] = float32(0.0)
             for k0 in range(0, kend, KT):
-                cuda.syncthreads()  # the previous tile is done with krow_sh / buf / p_sh
+                cuda.syncthreads()  # the previous tile is done with krow_sh
                 _key_rows(krow_sh, block_table, table, k0, kend, block_size, n_kv, kv_head,
                           head_dim)
-                for e in range(16):
-                    s[e] = float32(0.0)
-                for dc in range(0, head_dim, DC):
-                    cuda.syncthreads()
-                    _stage_qk(buf, q, qrow_sh, k_cache, k_scales, krow_sh, dc, kind, scale)
-                    cuda.syncthreads()
-                    _qk_chunk(s, buf, ty, tx)
-                _softmax_tile(s, m, l_sum, lim, p_sh, corr_sh, k0, ty, tx)
+                _scores(s, buf, q, qrow_sh, k_cache, k_scales, krow_sh, kind, scale, head_dim,
+                        ty, tx)
+                _softmax_tile(s, lim, red_sh, m_sh, l_sh, ref_sh, corr_sh, p_sh, k0, ty, tx)
+                rescale(acc, corr_sh, r0)
                 for j0 in range(0, min(KT, kend - k0), vk):
-                    cuda.syncthreads()  # p_sh, corr_sh published; buf free
-                    if j0 == 0:
-                        rescale(acc, corr_sh, r0)
+                    if j0 > 0:
+                        cuda.syncthreads()  # the previous V sub-tile is consumed
                     _stage_v(buf, v_cache, v_scales, krow_sh, j0, kind, head_dim, vk)
                     cuda.syncthreads()
                     accumulate_pv(acc, p_sh, buf, j0, r0, lq)
-            if tx == 0:
-                for i in range(4):
-                    l_sh[ty + 16 * i] = l_sum[i]
-            cuda.syncthreads()
+            cuda.syncthreads()  # l_sh is final
             write_out(out, acc, qrow_sh, l_sh, r0, lq)
             a = b
     return prefill
