@@ -1,0 +1,155 @@
+"""GPU time of the MoE expert GEMVs (per slot vs grouped by expert) and of batch-1 GEMVs per type.
+
+    python bench/cuda_gemv_bench.py [--json OUT.json]
+
+Each case is a CUDA graph of REPEATS launches, replayed REPLAYS times between two CUDA events;
+launches rotate over weight copies totalling ≥ ROTATE_BYTES (> the 50 MB L2) so every call streams
+its weights from HBM. GB/s counts the weight bytes a call must read: the distinct experts its slots
+select (both matrices of a fused gate+up), or the whole matrix. Shapes: Qwen3.6-35B-A3B (256
+experts, top-8, n_embd 2048, expert ff 512, vocab 248,320).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+
+import numpy as np
+from numba import cuda
+
+from sparkinfer_cli.ggml_types import GGMLType, row_bytes
+from sparkinfer_cli.kernels.cuda import expert_route as er
+from sparkinfer_cli.kernels.cuda import graphs
+from sparkinfer_cli.kernels.cuda import quant_gemv as qg
+from sparkinfer_cli.kernels.cuda.launch import to_device_bytes
+
+REPEATS, REPLAYS = 50, 3
+ROTATE_BYTES = 256 << 20
+EXPERTS, TOP_K = 256, 8
+# (name, type, k, rows, fused gate+up, activations per slot (down) rather than per token)
+EXPERT_CASES = [
+    ("gate+up exps (SwiGLU)", GGMLType.Q4_K, 2048, 512, True, False),
+    ("down exps", GGMLType.Q5_K, 512, 2048, False, True),
+    ("down exps", GGMLType.Q6_K, 512, 2048, False, True),
+]
+PLAIN_CASES = [(t, k, n) for t in (GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.Q8_0)
+               for k, n in ((2048, 4096), (4096, 2048))] + [(GGMLType.Q6_K, 2048, 248320)]
+
+
+def gpu_us(launch: Callable[[object, int], None], stream) -> float:
+    """Mean GPU µs of launch(stream, i) over REPLAYS × REPEATS launches captured in one graph."""
+    launch(stream, 0)  # compiles, and allocates nothing during the capture
+    stream.synchronize()
+    graph = graphs.capture(lambda s: [launch(s, i) for i in range(REPEATS)], stream)
+    graph.replay()
+    start, end = cuda.event(), cuda.event()
+    start.record(stream)
+    for _ in range(REPLAYS):
+        graph.replay()
+    end.record(stream)
+    end.synchronize()
+    graph.close()
+    return cuda.event_elapsed_time(start, end) * 1e3 / (REPLAYS * REPEATS)
+
+
+def weight_copies(ggml_type: GGMLType, k: int, n_rows: int, n_mats: int,
+                  rng) -> list[qg.DeviceQuantMatrix]:
+    """Enough device copies of one random matrix (random bytes: timing ignores their values)."""
+    n_bytes = n_mats * n_rows * row_bytes(ggml_type, k)
+    # bytes in [1, 0x20): every f16 scale field lies in (0, 0.008), so outputs stay finite
+    host = rng.integers(1, 0x20, n_bytes, dtype=np.uint8)  # (n_bytes,)
+    n_copies = min(64, -(-ROTATE_BYTES // n_bytes))
+    return [qg.DeviceQuantMatrix(to_device_bytes(host), ggml_type, k, n_rows, n_mats)
+            for _ in range(n_copies)]
+
+
+def random_activations(n_groups: int, k: int, rng, stream) -> qg.QuantizedActivations:
+    act = qg.QuantizedActivations(n_groups, 1, k)
+    x = rng.standard_normal((n_groups, 1, k)).astype(np.float32)  # (n_groups, 1, k)
+    qg.quantize_activations(cuda.to_device(x, stream=stream), act, stream=stream)
+    return act
+
+
+def top_k_ids(n_tokens: int, rng) -> np.ndarray:
+    """(n_tokens·TOP_K,) int32: each token picks TOP_K distinct experts uniformly."""
+    return np.concatenate([rng.choice(EXPERTS, TOP_K, replace=False)
+                           for _ in range(n_tokens)]).astype(np.int32)
+
+
+def expert_rows(case, n_tokens: int, rng, stream) -> list[dict]:
+    name, ggml_type, k, n_rows, fused, x_per_slot = case
+    n_slots = n_tokens * TOP_K
+    ids = top_k_ids(n_tokens, rng)
+    gates = weight_copies(ggml_type, k, n_rows, EXPERTS, rng)
+    ups = weight_copies(ggml_type, k, n_rows, EXPERTS, rng) if fused else [None] * len(gates)
+    pairs = list(zip(gates, ups))
+    act = random_activations(n_slots if x_per_slot else n_tokens, k, rng, stream)
+    slot_x = cuda.to_device((np.arange(n_slots) // (1 if x_per_slot else TOP_K)).astype(np.int32))
+    ids_dev = cuda.to_device(ids)
+    y = cuda.device_array((n_slots, 1, n_rows), np.float32)  # (slots, 1, rows)
+    route = er.ExpertRoute(EXPERTS, n_slots, qg.MAX_COLS)
+    er.route_experts(ids_dev, n_slots, route, stream=stream)
+
+    def per_slot(s, i):
+        w, up = pairs[i % len(pairs)]
+        qg.gemv(w, act, y, slot_mat=ids_dev, slot_x=slot_x, up=up, stream=s)
+
+    def grouped(s, i):
+        w, up = pairs[i % len(pairs)]
+        qg.grouped_gemv(w, act, y, route, slot_x, up=up, stream=s)
+
+    touched = len(np.unique(ids)) * n_rows * row_bytes(ggml_type, k) * (1 + fused)
+    label = f"{name} {ggml_type.name} k={k} rows={n_rows}, {n_slots} slots"
+    rows, outputs = [], []
+    for kind, fn in (("per-slot gemv", per_slot), ("grouped_gemv", grouped)):
+        rows.append(_row(f"{label}: {kind}", gpu_us(fn, stream), touched))
+        outputs.append(y.copy_to_host())  # every weight copy holds the same bytes
+    diff = np.abs(outputs[1] - outputs[0]).max() / np.abs(outputs[0]).max()
+    print(f"{'':4s}grouped vs per-slot: max |Δ| / max |y| = {diff:.1e}", flush=True)
+    rows[1]["max_rel_diff_vs_per_slot"] = float(diff)
+    return rows
+
+
+def route_row(n_tokens: int, rng, stream) -> dict:
+    n_slots = n_tokens * TOP_K
+    ids = cuda.to_device(top_k_ids(n_tokens, rng))
+    route = er.ExpertRoute(EXPERTS, n_slots, qg.MAX_COLS)
+    us = gpu_us(lambda s, i: er.route_experts(ids, n_slots, route, stream=s), stream)
+    return _row(f"route_experts {EXPERTS} experts, {n_slots} slots", us, 0)
+
+
+def plain_row(ggml_type: GGMLType, k: int, n_rows: int, rng, stream) -> dict:
+    mats = weight_copies(ggml_type, k, n_rows, 1, rng)
+    act = random_activations(1, k, rng, stream)
+    y = cuda.device_array((1, 1, n_rows), np.float32)  # (1, 1, rows)
+    us = gpu_us(lambda s, i: qg.gemv(mats[i % len(mats)], act, y, stream=s), stream)
+    return _row(f"batch-1 gemv {ggml_type.name} k={k} rows={n_rows}", us,
+                n_rows * row_bytes(ggml_type, k))
+
+
+def _row(name: str, us: float, n_bytes: int) -> dict:
+    row = {"case": name, "us": us, "gb_s": n_bytes / us / 1e3 if n_bytes else None}
+    gb_s = f"{row['gb_s']:8.0f}" if n_bytes else " " * 8
+    print(f"{name:72s} {us:9.2f} µs {gb_s} GB/s", flush=True)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", help="also write the rows here")
+    args = parser.parse_args()
+    rng, stream = np.random.default_rng(0), cuda.stream()
+    print(f"{'case':72s} {'GPU time':>12s} {'weights':>13s}")
+    rows = [route_row(n_tokens, rng, stream) for n_tokens in (64, 1)]
+    for n_tokens in (64, 1):
+        for case in EXPERT_CASES:
+            rows += expert_rows(case, n_tokens, rng, stream)
+    rows += [plain_row(t, k, n, rng, stream) for t, k, n in PLAIN_CASES]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
