@@ -1,6 +1,6 @@
 """GPU time of the MoE expert GEMVs (per slot vs grouped by expert) and of batch-1 GEMVs per type.
 
-    python bench/cuda_gemv_bench.py [--json OUT.json]
+    PYTHONPATH=. python bench/cuda_gemv_bench.py [--json OUT.json]     (repo root, on the GPU)
 
 Each case is a CUDA graph of REPEATS launches, replayed REPLAYS times between two CUDA events;
 launches rotate over weight copies totalling ≥ ROTATE_BYTES (> the 50 MB L2) so every call streams
