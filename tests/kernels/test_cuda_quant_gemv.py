@@ -63,13 +63,14 @@ def run_gemv(w_bytes, ggml_type, k, x, slot_mat=None, slot_x=None, n_mats=1):
     return y.copy_to_host()
 
 
-def run_grouped_gemv(w_bytes, ggml_type, k, x, ids, slot_x, n_mats, up_bytes=None):
+def run_grouped_gemv(w_bytes, ggml_type, k, x, ids, slot_x, n_mats, up_bytes=None,
+                     tile=qg.MAX_COLS):
     """Slots routed by expert, then grouped_gemv: y (n_slots, 1, n_rows)."""
     n_rows = w_bytes.size // row_bytes(ggml_type, k) // n_mats
     w, up = (None if b is None else
              qg.DeviceQuantMatrix(to_device_bytes(b), ggml_type, k, n_rows, n_mats)
              for b in (w_bytes, up_bytes))
-    route = er.ExpertRoute(n_mats, len(ids), qg.MAX_COLS)
+    route = er.ExpertRoute(n_mats, len(ids), tile)
     er.route_experts(dev_i32(ids), len(ids), route)
     y = cuda.device_array((len(ids), 1, n_rows), np.float32)
     qg.grouped_gemv(w, upload_activations(x, w), y, route, dev_i32(slot_x), up=up)
@@ -192,16 +193,17 @@ def check_expert_slots(y, w_bytes, ggml_type, k, x, ids, slot_x, rows=None):
         check_close(y[slots, 0][:, rows], w_bytes[e][rows], ggml_type, k, x[slot_x[slots], 0])
 
 
-@pytest.mark.parametrize("ggml_type", [GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q8_0, GGMLType.F16],
-                         ids=lambda t: t.name)
-def test_grouped_gemv_matches_per_slot_reference(ggml_type, rng):
-    # 4 experts: expert 1 has 11 slots (two tiles of ≤ 8), expert 0 none; 5 tokens
+@pytest.mark.parametrize("ggml_type, tile", [
+    (GGMLType.Q4_K, 8), (GGMLType.Q6_K, 8), (GGMLType.Q8_0, 3), (GGMLType.F16, 8)],
+    ids=lambda v: getattr(v, "name", f"tile{v}"))
+def test_grouped_gemv_matches_per_slot_reference(ggml_type, tile, rng):
+    # 4 experts: expert 1 has 11 slots (several tiles), expert 0 none; 5 tokens
     k, n_rows, n_mats, n_tokens = 256, 3, 4, 5
     w_bytes = random_weights(ggml_type, n_mats * n_rows, k, rng).reshape(n_mats, n_rows, -1)
     x = rng.standard_normal((n_tokens, 1, k)).astype(np.float32)
     ids = rng.permutation(np.array([1] * 11 + [2, 2, 3], np.int32))
     slot_x = rng.integers(0, n_tokens, len(ids))
-    y = run_grouped_gemv(w_bytes, ggml_type, k, x, ids, slot_x, n_mats)
+    y = run_grouped_gemv(w_bytes, ggml_type, k, x, ids, slot_x, n_mats, tile=tile)
     check_expert_slots(y, w_bytes, ggml_type, k, x, ids, slot_x)
 
 
