@@ -1,4 +1,4 @@
-"""MoE slots sorted by expert on the device, cut into tiles: the grouping behind grouped expert GEMVs.
+"""MoE slots sorted by expert on the device and cut into tiles, for grouped expert GEMVs.
 
 A slot is one (token, expert pick) and ids[slot] its expert. Reading each selected expert once per
 tile of its slots (instead of once per slot) needs the slots grouped by expert. route_experts does
