@@ -1,4 +1,4 @@
-"""Tiled prefill attention over a paged KV cache vs a float64 causal reference and the decode kernel."""
+"""Tiled prefill attention over a paged KV cache vs a float64 causal reference and decode."""
 
 from __future__ import annotations
 

@@ -11,7 +11,8 @@ seq_lens form, so the new tokens' K/V must already be in the cache), minus the s
 Per key tile, 256 threads:
   1. S (ROWS, KT) = Q·Kᵀ over head_dim in DC-wide chunks (Q chunk and K chunk staged together);
      thread (ty, tx) = (tid // 16, tid % 16) holds rows ty + 16i and keys tx + 16j, i, j < 4;
-  2. softmax update of the tile's 16-lane row groups (shuffles), P (KT, ROWS) → shared memory;
+  2. online-softmax update: each row's 16 partial maxima / sums meet in shared memory, where the
+     row's running max and sum live; P (KT, ROWS) → shared memory;
   3. O (ROWS, head_dim) += P·V, V staged in sub-tiles of VK keys; warp w holds rows [8w, 8w + 8),
      its lanes head_dim / 4 quads of dims (the accumulators stay in registers all along).
 A tile of ROWS / G tokens may hold the tail of one sequence and the head of the next: the block
@@ -27,8 +28,14 @@ import numpy as np
 from numba import cuda, float32, int32, int64
 
 from sparkinfer_cli.kernels.cuda.attention import KV_F16, KV_F32, KV_I8, flat_scales, kv_kind
-from sparkinfer_cli.kernels.cuda.intrinsics import (IS_SIMULATOR, bits_to_f32, f16_bits_to_f32,
-                                                    ld_u32, ld_v2_u32, ld_v4_u32)
+from sparkinfer_cli.kernels.cuda.intrinsics import (
+    IS_SIMULATOR,
+    bits_to_f32,
+    f16_bits_to_f32,
+    ld_u32,
+    ld_v2_u32,
+    ld_v4_u32,
+)
 from sparkinfer_cli.kernels.cuda.launch import cdiv, check_array
 
 ROWS = 64  # query rows per block: q heads of one kv head × tokens
