@@ -26,7 +26,7 @@ import math
 from typing import TYPE_CHECKING
 
 import numpy as np
-from numba import cuda, float32, int32
+from numba import cuda, float32, int32, int64, uint32
 
 from sparkinfer_cli.ggml_types import BLOCK_GEOMETRY, GGMLType, row_bytes
 from sparkinfer_cli.kernels.cuda.intrinsics import (
@@ -92,20 +92,29 @@ def _iq4_lookup(q):
 
 
 @cuda.jit(device=True, inline=True)
-def _k4_byte(s0, s1, s2, k):
-    word = s0 if k < 4 else (s1 if k < 8 else s2)
-    return (word >> (8 * (k & 3))) & 0xFF
+def _udiv(a, b):
+    """a // b for 0 ≤ a, b < 2^32 in unsigned math: no floor-division sign fixups, and a result
+    known to be ≥ 0, so array indexing with it drops the negative-index wraparound code."""
+    return int64(uint32(a) // uint32(b))
+
+
+@cuda.jit(device=True, inline=True)
+def _scale_min_pair_k4(c, s0, s1, s2):
+    """6-bit (scale, min) of sub-blocks 2c and 2c+1 from the 12 packed bytes s0|s1|s2
+    (get_scale_min_k4 for a pair at once, branch-free: c differs between a warp's lanes)."""
+    shift = 16 * (c & 1)
+    a, b, d = s0 >> shift, s1 >> shift, s2 >> shift
+    high = c >= 2  # sub-blocks 4..7: low 4 bits in s2, top 2 bits from the top of s0 / s1 bytes
+    sc = ((d & 0x0F0F) | ((a >> 2) & 0x3030)) if high else a & 0x3F3F
+    mn = (((d >> 4) & 0x0F0F) | ((b >> 2) & 0x3030)) if high else b & 0x3F3F
+    return sc & 0xFF, (sc >> 8) & 0xFF, mn & 0xFF, (mn >> 8) & 0xFF
 
 
 @cuda.jit(device=True, inline=True)
 def _scale_min_k4(j, s0, s1, s2):
     """6-bit (scale, min) of sub-block j from the 12 packed bytes s0|s1|s2 (get_scale_min_k4)."""
-    if j < 4:
-        return _k4_byte(s0, s1, s2, j) & 63, _k4_byte(s0, s1, s2, j + 4) & 63
-    hi = _k4_byte(s0, s1, s2, j + 4)
-    sc = (hi & 0xF) | ((_k4_byte(s0, s1, s2, j - 4) >> 6) << 4)
-    mn = (hi >> 4) | ((_k4_byte(s0, s1, s2, j) >> 6) << 4)
-    return sc, mn
+    sc_lo, sc_hi, m_lo, m_hi = _scale_min_pair_k4(j >> 1, s0, s1, s2)
+    return (sc_hi, m_hi) if j & 1 else (sc_lo, m_lo)
 
 
 @cuda.jit(device=True, inline=True)
@@ -154,14 +163,14 @@ def _sum_q4_legacy(q, xq, xo):
 
 @cuda.jit(device=True, inline=True)
 def _unit_q4_0(w, bo, part, xq, xd, xs, xo):
-    b = xo // Q8_BLOCK
+    b = _udiv(xo, Q8_BLOCK)
     s = float32(_sum_q4_legacy(_words4_unaligned(w, bo + 2), xq, xo))
     return _f16(ld_u16(w, bo)) * (xd[b] * s - float32(8.0) * xs[b])
 
 
 @cuda.jit(device=True, inline=True)
 def _unit_q4_1(w, bo, part, xq, xd, xs, xo):
-    b = xo // Q8_BLOCK
+    b = _udiv(xo, Q8_BLOCK)
     dm = ld_u32(w, bo)
     s = float32(_sum_q4_legacy(_words4_aligned(w, bo + 4), xq, xo))
     return _f16(dm) * xd[b] * s + _f16(dm >> 16) * xs[b]
@@ -182,14 +191,14 @@ def _sum_q5_legacy(q, qh, xq, xo):
 
 @cuda.jit(device=True, inline=True)
 def _unit_q5_0(w, bo, part, xq, xd, xs, xo):
-    b = xo // Q8_BLOCK
+    b = _udiv(xo, Q8_BLOCK)
     s = float32(_sum_q5_legacy(_words4_unaligned(w, bo + 6), _u32_from_u16s(w, bo + 2), xq, xo))
     return _f16(ld_u16(w, bo)) * (xd[b] * s - float32(16.0) * xs[b])
 
 
 @cuda.jit(device=True, inline=True)
 def _unit_q5_1(w, bo, part, xq, xd, xs, xo):
-    b = xo // Q8_BLOCK
+    b = _udiv(xo, Q8_BLOCK)
     dm = ld_u32(w, bo)
     s = float32(_sum_q5_legacy(_words4_aligned(w, bo + 8), ld_u32(w, bo + 4), xq, xo))
     return _f16(dm) * xd[b] * s + _f16(dm >> 16) * xs[b]
@@ -204,7 +213,7 @@ def _unit_q8_0(w, bo, part, xq, xd, xs, xo):
     s = 0
     for j in range(4):
         s = dp4a(qb[j], xb[j], dp4a(qa[j], xa[j], s))
-    return _f16(ld_u16(w, bo)) * xd[xo // Q8_BLOCK] * float32(s)
+    return _f16(ld_u16(w, bo)) * xd[_udiv(xo, Q8_BLOCK)] * float32(s)
 
 
 @cuda.jit(device=True, inline=True)
@@ -221,7 +230,7 @@ def _sum_iq4(q, xq, xo):
 @cuda.jit(device=True, inline=True)
 def _unit_iq4_nl(w, bo, part, xq, xd, xs, xo):
     s = float32(_sum_iq4(_words4_unaligned(w, bo + 2), xq, xo))
-    return _f16(ld_u16(w, bo)) * xd[xo // Q8_BLOCK] * s
+    return _f16(ld_u16(w, bo)) * xd[_udiv(xo, Q8_BLOCK)] * s
 
 
 @cuda.jit(device=True, inline=True)
@@ -230,7 +239,7 @@ def _unit_iq4_xs(w, bo, ib, xq, xd, xs, xo):
     ls = int32(((ld_u32(w, bo + 4) >> (4 * ib)) & 0xF) | (((head >> (16 + 2 * ib)) & 3) << 4)) - 32
     xo += 32 * ib
     s = float32(_sum_iq4(_words4_aligned(w, bo + 8 + 16 * ib), xq, xo))
-    return _f16(head) * float32(ls) * xd[xo // Q8_BLOCK] * s
+    return _f16(head) * float32(ls) * xd[_udiv(xo, Q8_BLOCK)] * s
 
 
 # ---------------------------------------------------------------- 256-element super-blocks
@@ -241,8 +250,7 @@ def _k4_combine(w, bo, c, xd, xs, b, s_lo, s_hi):
     s0 = ld_u32(w, bo + 4)
     s1 = ld_u32(w, bo + 8)
     s2 = ld_u32(w, bo + 12)
-    sc_lo, m_lo = _scale_min_k4(2 * c, s0, s1, s2)
-    sc_hi, m_hi = _scale_min_k4(2 * c + 1, s0, s1, s2)
+    sc_lo, sc_hi, m_lo, m_hi = _scale_min_pair_k4(c, s0, s1, s2)
     lo = float32(sc_lo) * xd[b] * float32(s_lo) + float32(sc_hi) * xd[b + 1] * float32(s_hi)
     return _f16(dm) * lo - _f16(dm >> 16) * (float32(m_lo) * xs[b] + float32(m_hi) * xs[b + 1])
 
@@ -254,7 +262,7 @@ def _unit_q4_k(w, bo, c, xq, xd, xs, xo):
     x0 = xo + 64 * c
     s_lo, s_hi = _dot_nibbles16(qa, qa, ld_v4_u32(xq, x0), ld_v4_u32(xq, x0 + 32), 0, 0)
     s_lo, s_hi = _dot_nibbles16(qb, qb, ld_v4_u32(xq, x0 + 16), ld_v4_u32(xq, x0 + 48), s_lo, s_hi)
-    return _k4_combine(w, bo, c, xd, xs, x0 // Q8_BLOCK, s_lo, s_hi)
+    return _k4_combine(w, bo, c, xd, xs, _udiv(x0, Q8_BLOCK), s_lo, s_hi)
 
 
 @cuda.jit(device=True, inline=True)
@@ -275,7 +283,7 @@ def _unit_q5_k(w, bo, c, xq, xd, xs, xo):
                              ld_v4_u32(xq, x0), ld_v4_u32(xq, x0 + 32), 0, 0)
     s_lo, s_hi = _sum_q5_k16(ld_v4_u32(w, bo + 64 + 32 * c), ld_v4_u32(w, bo + 32), c,
                              ld_v4_u32(xq, x0 + 16), ld_v4_u32(xq, x0 + 48), s_lo, s_hi)
-    return _k4_combine(w, bo, c, xd, xs, x0 // Q8_BLOCK, s_lo, s_hi)
+    return _k4_combine(w, bo, c, xd, xs, _udiv(x0, Q8_BLOCK), s_lo, s_hi)
 
 
 @cuda.jit(device=True, inline=True)
@@ -298,7 +306,7 @@ def _unit_q6_k(w, bo, part, xq, xd, xs, xo):
             s = dp4a(((v | 0x80808080) - 0x20202020) ^ 0x80808080, xw[i], s)  # bytes − 32
         sc = int32((ld_u16(w, bo + 192 + 8 * n + 2 * g) >> (8 * h)) & 0xFF)  # signed int8 scale
         sc = sc - 256 if sc > 127 else sc
-        total += float32(sc) * xd[xbase // Q8_BLOCK + g] * float32(s)
+        total += float32(sc) * xd[_udiv(xbase, Q8_BLOCK) + g] * float32(s)
     return _f16(ld_u16(w, bo + 208)) * total
 
 
@@ -372,7 +380,7 @@ def _block_rows(ggml_type: GGMLType, n_cols: int, swiglu: bool):
 
     @cuda.jit(device=True, inline=True)
     def accumulate(acc, w, w2, base, u, xcol, n_active, xq, xd, xs):
-        blk = u // parts
+        blk = _udiv(u, parts)
         for c in range(n_cols):
             if c < n_active:
                 xo = xcol[c] + blk * blk_elems
