@@ -38,7 +38,7 @@ def make_inputs(tokens: int, n_heads: int, n_kv: int, head_dim: int, rng) -> dic
         "q": cuda.to_device(rng.standard_normal((tokens, n_heads, head_dim), np.float32)),
         "k": cuda.to_device(rng.standard_normal(cache_shape, np.float32).astype(np.float16)),
         "v": cuda.to_device(rng.standard_normal(cache_shape, np.float32).astype(np.float16)),
-        "table": cuda.to_device(table),
+        "table": cuda.to_device(np.ascontiguousarray(table)),
         "seq_lens": cuda.to_device(np.arange(1, tokens + 1, dtype=np.int32)),  # (tokens,)
         "row_seq": cuda.to_device(np.zeros(tokens, np.int32)),  # (tokens,)
     }

@@ -83,14 +83,13 @@ class CudaMoE:
             self.shared(ws, stream, self._shared_out(ws))
 
     def _route(self, ws: Workspace, stream) -> ExpertRoute | None:
-        """This pass's slots sorted by expert into tiles: GEMM tiles for prefills, GEMV tiles of
-        ≤ MAX_COLS slots for decode batches; None at one token (its k experts all differ)."""
-        if ws.n_rows == 1:
+        """Prefills: this pass's slots sorted by expert into tensor-core GEMM tiles. None for
+        decode: per-slot GEMVs measured as fast as GEMVs per expert tile at 64 sequences
+        (bench/cuda_gemv_bench.py: a slot's expert re-read comes from L2)."""
+        if not ws.uses_mma(ws.n_rows, self.gate.matrix):
             return None
-        mma = ws.uses_mma(ws.n_rows, self.gate.matrix)
         n_slots = ws.n_rows * self.k
-        route = ws.expert_route(self.n_expert, n_slots,
-                                mma_gemm.TOKEN_TILES[0] if mma else qg.MAX_COLS)
+        route = ws.expert_route(self.n_expert, n_slots, mma_gemm.TOKEN_TILES[0])
         route_experts(self._picks(ws)[0].reshape(n_slots), n_slots, route, stream)
         return route
 
@@ -128,17 +127,14 @@ class CudaMoE:
         activation.swiglu(hidden, up, hidden, stream=stream)
 
     def _expert_gemv(self, ws, route, w: DeviceLinear, x, y, slot_x, stream, up=None) -> None:
-        """y[slot] = W[expert(slot)]·x[slot_x[slot]], each expert's weights read once per tile of
-        its slots (tensor-core GEMM tiles or GEMV tiles, as routed), else once per slot."""
+        """y[slot] = W[expert(slot)]·x[slot_x[slot]]: tensor-core GEMMs per expert tile when
+        routed, else one GEMV per slot reading only the selected experts (slot_mat = ids)."""
         up_matrix = None if up is None else up.matrix
         n_slots = y.shape[0]
-        if route is not None and route.tile > qg.MAX_COLS and mma_gemm.supports(w.matrix.ggml_type):
+        if route is not None and mma_gemm.supports(w.matrix.ggml_type):
             mma_gemm.grouped_matmul(w.matrix, x.f.reshape(x.f.shape[0] * x.f.shape[1], -1),
                                     y.reshape(n_slots, -1), route, slot_x, up=up_matrix,
                                     stream=stream)
-        elif route is not None and route.tile <= qg.MAX_COLS:
-            qg.grouped_gemv(w.matrix, x.for_matrix(w.matrix), y, route, slot_x, up=up_matrix,
-                            stream=stream)
         else:
             qg.gemv(w.matrix, x.for_matrix(w.matrix), y, slot_x=slot_x, up=up_matrix,
                     slot_mat=self._picks(ws)[0].reshape(n_slots), stream=stream)

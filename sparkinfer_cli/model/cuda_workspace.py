@@ -28,9 +28,10 @@ from sparkinfer_cli.model.cuda_cache import CudaModelCache, device_zeros
 from sparkinfer_cli.model.cuda_weights import DeviceLinear, StackedLinears
 
 MAX_COLS = qg.MAX_COLS
-# passes of at least this many tokens run their linears as tensor-core GEMMs (weights read once
-# per 64–128 tokens); smaller ones as GEMVs (weights read once per 8 tokens, no tile waste)
-MMA_MIN_ROWS = 128
+# passes of at least this many tokens run their linears as tensor-core GEMMs. A GEMM block walks
+# all of k (~2 µs a 32-wide step on the H200), so below ~256 tokens too few blocks fill the GPU
+# and GEMVs (weights read once per 8 tokens, ~5 µs a read) finish first.
+MMA_MIN_ROWS = 256
 INT_FIELDS = ("positions", "seq_lens", "slot_mapping", "row_seq", "state_slots", "seq_lo", "seq_n",
               "logit_rows")
 
