@@ -32,13 +32,13 @@ BLOCK_SIZE = 16
 
 def make_inputs(tokens: int, n_heads: int, n_kv: int, head_dim: int, rng) -> dict:
     n_blocks = cdiv(tokens, BLOCK_SIZE)
-    table = rng.permutation(n_blocks).astype(np.int32)[None, :]  # (1, n_blocks)
+    table = rng.permutation(n_blocks).astype(np.int32).reshape(1, n_blocks)  # (1, n_blocks)
     cache_shape = (n_blocks, BLOCK_SIZE, n_kv, head_dim)
     return {
         "q": cuda.to_device(rng.standard_normal((tokens, n_heads, head_dim), np.float32)),
         "k": cuda.to_device(rng.standard_normal(cache_shape, np.float32).astype(np.float16)),
         "v": cuda.to_device(rng.standard_normal(cache_shape, np.float32).astype(np.float16)),
-        "table": cuda.to_device(np.ascontiguousarray(table)),
+        "table": cuda.to_device(table),
         "seq_lens": cuda.to_device(np.arange(1, tokens + 1, dtype=np.int32)),  # (tokens,)
         "row_seq": cuda.to_device(np.zeros(tokens, np.int32)),  # (tokens,)
     }
