@@ -8,7 +8,6 @@ from gguf.quants import dequantize, quantize
 from numba import cuda
 
 from sparkinfer_cli.ggml_types import COMPUTE_TYPES, GGMLType, row_bytes
-from sparkinfer_cli.kernels.cuda import expert_route as er
 from sparkinfer_cli.kernels.cuda import quant_gemv as qg
 from sparkinfer_cli.kernels.cuda.launch import to_device_bytes
 
@@ -60,20 +59,6 @@ def run_gemv(w_bytes, ggml_type, k, x, slot_mat=None, slot_x=None, n_mats=1):
     n_slots = 1 if slot_mat is None else len(slot_mat)
     y = cuda.device_array((n_slots, x.shape[1], n_rows), np.float32)
     qg.gemv(w, upload_activations(x, w), y, slot_mat=dev_i32(slot_mat), slot_x=dev_i32(slot_x))
-    return y.copy_to_host()
-
-
-def run_grouped_gemv(w_bytes, ggml_type, k, x, ids, slot_x, n_mats, up_bytes=None,
-                     tile=qg.MAX_COLS):
-    """Slots routed by expert, then grouped_gemv: y (n_slots, 1, n_rows)."""
-    n_rows = w_bytes.size // row_bytes(ggml_type, k) // n_mats
-    w, up = (None if b is None else
-             qg.DeviceQuantMatrix(to_device_bytes(b), ggml_type, k, n_rows, n_mats)
-             for b in (w_bytes, up_bytes))
-    route = er.ExpertRoute(n_mats, len(ids), tile)
-    er.route_experts(dev_i32(ids), len(ids), route)
-    y = cuda.device_array((len(ids), 1, n_rows), np.float32)
-    qg.grouped_gemv(w, upload_activations(x, w), y, route, dev_i32(slot_x), up=up)
     return y.copy_to_host()
 
 
@@ -161,87 +146,23 @@ def swiglu_reference(gate_bytes, up_bytes, ggml_type, k, x_slot):
     return g / (1 + np.exp(-g)) * qg.gemv_reference(up_bytes, ggml_type, k, xk)
 
 
-@pytest.mark.parametrize("grouped", [False, True], ids=["per_slot", "grouped"])
-def test_fused_swiglu_gemv_over_expert_slots(grouped):
+def test_fused_swiglu_gemv_over_expert_slots():
     rng = np.random.default_rng(13)
     k, n_rows, n_mats = 256, 3, 3
     ggml_type = GGMLType.Q4_K
     gate_bytes, up_bytes = (random_weights(ggml_type, n_mats * n_rows, k, rng) for _ in range(2))
     x = rng.standard_normal((2, 1, k)).astype(np.float32)
     slot_mat, slot_x = [2, 0, 2], [0, 0, 1]
-    if grouped:
-        y = run_grouped_gemv(gate_bytes, ggml_type, k, x, slot_mat, slot_x, n_mats, up_bytes)
-    else:
-        gate, up = (qg.DeviceQuantMatrix(to_device_bytes(b), ggml_type, k, n_rows, n_mats)
-                    for b in (gate_bytes, up_bytes))
-        y = cuda.device_array((3, 1, n_rows), np.float32)
-        qg.gemv(gate, upload_activations(x, gate), y, slot_mat=dev_i32(slot_mat),
-                slot_x=dev_i32(slot_x), up=up)
-        y = y.copy_to_host()
+    gate, up = (qg.DeviceQuantMatrix(to_device_bytes(b), ggml_type, k, n_rows, n_mats)
+                for b in (gate_bytes, up_bytes))
+    y = cuda.device_array((3, 1, n_rows), np.float32)  # (slots, 1, rows)
+    qg.gemv(gate, upload_activations(x, gate), y, slot_mat=dev_i32(slot_mat),
+            slot_x=dev_i32(slot_x), up=up)
+    y = y.copy_to_host()
     per_mat = [b.reshape(n_mats, n_rows, -1) for b in (gate_bytes, up_bytes)]
     for s, (m, g) in enumerate(zip(slot_mat, slot_x)):
         ref = swiglu_reference(per_mat[0][m], per_mat[1][m], ggml_type, k, x[g])
         np.testing.assert_allclose(y[s], ref, rtol=1e-4, atol=1e-6)
-
-
-def check_expert_slots(y, w_bytes, ggml_type, k, x, ids, slot_x, rows=None):
-    """y (n_slots, 1, ·) of slot s == expert ids[s]'s rows · x[slot_x[s]], one expert at a time."""
-    ids, slot_x = np.asarray(ids), np.asarray(slot_x)
-    rows = slice(None) if rows is None else rows
-    for e in np.unique(ids):
-        slots = np.flatnonzero(ids == e)
-        check_close(y[slots, 0][:, rows], w_bytes[e][rows], ggml_type, k, x[slot_x[slots], 0])
-
-
-@pytest.mark.parametrize("ggml_type, tile", [
-    (GGMLType.Q4_K, 8), (GGMLType.Q6_K, 8), (GGMLType.Q8_0, 3), (GGMLType.F16, 8)],
-    ids=lambda v: getattr(v, "name", f"tile{v}"))
-def test_grouped_gemv_matches_per_slot_reference(ggml_type, tile, rng):
-    # 4 experts: expert 1 has 11 slots (several tiles), expert 0 none; 5 tokens
-    k, n_rows, n_mats, n_tokens = 256, 3, 4, 5
-    w_bytes = random_weights(ggml_type, n_mats * n_rows, k, rng).reshape(n_mats, n_rows, -1)
-    x = rng.standard_normal((n_tokens, 1, k)).astype(np.float32)
-    ids = rng.permutation(np.array([1] * 11 + [2, 2, 3], np.int32))
-    slot_x = rng.integers(0, n_tokens, len(ids))
-    y = run_grouped_gemv(w_bytes, ggml_type, k, x, ids, slot_x, n_mats, tile=tile)
-    check_expert_slots(y, w_bytes, ggml_type, k, x, ids, slot_x)
-
-
-def test_grouped_gemv_rejects_tiles_wider_than_the_kernel():
-    w = qg.DeviceQuantMatrix(to_device_bytes(np.zeros(2 * 34, np.uint8)), GGMLType.Q8_0, 32, 2)
-    act = qg.QuantizedActivations(1, 1, 32)
-    y = cuda.device_array((4, 1, 2), np.float32)
-    with pytest.raises(ValueError, match="tiles ≤ 8"):
-        qg.grouped_gemv(w, act, y, er.ExpertRoute(1, 4, 16), dev_i32([0] * 4))
-
-
-def check_grouped_top_k(ggml_type, rng, k, n_rows, n_mats, n_tokens, top_k, n_checked_rows):
-    """Tokens each picking top_k distinct experts (one expert hot), plain and fused SwiGLU."""
-    w_bytes, up_bytes = (random_weights(ggml_type, n_mats * n_rows, k, rng)
-                         .reshape(n_mats, n_rows, -1) for _ in range(2))
-    x = rng.standard_normal((n_tokens, 1, k)).astype(np.float32)
-    ids = np.stack([rng.choice(n_mats, top_k, replace=False) for _ in range(n_tokens)])
-    may_take_0 = np.all(ids[:, 1:] != 0, axis=1)  # picks stay distinct
-    may_take_0[n_tokens * 5 // 8:] = False
-    ids[may_take_0, 0] = 0  # expert 0 is hot: several tiles
-    ids, slot_x = ids.reshape(-1), np.arange(n_tokens * top_k) // top_k
-    rows = np.sort(rng.choice(n_rows, n_checked_rows, replace=False))  # reference on a subset
-    y = run_grouped_gemv(w_bytes, ggml_type, k, x, ids, slot_x, n_mats)
-    check_expert_slots(y, w_bytes, ggml_type, k, x, ids, slot_x, rows)
-    y = run_grouped_gemv(w_bytes, ggml_type, k, x, ids, slot_x, n_mats, up_bytes)
-    for s in rng.choice(len(ids), min(32, len(ids)), replace=False):
-        ref = swiglu_reference(w_bytes[ids[s]][rows], up_bytes[ids[s]][rows], ggml_type, k,
-                               x[slot_x[s]])
-        # wrong slots or experts give O(|ref|) errors; the precise check is check_expert_slots
-        np.testing.assert_allclose(y[s][:, rows], ref, rtol=1e-3, atol=1e-4 * np.abs(ref).max())
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("ggml_type", [GGMLType.Q4_K, GGMLType.Q6_K], ids=lambda t: t.name)
-def test_grouped_gemv_real_shape(ggml_type, rng):
-    # Qwen3.6 gate/up experts at decode batch 64: 256 experts, top-8 → 512 slots, k 2048, 512 rows
-    check_grouped_top_k(ggml_type, rng, k=2048, n_rows=512, n_mats=256, n_tokens=64, top_k=8,
-                        n_checked_rows=48)
 
 
 def test_stacked_gemv_splits_rows_over_outputs_and_adds_bias():

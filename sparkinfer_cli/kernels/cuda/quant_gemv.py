@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import TYPE_CHECKING
-
 import numpy as np
 from numba import cuda, float32, int32, int64, uint32
 
@@ -41,9 +39,6 @@ from sparkinfer_cli.kernels.cuda.intrinsics import (
 )
 from sparkinfer_cli.kernels.cuda.launch import cdiv, check_array
 from sparkinfer_cli.kernels.cuda.warp import shfl_xor, warp_max, warp_sum
-
-if TYPE_CHECKING:
-    from sparkinfer_cli.kernels.cuda.expert_route import ExpertRoute
 
 Q8_BLOCK = 32
 WARPS_PER_BLOCK = 4
@@ -369,9 +364,9 @@ FLOAT_TYPES = frozenset({GGMLType.F32, GGMLType.F16, GGMLType.BF16})
 
 @functools.cache
 def _block_rows(ggml_type: GGMLType, n_cols: int, swiglu: bool):
-    """The device body every GEMV kernel shares: this block's rows of the matrix at byte mat_base,
-    dotted with n_active ≤ n_cols activation columns; column c reads x from element xcol[c] and
-    lands in output column ycol[c]. The kernels differ only in how grid.y maps to those columns.
+    """The GEMV kernel's device body: this block's rows of the matrix at byte mat_base, dotted with
+    n_cols activation columns; column c reads x from element xcol[c] and lands in output column
+    ycol[c] (the kernel maps its grid.y slot to those columns).
 
     swiglu: also dot the same rows of a second matrix w2 (up) and write silu(W·x) · (W2·x).
     """
@@ -379,19 +374,18 @@ def _block_rows(ggml_type: GGMLType, n_cols: int, swiglu: bool):
     n_acc = 2 * n_cols if swiglu else n_cols
 
     @cuda.jit(device=True, inline=True)
-    def accumulate(acc, w, w2, base, u, xcol, n_active, xq, xd, xs):
+    def accumulate(acc, w, w2, base, u, xcol, xq, xd, xs):
         blk = _udiv(u, parts)
         for c in range(n_cols):
-            if c < n_active:
-                xo = xcol[c] + blk * blk_elems
-                acc[c] += unit(w, base + blk * blk_bytes, u - blk * parts, xq, xd, xs, xo)
-                if swiglu:
-                    acc[n_cols + c] += unit(w2, base + blk * blk_bytes, u - blk * parts, xq, xd,
-                                            xs, xo)
+            xo = xcol[c] + blk * blk_elems
+            acc[c] += unit(w, base + blk * blk_bytes, u - blk * parts, xq, xd, xs, xo)
+            if swiglu:
+                acc[n_cols + c] += unit(w2, base + blk * blk_bytes, u - blk * parts, xq, xd, xs,
+                                        xo)
 
     @cuda.jit(device=True, inline=True)
-    def block_rows(w, w2, row_bytes, n_rows, mat_base, k, lanes_per_row, xcol, ycol, n_active,
-                   xq, xd, xs, bias, has_bias, y0, y1, y2, y3, ends):
+    def block_rows(w, w2, row_bytes, n_rows, mat_base, k, lanes_per_row, xcol, ycol, xq, xd, xs,
+                   bias, has_bias, y0, y1, y2, y3, ends):
         # a row per `lanes_per_row` lanes (32, fewer for short rows), two units in flight per lane
         lane = cuda.threadIdx.x % 32
         rows_per_warp = 32 // lanes_per_row
@@ -408,24 +402,23 @@ def _block_rows(ggml_type: GGMLType, n_cols: int, swiglu: bool):
             n_units = k // blk_elems * parts
             u = sub
             while u + lanes_per_row < n_units:
-                accumulate(acc, w, w2, base, u, xcol, n_active, xq, xd, xs)
-                accumulate(acc, w, w2, base, u + lanes_per_row, xcol, n_active, xq, xd, xs)
+                accumulate(acc, w, w2, base, u, xcol, xq, xd, xs)
+                accumulate(acc, w, w2, base, u + lanes_per_row, xcol, xq, xd, xs)
                 u += 2 * lanes_per_row
             if u < n_units:
-                accumulate(acc, w, w2, base, u, xcol, n_active, xq, xd, xs)
+                accumulate(acc, w, w2, base, u, xcol, xq, xd, xs)
         for c in range(n_acc):
             for offset in (16, 8, 4, 2, 1):
                 if offset < lanes_per_row:
                     acc[c] += shfl_xor(acc[c], offset)
         if sub == 0 and row < n_rows:
             for c in range(n_cols):
-                if c < n_active:
-                    total = acc[c]
-                    if swiglu:
-                        total = total / (float32(1.0) + math.exp(-total)) * acc[n_cols + c]
-                    if has_bias:
-                        total += bias[row]
-                    _store_part(y0, y1, y2, y3, ends, ycol[c], row, total)
+                total = acc[c]
+                if swiglu:
+                    total = total / (float32(1.0) + math.exp(-total)) * acc[n_cols + c]
+                if has_bias:
+                    total += bias[row]
+                _store_part(y0, y1, y2, y3, ends, ycol[c], row, total)
     return block_rows
 
 
@@ -444,33 +437,8 @@ def _gemv_kernel(ggml_type: GGMLType, n_cols: int, swiglu: bool = False):
             xcol[c] = (slot_x[slot] * n_cols + c) * k
             ycol[c] = slot * n_cols + c
         block_rows(w, w2, row_bytes, n_rows, slot_mat[slot] * mat_bytes, k, lanes_per_row, xcol,
-                   ycol, n_cols, xq, xd, xs, bias, has_bias, y0, y1, y2, y3, ends)
+                   ycol, xq, xd, xs, bias, has_bias, y0, y1, y2, y3, ends)
     return gemv
-
-
-@functools.cache
-def _grouped_gemv_kernel(ggml_type: GGMLType, n_cols: int, swiglu: bool):
-    """grid.y = tile of an ExpertRoute: its expert's matrix, one column per slot of the tile."""
-    block_rows = _block_rows(ggml_type, n_cols, swiglu)
-
-    @cuda.jit(fastmath=True)
-    def grouped_gemv(w, w2, row_bytes, n_rows, mat_bytes, k, lanes_per_row, tile_expert, tile_lo,
-                     tile_hi, order, slot_x, xq, xd, xs, y0, y1, y2, y3, ends):
-        t = cuda.blockIdx.y
-        lo = tile_lo[t]
-        n_active = tile_hi[t] - lo
-        if n_active <= 0:  # tiles past the route's n_tiles are empty
-            return
-        xcol = cuda.local.array(n_cols, int32)  # (n_cols,) element offsets into x
-        ycol = cuda.local.array(n_cols, int32)  # (n_cols,) output columns = slots
-        for c in range(n_cols):
-            if c < n_active:
-                slot = order[lo + c]
-                xcol[c] = slot_x[slot] * k
-                ycol[c] = slot
-        block_rows(w, w2, row_bytes, n_rows, tile_expert[t] * mat_bytes, k, lanes_per_row, xcol,
-                   ycol, n_active, xq, xd, xs, y0, False, y0, y1, y2, y3, ends)
-    return grouped_gemv
 
 
 @cuda.jit(device=True, inline=True)
@@ -598,33 +566,6 @@ def gemv(w: DeviceQuantMatrix, x, y, *, slot_mat=None, slot_x=None,
         w.data, w.data if up is None else up.data, w.row_bytes, w.n_rows, w.n_rows * w.row_bytes,
         w.k, lanes, slot_mat, slot_x, xq, xd, xs, parts[0] if bias is None else bias,
         bias is not None, *parts, ends)
-
-
-def grouped_gemv(w: DeviceQuantMatrix, x, y, route: ExpertRoute, slot_x, *,
-                 up: DeviceQuantMatrix | None = None, stream=0) -> None:
-    """What gemv(w, x, y, slot_mat=ids, slot_x=slot_x, up=up) writes, reading each expert once
-    per tile of its slots instead of once per slot: y (n_slots, 1, n_rows) f32, in slot order.
-
-    route: filled by expert_route.route_experts(ids, n_slots, route) (tile ≤ MAX_COLS) before this
-    runs on the same stream. x: (n_groups, 1, k), as for gemv; slot_x: int32 (n_slots,).
-    """
-    _check_up(w, up)
-    check_array("slot_x", slot_x, np.int32)
-    n_slots = slot_x.size
-    if not 1 <= route.tile <= MAX_COLS or n_slots > route.max_slots:
-        raise ValueError(f"a grouped GEMV needs a route of tiles ≤ {MAX_COLS} slots and ≥ "
-                         f"{n_slots} slots, got tile {route.tile}, {route.max_slots} slots")
-    xq, xd, xs, n_cols = _activation_args(w, x)
-    if n_cols != 1:
-        raise ValueError(f"a grouped GEMV takes one activation column per group, got {n_cols}")
-    parts, ends = _output_parts(y, n_slots, 1, w.n_rows)
-    lanes = lanes_per_row(w.ggml_type, w.k)
-    grid = (cdiv(w.n_rows, WARPS_PER_BLOCK * (32 // lanes)), max(1, route.tiles_bound(n_slots)))
-    _grouped_gemv_kernel(w.ggml_type, route.tile, up is not None)[
-        grid, 32 * WARPS_PER_BLOCK, stream](
-        w.data, w.data if up is None else up.data, w.row_bytes, w.n_rows, w.n_rows * w.row_bytes,
-        w.k, lanes, route.tile_expert, route.tile_lo, route.tile_hi, route.order, slot_x, xq, xd,
-        xs, *parts, ends)
 
 
 def _check_up(w: DeviceQuantMatrix, up: DeviceQuantMatrix | None) -> None:
