@@ -162,6 +162,14 @@ def _piece_q4_k(w, off, kk):
 
 
 @cuda.jit(device=True, inline=True)
+def _with_high_bits(lo, qh, shift, mask):
+    """Per byte of 4 words: the low nibble lo | ((qh >> shift) & mask) << 4 (Q5_K's 5th bit,
+    Q6_K's top two)."""
+    return (lo[0] | (((qh[0] >> shift) & mask) << 4), lo[1] | (((qh[1] >> shift) & mask) << 4),
+            lo[2] | (((qh[2] >> shift) & mask) << 4), lo[3] | (((qh[3] >> shift) & mask) << 4))
+
+
+@cuda.jit(device=True, inline=True)
 def _piece_q5_k(w, off, kk):
     # as Q4_K, plus the 5th bit of element i of sub-block j = bit j of qh byte i
     bo = off + (kk >> 8) * 176
@@ -169,8 +177,7 @@ def _piece_q5_k(w, off, kk):
     h = (kk >> 4) & 1
     lo = _nibbles(ld_v4_u32(w, bo + 48 + 32 * (j >> 1) + 16 * h), 4 * (j & 1))
     qh = ld_v4_u32(w, bo + 16 + 16 * h)
-    q = (lo[0] | (((qh[0] >> j) & M1) << 4), lo[1] | (((qh[1] >> j) & M1) << 4),
-         lo[2] | (((qh[2] >> j) & M1) << 4), lo[3] | (((qh[3] >> j) & M1) << 4))
+    q = _with_high_bits(lo, qh, j, M1)
     scale, mn = _k4_scales(w, bo, j)
     return _affine16(q, scale, -mn)
 
@@ -185,8 +192,7 @@ def _piece_q6_k(w, off, kk):
     h = (kk >> 4) & 1
     ql = _nibbles(_words4_unaligned(w, bo + 64 * n + 32 * (g & 1) + 16 * h), 4 * (g >> 1))
     qh = _words4_unaligned(w, bo + 128 + 32 * n + 16 * h)
-    q = (ql[0] | (((qh[0] >> (2 * g)) & M2) << 4), ql[1] | (((qh[1] >> (2 * g)) & M2) << 4),
-         ql[2] | (((qh[2] >> (2 * g)) & M2) << 4), ql[3] | (((qh[3] >> (2 * g)) & M2) << 4))
+    q = _with_high_bits(ql, qh, 2 * g, M2)
     sc = int32((ld_u16(w, bo + 192 + 8 * n + 2 * g) >> (8 * h)) & 0xFF)  # signed int8 scale
     scale = _f16(ld_u16(w, bo + 208)) * float32(sc - 256 if sc > 127 else sc)
     return _affine16(q, scale, -32 * scale)
