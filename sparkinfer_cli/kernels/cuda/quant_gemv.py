@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
+
 import numpy as np
 from numba import cuda, float32, int32, int64, uint32
 
