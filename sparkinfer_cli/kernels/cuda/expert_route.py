@@ -3,7 +3,8 @@
 A slot is one (token, expert pick) and ids[slot] its expert. Reading each selected expert once per
 tile of its slots (mma_gemm.grouped_matmul, prefills) needs the slots grouped by expert.
 route_experts does it in one single-block launch: shared-memory counts, a block scan, an atomic
-scatter. All sizes are fixed at construction and nothing comes back to the host, so the launch can live in a CUDA graph.
+scatter. All sizes are fixed at construction and nothing comes back to the host, so the launch can
+live in a CUDA graph.
 
     order    [ slots of e0 | slots of e1 | ... ]         expert e: order[offsets[e]:offsets[e+1]]
     tiles    [ e0 ≤tile | e0 rest | e2 ≤tile | ... | empty (lo == hi) ... ]   n_tiles[0] in use
