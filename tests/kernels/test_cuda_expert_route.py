@@ -83,3 +83,9 @@ def test_route_real_shapes(rng, n_slots, tile):
     ids[: n_slots // 8] = 7  # one hot expert with many tiles
     route, got = run_route(ids, n_expert, tile)
     check_route(ids, n_expert, tile, route, got)
+
+
+def test_route_buffers_report_their_size() -> None:
+    route = er.ExpertRoute(n_expert=6, max_slots=20, tile=4)
+    # order 20, offsets 7, three tile arrays of 20 // 4 + 6 = 11, n_tiles 1: int32 each
+    assert route.nbytes == 4 * (20 + 7 + 3 * 11 + 1)

@@ -41,6 +41,11 @@ class ExpertRoute:
         self.tile_hi = cuda.device_array(self.max_tiles, np.int32)  # (max_tiles,)
         self.n_tiles = cuda.device_array(1, np.int32)  # (1,)
 
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.order, self.offsets, self.tile_expert, self.tile_lo,
+                                      self.tile_hi, self.n_tiles))
+
     def tiles_bound(self, n_slots: int) -> int:
         """How many tiles a routing of n_slots slots can use at most (a consumer's grid size)."""
         return min(self.max_tiles, n_slots // self.tile + min(self.n_expert, n_slots))
