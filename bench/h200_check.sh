@@ -1,0 +1,47 @@
+#!/bin/bash
+# One device call's worth of GPU checks, from the repo root on the H200 (see env README: the
+# device's python needs the wheels built by ../shared/tools/device-wheels.sh, carried as .whl/).
+#
+#   bash bench/h200_check.sh tests     # gpu-marked kernel tests, then the model tests   (~7 min)
+#   bash bench/h200_check.sh kernels   # kernel micro-benchmarks                          (~3 min)
+#   bash bench/h200_check.sh profile   # CUPTI per-kernel profiles: batch 1, batch 64, prefill (~5 min)
+#   bash bench/h200_check.sh bench     # `sparkinfer bench` on both synthetic presets     (~8 min)
+#
+# Everything is logged under $OUT (the device tool brings that folder back).
+set -u
+OUT=${OUT:-/tmp/h200_out}
+mkdir -p "$OUT"
+S=$(mktemp -d)
+python3 -m pip install -q --no-index --no-deps --target "$S" .whl/*.whl
+export PYTHONPATH=$S:$PWD NUMBA_ENABLE_CUDASIM=0 PYTHONWARNINGS=ignore
+
+run() {  # run LOG TIMEOUT CMD...: log to $OUT/LOG, print its tail
+  local log=$1 limit=$2
+  shift 2
+  timeout "$limit" "$@" > "$OUT/$log" 2>&1
+  echo "== $log (exit $?)"
+  tail -n 12 "$OUT/$log"
+}
+
+case "${1:-tests}" in
+  tests)
+    run gpu_kernels.log 240 python3 -m pytest -m gpu tests/kernels -q -p no:cacheprovider
+    run gpu_model.log 300 python3 -m pytest -m gpu tests/model/test_cuda_model.py \
+      -k "not demo_model" -q -p no:cacheprovider ;;
+  kernels)
+    for b in cuda_mma_bench cuda_attention_bench cuda_delta_bench cuda_gemv_bench; do
+      run "$b.log" 70 python3 "bench/$b.py"
+    done ;;
+  profile)
+    P=bench/cuda_kernel_profile.py
+    run prof_b1.log 150 python3 $P qwen3.6-35b-a3b "$OUT/prof_b1.json" --steps 10
+    run prof_b64.log 150 python3 $P qwen3.6-35b-a3b "$OUT/prof_b64.json" --steps 5 --batch 64 --ctx 128
+    run prof_pf.log 120 python3 $P qwen3.6-35b-a3b "$OUT/prof_pf.json" --steps 2 --prefill 4096 --ctx 0 ;;
+  bench)
+    mkdir -p "$OUT/bench"
+    run bench36.log 330 python3 -m sparkinfer_cli bench --synthetic qwen3.6-35b-a3b --device cuda \
+      --ctx 512 --ctx 4096 --ctx 32768 --out "$OUT/bench"
+    run bench30.log 200 python3 -m sparkinfer_cli bench --synthetic qwen3-30b-a3b --device cuda \
+      --ctx 512 --concurrency 1 --out "$OUT/bench" ;;
+  *) echo "usage: $0 tests|kernels|profile|bench" >&2; exit 2 ;;
+esac
