@@ -9,6 +9,8 @@
 #
 # Everything is logged under $OUT (the device tool brings that folder back).
 set -u
+case "${1:-tests}" in tests|kernels|profile|bench) ;;
+esac
 OUT=${OUT:-/tmp/h200_out}
 mkdir -p "$OUT"
 S=$(mktemp -d)
@@ -43,5 +45,4 @@ case "${1:-tests}" in
       --ctx 512 --ctx 4096 --ctx 32768 --out "$OUT/bench"
     run bench30.log 200 python3 -m sparkinfer_cli bench --synthetic qwen3-30b-a3b --device cuda \
       --ctx 512 --concurrency 1 --out "$OUT/bench" ;;
-  *) echo "usage: $0 tests|kernels|profile|bench" >&2; exit 2 ;;
 esac
