@@ -9,7 +9,9 @@
 #
 # Everything is logged under $OUT (the device tool brings that folder back).
 set -u
-case "${1:-tests}" in tests|kernels|profile|bench) ;;
+case "${1:-tests}" in
+  tests|kernels|profile|bench) ;;
+  *) echo "usage: $0 tests|kernels|profile|bench" >&2; exit 2 ;;
 esac
 OUT=${OUT:-/tmp/h200_out}
 mkdir -p "$OUT"
