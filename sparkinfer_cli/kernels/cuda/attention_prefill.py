@@ -301,14 +301,20 @@ def _softmax_tile(s, lim, red_sh, m_sh, l_sh, ref_sh, corr_sh, p_sh, k0, ty, tx)
         _update_sum(tid, red_sh, l_sh, corr_sh)
 
 
-@functools.cache
-def _prefill_kernel(head_dim: int, kind: int):
+def _pv_layout(head_dim: int) -> tuple[int, int, int, int]:
+    """(lanes_per_row, quads_per_lane, rows_per_lane, vk) of the P·V step: a warp's lanes split
+    head_dim / 4 quads of dims over its 8 rows; V is staged vk keys at a time."""
     quads = head_dim // 4
     lanes_per_row = min(32, quads)
     quads_per_lane = quads // lanes_per_row
     rows_per_lane = ROWS * quads // (THREADS * quads_per_lane)  # 8 rows per warp in all
-    vk = min(KT, V_FLOATS // head_dim)
-    n_acc = rows_per_lane * quads_per_lane * 4
+    return lanes_per_row, quads_per_lane, rows_per_lane, min(KT, V_FLOATS // head_dim)
+
+
+@functools.cache
+def _output_accumulators(head_dim: int):
+    """Device functions on a thread's O accumulators acc (rows_per_lane, quads_per_lane, 4)."""
+    lanes_per_row, quads_per_lane, rows_per_lane, vk = _pv_layout(head_dim)
 
     @cuda.jit(device=True, inline=True)
     def accumulate_pv(acc, p_sh, buf, j0, r0, lq):
@@ -343,6 +349,45 @@ def _prefill_kernel(head_dim: int, kind: int):
                         out[off + 4 * (lq + lanes_per_row * c) + e] = \
                             acc[(i * quads_per_lane + c) * 4 + e] * inv
 
+    return accumulate_pv, rescale, write_out
+
+
+@functools.cache
+def _key_tile_step(head_dim: int, kind: int):
+    """attend_key_tile: one KT-key tile of a run — scores, online softmax, O += P·V."""
+    vk = _pv_layout(head_dim)[3]
+    accumulate_pv, rescale, _ = _output_accumulators(head_dim)
+
+    @cuda.jit(device=True, inline=True)
+    def attend_key_tile(acc, s, lim, buf, p_sh, krow_sh, red_sh, qrow_sh, softmax_sh, q, kv,
+                        scales, block_table, table, k0, kend, block_size, n_kv, kv_head, scale,
+                        thread):
+        """acc (this thread's O rows) += the tile's P·V; softmax_sh = (m, l, ref, corr) rows;
+        kv, scales = (K, V) caches and their scales; thread = (ty, tx, r0, lq)."""
+        m_sh, l_sh, ref_sh, corr_sh = softmax_sh
+        ty, tx, r0, lq = thread
+        cuda.syncthreads()  # the previous tile is done with krow_sh
+        _key_rows(krow_sh, block_table, table, k0, kend, block_size, n_kv, kv_head, head_dim)
+        _scores(s, buf, q, qrow_sh, kv[0], scales[0], krow_sh, kind, scale, head_dim, ty, tx)
+        _softmax_tile(s, lim, red_sh, m_sh, l_sh, ref_sh, corr_sh, p_sh, k0, ty, tx)
+        rescale(acc, corr_sh, r0)
+        for j0 in range(0, min(KT, kend - k0), vk):
+            if j0 > 0:
+                cuda.syncthreads()  # the previous V sub-tile is consumed
+            _stage_v(buf, kv[1], scales[1], krow_sh, j0, kind, head_dim, vk)
+            cuda.syncthreads()
+            accumulate_pv(acc, p_sh, buf, j0, r0, lq)
+
+    return attend_key_tile
+
+
+@functools.cache
+def _prefill_kernel(head_dim: int, kind: int):
+    lanes_per_row, quads_per_lane, rows_per_lane, _ = _pv_layout(head_dim)
+    n_acc = rows_per_lane * quads_per_lane * 4
+    attend_key_tile = _key_tile_step(head_dim, kind)
+    write_out = _output_accumulators(head_dim)[2]
+
     @cuda.jit(fastmath=True)
     def prefill(q, k_cache, v_cache, k_scales, v_scales, block_table, max_blocks, row_seq,
                 seq_lens, n_rows, n_kv, block_size, scale, out):
@@ -362,8 +407,8 @@ def _prefill_kernel(head_dim: int, kind: int):
         lim_sh = cuda.shared.array(ROWS, int32)
         m_sh = cuda.shared.array(ROWS, float32)
         l_sh = cuda.shared.array(ROWS, float32)
-        ref_sh = cuda.shared.array(ROWS, float32)
-        corr_sh = cuda.shared.array(ROWS, float32)
+        softmax_sh = (m_sh, l_sh, cuda.shared.array(ROWS, float32),
+                      cuda.shared.array(ROWS, float32))  # running max, sum; ref, corr
         s = cuda.local.array(16, float32)  # (4 rows, 4 keys) of S
         lim = cuda.local.array(4, int32)
         acc = cuda.local.array(n_acc, float32)  # (rows_per_lane, quads_per_lane, 4) of O
@@ -380,19 +425,9 @@ def _prefill_kernel(head_dim: int, kind: int):
             for e in range(n_acc):
                 acc[e] = float32(0.0)
             for k0 in range(0, kend, KT):
-                cuda.syncthreads()  # the previous tile is done with krow_sh
-                _key_rows(krow_sh, block_table, table, k0, kend, block_size, n_kv, kv_head,
-                          head_dim)
-                _scores(s, buf, q, qrow_sh, k_cache, k_scales, krow_sh, kind, scale, head_dim,
-                        ty, tx)
-                _softmax_tile(s, lim, red_sh, m_sh, l_sh, ref_sh, corr_sh, p_sh, k0, ty, tx)
-                rescale(acc, corr_sh, r0)
-                for j0 in range(0, min(KT, kend - k0), vk):
-                    if j0 > 0:
-                        cuda.syncthreads()  # the previous V sub-tile is consumed
-                    _stage_v(buf, v_cache, v_scales, krow_sh, j0, kind, head_dim, vk)
-                    cuda.syncthreads()
-                    accumulate_pv(acc, p_sh, buf, j0, r0, lq)
+                attend_key_tile(acc, s, lim, buf, p_sh, krow_sh, red_sh, qrow_sh, softmax_sh, q,
+                                (k_cache, v_cache), (k_scales, v_scales), block_table, table, k0,
+                                kend, block_size, n_kv, kv_head, scale, (ty, tx, r0, lq))
             cuda.syncthreads()  # l_sh is final
             write_out(out, acc, qrow_sh, l_sh, r0, lq)
             a = b

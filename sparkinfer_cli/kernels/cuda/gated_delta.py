@@ -329,11 +329,9 @@ def _delta_seq_blocks(dv: int) -> tuple[int, int]:
 
 
 @functools.cache
-def _delta_seq_kernel(dk: int, dv: int):
+def _row_moves(dk: int):
+    """Device functions moving this lane's per_lane = dk / 8 floats of a dk-row as float4s."""
     vecs = dk // 32  # float4s per lane per row
-    per_lane = 4 * vecs
-    half = per_lane // 2
-    warps, col_blocks = _delta_seq_blocks(dv)
 
     @cuda.jit(device=True, inline=True, fastmath=True)
     def load_row(arr, off, x):
@@ -344,6 +342,12 @@ def _delta_seq_kernel(dk: int, dv: int):
                 x[4 * m + c] = bits_to_f32(w[c])
 
     @cuda.jit(device=True, inline=True, fastmath=True)
+    def store_row(arr, off, x):
+        """The row at byte offset off (lane part included) ← this lane's per_lane floats x."""
+        for m in range(vecs):
+            st_v4_f32(arr, off + 128 * m, x[4 * m], x[4 * m + 1], x[4 * m + 2], x[4 * m + 3])
+
+    @cuda.jit(device=True, inline=True, fastmath=True)
     def load_token(u, a, b, u_row, g_row, q_off, k_off, v_off, q, k):
         """q, k ← a token's key-head rows (u_row, g_row: byte offsets of its u and gate rows);
         returns its (v[j], a, b)."""
@@ -351,6 +355,15 @@ def _delta_seq_kernel(dk: int, dv: int):
         load_row(u, u_row + k_off, k)
         return (bits_to_f32(ld_u32(u, u_row + v_off)), bits_to_f32(ld_u32(a, g_row)),
                 bits_to_f32(ld_u32(b, g_row)))
+
+    return load_row, store_row, load_token
+
+
+@functools.cache
+def _token_step(dk: int):
+    """token_step: the delta rule for one token on this lane's part of a value column."""
+    per_lane = dk // 8
+    half = per_lane // 2
 
     @cuda.jit(device=True, inline=True, fastmath=True)
     def token_step(s, q, k, v, ga, gb, neg_a, bias, eps):
@@ -374,6 +387,15 @@ def _delta_seq_kernel(dk: int, dv: int):
             s[e] = s[e] * decay + k[e] * kd
             o += s[e] * q[e]
         return _group_sum(o) * rsqrt((sq + eps) * float32(dk))
+
+    return token_step
+
+
+@functools.cache
+def _token_runner(dk: int):
+    """run_tokens: a column's state advanced over a sequence's rows, loads one token ahead."""
+    load_token = _row_moves(dk)[2]
+    token_step = _token_step(dk)
 
     @cuda.jit(device=True, inline=True, fastmath=True)
     def run_tokens(u, a, b, out, s, n, u_row, g_row, o_row, lane_offs, store, gates, qa, ka, qb,
@@ -400,6 +422,16 @@ def _delta_seq_kernel(dk: int, dv: int):
             if left == 0:
                 return
             left, u_row, g_row, o_row = left - 1, u_nxt, g_nxt, o_row + o_step
+
+    return run_tokens
+
+
+@functools.cache
+def _delta_seq_kernel(dk: int, dv: int):
+    per_lane = dk // 8
+    warps, col_blocks = _delta_seq_blocks(dv)
+    load_row, store_row, _ = _row_moves(dk)
+    run_tokens = _token_runner(dk)
 
     @cuda.jit(fastmath=True)
     def delta_seq(u, a, b, ssm_a, dt_bias, state, state_slots, seq_lo, seq_n, n_k_heads,
@@ -432,9 +464,7 @@ def _delta_seq_kernel(dk: int, dv: int):
                            lo * lane_offs[4] + 4 * h, 4 * ((lo * n_v_heads + h) * dv + j),
                            lane_offs, sub == 0 and j < dv, gates, qa, ka, qb, kb)
                 if j < dv:
-                    for m in range(vecs):
-                        st_v4_f32(state, col + 128 * m, s[4 * m], s[4 * m + 1], s[4 * m + 2],
-                                  s[4 * m + 3])
+                    store_row(state, col, s)
     return delta_seq
 
 
