@@ -398,30 +398,35 @@ def _token_runner(dk: int):
     token_step = _token_step(dk)
 
     @cuda.jit(device=True, inline=True, fastmath=True)
+    def step_and_prefetch(u, a, b, out, s, left, rows, lane_offs, store, gates, cur, nxt):
+        """Load the next token into buffers nxt while token `cur` updates s (and its output is
+        stored); returns (tokens left, the next token's row offsets, its v / a / b)."""
+        u_row, g_row, o_row = rows
+        q_off, k_off, v_off, u_step, g_step, o_step = lane_offs
+        neg_a, bias, eps = gates
+        u_nxt, g_nxt = u_row + (u_step if left > 0 else 0), g_row + (g_step if left > 0 else 0)
+        v_n, a_n, b_n = load_token(u, a, b, u_nxt, g_nxt, q_off, k_off, v_off, nxt[0], nxt[1])
+        o = token_step(s, cur[0], cur[1], cur[2], cur[3], cur[4], neg_a, bias, eps)
+        if store:
+            st_f32(out, o_row, o)
+        return left - 1, (u_nxt, g_nxt, o_row + o_step), v_n, a_n, b_n
+
+    @cuda.jit(device=True, inline=True, fastmath=True)
     def run_tokens(u, a, b, out, s, n, u_row, g_row, o_row, lane_offs, store, gates, qa, ka, qb,
                    kb):
         """s ← s advanced over n tokens from byte offsets u_row / g_row; outputs from o_row."""
-        q_off, k_off, v_off, u_step, g_step, o_step = lane_offs
-        neg_a, bias, eps = gates
-        left = n - 1  # tokens after the current one
+        q_off, k_off, v_off = lane_offs[0], lane_offs[1], lane_offs[2]
+        left, rows = n - 1, (u_row, g_row, o_row)  # left: tokens after the current one
         va, aa, ba = load_token(u, a, b, u_row, g_row, q_off, k_off, v_off, qa, ka)
         while True:  # two tokens a trip: one computes from buffer A while B loads, then swap
-            u_nxt, g_nxt = u_row + (u_step if left > 0 else 0), g_row + (g_step if left > 0 else 0)
-            vb, ab, bb = load_token(u, a, b, u_nxt, g_nxt, q_off, k_off, v_off, qb, kb)
-            o = token_step(s, qa, ka, va, aa, ba, neg_a, bias, eps)
-            if store:
-                st_f32(out, o_row, o)
-            if left == 0:
+            left, rows, vb, ab, bb = step_and_prefetch(u, a, b, out, s, left, rows, lane_offs,
+                                                       store, gates, (qa, ka, va, aa, ba), (qb, kb))
+            if left < 0:
                 return
-            left, u_row, g_row, o_row = left - 1, u_nxt, g_nxt, o_row + o_step
-            u_nxt, g_nxt = u_row + (u_step if left > 0 else 0), g_row + (g_step if left > 0 else 0)
-            va, aa, ba = load_token(u, a, b, u_nxt, g_nxt, q_off, k_off, v_off, qa, ka)
-            o = token_step(s, qb, kb, vb, ab, bb, neg_a, bias, eps)
-            if store:
-                st_f32(out, o_row, o)
-            if left == 0:
+            left, rows, va, aa, ba = step_and_prefetch(u, a, b, out, s, left, rows, lane_offs,
+                                                       store, gates, (qb, kb, vb, ab, bb), (qa, ka))
+            if left < 0:
                 return
-            left, u_row, g_row, o_row = left - 1, u_nxt, g_nxt, o_row + o_step
 
     return run_tokens
 
