@@ -26,6 +26,17 @@ from numba import cuda, float32, int32, int64, uint32
 
 from sparkinfer_cli.ggml_types import GGMLType
 from sparkinfer_cli.kernels.cuda import quant_gemv as qg
+from sparkinfer_cli.kernels.cuda.ggml_blocks import (
+    M1,
+    M2,
+    M4,
+    f16,
+    scale_min_k4,
+    spread4,
+    u32_from_u16s,
+    words4_aligned,
+    words4_unaligned,
+)
 from sparkinfer_cli.kernels.cuda.intrinsics import (
     bits_to_f32,
     byte_perm,
@@ -37,19 +48,7 @@ from sparkinfer_cli.kernels.cuda.intrinsics import (
     pack_f16x2,
 )
 from sparkinfer_cli.kernels.cuda.launch import cdiv, check_array
-from sparkinfer_cli.kernels.cuda.quant_gemv import (
-    M1,
-    M2,
-    M4,
-    DeviceQuantMatrix,
-    _f16,
-    _scale_min_k4,
-    _spread4,
-    _store_part,
-    _u32_from_u16s,
-    _words4_aligned,
-    _words4_unaligned,
-)
+from sparkinfer_cli.kernels.cuda.quant_gemv import DeviceQuantMatrix, store_part
 
 BM = 128  # weight rows staged per block
 BK = 32  # k elements per pipeline step
@@ -96,33 +95,33 @@ def _pack4(v):
 @cuda.jit(device=True, inline=True)
 def _piece_q4_0(w, off, kk):
     bo = off + (kk >> 5) * 18
-    d = _f16(ld_u16(w, bo))
-    return _affine16(_nibbles(_words4_unaligned(w, bo + 2), 4 * ((kk >> 4) & 1)), d, -8 * d)
+    d = f16(ld_u16(w, bo))
+    return _affine16(_nibbles(words4_unaligned(w, bo + 2), 4 * ((kk >> 4) & 1)), d, -8 * d)
 
 
 @cuda.jit(device=True, inline=True)
 def _piece_q4_1(w, off, kk):
     bo = off + (kk >> 5) * 20
     dm = ld_u32(w, bo)
-    q = _nibbles(_words4_aligned(w, bo + 4), 4 * ((kk >> 4) & 1))
-    return _affine16(q, _f16(dm), _f16(dm >> 16))
+    q = _nibbles(words4_aligned(w, bo + 4), 4 * ((kk >> 4) & 1))
+    return _affine16(q, f16(dm), f16(dm >> 16))
 
 
 @cuda.jit(device=True, inline=True)
 def _q5_legacy(qs, qh, h):
     """Element i of half h: nibble h of qs byte i, 5th bit = bit 16h + i of qh."""
     hb = qh >> (16 * h)
-    return (((qs[0] >> (4 * h)) & M4) | (_spread4(hb & 0xF) << 4),
-            ((qs[1] >> (4 * h)) & M4) | (_spread4((hb >> 4) & 0xF) << 4),
-            ((qs[2] >> (4 * h)) & M4) | (_spread4((hb >> 8) & 0xF) << 4),
-            ((qs[3] >> (4 * h)) & M4) | (_spread4((hb >> 12) & 0xF) << 4))
+    return (((qs[0] >> (4 * h)) & M4) | (spread4(hb & 0xF) << 4),
+            ((qs[1] >> (4 * h)) & M4) | (spread4((hb >> 4) & 0xF) << 4),
+            ((qs[2] >> (4 * h)) & M4) | (spread4((hb >> 8) & 0xF) << 4),
+            ((qs[3] >> (4 * h)) & M4) | (spread4((hb >> 12) & 0xF) << 4))
 
 
 @cuda.jit(device=True, inline=True)
 def _piece_q5_0(w, off, kk):
     bo = off + (kk >> 5) * 22
-    d = _f16(ld_u16(w, bo))
-    q = _q5_legacy(_words4_unaligned(w, bo + 6), _u32_from_u16s(w, bo + 2), (kk >> 4) & 1)
+    d = f16(ld_u16(w, bo))
+    q = _q5_legacy(words4_unaligned(w, bo + 6), u32_from_u16s(w, bo + 2), (kk >> 4) & 1)
     return _affine16(q, d, -16 * d)
 
 
@@ -130,16 +129,16 @@ def _piece_q5_0(w, off, kk):
 def _piece_q5_1(w, off, kk):
     bo = off + (kk >> 5) * 24
     dm = ld_u32(w, bo)
-    q = _q5_legacy(_words4_aligned(w, bo + 8), ld_u32(w, bo + 4), (kk >> 4) & 1)
-    return _affine16(q, _f16(dm), _f16(dm >> 16))
+    q = _q5_legacy(words4_aligned(w, bo + 8), ld_u32(w, bo + 4), (kk >> 4) & 1)
+    return _affine16(q, f16(dm), f16(dm >> 16))
 
 
 @cuda.jit(device=True, inline=True)
 def _piece_q8_0(w, off, kk):
     bo = off + (kk >> 5) * 34
-    q = _words4_unaligned(w, bo + 2 + 16 * ((kk >> 4) & 1))
+    q = words4_unaligned(w, bo + 2 + 16 * ((kk >> 4) & 1))
     flipped = (q[0] ^ 0x80808080, q[1] ^ 0x80808080, q[2] ^ 0x80808080, q[3] ^ 0x80808080)
-    d = _f16(ld_u16(w, bo))
+    d = f16(ld_u16(w, bo))
     return _affine16(flipped, d, -128 * d)  # int8 b = (b ^ 0x80) − 128
 
 
@@ -147,8 +146,8 @@ def _piece_q8_0(w, off, kk):
 def _k4_scales(w, bo, j):
     """(d·sc_j, dmin·m_j) of sub-block j of a Q4_K/Q5_K super-block."""
     dm = ld_u32(w, bo)
-    sc, mn = _scale_min_k4(j, ld_u32(w, bo + 4), ld_u32(w, bo + 8), ld_u32(w, bo + 12))
-    return _f16(dm) * float32(sc), _f16(dm >> 16) * float32(mn)
+    sc, mn = scale_min_k4(j, ld_u32(w, bo + 4), ld_u32(w, bo + 8), ld_u32(w, bo + 12))
+    return f16(dm) * float32(sc), f16(dm >> 16) * float32(mn)
 
 
 @cuda.jit(device=True, inline=True)
@@ -190,11 +189,11 @@ def _piece_q6_k(w, off, kk):
     n = (kk >> 7) & 1
     g = (kk >> 5) & 3
     h = (kk >> 4) & 1
-    ql = _nibbles(_words4_unaligned(w, bo + 64 * n + 32 * (g & 1) + 16 * h), 4 * (g >> 1))
-    qh = _words4_unaligned(w, bo + 128 + 32 * n + 16 * h)
+    ql = _nibbles(words4_unaligned(w, bo + 64 * n + 32 * (g & 1) + 16 * h), 4 * (g >> 1))
+    qh = words4_unaligned(w, bo + 128 + 32 * n + 16 * h)
     q = _with_high_bits(ql, qh, 2 * g, M2)
     sc = int32((ld_u16(w, bo + 192 + 8 * n + 2 * g) >> (8 * h)) & 0xFF)  # signed int8 scale
-    scale = _f16(ld_u16(w, bo + 208)) * float32(sc - 256 if sc > 127 else sc)
+    scale = f16(ld_u16(w, bo + 208)) * float32(sc - 256 if sc > 127 else sc)
     return _affine16(q, scale, -32 * scale)
 
 
@@ -366,7 +365,7 @@ def _store_fn(bn: int, swiglu: bool, grouped: bool):
                         if has_bias:
                             v += bias[row]
                         slot = order[lo + j] if grouped else lo + j
-                        _store_part(y0, y1, y2, y3, ends, slot, row, v)
+                        store_part(y0, y1, y2, y3, ends, slot, row, v)
     return store
 
 
@@ -445,7 +444,7 @@ def _output_parts(y, n_slots: int, n_rows: int) -> tuple[list, tuple[int, ...]]:
     for i, part in enumerate(ys):
         if len(part.shape) != 2 or part.shape[0] != n_slots:
             raise ValueError(f"y[{i}]: shape {tuple(part.shape)}, expected ({n_slots}, ·)")
-    return qg._output_parts([p.reshape(n_slots, 1, p.shape[1]) for p in ys], n_slots, 1, n_rows)
+    return qg.output_parts([p.reshape(n_slots, 1, p.shape[1]) for p in ys], n_slots, 1, n_rows)
 
 
 def _launch(w, up, x, y, n_slots, grid_y, bn, grouped, route_args, bias, stream) -> None:

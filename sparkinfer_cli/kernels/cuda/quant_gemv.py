@@ -28,12 +28,21 @@ import numpy as np
 from numba import cuda, float32, int32, int64, uint32
 
 from sparkinfer_cli.ggml_types import BLOCK_GEOMETRY, GGMLType, row_bytes
+from sparkinfer_cli.kernels.cuda.ggml_blocks import (
+    M1,
+    M2,
+    M4,
+    f16,
+    scale_min_pair_k4,
+    spread4,
+    u32_from_u16s,
+    words4_aligned,
+    words4_unaligned,
+)
 from sparkinfer_cli.kernels.cuda.intrinsics import (
     bits_to_f32,
     byte_perm,
     dp4a,
-    f16_bits_to_f32,
-    funnel_shift_r,
     ld_u16,
     ld_u32,
     ld_v4_u32,
@@ -45,32 +54,12 @@ Q8_BLOCK = 32
 WARPS_PER_BLOCK = 4
 MAX_COLS = 8
 MAX_PARTS = 4
-M4 = 0x0F0F0F0F
-M1 = 0x01010101
-M2 = 0x03030303
 _IQ4NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
                          np.int8)
 IQ4NL_WORDS = tuple(int(w) for w in _IQ4NL_VALUES.view(np.uint32))  # the table as 4 LE words
 
 
 # ---------------------------------------------------------------- small device helpers
-@cuda.jit(device=True, inline=True)
-def _f16(u):
-    return f16_bits_to_f32(u & 0xFFFF)
-
-
-@cuda.jit(device=True, inline=True)
-def _u32_from_u16s(w, off):
-    """A 32-bit word at a 2-byte-aligned offset (GGUF blocks of 18/22/34/210 bytes)."""
-    return ld_u16(w, off) | (ld_u16(w, off + 2) << 16)
-
-
-@cuda.jit(device=True, inline=True)
-def _spread4(bits):
-    """4 bits → bit 0 of each of 4 bytes (multiply-and-mask; the shifted copies never overlap)."""
-    return (bits * 0x00204081) & M1
-
-
 @cuda.jit(device=True, inline=True)
 def _iq4_lookup(q):
     """8 nibbles of q → (IQ4_NL values of the low nibbles, of the high nibbles), 4 int8 each.
@@ -95,25 +84,6 @@ def _udiv(a, b):
 
 
 @cuda.jit(device=True, inline=True)
-def _scale_min_pair_k4(c, s0, s1, s2):
-    """6-bit (scale, min) of sub-blocks 2c and 2c+1 from the 12 packed bytes s0|s1|s2
-    (get_scale_min_k4 for a pair at once, branch-free: c differs between a warp's lanes)."""
-    shift = 16 * (c & 1)
-    a, b, d = s0 >> shift, s1 >> shift, s2 >> shift
-    high = c >= 2  # sub-blocks 4..7: low 4 bits in s2, top 2 bits from the top of s0 / s1 bytes
-    sc = ((d & 0x0F0F) | ((a >> 2) & 0x3030)) if high else a & 0x3F3F
-    mn = (((d >> 4) & 0x0F0F) | ((b >> 2) & 0x3030)) if high else b & 0x3F3F
-    return sc & 0xFF, (sc >> 8) & 0xFF, mn & 0xFF, (mn >> 8) & 0xFF
-
-
-@cuda.jit(device=True, inline=True)
-def _scale_min_k4(j, s0, s1, s2):
-    """6-bit (scale, min) of sub-block j from the 12 packed bytes s0|s1|s2 (get_scale_min_k4)."""
-    sc_lo, sc_hi, m_lo, m_hi = _scale_min_pair_k4(j >> 1, s0, s1, s2)
-    return (sc_hi, m_hi) if j & 1 else (sc_lo, m_lo)
-
-
-@cuda.jit(device=True, inline=True)
 def _dot_nibbles16(lo_src, hi_src, xlo, xhi, acc_lo, acc_hi):
     """dp4a of low nibbles of 4 words with xlo and high nibbles with xhi."""
     for i in range(4):
@@ -125,26 +95,6 @@ def _dot_nibbles16(lo_src, hi_src, xlo, xhi, acc_lo, acc_hi):
 # ---------------------------------------------------------------- 32-element blocks
 # Each unit returns the contribution of one block to one column; xo = element offset of the
 # block's first element in that column of the activations (so xo // 32 indexes xd / xs).
-@cuda.jit(device=True, inline=True)
-def _words4_aligned(w, off):
-    """4 consecutive u32 words at a 4-aligned byte offset."""
-    return ld_u32(w, off), ld_u32(w, off + 4), ld_u32(w, off + 8), ld_u32(w, off + 12)
-
-
-@cuda.jit(device=True, inline=True)
-def _words4_unaligned(w, off):
-    """4 consecutive u32 words at a 2-aligned byte offset: 5 aligned loads + funnel shifts.
-
-    NOTE: may read up to 4 bytes past off + 16 (to_device_bytes pads buffers by 16 bytes).
-    """
-    base = off - (off & 3)
-    shift = (off & 3) * 8
-    a0, a1, a2 = ld_u32(w, base), ld_u32(w, base + 4), ld_u32(w, base + 8)
-    a3, a4 = ld_u32(w, base + 12), ld_u32(w, base + 16)
-    return (funnel_shift_r(a0, a1, shift), funnel_shift_r(a1, a2, shift),
-            funnel_shift_r(a2, a3, shift), funnel_shift_r(a3, a4, shift))
-
-
 @cuda.jit(device=True, inline=True)
 def _sum_q4_legacy(q, xq, xo):
     """Σ q·x over a 32-element block from its 16 nibble bytes (4 words)."""
@@ -160,16 +110,16 @@ def _sum_q4_legacy(q, xq, xo):
 @cuda.jit(device=True, inline=True)
 def _unit_q4_0(w, bo, part, xq, xd, xs, xo):
     b = _udiv(xo, Q8_BLOCK)
-    s = float32(_sum_q4_legacy(_words4_unaligned(w, bo + 2), xq, xo))
-    return _f16(ld_u16(w, bo)) * (xd[b] * s - float32(8.0) * xs[b])
+    s = float32(_sum_q4_legacy(words4_unaligned(w, bo + 2), xq, xo))
+    return f16(ld_u16(w, bo)) * (xd[b] * s - float32(8.0) * xs[b])
 
 
 @cuda.jit(device=True, inline=True)
 def _unit_q4_1(w, bo, part, xq, xd, xs, xo):
     b = _udiv(xo, Q8_BLOCK)
     dm = ld_u32(w, bo)
-    s = float32(_sum_q4_legacy(_words4_aligned(w, bo + 4), xq, xo))
-    return _f16(dm) * xd[b] * s + _f16(dm >> 16) * xs[b]
+    s = float32(_sum_q4_legacy(words4_aligned(w, bo + 4), xq, xo))
+    return f16(dm) * xd[b] * s + f16(dm >> 16) * xs[b]
 
 
 @cuda.jit(device=True, inline=True)
@@ -179,8 +129,8 @@ def _sum_q5_legacy(q, qh, xq, xo):
     xb = ld_v4_u32(xq, xo + 16)
     s = 0
     for j in range(4):
-        lo = (q[j] & M4) | (_spread4((qh >> (4 * j)) & 0xF) << 4)
-        hi = ((q[j] >> 4) & M4) | (_spread4((qh >> (16 + 4 * j)) & 0xF) << 4)
+        lo = (q[j] & M4) | (spread4((qh >> (4 * j)) & 0xF) << 4)
+        hi = ((q[j] >> 4) & M4) | (spread4((qh >> (16 + 4 * j)) & 0xF) << 4)
         s = dp4a(hi, xb[j], dp4a(lo, xa[j], s))
     return s
 
@@ -188,28 +138,28 @@ def _sum_q5_legacy(q, qh, xq, xo):
 @cuda.jit(device=True, inline=True)
 def _unit_q5_0(w, bo, part, xq, xd, xs, xo):
     b = _udiv(xo, Q8_BLOCK)
-    s = float32(_sum_q5_legacy(_words4_unaligned(w, bo + 6), _u32_from_u16s(w, bo + 2), xq, xo))
-    return _f16(ld_u16(w, bo)) * (xd[b] * s - float32(16.0) * xs[b])
+    s = float32(_sum_q5_legacy(words4_unaligned(w, bo + 6), u32_from_u16s(w, bo + 2), xq, xo))
+    return f16(ld_u16(w, bo)) * (xd[b] * s - float32(16.0) * xs[b])
 
 
 @cuda.jit(device=True, inline=True)
 def _unit_q5_1(w, bo, part, xq, xd, xs, xo):
     b = _udiv(xo, Q8_BLOCK)
     dm = ld_u32(w, bo)
-    s = float32(_sum_q5_legacy(_words4_aligned(w, bo + 8), ld_u32(w, bo + 4), xq, xo))
-    return _f16(dm) * xd[b] * s + _f16(dm >> 16) * xs[b]
+    s = float32(_sum_q5_legacy(words4_aligned(w, bo + 8), ld_u32(w, bo + 4), xq, xo))
+    return f16(dm) * xd[b] * s + f16(dm >> 16) * xs[b]
 
 
 @cuda.jit(device=True, inline=True)
 def _unit_q8_0(w, bo, part, xq, xd, xs, xo):
     xa = ld_v4_u32(xq, xo)
     xb = ld_v4_u32(xq, xo + 16)
-    qa = _words4_unaligned(w, bo + 2)
-    qb = _words4_unaligned(w, bo + 18)
+    qa = words4_unaligned(w, bo + 2)
+    qb = words4_unaligned(w, bo + 18)
     s = 0
     for j in range(4):
         s = dp4a(qb[j], xb[j], dp4a(qa[j], xa[j], s))
-    return _f16(ld_u16(w, bo)) * xd[_udiv(xo, Q8_BLOCK)] * float32(s)
+    return f16(ld_u16(w, bo)) * xd[_udiv(xo, Q8_BLOCK)] * float32(s)
 
 
 @cuda.jit(device=True, inline=True)
@@ -225,8 +175,8 @@ def _sum_iq4(q, xq, xo):
 
 @cuda.jit(device=True, inline=True)
 def _unit_iq4_nl(w, bo, part, xq, xd, xs, xo):
-    s = float32(_sum_iq4(_words4_unaligned(w, bo + 2), xq, xo))
-    return _f16(ld_u16(w, bo)) * xd[_udiv(xo, Q8_BLOCK)] * s
+    s = float32(_sum_iq4(words4_unaligned(w, bo + 2), xq, xo))
+    return f16(ld_u16(w, bo)) * xd[_udiv(xo, Q8_BLOCK)] * s
 
 
 @cuda.jit(device=True, inline=True)
@@ -234,8 +184,8 @@ def _unit_iq4_xs(w, bo, ib, xq, xd, xs, xo):
     head = ld_u32(w, bo)  # d (f16) | scales_h (u16)
     ls = int32(((ld_u32(w, bo + 4) >> (4 * ib)) & 0xF) | (((head >> (16 + 2 * ib)) & 3) << 4)) - 32
     xo += 32 * ib
-    s = float32(_sum_iq4(_words4_aligned(w, bo + 8 + 16 * ib), xq, xo))
-    return _f16(head) * float32(ls) * xd[_udiv(xo, Q8_BLOCK)] * s
+    s = float32(_sum_iq4(words4_aligned(w, bo + 8 + 16 * ib), xq, xo))
+    return f16(head) * float32(ls) * xd[_udiv(xo, Q8_BLOCK)] * s
 
 
 # ---------------------------------------------------------------- 256-element super-blocks
@@ -246,9 +196,9 @@ def _k4_combine(w, bo, c, xd, xs, b, s_lo, s_hi):
     s0 = ld_u32(w, bo + 4)
     s1 = ld_u32(w, bo + 8)
     s2 = ld_u32(w, bo + 12)
-    sc_lo, sc_hi, m_lo, m_hi = _scale_min_pair_k4(c, s0, s1, s2)
+    sc_lo, sc_hi, m_lo, m_hi = scale_min_pair_k4(c, s0, s1, s2)
     lo = float32(sc_lo) * xd[b] * float32(s_lo) + float32(sc_hi) * xd[b + 1] * float32(s_hi)
-    return _f16(dm) * lo - _f16(dm >> 16) * (float32(m_lo) * xs[b] + float32(m_hi) * xs[b + 1])
+    return f16(dm) * lo - f16(dm >> 16) * (float32(m_lo) * xs[b] + float32(m_hi) * xs[b + 1])
 
 
 @cuda.jit(device=True, inline=True)
@@ -288,9 +238,9 @@ def _unit_q6_k(w, bo, part, xq, xd, xs, xo):
     # elements 128n + 32g + l, 6-bit values (ql nibble | 2 qh bits) − 32, scale sc[8n + 2g + h].
     n = part >> 1
     h = part & 1
-    ql_lo = _words4_unaligned(w, bo + 64 * n + 16 * h)        # ql[l]
-    ql_hi = _words4_unaligned(w, bo + 64 * n + 32 + 16 * h)   # ql[l + 32]
-    qh = _words4_unaligned(w, bo + 128 + 32 * n + 16 * h)
+    ql_lo = words4_unaligned(w, bo + 64 * n + 16 * h)        # ql[l]
+    ql_hi = words4_unaligned(w, bo + 64 * n + 32 + 16 * h)   # ql[l + 32]
+    qh = words4_unaligned(w, bo + 128 + 32 * n + 16 * h)
     xbase = xo + 128 * n + 16 * h
     total = float32(0.0)
     for g in range(4):
@@ -303,7 +253,7 @@ def _unit_q6_k(w, bo, part, xq, xd, xs, xo):
         sc = int32((ld_u16(w, bo + 192 + 8 * n + 2 * g) >> (8 * h)) & 0xFF)  # signed int8 scale
         sc = sc - 256 if sc > 127 else sc
         total += float32(sc) * xd[_udiv(xbase, Q8_BLOCK) + g] * float32(s)
-    return _f16(ld_u16(w, bo + 208)) * total
+    return f16(ld_u16(w, bo + 208)) * total
 
 
 # ---------------------------------------------------------------- float weights (x in float32)
@@ -324,9 +274,9 @@ def _unit_f16(w, bo, part, x, xd, xs, xo):
     xb = ld_v4_u32(x, 4 * xo + 16)
     s = float32(0.0)
     for i in range(2):
-        s += _f16(wv[i]) * bits_to_f32(xa[2 * i]) + _f16(wv[i] >> 16) * bits_to_f32(xa[2 * i + 1])
-        s += (_f16(wv[i + 2]) * bits_to_f32(xb[2 * i])
-              + _f16(wv[i + 2] >> 16) * bits_to_f32(xb[2 * i + 1]))
+        s += f16(wv[i]) * bits_to_f32(xa[2 * i]) + f16(wv[i] >> 16) * bits_to_f32(xa[2 * i + 1])
+        s += (f16(wv[i + 2]) * bits_to_f32(xb[2 * i])
+              + f16(wv[i + 2] >> 16) * bits_to_f32(xb[2 * i + 1]))
     return s
 
 
@@ -419,7 +369,7 @@ def _block_rows(ggml_type: GGMLType, n_cols: int, swiglu: bool):
                     total = total / (float32(1.0) + math.exp(-total)) * acc[n_cols + c]
                 if has_bias:
                     total += bias[row]
-                _store_part(y0, y1, y2, y3, ends, ycol[c], row, total)
+                store_part(y0, y1, y2, y3, ends, ycol[c], row, total)
     return block_rows
 
 
@@ -443,7 +393,7 @@ def _gemv_kernel(ggml_type: GGMLType, n_cols: int, swiglu: bool = False):
 
 
 @cuda.jit(device=True, inline=True)
-def _store_part(y0, y1, y2, y3, ends, col, row, v):
+def store_part(y0, y1, y2, y3, ends, col, row, v):
     """Row `row` of the stacked matrix → its part's array (part p: rows [ends[p-1], ends[p]))."""
     if row < ends[0]:
         y0[col * ends[0] + row] = v
@@ -558,7 +508,7 @@ def gemv(w: DeviceQuantMatrix, x, y, *, slot_mat=None, slot_x=None,
     slot_x = _default_slots() if slot_x is None else slot_x
     n_slots = slot_mat.size
     xq, xd, xs, n_cols = _activation_args(w, x)
-    parts, ends = _output_parts(y, n_slots, n_cols, w.n_rows)
+    parts, ends = output_parts(y, n_slots, n_cols, w.n_rows)
     if bias is not None:
         check_array("bias", bias, np.float32, (w.n_rows,))
     lanes = lanes_per_row(w.ggml_type, w.k)
@@ -588,7 +538,7 @@ def _activation_args(w: DeviceQuantMatrix, x) -> tuple:
     return xq, xd, xs, n_cols
 
 
-def _output_parts(y, n_slots: int, n_cols: int, n_rows: int) -> tuple[list, tuple[int, ...]]:
+def output_parts(y, n_slots: int, n_cols: int, n_rows: int) -> tuple[list, tuple[int, ...]]:
     """The GEMV's output arrays flattened and padded to MAX_PARTS, and each part's end row."""
     ys = list(y) if isinstance(y, (list, tuple)) else [y]
     if not 1 <= len(ys) <= MAX_PARTS:
