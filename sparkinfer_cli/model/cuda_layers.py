@@ -131,7 +131,7 @@ class CudaMoE:
         routed, else one GEMV per slot reading only the selected experts (slot_mat = ids)."""
         up_matrix = None if up is None else up.matrix
         n_slots = y.shape[0]
-        if route is not None and mma_gemm.supports(w.matrix.ggml_type):
+        if route is not None and mma_gemm.supports(w.matrix):
             mma_gemm.grouped_matmul(w.matrix, x.f.reshape(x.f.shape[0] * x.f.shape[1], -1),
                                     y.reshape(n_slots, -1), route, slot_x, up=up_matrix,
                                     stream=stream)

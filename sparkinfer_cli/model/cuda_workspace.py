@@ -143,7 +143,7 @@ class Workspace:
 
     def uses_mma(self, n_tokens: int, w: qg.DeviceQuantMatrix) -> bool:
         """Whether a linear over n_tokens rows of this pass runs on tensor cores."""
-        return self.quantized and n_tokens >= MMA_MIN_ROWS and mma_gemm.supports(w.ggml_type)
+        return self.quantized and n_tokens >= MMA_MIN_ROWS and mma_gemm.supports(w)
 
     def zeros_i32(self, n: int):
         return self.buf("zeros_i32", n, dtype=np.int32)

@@ -178,12 +178,17 @@ def test_matmul_fused_swiglu_over_two_row_blocks(rng):
     _check(y.copy_to_host(), x.astype(np.float64), gate_ref[0], up=up_ref[0])
 
 
-def test_matmul_rejects_types_without_a_dequantizer():
+def test_matmul_rejects_types_without_a_dequantizer_and_partial_k_steps():
     w = DeviceQuantMatrix(to_device_bytes(np.zeros(136, np.uint8)), GGMLType.IQ4_XS, 256, 1)
     with pytest.raises(ValueError, match="IQ4_XS"):
         mg.matmul(w, cuda.to_device(np.zeros((1, 256), np.float32)),
                   cuda.device_array((1, 1), np.float32))
-    assert not mg.supports(GGMLType.IQ4_XS) and mg.supports(GGMLType.Q4_K)
+    q4k = DeviceQuantMatrix(to_device_bytes(np.zeros(144, np.uint8)), GGMLType.Q4_K, 256, 1)
+    f32_k40 = DeviceQuantMatrix(to_device_bytes(np.zeros(160, np.uint8)), GGMLType.F32, 40, 1)
+    assert not mg.supports(w) and mg.supports(q4k) and not mg.supports(f32_k40)
+    with pytest.raises(ValueError, match="k % 32"):
+        mg.matmul(f32_k40, cuda.to_device(np.zeros((1, 40), np.float32)),
+                  cuda.device_array((1, 1), np.float32))
 
 
 # ---------------------------------------------------------------- grouped (MoE) GEMM

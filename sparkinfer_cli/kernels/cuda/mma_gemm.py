@@ -235,9 +235,10 @@ _PIECES = {
 SUPPORTED_TYPES = frozenset(_PIECES)
 
 
-def supports(ggml_type: int) -> bool:
-    """Whether the tensor-core GEMM reads this weight type (else fall back to quant_gemv)."""
-    return ggml_type in _PIECES
+def supports(w: DeviceQuantMatrix) -> bool:
+    """Whether the tensor-core GEMM takes this matrix: a type it dequantizes, rows of whole
+    BK-element steps (else fall back to quant_gemv)."""
+    return w.ggml_type in _PIECES and w.k % BK == 0
 
 
 # ---------------------------------------------------------------- the kernel
