@@ -12,7 +12,7 @@ import numpy as np
 from sparkinfer_cli.kernels.cuda import activation, attention, gated_delta, mma_gemm, moe, norm
 from sparkinfer_cli.kernels.cuda import quant_gemv as qg
 from sparkinfer_cli.kernels.cuda.attention_input import prepare_attention_input
-from sparkinfer_cli.kernels.cuda.attention_prefill import HEAD_DIMS, prefill_attention
+from sparkinfer_cli.kernels.cuda import attention_prefill
 from sparkinfer_cli.kernels.cuda.expert_route import ExpertRoute, route_experts
 from sparkinfer_cli.model.config import ROPE_NEOX, ModelConfig
 from sparkinfer_cli.model.cuda_cache import CudaModelCache
@@ -167,8 +167,8 @@ class CudaAttention:
         out = ws.act("attn.out", H * D)
         args = (q, cache.k[li], cache.v[li], ws.block_tables, ws.seq_lens, out.f.reshape(rows, H, D))
         options = {"stream": stream, "row_seq": ws.row_seq, "scales": cache.kv_scales(li)}
-        if ws.multi_token and D in HEAD_DIMS:  # queries of one sequence share K/V tiles
-            prefill_attention(*args, **options)
+        if ws.multi_token and attention_prefill.supports(H, H_kv, D):  # queries share K/V tiles
+            attention_prefill.prefill_attention(*args, **options)
         else:  # one query per sequence: keys split over blocks
             attention.paged_decode_attention(*args, ws.attn, **options)
         if self.gated:

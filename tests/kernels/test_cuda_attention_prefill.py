@@ -9,7 +9,7 @@ import pytest
 from numba import cuda
 
 from sparkinfer_cli.kernels.cuda import attention
-from sparkinfer_cli.kernels.cuda.attention_prefill import prefill_attention
+from sparkinfer_cli.kernels.cuda.attention_prefill import prefill_attention, supports
 
 
 @dataclass
@@ -162,3 +162,9 @@ def test_prefill_real_shapes_match_decode_kernel(n_heads, n_kv, head_dim):
     ref = causal_reference(PagedBatch(b.q[sample], b.k_cache, b.v_cache, None, b.block_table,
                                       b.row_seq[sample], b.seq_lens[sample], b.keys, b.values))
     np.testing.assert_allclose(out[sample], ref, rtol=1e-4, atol=1e-5)
+
+
+def test_supports_names_the_shapes_the_kernel_takes() -> None:
+    assert supports(16, 2, 256) and supports(32, 4, 128) and supports(4, 2, 64)
+    assert not supports(16, 2, 80)  # head_dim outside HEAD_DIMS
+    assert not supports(130, 2, 128)  # 65 q heads per kv head: more than a block's rows

@@ -464,6 +464,11 @@ def prefill_attention(q, k_cache, v_cache, block_table, seq_lens, out, scale: fl
         seq_lens, n_rows, n_kv, block_size, float32(scale), out.reshape(out.size))
 
 
+def supports(n_heads: int, n_kv: int, head_dim: int) -> bool:
+    """Whether this kernel takes the model's attention shape (else use paged_decode_attention)."""
+    return head_dim in HEAD_DIMS and n_heads % n_kv == 0 and n_heads // n_kv <= ROWS
+
+
 def _check_shapes(q, k_cache, v_cache, out) -> None:
     if q.ndim != 3 or k_cache.ndim != 4:
         raise ValueError(f"q {q.shape} must be (rows, heads, head_dim), the cache "
