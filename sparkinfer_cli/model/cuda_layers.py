@@ -51,7 +51,9 @@ class CudaSwiGLU:
 
 
 class CudaMoE:
-    """Router top-k on the device; expert GEMVs read only the selected experts (slot_mat = ids).
+    """Router top-k on the device; decode passes run one GEMV per (token, expert) slot reading
+    only the selected experts (slot_mat = ids), prefills of ≥ MMA_MIN_ROWS tokens sort the slots
+    by expert and run tensor-core GEMMs per expert tile.
 
     The weighted combine of the experts (and the gated shared expert) is left to `add_norm`, which
     folds it into the next pre-norm's residual add: one launch instead of three."""
@@ -84,7 +86,7 @@ class CudaMoE:
 
     def _route(self, ws: Workspace, stream) -> ExpertRoute | None:
         """Prefills: this pass's slots sorted by expert into tensor-core GEMM tiles. None for
-        decode: per-slot GEMVs measured as fast as GEMVs per expert tile at 64 sequences
+        decode: per-slot GEMVs measured faster than GEMVs per expert tile at 64 sequences
         (bench/cuda_gemv_bench.py: a slot's expert re-read comes from L2)."""
         if not ws.uses_mma(ws.n_rows, self.gate.matrix):
             return None
