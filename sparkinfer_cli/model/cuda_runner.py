@@ -6,8 +6,10 @@
 
 A pass of N tokens runs on a workspace of the next power of two rows (cuda_workspace.py). Passes
 of one new token per sequence (decode) replay a CUDA graph captured the first time their row
-bucket is seen; other passes (prefill, mixed) launch eagerly. Token embeddings are looked up on
-the host (N rows of the GGUF table) and copied in with the step's other inputs.
+bucket is seen; other passes (prefill, mixed) launch eagerly, with attention as the tiled prefill
+kernel and, from MMA_MIN_ROWS tokens on, every linear and the MoE experts as tensor-core GEMMs
+(f16 activations). Token embeddings are looked up on the host (N rows of the GGUF table) and
+copied in with the step's other inputs.
 
 Activations: by default the GEMVs of quantized weights take q8 activations (int8 per 32, dp4a), as
 llama.cpp's CUDA path does, so logits follow llama.cpp's native runs (≈1e-2). `exact=True`
