@@ -15,6 +15,41 @@ if not os.path.exists("/dev/nvidiactl"):
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
 
+def serialize_simulated_shared_arrays() -> None:
+    """One shared array per call site and block again in numba-cuda's simulator.
+
+    Its FakeCUDAShared.array creates a call site's array on first request with a check-then-insert
+    that races between the simulated threads of a block: two threads can get different arrays, and
+    one then reads memory nobody wrote (seen as rare NaN / overflow results of mma_gemm under a
+    short thread switch interval). The same creation, under a lock."""
+    import sys
+    import threading
+    import traceback
+
+    import numpy as np
+    from numba.core import types
+    from numba.cuda.simulator import kernelapi
+    from numba.np import numpy_support
+
+    original, lock = kernelapi.FakeCUDAShared.array, threading.Lock()
+
+    def array(self, shape, dtype, alignment=None):
+        if shape == 0 or alignment is not None:  # dynamic shared memory; numba's own error
+            return original(self, shape, dtype, alignment)
+        caller = traceback.extract_stack(sys._getframe())[-2][0:2]  # as numba keys it
+        with lock:
+            if caller not in self._allocations:
+                dt = numpy_support.as_dtype(dtype) if isinstance(dtype, types.Type) else dtype
+                self._allocations[caller] = np.empty(shape, dt)
+            return self._allocations[caller]
+
+    kernelapi.FakeCUDAShared.array = array
+
+
+if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+    serialize_simulated_shared_arrays()
+
+
 @pytest.fixture(scope="session")
 def fixtures_dir() -> Path:
     return FIXTURES
