@@ -79,7 +79,8 @@ class CudaMoE:
         route = self._route(ws, stream)
         hidden = ws.act("moe.hidden", self.gate.n_rows, rows * k, 1)  # (slots, 1, ff)
         self._experts(ws, route, ws.x.as_rows(), hidden.f, ws.iota(rows * k, k), stream)
-        hidden.quantize(stream)
+        if not self._on_tensor_cores(route, self.down):  # the GEMV takes q8 activations
+            hidden.quantize(stream)
         self._expert_gemv(ws, route, self.down, hidden, self._down(ws), ws.iota(rows * k), stream)
         if self.shared is not None:
             self.shared(ws, stream, self._shared_out(ws))
@@ -128,12 +129,16 @@ class CudaMoE:
         self._expert_gemv(ws, route, self.up, x, up, token_of_slot, stream)
         activation.swiglu(hidden, up, hidden, stream=stream)
 
+    @staticmethod
+    def _on_tensor_cores(route: ExpertRoute | None, w: DeviceLinear) -> bool:
+        return route is not None and mma_gemm.supports(w.matrix)
+
     def _expert_gemv(self, ws, route, w: DeviceLinear, x, y, slot_x, stream, up=None) -> None:
         """y[slot] = W[expert(slot)]·x[slot_x[slot]]: tensor-core GEMMs per expert tile when
         routed, else one GEMV per slot reading only the selected experts (slot_mat = ids)."""
         up_matrix = None if up is None else up.matrix
         n_slots = y.shape[0]
-        if route is not None and mma_gemm.supports(w.matrix):
+        if self._on_tensor_cores(route, w):
             mma_gemm.grouped_matmul(w.matrix, x.f.reshape(x.f.shape[0] * x.f.shape[1], -1),
                                     y.reshape(n_slots, -1), route, slot_x, up=up_matrix,
                                     stream=stream)
