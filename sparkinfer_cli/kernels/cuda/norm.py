@@ -49,13 +49,17 @@ def _norm_kernel(per_thread: int, k: int):
         # combined with weights moe_w (+ the shared expert, gated by sigmoid(gate)).
         # Thread t owns elements t + j·blockDim. quantize: also write out as int8 per 32 elements
         # (quant_gemv's q8 activations): with d % 32 == 0 each warp holds whole 32-blocks.
+        # All loads of a thread come first, stores after: a store to `residual` between them
+        # would make the next loads wait for it (x / residual may alias), one memory latency
+        # per element instead of one in all.
         scratch = cuda.shared.array(33, float32)
         vals = cuda.local.array(per_thread, float32)
+        weights = cuda.local.array(per_thread, float32)
+        gates = cuda.local.array(per_thread, float32)  # SILU_GATE: z
         tid, n_threads = cuda.threadIdx.x, cuda.blockDim.x
         row = cuda.blockIdx.x
         base = row * d
         accumulates = mode == ADD or mode >= MOE
-        partial = float32(0.0)
         for j in range(per_thread):
             i = tid + j * n_threads
             v = float32(0.0)
@@ -66,17 +70,24 @@ def _norm_kernel(per_thread: int, k: int):
                     v = x[base + i]
                 if accumulates:
                     v += residual[base + i]
-                    residual[base + i] = v
+                if mode == SILU_GATE:
+                    gates[j] = residual[base + i]
+                weights[j] = w[i]
             vals[j] = v
-            partial += v * v
+        partial = float32(0.0)
+        for j in range(per_thread):
+            i = tid + j * n_threads
+            if accumulates and i < d:
+                residual[base + i] = vals[j]
+            partial += vals[j] * vals[j]
         inv = float32(1.0) / math.sqrt(block_sum(partial, scratch) / float32(d) + eps)
         for j in range(per_thread):
             i = tid + j * n_threads
             y = float32(0.0)
             if i < d:
-                y = vals[j] * inv * w[i]
+                y = vals[j] * inv * weights[j]
                 if mode == SILU_GATE:
-                    z = residual[base + i]
+                    z = gates[j]
                     y *= z / (float32(1.0) + math.exp(-z))
                 out[base + i] = y
             if quantize and j * n_threads + tid // 32 * 32 < d:
