@@ -75,6 +75,18 @@ def _prefill_step(model, args) -> Callable[[], None]:
     return step
 
 
+def _last_step_trace(prof, launches: int) -> list[dict]:
+    """The last `launches` GPU events in start order: name, GPU µs and the idle gap before each."""
+    events = sorted((ev for ev in prof.events() if ev.device_type.name == "CUDA"),
+                    key=lambda ev: ev.time_range.start)[-launches:]
+    trace, prev_end = [], events[0].time_range.start
+    for ev in events:
+        trace.append({"name": _kernel_name(ev.name), "us": ev.time_range.elapsed_us(),
+                      "gap_us": ev.time_range.start - prev_end})
+        prev_end = ev.time_range.end
+    return trace
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("preset")
@@ -83,6 +95,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--prefill", type=int, default=0)
+    ap.add_argument("--trace", action="store_true",
+                    help="also list the last step's launches in order: start, GPU µs, gap before")
     args = ap.parse_args()
     from torch.profiler import ProfilerActivity, profile
 
@@ -111,6 +125,8 @@ def main() -> None:
               "kernels": [{"name": n, "per_step": c, "us_per_step": t} for n, c, t in rows],
               "raw_names": sorted({ev.name[:300] for ev in prof.events()
                                    if ev.device_type.name == "CUDA"})}
+    if args.trace:
+        result["trace"] = _last_step_trace(prof, int(result["launches_per_step"]))
     print(f"step {wall_us:.0f} µs wall, kernels {kernels_us:.0f} µs, "
           f"{result['launches_per_step']:.0f} launches")
     for n, c, t in rows:

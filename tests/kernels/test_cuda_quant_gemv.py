@@ -102,6 +102,18 @@ def test_gemv_slots_pick_expert_matrices_and_activation_groups():
         check_close(y[s], per_mat[m], ggml_type, k, x[g])
 
 
+@pytest.mark.parametrize("ggml_type, k", [(GGMLType.F32, 1024), (GGMLType.Q8_0, 8192)],
+                         ids=["F32", "Q8_0"])
+def test_gemv_splits_few_long_rows_over_the_blocks_warps(ggml_type, k):
+    rng = np.random.default_rng(15)
+    n_rows, n_cols = 3, 2
+    assert qg.row_warps(ggml_type, k, n_rows) == qg.WARPS_PER_BLOCK  # the path under test
+    w_bytes = random_weights(ggml_type, n_rows, k, rng)
+    x = rng.standard_normal((1, n_cols, k)).astype(np.float32)
+    y = run_gemv(w_bytes, ggml_type, k, x)
+    check_close(y[0], w_bytes, ggml_type, k, x[0])
+
+
 def test_quantize_activations_matches_reference():
     rng = np.random.default_rng(3)
     x = rng.standard_normal((1, 2, 64)).astype(np.float32)
@@ -127,6 +139,7 @@ def test_gemv_rejects_rows_that_are_not_whole_blocks():
     (GGMLType.Q6_K, 2048, 151936, 1, 1, 8),    # Qwen3 output, batch 8
     (GGMLType.IQ4_XS, 4096, 4096, 1, 1, 3),
     (GGMLType.BF16, 4096, 4096, 1, 1, 2),
+    (GGMLType.F32, 2048, 257, 1, 1, 1),        # Qwen3.6 router + shared-expert gate
 ])
 def test_gemv_real_shapes(ggml_type, k, n_rows, n_mats, n_slots, n_cols):
     rng = np.random.default_rng(12)

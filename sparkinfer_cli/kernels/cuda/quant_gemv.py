@@ -54,6 +54,7 @@ Q8_BLOCK = 32
 WARPS_PER_BLOCK = 4
 MAX_COLS = 8
 MAX_PARTS = 4
+SPLIT_ROWS_BELOW = 1024  # rows (× slots) under which long rows are split over a block's warps
 _IQ4NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
                          np.int8)
 IQ4NL_WORDS = tuple(int(w) for w in _IQ4NL_VALUES.view(np.uint32))  # the table as 4 LE words
@@ -335,16 +336,19 @@ def _block_rows(ggml_type: GGMLType, n_cols: int, swiglu: bool):
                                         xo)
 
     @cuda.jit(device=True, inline=True)
-    def block_rows(w, w2, row_bytes, n_rows, mat_base, k, lanes_per_row, xcol, ycol, xq, xd, xs,
-                   bias, has_bias, y0, y1, y2, y3, ends):
-        # a row per `lanes_per_row` lanes (32, fewer for short rows), two units in flight per lane
-        lane = cuda.threadIdx.x % 32
+    def block_rows(w, w2, row_bytes, n_rows, mat_base, k, lanes_per_row, row_warps, xcol, ycol,
+                   xq, xd, xs, bias, has_bias, y0, y1, y2, y3, ends):
+        # a row per `lanes_per_row` lanes (32, fewer for short rows) of `row_warps` warps (1, or
+        # all WARPS_PER_BLOCK for matrices of few long rows), two units in flight per lane
+        lane, warp = cuda.threadIdx.x % 32, cuda.threadIdx.x // 32
         rows_per_warp = 32 // lanes_per_row
-        first = (cuda.blockIdx.x * WARPS_PER_BLOCK + cuda.threadIdx.x // 32) * rows_per_warp
+        first = (cuda.blockIdx.x * (WARPS_PER_BLOCK // row_warps) + warp // row_warps) \
+            * rows_per_warp
         if first >= n_rows:
             return
         row = first + lane // lanes_per_row
-        sub = lane % lanes_per_row
+        sub = lane % lanes_per_row + (warp % row_warps) * lanes_per_row
+        stride = lanes_per_row * row_warps
         acc = cuda.local.array(n_acc, float32)  # (n_cols,) or (gate cols, up cols)
         for c in range(n_acc):
             acc[c] = 0.0
@@ -352,16 +356,24 @@ def _block_rows(ggml_type: GGMLType, n_cols: int, swiglu: bool):
             base = mat_base + row * row_bytes
             n_units = k // blk_elems * parts
             u = sub
-            while u + lanes_per_row < n_units:
+            while u + stride < n_units:
                 accumulate(acc, w, w2, base, u, xcol, xq, xd, xs)
-                accumulate(acc, w, w2, base, u + lanes_per_row, xcol, xq, xd, xs)
-                u += 2 * lanes_per_row
+                accumulate(acc, w, w2, base, u + stride, xcol, xq, xd, xs)
+                u += 2 * stride
             if u < n_units:
                 accumulate(acc, w, w2, base, u, xcol, xq, xd, xs)
         for c in range(n_acc):
             for offset in (16, 8, 4, 2, 1):
                 if offset < lanes_per_row:
                     acc[c] += shfl_xor(acc[c], offset)
+        if row_warps > 1:  # warp 0 adds the other warps' sums of the same rows
+            partial = cuda.shared.array((WARPS_PER_BLOCK, 32, n_acc), float32)
+            for c in range(n_acc):
+                partial[warp, lane, c] = acc[c]
+            cuda.syncthreads()
+            for c in range(n_acc):
+                for other in range(1, WARPS_PER_BLOCK):
+                    acc[c] += partial[other, lane, c]
         if sub == 0 and row < n_rows:
             for c in range(n_cols):
                 total = acc[c]
@@ -379,16 +391,16 @@ def _gemv_kernel(ggml_type: GGMLType, n_cols: int, swiglu: bool = False):
     block_rows = _block_rows(ggml_type, n_cols, swiglu)
 
     @cuda.jit(fastmath=True)
-    def gemv(w, w2, row_bytes, n_rows, mat_bytes, k, lanes_per_row, slot_mat, slot_x, xq, xd, xs,
-             bias, has_bias, y0, y1, y2, y3, ends):
+    def gemv(w, w2, row_bytes, n_rows, mat_bytes, k, lanes_per_row, row_warps, slot_mat, slot_x,
+             xq, xd, xs, bias, has_bias, y0, y1, y2, y3, ends):
         slot = cuda.blockIdx.y
         xcol = cuda.local.array(n_cols, int32)  # (n_cols,) element offsets into x
         ycol = cuda.local.array(n_cols, int32)  # (n_cols,) output columns
         for c in range(n_cols):
             xcol[c] = (slot_x[slot] * n_cols + c) * k
             ycol[c] = slot * n_cols + c
-        block_rows(w, w2, row_bytes, n_rows, slot_mat[slot] * mat_bytes, k, lanes_per_row, xcol,
-                   ycol, xq, xd, xs, bias, has_bias, y0, y1, y2, y3, ends)
+        block_rows(w, w2, row_bytes, n_rows, slot_mat[slot] * mat_bytes, k, lanes_per_row,
+                   row_warps, xcol, ycol, xq, xd, xs, bias, has_bias, y0, y1, y2, y3, ends)
     return gemv
 
 
@@ -413,6 +425,16 @@ def lanes_per_row(ggml_type: GGMLType, k: int) -> int:
     while lanes < min(n_units, 32):
         lanes *= 2
     return lanes
+
+
+def row_warps(ggml_type: GGMLType, k: int, n_rows: int) -> int:
+    """Warps sharing each row: all of the block's when a warp per row would leave the GPU with
+    few blocks while each lane loops over ≥ 8 units (the router: 128-257 F32 rows of 2048, one
+    memory latency per 2 units), else 1."""
+    _, blk_elems, _, parts = _UNITS[ggml_type]
+    units_per_lane = k // blk_elems * parts // 32
+    few_blocks = n_rows < SPLIT_ROWS_BELOW
+    return WARPS_PER_BLOCK if few_blocks and units_per_lane >= 8 else 1
 
 
 @cuda.jit(device=True, inline=True)
@@ -512,10 +534,11 @@ def gemv(w: DeviceQuantMatrix, x, y, *, slot_mat=None, slot_x=None,
     if bias is not None:
         check_array("bias", bias, np.float32, (w.n_rows,))
     lanes = lanes_per_row(w.ggml_type, w.k)
-    grid = (cdiv(w.n_rows, WARPS_PER_BLOCK * (32 // lanes)), n_slots)
+    warps = row_warps(w.ggml_type, w.k, w.n_rows * n_slots)
+    grid = (cdiv(w.n_rows, WARPS_PER_BLOCK // warps * (32 // lanes)), n_slots)
     _gemv_kernel(w.ggml_type, n_cols, up is not None)[grid, 32 * WARPS_PER_BLOCK, stream](
         w.data, w.data if up is None else up.data, w.row_bytes, w.n_rows, w.n_rows * w.row_bytes,
-        w.k, lanes, slot_mat, slot_x, xq, xd, xs, parts[0] if bias is None else bias,
+        w.k, lanes, warps, slot_mat, slot_x, xq, xd, xs, parts[0] if bias is None else bias,
         bias is not None, *parts, ends)
 
 
