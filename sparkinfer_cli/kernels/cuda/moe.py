@@ -19,27 +19,39 @@ MAX_EXPERTS = 1024  # router logits held in shared memory
 MIN_WEIGHT_SUM = 6.103515625e-5  # llama.cpp clamps the renormalising sum to the smallest f16 normal
 
 
+@cuda.jit(device=True, inline=True)
+def _orders_before(o, j, v, e):
+    """1 if expert j with logit o orders before expert e with logit v (larger, ties → lower id)."""
+    return uint32(o > v) + uint32(o == v) * uint32(j < e)
+
+
 @cuda.jit(fastmath=True)
 def _router_topk_kernel(logits, n_experts, k, ids, weights):
     # a block per token, a thread per expert: softmax over all experts, and each expert's rank =
-    # how many experts order before it (larger logit, ties → lower index), counted by every
-    # thread at once over the logits in shared memory; ranks < k are the picks, written at
+    # how many experts order before it, counted by every thread at once over the logits in
+    # shared memory, 8 per round written out so the shared loads overlap (threads past the
+    # experts hold -inf, which orders after every logit); ranks < k are the picks, written at
     # their rank. Unsigned indices keep the counting loop free of negative-index wraparound code.
     tok, e = cuda.blockIdx.x, cuda.threadIdx.x
-    n, eu = uint32(n_experts), uint32(e)
+    eu = uint32(e)
     live = e < n_experts
     vals = cuda.shared.array(MAX_EXPERTS, float32)
     scratch = cuda.shared.array(33, float32)
     v = logits[tok * n_experts + min(e, n_experts - 1)]  # idle threads repeat the last logit
-    if live:
-        vals[e] = v
+    vals[e] = v if live else float32(-math.inf)
     m = block_max(v, scratch)  # its barriers also publish vals
     p = math.exp(v - m) if live else float32(0.0)
     denom = block_sum(p, scratch)
     rank = uint32(0)
-    for j in range(n):
-        o = vals[uint32(j)]
-        rank += uint32(o > v) + uint32(o == v) * uint32(uint32(j) < eu)
+    for j0 in range(0, (n_experts + 7) // 8 * 8, 8):
+        j = uint32(j0)
+        rank += (_orders_before(vals[j], j, v, eu) + _orders_before(vals[j + 1], j + 1, v, eu)
+                 + _orders_before(vals[j + 2], j + 2, v, eu)
+                 + _orders_before(vals[j + 3], j + 3, v, eu)
+                 + _orders_before(vals[j + 4], j + 4, v, eu)
+                 + _orders_before(vals[j + 5], j + 5, v, eu)
+                 + _orders_before(vals[j + 6], j + 6, v, eu)
+                 + _orders_before(vals[j + 7], j + 7, v, eu))
     picked = live and rank < k
     total = block_sum(p if picked else float32(0.0), scratch)
     if picked:  # renormalised over the picks: p / Σ_picks p, the sum clamped as llama.cpp does
