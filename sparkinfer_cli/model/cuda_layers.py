@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from sparkinfer_cli.kernels.cuda import activation, attention, gated_delta, mma_gemm, moe, norm
+from sparkinfer_cli.kernels.cuda import activation, attention, gated_delta, graphs, mma_gemm, moe
+from sparkinfer_cli.kernels.cuda import norm
 from sparkinfer_cli.kernels.cuda import quant_gemv as qg
 from sparkinfer_cli.kernels.cuda.attention_input import prepare_attention_input
 from sparkinfer_cli.kernels.cuda import attention_prefill
@@ -72,6 +73,17 @@ class CudaMoE:
         self.routers = up.stacked(routers)
 
     def __call__(self, ws: Workspace, stream) -> None:
+        """The shared expert runs on the side stream beside the router and routed experts (each
+        chain is a few latency-bound launches that leave most of the GPU idle at decode)."""
+        if self.shared is not None:
+            side = graphs.side_stream()
+            self.shared(ws, side.fork(stream), self._shared_out(ws))
+            self._routed(ws, stream)
+            side.join(stream)
+        else:
+            self._routed(ws, stream)
+
+    def _routed(self, ws: Workspace, stream) -> None:
         rows, k = ws.n_rows, self.k
         logits = ws.linears(self.routers, ws.x, ("router", "shexp.gate"), stream)[0]
         ids, weights = self._picks(ws)
@@ -82,8 +94,6 @@ class CudaMoE:
         if not self._on_tensor_cores(route, self.down):  # the GEMV takes q8 activations
             hidden.quantize(stream)
         self._expert_gemv(ws, route, self.down, hidden, self._down(ws), ws.iota(rows * k), stream)
-        if self.shared is not None:
-            self.shared(ws, stream, self._shared_out(ws))
 
     def _route(self, ws: Workspace, stream) -> ExpertRoute | None:
         """Prefills: this pass's slots sorted by expert into tensor-core GEMM tiles. None for

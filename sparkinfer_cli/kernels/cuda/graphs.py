@@ -9,15 +9,73 @@ the graph reads.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
+from cuda.bindings import driver
 from cuda.core import Device, Stream
+from numba import cuda
+
+from sparkinfer_cli.kernels.cuda.intrinsics import IS_SIMULATOR
 
 
 def core_stream(numba_stream) -> Stream:
     """The cuda.core view of a numba stream (same CUstream handle)."""
     handle = numba_stream.handle
     return Stream.from_handle(int(getattr(handle, "value", handle)))
+
+
+def _raw_handle(s) -> int:
+    """The CUstream of a numba stream, a cuda.core Stream or a graph builder (its stream)."""
+    s = getattr(s, "stream", s) if not hasattr(s, "handle") else s
+    handle = s.handle
+    return int(getattr(handle, "value", handle) or 0)
+
+
+def _check(result) -> object:
+    err, *rest = result if isinstance(result, tuple) else (result,)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"CUDA driver call failed: {err}")
+    return rest[0] if rest else None
+
+
+class SideStream:
+    """A second stream for launches that may run beside the main chain (small kernels that each
+    fill only part of the GPU). `fork(main)` returns the side stream, ordered after everything
+    queued on `main` so far; `join(main)` orders `main`'s later work after the side's. Works
+    eagerly and under graph capture, where the two event edges become graph dependencies. The
+    simulator runs one stream: fork returns `main` and join does nothing."""
+
+    def __init__(self):
+        self.stream = cuda.stream()
+        flags = driver.CUevent_flags.CU_EVENT_DISABLE_TIMING
+        self._forked = _check(driver.cuEventCreate(flags))
+        self._joined = _check(driver.cuEventCreate(flags))
+
+    def fork(self, main):
+        _check(driver.cuEventRecord(self._forked, _raw_handle(main)))
+        _check(driver.cuStreamWaitEvent(_raw_handle(self.stream), self._forked, 0))
+        return self.stream
+
+    def join(self, main) -> None:
+        _check(driver.cuEventRecord(self._joined, _raw_handle(self.stream)))
+        _check(driver.cuStreamWaitEvent(_raw_handle(main), self._joined, 0))
+
+
+class SameStream:
+    """SideStream's stand-in that keeps every launch on the main stream."""
+
+    def fork(self, main):
+        return main
+
+    def join(self, main) -> None:
+        pass
+
+
+@functools.cache
+def side_stream() -> SideStream | SameStream:
+    """The process's side stream (one is enough: forward passes are queued from one thread)."""
+    return SameStream() if IS_SIMULATOR else SideStream()
 
 
 class CapturedGraph:
