@@ -54,11 +54,15 @@ def _decode_step(model, args) -> Callable[[], None]:
     pos = args.ctx
     tokens = rng.integers(0, model.config.n_vocab, args.batch).astype(np.int32)
 
-    def step() -> None:
+    def step(greedy: bool = True) -> None:
+        """greedy: argmax on the device, ids back; else the logits come back to the host."""
         nonlocal tokens, pos
         batch = SequenceBatch(tokens, [pos] * args.batch, [1] * args.batch, tables,
                               list(range(args.batch)))
-        tokens = model.forward_greedy(batch, cache)
+        if greedy:
+            tokens = model.forward_greedy(batch, cache)
+        else:
+            tokens = model.forward(batch, cache).argmax(axis=1).astype(np.int32)
         pos += 1
     return step
 
@@ -70,7 +74,7 @@ def _prefill_step(model, args) -> Callable[[], None]:
     table = np.arange(n_blocks, dtype=np.int32)
     prompt = np.random.default_rng(0).integers(0, model.config.n_vocab, args.prefill)
 
-    def step() -> None:
+    def step(greedy: bool = True) -> None:  # a prefill returns no token either way
         model.forward(SequenceBatch.single(prompt.astype(np.int32), args.ctx, table, 0), cache)
     return step
 
@@ -104,6 +108,12 @@ def main() -> None:
     step = _prefill_step(model, args) if args.prefill else _decode_step(model, args)
     for _ in range(3):  # compile + capture the decode graph
         step()
+    plain_us = {}  # wall µs a step without the profiler: ids back (greedy) / logits back
+    for greedy in (True, False):
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            step(greedy)
+        plain_us["ids" if greedy else "logits"] = (time.perf_counter() - t0) / args.steps * 1e6
     t0 = time.perf_counter()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(args.steps):
@@ -120,6 +130,7 @@ def main() -> None:
     kernels_us = sum(r[2] for r in rows)
     result = {"preset": args.preset, "ctx": args.ctx, "batch": args.batch, "prefill": args.prefill,
               "wall_us_per_step": wall_us,
+              "unprofiled_wall_us_per_step": plain_us,
               "kernel_us_per_step": kernels_us,
               "launches_per_step": sum(r[1] for r in rows),
               "kernels": [{"name": n, "per_step": c, "us_per_step": t} for n, c, t in rows],
@@ -127,6 +138,7 @@ def main() -> None:
                                    if ev.device_type.name == "CUDA"})}
     if args.trace:
         result["trace"] = _last_step_trace(prof, int(result["launches_per_step"]))
+    print(f"unprofiled wall µs a step: {plain_us}")
     print(f"step {wall_us:.0f} µs wall, kernels {kernels_us:.0f} µs, "
           f"{result['launches_per_step']:.0f} launches")
     for n, c, t in rows:
