@@ -46,22 +46,25 @@ def _prepare_kernel(head_dim: int, kind: int):
             return
         x = q if is_q else k
         at = ((tok * n_heads + head) if is_q else (tok * n_kv + head - n_heads)) * head_dim + i
+        # every global load up front, so their latencies overlap instead of following the sum
         y = x[at]
+        norm_w = (q_norm[i] if is_q else k_norm[i]) if has_norm else float32(1.0)
+        pos, slot = positions[tok], slot_mapping[tok]
         if has_norm:
             inv = float32(1.0) / math.sqrt(block_sum(y * y, scratch) / float32(head_dim) + eps)
-            y = y * inv * (q_norm[i] if is_q else k_norm[i])
+            y = y * inv * norm_w
         vals[i] = y
         cuda.syncthreads()
         half = n_rot // 2
         if i < n_rot:  # element i pairs with i ± half (NEOX) or i ^ 1 (normal)
             pair = (i % half) if neox else i // 2
-            c, s = rope_cos_sin(positions[tok], pair, n_rot, log_base)
+            c, s = rope_cos_sin(pos, pair, n_rot, log_base)
             first = i < half if neox else i % 2 == 0
             other = vals[(i + half) % n_rot] if neox else vals[i ^ 1]
             y = y * c - other * s if first else other * s + y * c
         x[at] = y
         if not is_q:
-            dst = slot_mapping[tok] * n_kv * head_dim + at - tok * n_kv * head_dim
+            dst = slot * n_kv * head_dim + at - tok * n_kv * head_dim
             store_kv(k_cache, k_scales, dst, y, kind)
     return prepare
 
