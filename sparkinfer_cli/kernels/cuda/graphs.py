@@ -16,27 +16,13 @@ from cuda.bindings import driver
 from cuda.core import Device, Stream
 from numba import cuda
 
+from sparkinfer_cli.kernels.cuda.driver_calls import check, stream_handle
 from sparkinfer_cli.kernels.cuda.intrinsics import IS_SIMULATOR
 
 
 def core_stream(numba_stream) -> Stream:
     """The cuda.core view of a numba stream (same CUstream handle)."""
-    handle = numba_stream.handle
-    return Stream.from_handle(int(getattr(handle, "value", handle)))
-
-
-def _raw_handle(s) -> int:
-    """The CUstream of a numba stream, a cuda.core Stream or a graph builder (its stream)."""
-    s = getattr(s, "stream", s) if not hasattr(s, "handle") else s
-    handle = s.handle
-    return int(getattr(handle, "value", handle) or 0)
-
-
-def _check(result) -> object:
-    err, *rest = result if isinstance(result, tuple) else (result,)
-    if err != driver.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"CUDA driver call failed: {err}")
-    return rest[0] if rest else None
+    return Stream.from_handle(stream_handle(numba_stream))
 
 
 class SideStream:
@@ -49,17 +35,17 @@ class SideStream:
     def __init__(self):
         self.stream = cuda.stream()
         flags = driver.CUevent_flags.CU_EVENT_DISABLE_TIMING
-        self._forked = _check(driver.cuEventCreate(flags))
-        self._joined = _check(driver.cuEventCreate(flags))
+        self._forked = check(driver.cuEventCreate(flags))
+        self._joined = check(driver.cuEventCreate(flags))
 
     def fork(self, main):
-        _check(driver.cuEventRecord(self._forked, _raw_handle(main)))
-        _check(driver.cuStreamWaitEvent(_raw_handle(self.stream), self._forked, 0))
+        check(driver.cuEventRecord(self._forked, stream_handle(main)))
+        check(driver.cuStreamWaitEvent(stream_handle(self.stream), self._forked, 0))
         return self.stream
 
     def join(self, main) -> None:
-        _check(driver.cuEventRecord(self._joined, _raw_handle(self.stream)))
-        _check(driver.cuStreamWaitEvent(_raw_handle(main), self._joined, 0))
+        check(driver.cuEventRecord(self._joined, stream_handle(self.stream)))
+        check(driver.cuStreamWaitEvent(stream_handle(main), self._joined, 0))
 
 
 class SameStream:
