@@ -19,10 +19,9 @@ from numba import cuda
 from sparkinfer_cli.kernels.cuda import mma_gemm
 from sparkinfer_cli.kernels.cuda import quant_gemv as qg
 from sparkinfer_cli.kernels.cuda import sampling
-from sparkinfer_cli.kernels.cuda.attention import CHUNK, DecodeWorkspace
+from sparkinfer_cli.kernels.cuda.attention import DecodeWorkspace
 from sparkinfer_cli.kernels.cuda.expert_route import ExpertRoute
 from sparkinfer_cli.kernels.cuda.graphs import CapturedGraph
-from sparkinfer_cli.kernels.cuda.launch import cdiv
 from sparkinfer_cli.model.batch import SequenceBatch
 from sparkinfer_cli.model.cuda_cache import CudaModelCache, device_zeros
 from sparkinfer_cli.model.cuda_weights import DeviceLinear, StackedLinears
@@ -99,8 +98,7 @@ class Workspace:
         self.h = device_zeros((self.groups, self.cols, n_embd), np.float32)  # residual stream
         self.delta = self.buf("delta", self.groups, self.cols, n_embd)  # sub-layer output
         self.x = self.act("x", n_embd)  # normed sub-layer input
-        split = max(CHUNK, cdiv(cache.max_context, 32))  # ≤ 32 key splits per row
-        self.attn = DecodeWorkspace(n_rows, n_heads, head_dim, cache.max_context, split) \
+        self.attn = DecodeWorkspace(n_rows, n_heads, head_dim, cache.max_context) \
             if n_heads else None
         self.graphs: dict[int, CapturedGraph] = {}  # logit rows → captured decode graph
         self.multi_token = False  # set per pass: some sequence brings several new tokens

@@ -7,34 +7,7 @@ import pytest
 from numba import cuda
 
 from sparkinfer_cli.kernels.cuda import attention
-
-
-@pytest.mark.parametrize("block_size, n_kv, head_dim, n_heads, lens, split_len", [
-    (8, 1, 32, 2, (19, 5), 12),
-    (8, 1, 32, 1, (300, 130), 256),  # several CHUNKs per split: the online-softmax rescaling
-    pytest.param(16, 2, 256, 16, (3000, 700), 512, marks=pytest.mark.gpu),  # Qwen3.6 attention
-])
-def test_paged_decode_matches_reference(block_size, n_kv, head_dim, n_heads, lens, split_len):
-    rng = np.random.default_rng(6)
-    per_seq = -(-max(lens) // block_size)
-    n_blocks = 2 * per_seq
-    block_table = rng.permutation(n_blocks).astype(np.int32).reshape(2, per_seq)  # scattered
-    seq_lens = np.array(lens, np.int32)
-    positions = [(s, p) for s in range(2) for p in range(seq_lens[s])]
-    slots = np.array([block_table[s, p // block_size] * block_size + p % block_size
-                      for s, p in positions], np.int32)
-    k = rng.standard_normal((len(slots), n_kv, head_dim)).astype(np.float32)
-    v = rng.standard_normal((len(slots), n_kv, head_dim)).astype(np.float32)
-    k_cache, v_cache = (cuda.to_device(paged_cache(x, slots, n_blocks, block_size))
-                        for x in (k, v))
-    q = rng.standard_normal((2, n_heads, head_dim)).astype(np.float32)
-    out = cuda.device_array_like(q)
-    ws = attention.DecodeWorkspace(2, n_heads, head_dim, max(lens) + 5, split_len)
-    attention.paged_decode_attention(cuda.to_device(q), k_cache, v_cache,
-                                     cuda.to_device(block_table), cuda.to_device(seq_lens), out, ws)
-    ref = attention.paged_decode_attention_reference(q, k_cache.copy_to_host(),
-                                                     v_cache.copy_to_host(), block_table, seq_lens)
-    np.testing.assert_allclose(out.copy_to_host(), ref, rtol=1e-4, atol=1e-5)
+from sparkinfer_cli.kernels.cuda.attention import CHUNK
 
 
 def paged_cache(x: np.ndarray, slots: np.ndarray, n_blocks: int, block_size: int,
@@ -45,30 +18,119 @@ def paged_cache(x: np.ndarray, slots: np.ndarray, n_blocks: int, block_size: int
     return cache.reshape(n_blocks, block_size, *x.shape[1:])
 
 
-def test_int8_cache_attends_like_its_dequantized_values():
-    from sparkinfer_cli.kernels.cuda.quant_gemv import quantize_q8_reference
+class PagedKV:
+    """Random K/V for sequences of the given lengths, in scattered blocks of a paged cache: k, v
+    the float values attended to, k_stored, v_stored the caches the kernel reads (int8: q8_0
+    with scales (k_scales, v_scales), else the same as k, v)."""
 
-    rng = np.random.default_rng(10)
-    block_size, n_kv, head_dim, n_heads, lens = 4, 1, 64, 2, (11, 6)  # small: the simulator
-    per_seq = -(-max(lens) // block_size)
-    block_table = rng.permutation(2 * per_seq).astype(np.int32).reshape(2, per_seq)
-    rows = [block_table[s, p // block_size] * block_size + p % block_size
-            for s in range(2) for p in range(lens[s])]
-    caches, scales, dequantized = [], [], []
-    for _ in range(2):  # K, V
-        x = rng.standard_normal((len(rows), n_kv, head_dim)).astype(np.float32)
+    def __init__(self, rng, lens, block_size: int, n_kv: int, head_dim: int, dtype=np.float16):
+        per_seq = -(-max(lens) // block_size)
+        n_blocks = len(lens) * per_seq
+        self.block_table = rng.permutation(n_blocks).astype(np.int32).reshape(len(lens), per_seq)
+        slots = np.array([self.block_table[s, p // block_size] * block_size + p % block_size
+                          for s in range(len(lens)) for p in range(lens[s])], np.int32)
+        x = [rng.standard_normal((len(slots), n_kv, head_dim)).astype(np.float32)
+             for _ in range(2)]  # K, V: (tokens, n_kv, head_dim)
+        self.scales = None
+        if dtype == np.int8:
+            stored, self.scales, x = zip(*(self._quantize(y) for y in x))
+            self.k_stored, self.v_stored = (paged_cache(y, slots, n_blocks, block_size, np.int8)
+                                            for y in stored)
+            self.scales = [paged_cache(d, slots, n_blocks, block_size, np.float32)
+                           for d in self.scales]
+            dtype = np.float32
+        self.k, self.v = (paged_cache(y, slots, n_blocks, block_size, dtype) for y in x)
+        if self.scales is None:
+            self.k_stored, self.v_stored = self.k, self.v
+
+    @staticmethod
+    def _quantize(x: np.ndarray) -> tuple:
+        """q8_0 of x: int8 values, one scale per 32, and the values they stand for."""
+        from sparkinfer_cli.kernels.cuda.quant_gemv import quantize_q8_reference
+
         q8, d, _ = quantize_q8_reference(x)
-        caches.append(cuda.to_device(paged_cache(q8, np.array(rows), 2 * per_seq, block_size,
-                                                 np.int8)))
-        scales.append(cuda.to_device(paged_cache(d, np.array(rows), 2 * per_seq, block_size,
-                                                 np.float32)))
-        deq = (q8.reshape(*d.shape, 32) * d[..., None]).reshape(x.shape)
-        dequantized.append(paged_cache(deq, np.array(rows), 2 * per_seq, block_size, np.float32))
-    q = rng.standard_normal((2, n_heads, head_dim)).astype(np.float32)
-    out = cuda.device_array_like(q)
-    ws = attention.DecodeWorkspace(2, n_heads, head_dim, 16, 16)
-    seq_lens = np.array(lens, np.int32)
-    attention.paged_decode_attention(cuda.to_device(q), *caches, cuda.to_device(block_table),
-                                     cuda.to_device(seq_lens), out, ws, scales=scales)
-    ref = attention.paged_decode_attention_reference(q, *dequantized, block_table, seq_lens)
-    np.testing.assert_allclose(out.copy_to_host(), ref, rtol=1e-4, atol=1e-5)
+        return q8, d, (q8.reshape(*d.shape, 32) * d[..., None]).reshape(x.shape)
+
+    def reference(self, q, seq_lens, row_seq=None) -> np.ndarray:
+        """float64 attention of query row r over the first seq_lens[r] tokens of row_seq[r]."""
+        rows = np.arange(len(q)) if row_seq is None else row_seq
+        return attention.paged_decode_attention_reference(q, self.k, self.v,
+                                                          self.block_table[rows], seq_lens)
+
+
+def run(kv: PagedKV, q, seq_lens, ws, out=None, row_seq=None) -> np.ndarray:
+    out = cuda.device_array(q.shape, np.float32) if out is None else out
+    scales = None if kv.scales is None else [cuda.to_device(s) for s in kv.scales]
+    row_seq = None if row_seq is None else cuda.to_device(np.asarray(row_seq, np.int32))
+    attention.paged_decode_attention(cuda.to_device(q), cuda.to_device(kv.k_stored),
+                                     cuda.to_device(kv.v_stored),
+                                     cuda.to_device(kv.block_table),
+                                     cuda.to_device(np.asarray(seq_lens, np.int32)), out, ws,
+                                     row_seq=row_seq, scales=scales)
+    return out.copy_to_host()
+
+
+@pytest.mark.parametrize("block_size, n_kv, head_dim, n_heads, lens, max_context, split_len", [
+    (8, 1, 32, 2, (19,), 24, 12),  # one split, 2 q heads per kv head
+    # 3 splits: 390 keys as 256, 134 and none. The 256 are 2 chunks, the second with the larger
+    # score (seed 4): the online softmax rescales the first. head_dim 64: a whole round of eight
+    # 16-byte f16 loads
+    (8, 1, 64, 1, (390,), 390, 130),
+    pytest.param(16, 2, 256, 16, (3000, 700), 3005, 512, marks=pytest.mark.gpu),  # Qwen3.6
+    # a cache sized for 32k tokens: 32 splits, of which 4 and 1 hold keys
+    pytest.param(16, 4, 128, 32, (512, 33), 32768, CHUNK, marks=pytest.mark.gpu),  # Qwen3-30B
+])
+def test_paged_decode_matches_reference(block_size, n_kv, head_dim, n_heads, lens, max_context,
+                                        split_len):
+    rng = np.random.default_rng(4)
+    kv = PagedKV(rng, lens, block_size, n_kv, head_dim)
+    q = rng.standard_normal((len(lens), n_heads, head_dim)).astype(np.float32)
+    ws = attention.DecodeWorkspace(len(lens), n_heads, head_dim, max_context, split_len)
+    np.testing.assert_allclose(run(kv, q, lens, ws), kv.reference(q, lens), rtol=1e-4, atol=1e-5)
+
+
+def test_workspace_splits_cover_max_context_in_chunks():
+    assert attention.DecodeWorkspace(1, 1, 32, 32768).n_splits == attention.MAX_SPLITS
+    assert attention.DecodeWorkspace(1, 1, 32, 390).n_splits == 4  # ⌈390 / CHUNK⌉
+    assert attention.DecodeWorkspace(1, 1, 32, 390, split_len=130).n_splits == 3
+    assert attention.DecodeWorkspace(1, 1, 32, 8, split_len=4).n_splits == 1
+
+
+@pytest.mark.parametrize("dtype, n_kv, head_dim, n_heads, lens", [
+    (np.float32, 1, 64, 1, (140,)),  # splits of 128 and 12 keys
+    (np.int8, 2, 128, 2, (100,)),  # q8_0: attends like its dequantized values
+])
+def test_cache_types(dtype, n_kv, head_dim, n_heads, lens):
+    rng = np.random.default_rng(10)
+    kv = PagedKV(rng, lens, 16, n_kv, head_dim, dtype)
+    q = rng.standard_normal((1, n_heads, head_dim)).astype(np.float32)
+    ws = attention.DecodeWorkspace(1, n_heads, head_dim, max(lens))
+    np.testing.assert_allclose(run(kv, q, lens, ws), kv.reference(q, lens), rtol=1e-4, atol=1e-5)
+
+
+def test_replays_reuse_the_workspace_as_the_context_grows():
+    """Like a graph replayed each decode step: the same workspace and out buffer, a longer
+    context (1, then 2 of 2 splits); the last split of each (row, head) leaves its arrival
+    counter at 0 for the next launch."""
+    rng = np.random.default_rng(3)
+    kv = PagedKV(rng, (140,), 8, 1, 128)
+    ws = attention.DecodeWorkspace(1, 1, 128, 140)
+    out = cuda.device_array((1, 1, 128), np.float32)
+    for lens in ((20,), (140,)):
+        q = rng.standard_normal((1, 1, 128)).astype(np.float32)
+        np.testing.assert_allclose(run(kv, q, lens, ws, out), kv.reference(q, lens),
+                                   rtol=1e-4, atol=1e-5)
+        assert not ws.arrivals.copy_to_host().any()
+
+
+def test_rows_attend_to_their_own_lengths():
+    """Query rows sharing a sequence's block-table row through row_seq, with 200 keys (2
+    splits) and 1 key, beside a row of another sequence with no keys at all (its output is 0)."""
+    rng = np.random.default_rng(5)
+    kv = PagedKV(rng, (200, 10), 8, 1, 32)
+    row_seq, lens = np.array([0, 0, 1], np.int32), np.array([200, 1, 0], np.int32)
+    q = rng.standard_normal((3, 1, 32)).astype(np.float32)
+    out = run(kv, q, lens, attention.DecodeWorkspace(3, 1, 32, 200), row_seq=row_seq)
+    np.testing.assert_allclose(out[:2], kv.reference(q[:2], lens[:2], row_seq[:2]),
+                               rtol=1e-4, atol=1e-5)
+    np.testing.assert_array_equal(out[2], 0.0)
