@@ -27,7 +27,7 @@ def main() -> None:
             y = cuda.device_array((1, n_cols, n_rows), np.float32)
             qg.gemv(w, x, y, up=w if swiglu else None)
             kernel = qg._gemv_kernel(t, n_cols, swiglu)
-            regs = max(kernel.get_regs_per_thread(sig) for sig in kernel.overloads)
+            regs = max(compiled.regs_per_thread for compiled in kernel.overloads.values())
             blocks = min(16, 65536 // (regs * 128 + 1))
             print(f"{t.name:6s} cols {n_cols} swiglu {swiglu!s:5s}: {regs:3d} registers, "
                   f"≤ {blocks} blocks of 128 threads an SM")

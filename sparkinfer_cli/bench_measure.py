@@ -88,7 +88,9 @@ class DepthBench:
     def decode(self, ctx: int) -> Measurement:
         """Median step time over decode_steps steps after a ctx-token prompt (just prefilled)."""
         ids = self._ids(self.settings.decode_steps)
-        times = [_timed(lambda: self._forward(ids[i:i + 1], ctx + i)) for i in range(len(ids))]
+        step = getattr(self.model, "forward_greedy", self.model.forward)  # ids back, as serving
+        times = [_timed(lambda: step(SequenceBatch.single(ids[i:i + 1], ctx + i, self.block_table),
+                                     self.cache)) for i in range(len(ids))]
         return Measurement("decode", ctx, 1, 1.0 / statistics.median(times), 1)
 
     def _prefill(self, ids: np.ndarray) -> None:
@@ -107,7 +109,7 @@ class DepthBench:
 
 def _timed(run: Callable[[], object]) -> float:
     start = time.perf_counter()
-    run()  # NOTE: forward returns host logits, so the device has finished when it returns
+    run()  # NOTE: forward / forward_greedy return host arrays: the device has finished
     return time.perf_counter() - start
 
 

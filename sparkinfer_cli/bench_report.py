@@ -174,8 +174,9 @@ def _method_lines(report: BenchReport) -> list[str]:
         f"Method: prompts are random token ids (seed {s.seed}); kernels warmed up first. "
         f"prefill: the ctx-token prompt in pieces of ≤ {s.prefill_chunk_tokens} tokens (median "
         f"of ≤ 3 runs). "
-        f"decode: batch 1 after ctx tokens, median over {s.decode_steps} steps (random input ids, "
-        f"no sampling). throughput: N greedy requests of {s.throughput_prompt_tokens} prompt "
+        f"decode: batch 1 after ctx tokens, median over {s.decode_steps} steps (random input ids; "
+        f"a step returns the greedy token id where the backend samples on the device, else the "
+        f"logits). throughput: N greedy requests of {s.throughput_prompt_tokens} prompt "
         f"tokens through the ContinuousBatchEngine; output tokens/s while all N decode together "
         f"({s.decode_steps} steps, after {WINDOW_SKIP_STEPS} settling steps).",
         "Roofline: floor = max(weight bytes read per pass / bandwidth, 2 × active params × tokens "
