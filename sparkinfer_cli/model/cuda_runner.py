@@ -31,6 +31,7 @@ from rich.console import Console
 
 from sparkinfer_cli.gguf_file import GGUFFile
 from sparkinfer_cli.kernels.cuda import graphs, norm, sampling
+from sparkinfer_cli.kernels.cuda.driver_calls import copy_to_host_async
 from sparkinfer_cli.kernels.cuda.intrinsics import IS_SIMULATOR
 from sparkinfer_cli.kernels.cuda.model_ops import gather_rows
 from sparkinfer_cli.model.base import CausalLM, DecoderLayer
@@ -143,18 +144,19 @@ class CudaModel:
 
     def forward_greedy(self, batch: SequenceBatch, cache: CudaModelCache) -> np.ndarray:
         """The argmax token id (num_seqs,) int32 of each sequence's logits (ties → lowest id),
-        picked on the device: only the ids come back, not num_seqs × V floats."""
-        p = self._pass(batch, cache)
+        picked on the device inside the pass (and its graph): only the ids come back, through a
+        pinned buffer, not num_seqs × V floats."""
+        p = self._pass(batch, cache, greedy=True)
         greedy = p.ws.greedy(p.logit_rows, self.output.n_rows)
-        sampling.sample(self._logits(p.ws, p.logit_rows).reshape(p.logit_rows, -1),
-                        *greedy.params, greedy.ids, greedy.workspace, stream=self.stream)
-        ids = greedy.ids[:p.n_logits].copy_to_host(stream=self.stream)
+        copy_to_host_async(greedy.ids_host, greedy.ids, self.stream)
         self._finish(p)
-        return ids  # (n_logits,)
+        return greedy.ids_host[:p.n_logits].copy()  # (n_logits,)
 
     # ---- internals -----------------------------------------------------------------------------
-    def _pass(self, batch: SequenceBatch, cache: CudaModelCache) -> QueuedPass:
-        """Queue a forward pass (graph replay or eager launches) up to the logits on the device."""
+    def _pass(self, batch: SequenceBatch, cache: CudaModelCache,
+              greedy: bool = False) -> QueuedPass:
+        """Queue a forward pass (graph replay or eager launches) up to the logits on the device,
+        and their argmax ids (ws.greedy) when greedy."""
         t0 = time.perf_counter()
         if len(batch.token_ids) > MAX_PASS_TOKENS:
             raise ValueError(f"a CUDA forward pass takes at most {MAX_PASS_TOKENS} tokens, got "
@@ -170,14 +172,15 @@ class CudaModel:
         n_logits = len(batch.logit_rows())
         logit_rows = row_bucket(n_logits)
         decode = self.use_graphs and max(batch.num_new_tokens) == 1 and ws.n_rows <= MAX_GRAPH_ROWS
-        replay = decode and logit_rows in ws.graphs
+        key = (logit_rows, greedy)
+        replay = decode and key in ws.graphs
         if replay:
-            ws.graphs[logit_rows].replay()
+            ws.graphs[key].replay()
         else:
-            self._run(ws, cache, logit_rows, self.stream)
+            self._run(ws, cache, logit_rows, self.stream, greedy)
             if decode:
-                ws.graphs[logit_rows] = graphs.capture(
-                    lambda s: self._run(ws, cache, logit_rows, s), self.stream)
+                ws.graphs[key] = graphs.capture(
+                    lambda s: self._run(ws, cache, logit_rows, s, greedy), self.stream)
         return QueuedPass(ws, logit_rows, n_logits, t0, time.perf_counter(),
                           "decode" if replay else "eager")
 
@@ -192,8 +195,9 @@ class CudaModel:
                                             heads, self.config.head_dim)
         return cache.steps[n_rows]
 
-    def _run(self, ws: Workspace, cache: CudaModelCache, logit_rows: int, s) -> None:
-        """Every launch of one pass, on stream (or graph builder) s."""
+    def _run(self, ws: Workspace, cache: CudaModelCache, logit_rows: int, s,
+             greedy: bool = False) -> None:
+        """Every launch of one pass, on stream (or graph builder) s; greedy: and the argmax."""
         eps = self.config.rms_eps
         norm.rms_norm(ws.h, self.layers[0].attn_norm, ws.x.f, eps, stream=s, act=ws.x.q)
         for i, layer in enumerate(self.layers):
@@ -208,7 +212,12 @@ class CudaModel:
         gather_rows(ws.x.f.reshape(ws.n_rows, -1), ws.logit_rows[:logit_rows],
                     final.f.reshape(logit_rows, -1), stream=s)
         final.quantize(s)
-        ws.linear(self.output, final, self._logits(ws, logit_rows), s)
+        logits = self._logits(ws, logit_rows)
+        ws.linear(self.output, final, logits, s, output=True)
+        if greedy:
+            g = ws.greedy(logit_rows, self.output.n_rows)
+            sampling.sample(logits.reshape(logit_rows, -1), *g.params, g.ids, g.workspace,
+                            stream=s)
 
     def _logits(self, ws: Workspace, logit_rows: int):
         cols = min(logit_rows, ws.cols)
@@ -219,13 +228,15 @@ class CudaModel:
         return {"weights": self.weight_bytes, **cache.memory_bytes(), "workspace": workspace}
 
     def capture_decode_graphs(self, cache: CudaModelCache, max_seqs: int) -> None:
-        """Capture the decode graphs of every bucket up to max_seqs now (a dummy pass each)."""
+        """Capture the decode graphs of every bucket up to max_seqs now (dummy passes: one with
+        the logits back, one with greedy ids back)."""
         n = 1
         while n <= min(max_seqs, MAX_GRAPH_ROWS):
             batch = SequenceBatch(np.zeros(n, np.int32), [0] * n, [1] * n,
                                   [np.array([cache.scratch_block], np.int32)] * n,
                                   [cache.scratch_slot] * n if self.config.is_hybrid else [])
             self.forward(batch, cache)
+            self.forward_greedy(batch, cache)
             n *= 2
 
 

@@ -20,6 +20,7 @@ from sparkinfer_cli.kernels.cuda import mma_gemm
 from sparkinfer_cli.kernels.cuda import quant_gemv as qg
 from sparkinfer_cli.kernels.cuda import sampling
 from sparkinfer_cli.kernels.cuda.attention import DecodeWorkspace
+from sparkinfer_cli.kernels.cuda.driver_calls import copy_to_device_async
 from sparkinfer_cli.kernels.cuda.expert_route import ExpertRoute
 from sparkinfer_cli.kernels.cuda.graphs import CapturedGraph
 from sparkinfer_cli.model.batch import SequenceBatch
@@ -31,6 +32,10 @@ MAX_COLS = qg.MAX_COLS
 # all of k (~2 µs a 32-wide step on the H200), so below ~256 tokens too few blocks fill the GPU
 # and GEMVs (weights read once per 8 tokens, ~5 µs a read) finish first.
 MMA_MIN_ROWS = 256
+# The output projection (a vocabulary of rows: thousands of GEMM blocks) fills the GPU from far
+# fewer tokens, while its GEMV re-reads the largest matrix once per 8 tokens (8.8 ms of a 43 ms
+# 64-sequence decode step on the H200, Qwen3.6 shape, Q6_K).
+OUTPUT_MMA_MIN_ROWS = 32
 INT_FIELDS = ("positions", "seq_lens", "slot_mapping", "row_seq", "state_slots", "seq_lo", "seq_n",
               "logit_rows")
 
@@ -71,6 +76,7 @@ class GreedySampling:
         self.params = (zeros, cuda.to_device(np.zeros(n_rows, np.int32)),
                        cuda.to_device(np.ones(n_rows, np.float32)), zeros, zeros)
         self.ids = cuda.device_array(n_rows, np.int32)
+        self.ids_host = cuda.pinned_array(n_rows, np.int32)  # where the ids come back
         self.workspace = sampling.SamplingWorkspace(n_rows, n_vocab)
 
     @property
@@ -100,7 +106,8 @@ class Workspace:
         self.x = self.act("x", n_embd)  # normed sub-layer input
         self.attn = DecodeWorkspace(n_rows, n_heads, head_dim, cache.max_context) \
             if n_heads else None
-        self.graphs: dict[int, CapturedGraph] = {}  # logit rows → captured decode graph
+        # (logit rows, greedy ids too) → captured decode graph
+        self.graphs: dict[tuple[int, bool], CapturedGraph] = {}
         self.multi_token = False  # set per pass: some sequence brings several new tokens
 
     # ---- lazily created buffers (all exist after one eager pass, before any capture) ----------
@@ -139,9 +146,11 @@ class Workspace:
             self._bufs[key] = ExpertRoute(n_expert, n_slots, tile)
         return self._bufs[key]
 
-    def uses_mma(self, n_tokens: int, w: qg.DeviceQuantMatrix) -> bool:
-        """Whether a linear over n_tokens rows of this pass runs on tensor cores."""
-        return self.quantized and n_tokens >= MMA_MIN_ROWS and mma_gemm.supports(w)
+    def uses_mma(self, n_tokens: int, w: qg.DeviceQuantMatrix, output: bool = False) -> bool:
+        """Whether a linear (output: the output projection) over n_tokens rows of this pass runs
+        on tensor cores."""
+        min_rows = OUTPUT_MMA_MIN_ROWS if output else MMA_MIN_ROWS
+        return self.quantized and n_tokens >= min_rows and mma_gemm.supports(w)
 
     def zeros_i32(self, n: int):
         return self.buf("zeros_i32", n, dtype=np.int32)
@@ -154,13 +163,15 @@ class Workspace:
         return sum(a.nbytes for a in arrays + attn) + self.ints.nbytes + self.h.nbytes
 
     # ---- GEMV ----------------------------------------------------------------------------------
-    def linear(self, lin: DeviceLinear, x: Act, y, stream, up: DeviceLinear | None = None) -> None:
-        """y (groups, cols, rows) = W·x (+ bias); up: fused silu(W·x) ⊙ (up·x).
+    def linear(self, lin: DeviceLinear, x: Act, y, stream, up: DeviceLinear | None = None,
+               output: bool = False) -> None:
+        """y (groups, cols, rows) = W·x (+ bias); up: fused silu(W·x) ⊙ (up·x); output: lin is
+        the output projection (see uses_mma).
 
         y may be a list of arrays (groups, cols, rows_i) when `lin` stacks several linears."""
         groups = (y[0] if isinstance(y, list) else y).shape[0]
         n_tokens = x.f.shape[0] * x.f.shape[1]
-        if self.uses_mma(n_tokens, lin.matrix):
+        if self.uses_mma(n_tokens, lin.matrix, output):
             parts = [p.reshape(n_tokens, -1) for p in (y if isinstance(y, list) else [y])]
             mma_gemm.matmul(lin.matrix, x.f.reshape(n_tokens, -1), parts, bias=lin.bias,
                             up=None if up is None else up.matrix, stream=stream)
@@ -204,5 +215,5 @@ class Workspace:
         h[:N], h[N:] = embeddings, 0
 
     def upload(self, stream) -> None:
-        self.ints.copy_to_device(self.ints_host, stream=stream)
-        self.h.copy_to_device(self.h_host, stream=stream)
+        copy_to_device_async(self.ints, self.ints_host, stream)
+        copy_to_device_async(self.h, self.h_host, stream)

@@ -158,7 +158,8 @@ def test_q8_top1_matches_native_llama_cpp_where_clear(family: str, variant: str,
     """tensor_cores: every linear of the prefill as an mma GEMM (f16 activations), not a GEMV."""
     from sparkinfer_cli.model import cuda_workspace
 
-    monkeypatch.setattr(cuda_workspace, "MMA_MIN_ROWS", 1 if tensor_cores else 1 << 30)
+    for name in ("MMA_MIN_ROWS", "OUTPUT_MMA_MIN_ROWS"):
+        monkeypatch.setattr(cuda_workspace, name, 1 if tensor_cores else 1 << 30)
     g, model = _goldens(family), _tiny(family, variant, exact=False)
     for prompt in ("short", "long"):
         native = g[f"lc_{variant}_logits_{prompt}"].astype(np.float32)
