@@ -4,8 +4,10 @@
 #
 #   bash bench/h200_check.sh tests     # gpu-marked kernel tests, then the model tests   (~7 min)
 #   bash bench/h200_check.sh kernels   # kernel micro-benchmarks                          (~3 min)
-#   bash bench/h200_check.sh profile   # CUPTI per-kernel profiles: batch 1, batch 64, prefill (~5 min)
-#   bash bench/h200_check.sh bench     # `sparkinfer bench` on both synthetic presets     (~8 min)
+#   bash bench/h200_check.sh profile   # CUPTI per-kernel profiles: batch 1, batch 64, prefill,
+#                                      # then the host side of a decode step               (~7 min)
+#   bash bench/h200_check.sh bench     # `sparkinfer bench` on both synthetic presets     (~9 min:
+#                                      # give the device call its full 600 s, nothing else)
 #
 # Everything is logged under $OUT (the device tool brings that folder back).
 set -u
@@ -17,7 +19,8 @@ OUT=${OUT:-/tmp/h200_out}
 mkdir -p "$OUT"
 S=$(mktemp -d)
 python3 -m pip install -q --no-index --no-deps --target "$S" .whl/*.whl
-export PYTHONPATH=$S:$PWD NUMBA_ENABLE_CUDASIM=0 PYTHONWARNINGS=ignore
+# unbuffered: a run cut by `timeout` keeps what it printed
+export PYTHONPATH=$S:$PWD NUMBA_ENABLE_CUDASIM=0 PYTHONWARNINGS=ignore PYTHONUNBUFFERED=1
 
 run() {  # run LOG TIMEOUT CMD...: log to $OUT/LOG, print its tail
   local log=$1 limit=$2
@@ -38,9 +41,10 @@ case "${1:-tests}" in
     done ;;
   profile)
     P=bench/cuda_kernel_profile.py
-    run prof_b1.log 150 python3 $P qwen3.6-35b-a3b "$OUT/prof_b1.json" --steps 10
+    run prof_b1.log 150 python3 $P qwen3.6-35b-a3b "$OUT/prof_b1.json" --steps 10 --trace
     run prof_b64.log 150 python3 $P qwen3.6-35b-a3b "$OUT/prof_b64.json" --steps 5 --batch 64 --ctx 128
-    run prof_pf.log 120 python3 $P qwen3.6-35b-a3b "$OUT/prof_pf.json" --steps 2 --prefill 4096 --ctx 0 ;;
+    run prof_pf.log 120 python3 $P qwen3.6-35b-a3b "$OUT/prof_pf.json" --steps 2 --prefill 4096 --ctx 0
+    run host_b1.log 120 python3 bench/cuda_host_profile.py qwen3.6-35b-a3b ;;
   bench)
     mkdir -p "$OUT/bench"
     run bench36.log 330 python3 -m sparkinfer_cli bench --synthetic qwen3.6-35b-a3b --device cuda \
