@@ -310,6 +310,35 @@ def _merge_splits(acc, acc_sh, weight_sh, row, n_active, n_splits, part_m, part_
         out[row * head_dim + d] = _sum_warps(acc_sh, d, head_dim)
 
 
+@cuda.jit(device=True, inline=True)
+def _scan_keys(q_sh, k_cache, v_cache, k_scales, v_scales, block_table, table, block_size, n_kv,
+               kv_head, start, end, head_dim, kind, p_sh, row_sh, scratch, acc, per_lane):
+    """Online softmax of keys [start, end) of a row (block table at `table`) against q_sh, CHUNK
+    keys at a time: thread t scores key t of the chunk (its whole K row), the block agrees on the
+    running max, then warp w accumulates p·V over keys w, w + WARPS, ..., lane l owning dims
+    [l·per_lane, +per_lane) in acc. Returns (max, Σ p)."""
+    tid = cuda.threadIdx.x
+    warp, lane = tid // 32, tid % 32
+    m, l_sum = float32(-math.inf), float32(0.0)
+    for c0 in range(start, end, CHUNK):
+        t = c0 + tid
+        s = float32(-math.inf)
+        if t < end:
+            blk = block_table[table + t // block_size]
+            row_sh[tid] = ((blk * block_size + t % block_size) * n_kv + kv_head) * head_dim
+            s = _dot_q(q_sh, k_cache, k_scales, row_sh[tid], head_dim, kind)
+        m_new = max(m, block_max(s, scratch))
+        corr = math.exp(m - m_new)  # m = -inf on the first chunk: corr = 0
+        p = math.exp(s - m_new) if t < end else float32(0.0)
+        p_sh[tid] = p
+        l_sum = l_sum * corr + block_sum(p, scratch)  # its barriers publish p_sh, row_sh
+        _accumulate_pv(acc, corr, p_sh, row_sh, v_cache, v_scales, kind, min(CHUNK, end - c0),
+                       warp, lane * per_lane, per_lane)
+        m = m_new
+        cuda.syncthreads()  # before the next chunk overwrites p_sh / row_sh
+    return m, l_sum
+
+
 @functools.cache
 def _split_kernel(head_dim: int, kind: int):
     per_lane = head_dim // 32
@@ -319,14 +348,11 @@ def _split_kernel(head_dim: int, kind: int):
     def decode_split(q, k_cache, v_cache, k_scales, v_scales, block_table, max_blocks, row_seq,
                      seq_lens, n_kv, block_size, scale, part_m, part_l, part_acc, arrivals, out):
         # One block per (head, query row, split); the row's keys are cut into n_splits splits of
-        # _split_len keys. A split goes in chunks of CHUNK keys: thread t scores key t of the
-        # chunk (its whole K row), the block agrees on the running max, then warp w accumulates
-        # p·V over keys w, w + WARPS, ..., lane l owning dims [l·per_lane, +per_lane). Splits
-        # past the row's end exit; of the others, the last to store its partial merges them all.
+        # _split_len keys, each scanned by _scan_keys. Splits past the row's end exit; of the
+        # others, the last to store its partial merges them all.
         h, seq, split = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
         n_heads, n_splits = cuda.gridDim.x, cuda.gridDim.z
         tid = cuda.threadIdx.x
-        warp, lane = tid // 32, tid % 32
         head_row = seq * n_heads + h
         q_sh = cuda.shared.array(head_dim, float32)
         p_sh = cuda.shared.array(CHUNK, float32)
@@ -346,24 +372,10 @@ def _split_kernel(head_dim: int, kind: int):
                 q_sh[d] = q[head_row * head_dim + d] * scale
             for e in range(per_lane):
                 acc[e] = 0.0
-            m, l_sum = float32(-math.inf), float32(0.0)
             cuda.syncthreads()
-            for c0 in range(split * split_len, end, CHUNK):
-                t = c0 + tid
-                s = float32(-math.inf)
-                if t < end:
-                    blk = block_table[table + t // block_size]
-                    row_sh[tid] = ((blk * block_size + t % block_size) * n_kv + kv_head) * head_dim
-                    s = _dot_q(q_sh, k_cache, k_scales, row_sh[tid], head_dim, kind)
-                m_new = max(m, block_max(s, scratch))
-                corr = math.exp(m - m_new)  # m = -inf on the first chunk: corr = 0
-                p = math.exp(s - m_new) if t < end else float32(0.0)
-                p_sh[tid] = p
-                l_sum = l_sum * corr + block_sum(p, scratch)  # its barriers publish p_sh, row_sh
-                _accumulate_pv(acc, corr, p_sh, row_sh, v_cache, v_scales, kind,
-                               min(CHUNK, end - c0), warp, lane * per_lane, per_lane)
-                m = m_new
-                cuda.syncthreads()  # before the next chunk overwrites p_sh / row_sh
+            m, l_sum = _scan_keys(q_sh, k_cache, v_cache, k_scales, v_scales, block_table, table,
+                                  block_size, n_kv, kv_head, split * split_len, end, head_dim,
+                                  kind, p_sh, row_sh, scratch, acc, per_lane)
             _store_partial(acc, acc_sh, m, l_sum, head_row * n_splits + split, part_m, part_l,
                            part_acc, head_dim, per_lane)
             if _arrives_last(arrivals, head_row, n_active, flag_sh):

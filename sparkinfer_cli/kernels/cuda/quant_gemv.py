@@ -315,6 +315,29 @@ FLOAT_TYPES = frozenset({GGMLType.F32, GGMLType.F16, GGMLType.BF16})
 
 
 @functools.cache
+def _row_reduction(n_acc: int):
+    """Device fn: each row's n_acc sums over the lanes that share it (shuffles) and, when the
+    block's warps share the rows (row_warps > 1), over the warps: warp 0's lanes get the totals."""
+
+    @cuda.jit(device=True, inline=True)
+    def reduce_rows(acc, lanes_per_row, row_warps):
+        lane, warp = cuda.threadIdx.x % 32, cuda.threadIdx.x // 32
+        for c in range(n_acc):
+            for offset in (16, 8, 4, 2, 1):
+                if offset < lanes_per_row:
+                    acc[c] += shfl_xor(acc[c], offset)
+        if row_warps > 1:
+            partial = cuda.shared.array((WARPS_PER_BLOCK, 32, n_acc), float32)
+            for c in range(n_acc):
+                partial[warp, lane, c] = acc[c]
+            cuda.syncthreads()
+            for c in range(n_acc):
+                for other in range(1, WARPS_PER_BLOCK):
+                    acc[c] += partial[other, lane, c]
+    return reduce_rows
+
+
+@functools.cache
 def _block_rows(ggml_type: GGMLType, n_cols: int, swiglu: bool):
     """The GEMV kernel's device body: this block's rows of the matrix at byte mat_base, dotted with
     n_cols activation columns; column c reads x from element xcol[c] and lands in output column
@@ -324,6 +347,7 @@ def _block_rows(ggml_type: GGMLType, n_cols: int, swiglu: bool):
     """
     unit, blk_elems, blk_bytes, parts = _UNITS[ggml_type]
     n_acc = 2 * n_cols if swiglu else n_cols
+    reduce_rows = _row_reduction(n_acc)
 
     @cuda.jit(device=True, inline=True)
     def accumulate(acc, w, w2, base, u, xcol, xq, xd, xs):
@@ -362,18 +386,7 @@ def _block_rows(ggml_type: GGMLType, n_cols: int, swiglu: bool):
                 u += 2 * stride
             if u < n_units:
                 accumulate(acc, w, w2, base, u, xcol, xq, xd, xs)
-        for c in range(n_acc):
-            for offset in (16, 8, 4, 2, 1):
-                if offset < lanes_per_row:
-                    acc[c] += shfl_xor(acc[c], offset)
-        if row_warps > 1:  # warp 0 adds the other warps' sums of the same rows
-            partial = cuda.shared.array((WARPS_PER_BLOCK, 32, n_acc), float32)
-            for c in range(n_acc):
-                partial[warp, lane, c] = acc[c]
-            cuda.syncthreads()
-            for c in range(n_acc):
-                for other in range(1, WARPS_PER_BLOCK):
-                    acc[c] += partial[other, lane, c]
+        reduce_rows(acc, lanes_per_row, row_warps)
         if sub == 0 and row < n_rows:
             for c in range(n_cols):
                 total = acc[c]
