@@ -37,21 +37,22 @@ def _moe_sum(x, moe_w, k, shared, gate, row, i, d, with_shared):
 
 
 @functools.cache
-def _norm_kernel(per_thread: int, k: int):
-    """per_thread: elements each thread keeps in registers; k: experts of the MOE modes (a
-    compile-time count, so their loads unroll)."""
+def _norm_kernel(per_thread: int, k: int, mode: int):
+    """per_thread: elements each thread keeps in registers; k: experts of the MOE modes; mode.
+    All compile-time, so a thread's loads form one straight run of code."""
+    accumulates = mode == ADD or mode >= MOE
 
     @cuda.jit(fastmath=True)
-    def rms_norm(x, residual, w, out, d, eps, mode, quantize, xq, xd, xs, moe_w, shared, gate):
+    def rms_norm(x, residual, w, out, d, eps, quantize, xq, xd, xs, moe_w, shared, gate):
         # PLAIN: out = norm(x)·w;  ADD: h = x + residual, residual ← h, out = norm(h)·w;
         # SILU_GATE: out = norm(x)·w·silu(residual)  (residual holds the gate z);
         # MOE(_SHARED): as ADD with x = the MoE output: x holds each row's k expert outputs,
         # combined with weights moe_w (+ the shared expert, gated by sigmoid(gate)).
         # Thread t owns elements t + j·blockDim. quantize: also write out as int8 per 32 elements
         # (quant_gemv's q8 activations): with d % 32 == 0 each warp holds whole 32-blocks.
-        # All loads of a thread come first, stores after: a store to `residual` between them
-        # would make the next loads wait for it (x / residual may alias), one memory latency
-        # per element instead of one in all.
+        # All loads of a thread come first, in one basic block (elements past the row re-read
+        # its last one, zeroed after), stores after: a store to `residual` or a branch between
+        # them makes the next loads wait for the last ones, a memory latency per element.
         scratch = cuda.shared.array(33, float32)
         vals = cuda.local.array(per_thread, float32)
         weights = cuda.local.array(per_thread, float32)
@@ -59,21 +60,19 @@ def _norm_kernel(per_thread: int, k: int):
         tid, n_threads = cuda.threadIdx.x, cuda.blockDim.x
         row = cuda.blockIdx.x
         base = row * d
-        accumulates = mode == ADD or mode >= MOE
         for j in range(per_thread):
             i = tid + j * n_threads
-            v = float32(0.0)
-            if i < d:
-                if mode >= MOE:
-                    v = _moe_sum(x, moe_w, k, shared, gate, row, i, d, mode == MOE_SHARED)
-                else:
-                    v = x[base + i]
-                if accumulates:
-                    v += residual[base + i]
-                if mode == SILU_GATE:
-                    gates[j] = residual[base + i]
-                weights[j] = w[i]
-            vals[j] = v
+            ic = min(i, d - 1)
+            if mode >= MOE:
+                v = _moe_sum(x, moe_w, k, shared, gate, row, ic, d, mode == MOE_SHARED)
+            else:
+                v = x[base + ic]
+            if accumulates:
+                v += residual[base + ic]
+            if mode == SILU_GATE:
+                gates[j] = residual[base + ic]
+            weights[j] = w[ic]
+            vals[j] = v if i < d else float32(0.0)
         partial = float32(0.0)
         for j in range(per_thread):
             i = tid + j * n_threads
@@ -110,9 +109,9 @@ def _launch(x, residual, w, out, eps: float, mode: int, stream, act=None, moe=No
     moe_w, shared, gate = moe if moe is not None else (w, None, None)
     k = moe_w.size // (out.size // d) if moe is not None else 0
     threads = min(MAX_THREADS, cdiv(d, 32) * 32)
-    _norm_kernel(cdiv(d, threads), k)[out.size // d, threads, stream](
+    _norm_kernel(cdiv(d, threads), k, mode)[out.size // d, threads, stream](
         x.reshape(x.size), residual.reshape(residual.size), w, out.reshape(out.size), d,
-        float32(eps), mode, act is not None, *q, moe_w.reshape(moe_w.size),
+        float32(eps), act is not None, *q, moe_w.reshape(moe_w.size),
         w if shared is None else shared.reshape(shared.size),
         w if gate is None else gate.reshape(gate.size))
 
