@@ -171,26 +171,30 @@ def test_q8_top1_matches_native_llama_cpp_where_clear(family: str, variant: str,
                                  f"max |Δ| {np.abs(ours - native).max():.3g}")
 
 
+def _decode_group(model, prompts: list[np.ndarray], group: list[int], n_steps: int):
+    """Greedy logits of the prompts in `group` (prefilled one by one), decoded together in one
+    batch per step: {prompt index: [logits after the prompt, after step 1, ...]}."""
+    blocks = 4
+    cache = model.create_cache(blocks * len(prompts), BLOCK_SIZE, len(prompts))
+    tables = {i: np.arange(i * blocks, (i + 1) * blocks) for i in group}
+    last = {i: model.forward(SequenceBatch.single(prompts[i], 0, tables[i], i), cache)[0]
+            for i in group}
+    out = {i: [last[i]] for i in group}
+    for step in range(n_steps):
+        ids = np.array([last[i].argmax() for i in group], np.int32)
+        batch = SequenceBatch(ids, [len(prompts[i]) + step for i in group], [1] * len(group),
+                              [tables[i] for i in group], list(group))
+        logits = model.forward(batch, cache)
+        for row, i in enumerate(group):
+            last[i] = logits[row]
+            out[i].append(logits[row])
+    return out
+
+
 def _decode_alone_and_together(model, prompts: list[np.ndarray], n_steps: int):
     """Greedy logits of each prompt decoded alone, and all decoded in one batch per step."""
-    blocks = 4
-    def run(group: list[int]) -> dict[int, list[np.ndarray]]:
-        cache = model.create_cache(blocks * len(prompts), BLOCK_SIZE, len(prompts))
-        tables = {i: np.arange(i * blocks, (i + 1) * blocks) for i in group}
-        last = {i: model.forward(SequenceBatch.single(prompts[i], 0, tables[i], i), cache)[0]
-                for i in group}
-        out = {i: [last[i]] for i in group}
-        for step in range(n_steps):
-            ids = np.array([last[i].argmax() for i in group], np.int32)
-            batch = SequenceBatch(ids, [len(prompts[i]) + step for i in group], [1] * len(group),
-                                  [tables[i] for i in group], list(group))
-            logits = model.forward(batch, cache)
-            for row, i in enumerate(group):
-                last[i] = logits[row]
-                out[i].append(logits[row])
-        return out
-    together = run(list(range(len(prompts))))
-    alone = {i: run([i])[i] for i in range(len(prompts))}
+    together = _decode_group(model, prompts, list(range(len(prompts))), n_steps)
+    alone = {i: _decode_group(model, prompts, [i], n_steps)[i] for i in range(len(prompts))}
     return alone, together
 
 
@@ -204,6 +208,31 @@ def test_batched_decode_equals_each_sequence_alone(family: str) -> None:
     for i in range(len(prompts)):
         delta = float(np.abs(np.stack(alone[i]) - np.stack(together[i])).max())
         assert delta <= DECODE_VS_BATCH_TOL, f"{family} sequence {i}: batched vs alone {delta:.3g}"
+
+
+@pytest.mark.gpu
+def test_output_projection_on_tensor_cores_in_a_batched_decode_graph(monkeypatch) -> None:
+    """33 sequences decode together: a bucket of 64 logit rows, where the output projection runs
+    as a tensor-core GEMM inside the captured graph. The first decode step's logits (same inputs
+    either way) follow the same step with the output projection as GEMVs: f16 vs q8 activations,
+    so top-1 equal where clear and close elsewhere."""
+    from sparkinfer_cli.model import cuda_workspace
+
+    model = _tiny("qwen3", "Q8_0", exact=False)
+    prompt = _goldens("qwen3")["prompt_long"]
+    prompts = [prompt[i:i + 4 + i % 5] for i in range(33)]
+    group = list(range(len(prompts)))
+    first_step = {}
+    for path, min_rows in (("mma", cuda_workspace.OUTPUT_MMA_MIN_ROWS), ("gemv", 1 << 30)):
+        monkeypatch.setattr(cuda_workspace, "OUTPUT_MMA_MIN_ROWS", min_rows)
+        out = _decode_group(model, prompts, group, n_steps=1)
+        first_step[path] = np.stack([out[i][1] for i in group])  # (33, n_vocab)
+    mma, gemv = first_step["mma"], first_step["gemv"]
+    top2 = np.sort(gemv, axis=1)[:, -2:]
+    clear = top2[:, 1] - top2[:, 0] > NATIVE_MARGIN
+    assert clear.sum() >= len(group) // 2, "too few clear rows to compare top-1"
+    assert (mma.argmax(1) == gemv.argmax(1))[clear].all()
+    assert np.abs(mma - gemv).max() <= 0.05 * np.abs(gemv).max()
 
 
 def _greedy(model, ids: list[int], n: int) -> list[int]:
