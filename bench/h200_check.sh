@@ -2,7 +2,8 @@
 # One device call's worth of GPU checks, from the repo root on the H200 (see env README: the
 # device's python needs the wheels built by ../shared/tools/device-wheels.sh, carried as .whl/).
 #
-#   bash bench/h200_check.sh tests     # gpu-marked kernel tests, then the model tests   (~7 min)
+#   bash bench/h200_check.sh tests     # gpu-marked kernel tests, model decode tests      (~8 min)
+#   bash bench/h200_check.sh oracle    # model tests against llama.cpp's logits            (~6 min)
 #   bash bench/h200_check.sh kernels   # kernel micro-benchmarks                          (~3 min)
 #   bash bench/h200_check.sh profile   # CUPTI per-kernel profiles: batch 1, batch 64, prefill,
 #                                      # then the host side of a decode step               (~7 min)
@@ -12,8 +13,8 @@
 # Everything is logged under $OUT (the device tool brings that folder back).
 set -u
 case "${1:-tests}" in
-  tests|kernels|profile|bench) ;;
-  *) echo "usage: $0 tests|kernels|profile|bench" >&2; exit 2 ;;
+  tests|oracle|kernels|profile|bench) ;;
+  *) echo "usage: $0 tests|oracle|kernels|profile|bench" >&2; exit 2 ;;
 esac
 OUT=${OUT:-/tmp/h200_out}
 mkdir -p "$OUT"
@@ -31,10 +32,14 @@ run() {  # run LOG TIMEOUT CMD...: log to $OUT/LOG, print its tail
 }
 
 case "${1:-tests}" in
-  tests)
+  tests)  # the model file takes > 300 s cold: its decode half here, the oracle half below
     run gpu_kernels.log 240 python3 -m pytest -m gpu tests/kernels -q -p no:cacheprovider
     run gpu_model.log 300 python3 -m pytest -m gpu tests/model/test_cuda_model.py \
-      -k "not demo_model" -q -p no:cacheprovider ;;
+      -k "decode or greedy or batched or output_projection" -q -p no:cacheprovider ;;
+  oracle)
+    run gpu_oracle.log 500 python3 -m pytest -m gpu tests/model/test_cuda_model.py \
+      -k "not (demo_model or decode or greedy or batched or output_projection)" -q \
+      -p no:cacheprovider ;;
   kernels)
     for b in cuda_mma_bench cuda_attention_bench cuda_delta_bench cuda_gemv_bench; do
       run "$b.log" 70 python3 "bench/$b.py"
