@@ -184,13 +184,15 @@ class CudaAttention:
         out = ws.act("attn.out", H * D)
         args = (q, cache.k[li], cache.v[li], ws.block_tables, ws.seq_lens, out.f.reshape(rows, H, D))
         options = {"stream": stream, "row_seq": ws.row_seq, "scales": cache.kv_scales(li)}
+        fused_q8 = None  # the q8 activations the attention kernel fills itself
         if ws.multi_token and attention_prefill.supports(H, H_kv, D):  # queries share K/V tiles
             attention_prefill.prefill_attention(*args, **options)
         else:  # one query per sequence: keys split over blocks
-            attention.paged_decode_attention(*args, ws.attn, **options)
+            fused_q8 = None if self.gated else out.q
+            attention.paged_decode_attention(*args, ws.attn, act=fused_q8, **options)
         if self.gated:
             activation.sigmoid_mul(out.f, gate[0], out.f, stream=stream, act=out.q)
-        else:
+        elif fused_q8 is None:
             out.quantize(stream)
         ws.linear(self.o, out, ws.delta, stream)
 

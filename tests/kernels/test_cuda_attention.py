@@ -58,7 +58,7 @@ class PagedKV:
                                                           self.block_table[rows], seq_lens)
 
 
-def run(kv: PagedKV, q, seq_lens, ws, out=None, row_seq=None) -> np.ndarray:
+def run(kv: PagedKV, q, seq_lens, ws, out=None, row_seq=None, act=None) -> np.ndarray:
     out = cuda.device_array(q.shape, np.float32) if out is None else out
     scales = None if kv.scales is None else [cuda.to_device(s) for s in kv.scales]
     row_seq = None if row_seq is None else cuda.to_device(np.asarray(row_seq, np.int32))
@@ -66,7 +66,7 @@ def run(kv: PagedKV, q, seq_lens, ws, out=None, row_seq=None) -> np.ndarray:
                                      cuda.to_device(kv.v_stored),
                                      cuda.to_device(kv.block_table),
                                      cuda.to_device(np.asarray(seq_lens, np.int32)), out, ws,
-                                     row_seq=row_seq, scales=scales)
+                                     row_seq=row_seq, scales=scales, act=act)
     return out.copy_to_host()
 
 
@@ -134,3 +134,22 @@ def test_rows_attend_to_their_own_lengths():
     np.testing.assert_allclose(out[:2], kv.reference(q[:2], lens[:2], row_seq[:2]),
                                rtol=1e-4, atol=1e-5)
     np.testing.assert_array_equal(out[2], 0.0)
+
+
+def test_output_also_lands_as_q8_activations():
+    """act: the merge writes the output's q8 form too (the output projection's input), for rows
+    with keys in two splits and a row with none (zeros)."""
+    from sparkinfer_cli.kernels.cuda import quant_gemv as qg
+
+    rng = np.random.default_rng(6)
+    kv = PagedKV(rng, (150, 10), 8, 1, 64)
+    lens = np.array([150, 0], np.int32)
+    q = rng.standard_normal((2, 2, 64)).astype(np.float32)
+    act = qg.QuantizedActivations(2, 1, 2 * 64)
+    out = run(kv, q, lens, attention.DecodeWorkspace(2, 2, 64, 150), act=act)
+    np.testing.assert_allclose(out[0], kv.reference(q[:1], lens[:1])[0], rtol=1e-4, atol=1e-5)
+    assert not out[1].any()
+    xq, xd, xs = qg.quantize_q8_reference(out.reshape(2, 1, -1))
+    np.testing.assert_array_equal(act.xq.copy_to_host(), xq.reshape(-1))
+    np.testing.assert_allclose(act.xd.copy_to_host(), xd.reshape(-1), rtol=1e-6)
+    np.testing.assert_allclose(act.xs.copy_to_host(), xs.reshape(-1), rtol=1e-5, atol=1e-6)

@@ -38,6 +38,7 @@ from sparkinfer_cli.kernels.cuda.intrinsics import (
     ld_v4_u32,
 )
 from sparkinfer_cli.kernels.cuda.launch import cdiv, check_array
+from sparkinfer_cli.kernels.cuda.quant_gemv import store_q8
 from sparkinfer_cli.kernels.cuda.warp import block_max, block_sum, warp_max, warp_sum
 
 CHUNK = 128  # keys scored at once: one per thread
@@ -80,6 +81,11 @@ def flat_scales(kind: int, scales, cache_size: int) -> tuple:
     if scales is None or any(s.size * 32 != cache_size for s in scales):
         raise ValueError("an int8 KV cache needs (k_scales, v_scales) with one per 32 values")
     return tuple(s.reshape(s.size) for s in scales)
+
+
+@functools.cache
+def _placeholder_i8():
+    return cuda.to_device(np.zeros(1, np.int8))  # (1,)
 
 
 @functools.cache
@@ -290,9 +296,9 @@ def _add_partial(acc, weight_sh, part_acc, first, s, n_active, dim0, head_dim, p
 
 @cuda.jit(device=True, inline=True)
 def _merge_splits(acc, acc_sh, weight_sh, row, n_active, n_splits, part_m, part_l, part_acc,
-                  out, head_dim, per_lane):
+                  out, head_dim, per_lane, quantize, xq, xd, xs):
     """out[row] = the softmax-weighted mix of the row's n_active non-empty split partials; warp w
-    sums splits w, w + WARPS, ..., two per round."""
+    sums splits w, w + WARPS, ..., two per round. quantize: out[row] also as q8 (xq, xd, xs)."""
     warp, lane = cuda.threadIdx.x // 32, cuda.threadIdx.x % 32
     if warp == 0:
         _split_weights(row, n_active, n_splits, part_m, part_l, weight_sh)
@@ -307,7 +313,16 @@ def _merge_splits(acc, acc_sh, weight_sh, row, n_active, n_splits, part_m, part_
                      head_dim, per_lane)
     _spill_acc(acc, acc_sh, head_dim, per_lane)
     for d in range(cuda.threadIdx.x, head_dim, CHUNK):
-        out[row * head_dim + d] = _sum_warps(acc_sh, d, head_dim)
+        _store_out(_sum_warps(acc_sh, d, head_dim), row * head_dim + d, out, quantize, xq, xd, xs)
+
+
+@cuda.jit(device=True, inline=True)
+def _store_out(v, i, out, quantize, xq, xd, xs):
+    """out[i] = v, and its q8 form when quantize (the 32 lanes of a warp hold one 32-block: a
+    head of 32·n elements, written with a CHUNK-thread stride)."""
+    out[i] = v
+    if quantize:
+        store_q8(v, i, xq, xd, xs)
 
 
 @cuda.jit(device=True, inline=True)
@@ -340,13 +355,15 @@ def _scan_keys(q_sh, k_cache, v_cache, k_scales, v_scales, block_table, table, b
 
 
 @functools.cache
-def _split_kernel(head_dim: int, kind: int):
+def _split_kernel(head_dim: int, kind: int, quantize: bool):
+    """quantize: the merge also writes the output as q8 activations (the next GEMV's input)."""
     per_lane = head_dim // 32
     acc_len = WARPS * head_dim
 
     @cuda.jit(fastmath=True, **_LAUNCH_BOUNDS)
     def decode_split(q, k_cache, v_cache, k_scales, v_scales, block_table, max_blocks, row_seq,
-                     seq_lens, n_kv, block_size, scale, part_m, part_l, part_acc, arrivals, out):
+                     seq_lens, n_kv, block_size, scale, part_m, part_l, part_acc, arrivals, out,
+                     xq, xd, xs):
         # One block per (head, query row, split); the row's keys are cut into n_splits splits of
         # _split_len keys, each scanned by _scan_keys. Splits past the row's end exit; of the
         # others, the last to store its partial merges them all.
@@ -380,10 +397,10 @@ def _split_kernel(head_dim: int, kind: int):
                            part_acc, head_dim, per_lane)
             if _arrives_last(arrivals, head_row, n_active, flag_sh):
                 _merge_splits(acc, acc_sh, p_sh, head_row, n_active, n_splits, part_m, part_l,
-                              part_acc, out, head_dim, per_lane)
+                              part_acc, out, head_dim, per_lane, quantize, xq, xd, xs)
         elif split == 0:  # no keys at all: attention over nothing is 0
             for d in range(tid, head_dim, CHUNK):
-                out[head_row * head_dim + d] = 0.0
+                _store_out(float32(0.0), head_row * head_dim + d, out, quantize, xq, xd, xs)
     return decode_split
 
 
@@ -412,12 +429,14 @@ class DecodeWorkspace:
 
 def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, out, ws: DecodeWorkspace,
                            scale: float | None = None, stream=0, row_seq=None,
-                           scales=None) -> None:
+                           scales=None, act=None) -> None:
     """q (n_rows, n_heads, head_dim) f32 attends to the first seq_lens[r] cached tokens → out.
 
     row_seq: int32 (n_rows,) block-table row of each query row (default: row r uses row r), so the
     T query rows of one prefilled sequence share its table, with seq_lens = position + 1 (causal).
     scales: (k_scales, v_scales) f32, one per 32 cached values, for int8 caches.
+    act: a quant_gemv.QuantizedActivations of out's size, filled with out's q8 form in the same
+    launch (saves the quantize launch before the output projection).
     """
     n_seqs, n_heads, head_dim = q.shape
     _, block_size, n_kv, _ = k_cache.shape
@@ -436,11 +455,15 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, out, ws: 
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     kind = kv_kind(k_cache)
     k_scales, v_scales = flat_scales(kind, scales, k_cache.size)
-    _split_kernel(head_dim, kind)[(n_heads, n_seqs, ws.n_splits), CHUNK, stream](
+    if act is not None and int(np.prod(act.shape)) != out.size:
+        raise ValueError(f"q8 activations of shape {act.shape} do not hold out {out.shape}")
+    q8 = (act.xq, act.xd, act.xs) if act is not None else (_placeholder_i8(),) + \
+        (_placeholder(),) * 2
+    _split_kernel(head_dim, kind, act is not None)[(n_heads, n_seqs, ws.n_splits), CHUNK, stream](
         q.reshape(q.size), k_cache.reshape(k_cache.size), v_cache.reshape(v_cache.size),
         k_scales, v_scales, block_table.reshape(block_table.size), block_table.shape[1], row_seq,
         seq_lens, n_kv, block_size, float32(scale), ws.part_m, ws.part_l, ws.part_acc,
-        ws.arrivals, out.reshape(out.size))
+        ws.arrivals, out.reshape(out.size), *q8)
 
 
 @functools.cache
