@@ -26,7 +26,8 @@ export PYTHONPATH=$S:$PWD NUMBA_ENABLE_CUDASIM=0 PYTHONWARNINGS=ignore PYTHONUNB
 run() {  # run LOG TIMEOUT CMD...: log to $OUT/LOG, print its tail
   local log=$1 limit=$2
   shift 2
-  timeout "$limit" "$@" > "$OUT/$log" 2>&1
+  # SIGINT first: python prints where it was (KeyboardInterrupt traceback); KILL 15 s later
+  timeout -s INT -k 15 "$limit" "$@" > "$OUT/$log" 2>&1
   echo "== $log (exit $?)"
   tail -n 12 "$OUT/$log"
 }
@@ -52,8 +53,8 @@ case "${1:-tests}" in
     run host_b1.log 120 python3 bench/cuda_host_profile.py qwen3.6-35b-a3b ;;
   bench)
     mkdir -p "$OUT/bench"
-    run bench36.log 330 python3 -m sparkinfer_cli bench --synthetic qwen3.6-35b-a3b --device cuda \
-      --ctx 512 --ctx 4096 --ctx 32768 --out "$OUT/bench"
-    run bench30.log 200 python3 -m sparkinfer_cli bench --synthetic qwen3-30b-a3b --device cuda \
+    run bench36.log 370 python3 -m sparkinfer_cli bench --synthetic qwen3.6-35b-a3b --device cuda \
+      --ctx 512 --ctx 32768 --concurrency 8 --concurrency 64 --out "$OUT/bench"
+    run bench30.log 190 python3 -m sparkinfer_cli bench --synthetic qwen3-30b-a3b --device cuda \
       --ctx 512 --concurrency 1 --out "$OUT/bench" ;;
 esac

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
@@ -178,8 +179,11 @@ def _load(gguf: GGUFFile, device: str, console: Console) -> tuple[CausalLM, Toke
     from sparkinfer_cli.model.loader import load_runtime_model
     from sparkinfer_cli.tokenizer.vocab_override import load_tokenizer
 
+    start = time.perf_counter()
     with console.status(f"loading {gguf.path.name} on {device}"):
-        return load_runtime_model(gguf, device), load_tokenizer(gguf)
+        loaded = load_runtime_model(gguf, device), load_tokenizer(gguf)
+    console.print(f"loaded {gguf.path.name} on {device} in {time.perf_counter() - start:.0f} s")
+    return loaded
 
 
 # ---- measuring -----------------------------------------------------------------------------------
@@ -197,8 +201,12 @@ def run_measurements(request: BenchRequest, model: CausalLM, tokenizer: Tokenize
 
         def timed(label: str, measure: Callable[[], Measurement]) -> Measured:
             progress.update(task, description=label)
+            start = time.perf_counter()
             result = measure()
             progress.advance(task)
+            # a line per figure: logs of runs that are cut short still show what was measured
+            progress.console.print(f"{label}: {result.tok_s:,.1f} tok/s "
+                                   f"({time.perf_counter() - start:.0f} s)")
             return result, os.getloadavg()[0]
 
         results = _depth_figures(request, model, timed)
