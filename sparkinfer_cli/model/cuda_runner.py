@@ -46,7 +46,7 @@ from sparkinfer_cli.model.layers import Attention, SwiGLU
 from sparkinfer_cli.model.moe import MoE
 
 MAX_GRAPH_ROWS = 64  # decode batches up to this many sequences replay a graph
-MAX_PASS_TOKENS = 4096  # expert GEMV slots (tokens · top-k) must fit CUDA's grid.y limit of 65535
+MAX_PASS_TOKENS = 4096  # tokens a forward pass takes at most (workspace buffers are sized by it)
 
 
 @dataclass

@@ -102,6 +102,22 @@ def test_gemv_slots_pick_expert_matrices_and_activation_groups():
         check_close(y[s], per_mat[m], ggml_type, k, x[g])
 
 
+@pytest.mark.parametrize("ggml_type, k", [(GGMLType.Q4_K, 256), (GGMLType.F32, 1024)],
+                         ids=["rows", "split rows"])
+def test_gemv_loops_over_row_blocks_past_the_grid_limit(monkeypatch, ggml_type, k):
+    # a grid.y of 2 stands in for CUDA's 65,535: each block takes row blocks y, y + 2, ...
+    monkeypatch.setattr(qg, "MAX_GRID_Y", 2)
+    rng = np.random.default_rng(16)
+    n_rows, n_mats = 13, 2  # 4 row blocks of 4 rows a matrix (split rows: 13 of 1)
+    w_bytes = random_weights(ggml_type, n_mats * n_rows, k, rng)
+    x = rng.standard_normal((2, 1, k)).astype(np.float32)
+    slot_mat, slot_x = [1, 0], [0, 1]
+    y = run_gemv(w_bytes, ggml_type, k, x, slot_mat, slot_x, n_mats)
+    per_mat = w_bytes.reshape(n_mats, n_rows, -1)
+    for s, (m, g) in enumerate(zip(slot_mat, slot_x)):
+        check_close(y[s], per_mat[m], ggml_type, k, x[g])
+
+
 @pytest.mark.parametrize("ggml_type, k", [(GGMLType.F32, 1024), (GGMLType.Q8_0, 8192)],
                          ids=["F32", "Q8_0"])
 def test_gemv_splits_few_long_rows_over_the_blocks_warps(ggml_type, k):

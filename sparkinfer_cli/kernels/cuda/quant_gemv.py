@@ -53,6 +53,7 @@ from sparkinfer_cli.kernels.cuda.warp import shfl_xor, warp_max, warp_sum
 Q8_BLOCK = 32
 WARPS_PER_BLOCK = 4
 MAX_COLS = 8
+MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y
 MAX_PARTS = 4
 SPLIT_ROWS_BELOW = 1024  # rows (× slots) under which long rows are split over a block's warps
 _IQ4NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
@@ -360,14 +361,13 @@ def _block_rows(ggml_type: GGMLType, n_cols: int, swiglu: bool):
                                         xo)
 
     @cuda.jit(device=True, inline=True)
-    def block_rows(w, w2, row_bytes, n_rows, mat_base, k, lanes_per_row, row_warps, xcol, ycol,
-                   xq, xd, xs, bias, has_bias, y0, y1, y2, y3, ends):
+    def block_rows(w, w2, row_bytes, n_rows, mat_base, k, lanes_per_row, row_warps, row_block,
+                   xcol, ycol, xq, xd, xs, bias, has_bias, y0, y1, y2, y3, ends):
         # a row per `lanes_per_row` lanes (32, fewer for short rows) of `row_warps` warps (1, or
         # all WARPS_PER_BLOCK for matrices of few long rows), two units in flight per lane
         lane, warp = cuda.threadIdx.x % 32, cuda.threadIdx.x // 32
         rows_per_warp = 32 // lanes_per_row
-        first = (cuda.blockIdx.x * (WARPS_PER_BLOCK // row_warps) + warp // row_warps) \
-            * rows_per_warp
+        first = (row_block * (WARPS_PER_BLOCK // row_warps) + warp // row_warps) * rows_per_warp
         if first >= n_rows:
             return
         row = first + lane // lanes_per_row
@@ -400,20 +400,30 @@ def _block_rows(ggml_type: GGMLType, n_cols: int, swiglu: bool):
 
 @functools.cache
 def _gemv_kernel(ggml_type: GGMLType, n_cols: int, swiglu: bool = False):
-    """grid.y = slot: matrix slot_mat[slot], the n_cols columns of activation group slot_x[slot]."""
+    """grid.x = slot: matrix slot_mat[slot], the n_cols columns of activation group slot_x[slot];
+    grid.y: row blocks (grid-stride over n_row_blocks).
+
+    The slot is the fastest grid index so that the slots reading the same rows run together: the
+    groups of a batched linear, or the tokens that picked the same expert, share one DRAM read
+    of those rows through L2 (with row blocks fastest, a slot's re-read came after the whole
+    matrix had passed through L2)."""
     block_rows = _block_rows(ggml_type, n_cols, swiglu)
 
     @cuda.jit(fastmath=True)
-    def gemv(w, w2, row_bytes, n_rows, mat_bytes, k, lanes_per_row, row_warps, slot_mat, slot_x,
-             xq, xd, xs, bias, has_bias, y0, y1, y2, y3, ends):
-        slot = cuda.blockIdx.y
+    def gemv(w, w2, row_bytes, n_rows, mat_bytes, k, lanes_per_row, row_warps, n_row_blocks,
+             slot_mat, slot_x, xq, xd, xs, bias, has_bias, y0, y1, y2, y3, ends):
+        slot = cuda.blockIdx.x
         xcol = cuda.local.array(n_cols, int32)  # (n_cols,) element offsets into x
         ycol = cuda.local.array(n_cols, int32)  # (n_cols,) output columns
         for c in range(n_cols):
             xcol[c] = (slot_x[slot] * n_cols + c) * k
             ycol[c] = slot * n_cols + c
-        block_rows(w, w2, row_bytes, n_rows, slot_mat[slot] * mat_bytes, k, lanes_per_row,
-                   row_warps, xcol, ycol, xq, xd, xs, bias, has_bias, y0, y1, y2, y3, ends)
+        for row_block in range(cuda.blockIdx.y, n_row_blocks, cuda.gridDim.y):
+            block_rows(w, w2, row_bytes, n_rows, slot_mat[slot] * mat_bytes, k, lanes_per_row,
+                       row_warps, row_block, xcol, ycol, xq, xd, xs, bias, has_bias, y0, y1, y2,
+                       y3, ends)
+            if row_warps > 1:
+                cuda.syncthreads()  # reduce_rows' shared partials are rewritten next round
     return gemv
 
 
@@ -548,10 +558,11 @@ def gemv(w: DeviceQuantMatrix, x, y, *, slot_mat=None, slot_x=None,
         check_array("bias", bias, np.float32, (w.n_rows,))
     lanes = lanes_per_row(w.ggml_type, w.k)
     warps = row_warps(w.ggml_type, w.k, w.n_rows * n_slots)
-    grid = (cdiv(w.n_rows, WARPS_PER_BLOCK // warps * (32 // lanes)), n_slots)
+    n_row_blocks = cdiv(w.n_rows, WARPS_PER_BLOCK // warps * (32 // lanes))
+    grid = (n_slots, min(n_row_blocks, MAX_GRID_Y))
     _gemv_kernel(w.ggml_type, n_cols, up is not None)[grid, 32 * WARPS_PER_BLOCK, stream](
         w.data, w.data if up is None else up.data, w.row_bytes, w.n_rows, w.n_rows * w.row_bytes,
-        w.k, lanes, warps, slot_mat, slot_x, xq, xd, xs, parts[0] if bias is None else bias,
+        w.k, lanes, warps, n_row_blocks, slot_mat, slot_x, xq, xd, xs, parts[0] if bias is None else bias,
         bias is not None, *parts, ends)
 
 
