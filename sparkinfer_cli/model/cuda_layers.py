@@ -85,7 +85,8 @@ class CudaMoE:
 
     def _routed(self, ws: Workspace, stream) -> None:
         rows, k = ws.n_rows, self.k
-        logits = ws.linears(self.routers, ws.x, ("router", "shexp.gate"), stream)[0]
+        logits = ws.linears(self.routers, ws.x, ("router", "shexp.gate"), stream,
+                            beside=False)[0]  # the side stream runs the shared expert
         ids, weights = self._picks(ws)
         moe.router_topk(logits.reshape(rows, self.n_expert), k, ids, weights, stream=stream)
         route = self._route(ws, stream)

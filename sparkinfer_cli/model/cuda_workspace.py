@@ -22,7 +22,7 @@ from sparkinfer_cli.kernels.cuda import sampling
 from sparkinfer_cli.kernels.cuda.attention import DecodeWorkspace
 from sparkinfer_cli.kernels.cuda.driver_calls import copy_to_device_async
 from sparkinfer_cli.kernels.cuda.expert_route import ExpertRoute
-from sparkinfer_cli.kernels.cuda.graphs import CapturedGraph
+from sparkinfer_cli.kernels.cuda.graphs import CapturedGraph, side_stream
 from sparkinfer_cli.model.batch import SequenceBatch
 from sparkinfer_cli.model.cuda_cache import CudaModelCache, device_zeros
 from sparkinfer_cli.model.cuda_weights import DeviceLinear, StackedLinears
@@ -180,11 +180,22 @@ class Workspace:
                 slot_x=self.iota(groups), up=None if up is None else up.matrix, bias=lin.bias,
                 stream=stream)
 
-    def linears(self, stacked: StackedLinears, x: Act, names: tuple[str, ...], stream) -> list:
-        """Each member of `stacked` applied to x, into buffers named `names`: one GEMV a stack."""
+    def linears(self, stacked: StackedLinears, x: Act, names: tuple[str, ...], stream,
+                beside: bool = True) -> list:
+        """Each member of `stacked` applied to x, into buffers named `names`: one GEMV a stack.
+
+        beside: the stacks after the first (members of other weight types) run on the side
+        stream, beside the first (each GEMV is latency-bound and leaves most of the GPU idle);
+        False where the side stream is busy with other work the caller must not wait for."""
         outs = [self.buf(name, self.groups, self.cols, n) for name, n in zip(names, stacked.n_rows)]
-        for lin, members in stacked.stacks:
-            self.linear(lin, x, [outs[i] for i in members], stream)
+        (first, first_members), *rest = stacked.stacks
+        side = side_stream() if beside and rest else None
+        rest_stream = side.fork(stream) if side is not None else stream
+        for lin, members in rest:
+            self.linear(lin, x, [outs[i] for i in members], rest_stream)
+        self.linear(first, x, [outs[i] for i in first_members], stream)
+        if side is not None:
+            side.join(stream)
         return outs
 
     # ---- per-step inputs -----------------------------------------------------------------------
