@@ -76,8 +76,13 @@ def run(kv: PagedKV, q, seq_lens, ws, out=None, row_seq=None, act=None) -> np.nd
     # score (seed 4): the online softmax rescales the first. head_dim 64: a whole round of eight
     # 16-byte f16 loads
     (8, 1, 64, 1, (390,), 390, 130),
+    # blocks of 4 (one kv head) and of 2 query heads (2 kv heads of 2), over 3 and 2 splits
+    (8, 1, 32, 4, (300,), 300, CHUNK),
+    (8, 2, 32, 4, (200, 50), 200, CHUNK),
+    # 34 splits: the merge weighs more splits than a warp has lanes
+    (16, 1, 32, 2, (33 * CHUNK + 5,), 33 * CHUNK + 5, CHUNK),
     pytest.param(16, 2, 256, 16, (3000, 700), 3005, 512, marks=pytest.mark.gpu),  # Qwen3.6
-    # a cache sized for 32k tokens: 32 splits, of which 4 and 1 hold keys
+    # a cache sized for 32k tokens: 64 splits, of which 4 and 1 hold keys
     pytest.param(16, 4, 128, 32, (512, 33), 32768, CHUNK, marks=pytest.mark.gpu),  # Qwen3-30B
 ])
 def test_paged_decode_matches_reference(block_size, n_kv, head_dim, n_heads, lens, max_context,
@@ -87,6 +92,14 @@ def test_paged_decode_matches_reference(block_size, n_kv, head_dim, n_heads, len
     q = rng.standard_normal((len(lens), n_heads, head_dim)).astype(np.float32)
     ws = attention.DecodeWorkspace(len(lens), n_heads, head_dim, max_context, split_len)
     np.testing.assert_allclose(run(kv, q, lens, ws), kv.reference(q, lens), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("n_heads, n_kv, heads", [
+    (16, 2, 4), (32, 4, 4), (4, 2, 2), (6, 2, 1), (3, 3, 1), (12, 1, 4), (6, 1, 2),
+])
+def test_a_block_serves_query_heads_of_one_kv_head(n_heads, n_kv, heads):
+    assert attention.heads_per_block(n_heads, n_kv) == heads
+    assert attention.heads_per_block(n_heads, n_kv, attention.KV_I8) == 1
 
 
 def test_workspace_splits_cover_max_context_in_chunks():
@@ -99,6 +112,7 @@ def test_workspace_splits_cover_max_context_in_chunks():
 @pytest.mark.parametrize("dtype, n_kv, head_dim, n_heads, lens", [
     (np.float32, 1, 64, 1, (140,)),  # splits of 128 and 12 keys
     (np.int8, 2, 128, 2, (100,)),  # q8_0: attends like its dequantized values
+    (np.float32, 1, 64, 4, (150,)),  # 4 query heads a block over float32 K/V
 ])
 def test_cache_types(dtype, n_kv, head_dim, n_heads, lens):
     rng = np.random.default_rng(10)

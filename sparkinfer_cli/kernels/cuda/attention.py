@@ -7,17 +7,20 @@ p of a sequence lives in block block_table[seq, p // block_size] at offset p % b
 prefill runs as one query row per token, row_seq naming each row's sequence and seq_lens =
 position + 1.
 
-Decode is one kernel whose grid (n_heads, n_rows, n_splits) never depends on the context length,
-so a captured CUDA graph replays as the context grows:
-  1. block (head, row, split) takes keys [split·L, (split + 1)·L) of the row, L = the row's
-     seq_len / n_splits rounded up to whole CHUNKs (short contexts still spread over several
-     blocks; splits past the end exit at once). It scans them CHUNK keys at a time (one per
-     thread: every key's K row is read in parallel) with an online softmax, and stores a partial
-     (max, sum, unnormalised out);
-  2. each block then counts itself on its (row, head)'s counter; the last of the row's
-     non-empty splits to arrive merges their partials into out and resets the counter to 0.
-The loops are chains of dependent memory latencies, not bandwidth: the K dot and the p·V sum
-keep eight loads in flight per round.
+Decode is one kernel whose grid (n_heads / heads, n_rows, n_splits) never depends on the context
+length, so a captured CUDA graph replays as the context grows:
+  1. block (head group, row, split) serves `heads` query heads of one kv head (heads_per_block:
+     each K/V load feeds them all) and takes keys [split·L, (split + 1)·L) of the row, L = the
+     row's seq_len / n_splits rounded up to whole CHUNKs (short contexts still spread over
+     several blocks; splits past the end exit at once). It scans them CHUNK keys at a time (one
+     per thread: every key's K row is read in parallel) with an online softmax, and stores a
+     partial (max, sum, unnormalised out) per head;
+  2. each block then counts itself on its (row, head group)'s counter; the last of the row's
+     non-empty splits to arrive merges their partials into out, head by head, and resets the
+     counter to 0.
+The loops are chains of dependent memory latencies: the K dot and the p·V sum keep eight loads in
+flight per round. With one head per block, a long context's decode was bound by L2 bandwidth
+instead (each kv head's K/V read by all the query heads of its group).
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from sparkinfer_cli.kernels.cuda.intrinsics import (
 )
 from sparkinfer_cli.kernels.cuda.launch import cdiv, check_array
 from sparkinfer_cli.kernels.cuda.quant_gemv import store_q8
-from sparkinfer_cli.kernels.cuda.warp import block_max, block_sum, warp_max, warp_sum
+from sparkinfer_cli.kernels.cuda.warp import warp_max, warp_sum
 
 CHUNK = 128  # keys scored at once: one per thread
 KV_F32, KV_F16, KV_I8 = 0, 1, 2  # cache element types
@@ -133,30 +136,34 @@ def _dot_pair(q_sh, d, w0, w1, scales, idx, kind):
 
 
 @cuda.jit(device=True, inline=True)
-def _dot_q(q_sh, cache, scales, off, head_dim, kind):
-    """Σ_d q_sh[d]·K[off + d] in rounds of eight 16-byte loads, all issued before the first is
-    used (written out: the compiler does not unroll a loop holding several loads); a head_dim
-    that is not a multiple of the round ends with pairs of loads."""
+def _dot_q(q_sh, cache, scales, off, head_dim, kind, heads, scores):
+    """scores[h] = Σ_d q_sh[h·head_dim + d]·K[off + d] for the block's `heads` query heads, every
+    K load shared by them, in rounds of eight 16-byte loads all issued before the first is used
+    (written out: the compiler does not unroll a loop holding several loads); a head_dim that is
+    not a multiple of the round ends with pairs of loads."""
     per16 = _per16(kind)
     size = 16 // per16  # bytes per element
     n = 2 * per16  # elements per pair of loads
     full = head_dim - head_dim % (4 * n)
-    s = float32(0.0)
+    for h in range(heads):
+        scores[h] = 0.0
     for d in range(0, full, 4 * n):
         b = size * (off + d)
         w0, w1 = ld_v4_u32(cache, b), ld_v4_u32(cache, b + 16)
         w2, w3 = ld_v4_u32(cache, b + 32), ld_v4_u32(cache, b + 48)
         w4, w5 = ld_v4_u32(cache, b + 64), ld_v4_u32(cache, b + 80)
         w6, w7 = ld_v4_u32(cache, b + 96), ld_v4_u32(cache, b + 112)
-        s += (_dot_pair(q_sh, d, w0, w1, scales, off + d, kind)
-              + _dot_pair(q_sh, d + n, w2, w3, scales, off + d + n, kind)
-              + _dot_pair(q_sh, d + 2 * n, w4, w5, scales, off + d + 2 * n, kind)
-              + _dot_pair(q_sh, d + 3 * n, w6, w7, scales, off + d + 3 * n, kind))
+        for h in range(heads):
+            qd = h * head_dim + d
+            scores[h] += (_dot_pair(q_sh, qd, w0, w1, scales, off + d, kind)
+                          + _dot_pair(q_sh, qd + n, w2, w3, scales, off + d + n, kind)
+                          + _dot_pair(q_sh, qd + 2 * n, w4, w5, scales, off + d + 2 * n, kind)
+                          + _dot_pair(q_sh, qd + 3 * n, w6, w7, scales, off + d + 3 * n, kind))
     for d in range(full, head_dim, n):
         b = size * (off + d)
-        s += _dot_pair(q_sh, d, ld_v4_u32(cache, b), ld_v4_u32(cache, b + 16), scales, off + d,
-                       kind)
-    return s
+        w0, w1 = ld_v4_u32(cache, b), ld_v4_u32(cache, b + 16)
+        for h in range(heads):
+            scores[h] += _dot_pair(q_sh, h * head_dim + d, w0, w1, scales, off + d, kind)
 
 
 @cuda.jit(device=True, inline=True)
@@ -181,38 +188,53 @@ def _value4(cache, scales, idx, kind):
 
 
 @cuda.jit(device=True, inline=True)
-def _add_pv(acc, p_sh, row_sh, v_cache, v_scales, kind, j, n, dim0, per_lane):
-    """acc += p_j·V_j[dim0 : dim0 + per_lane]; a key j ≥ n re-reads key n - 1 with p = 0, so the
-    loads never depend on a branch and the caller's unrolled rounds keep them all in flight."""
+def _p(p_sh, h, jj, live):
+    """Head h's softmax weight of chunk key jj, 0 for a key past the chunk's end. The load is
+    unconditional and the choice a select: a load under a branch would wait for it."""
+    p = p_sh[h * CHUNK + jj]
+    return p if live else float32(0.0)
+
+
+@cuda.jit(device=True, inline=True)
+def _add_pv(acc, p_sh, row_sh, v_cache, v_scales, kind, j, n, dim0, per_lane, heads):
+    """acc[h·per_lane + e] += p_h,j·V_j[dim0 + e] for each of the block's heads (one V load for
+    all); a key j ≥ n re-reads key n - 1 with p = 0, so the loads never depend on a branch and
+    the caller's unrolled rounds keep them all in flight."""
     jj = min(j, n - 1)
-    pj = p_sh[jj]
-    pj = pj if j < n else float32(0.0)  # a select: a load under a branch would wait for it
+    live = j < n
     off = row_sh[jj] + dim0
     if per_lane % 4 == 0:
         for e in range(0, per_lane, 4):
             v = _value4(v_cache, v_scales, off + e, kind)
-            for i in range(4):
-                acc[e + i] += pj * v[i]
+            for h in range(heads):
+                ph = _p(p_sh, h, jj, live)
+                for i in range(4):
+                    acc[h * per_lane + e + i] += ph * v[i]
     else:
         for e in range(per_lane):
-            acc[e] += pj * kv_value(v_cache, v_scales, off + e, kind)
+            v1 = kv_value(v_cache, v_scales, off + e, kind)
+            for h in range(heads):
+                acc[h * per_lane + e] += _p(p_sh, h, jj, live) * v1
 
 
 @cuda.jit(device=True, inline=True)
-def _accumulate_pv(acc, corr, p_sh, row_sh, v_cache, v_scales, kind, n, warp, dim0, per_lane):
-    """acc ← corr·acc + Σ p_j·V_j[dim0 : dim0 + per_lane] over this warp's share of n chunk keys,
-    eight keys per round written out (the loop is bound by load latency, not bandwidth)."""
-    for e in range(per_lane):
-        acc[e] *= corr
-    for j in range(warp, n, 8 * WARPS):
-        _add_pv(acc, p_sh, row_sh, v_cache, v_scales, kind, j, n, dim0, per_lane)
-        _add_pv(acc, p_sh, row_sh, v_cache, v_scales, kind, j + WARPS, n, dim0, per_lane)
-        _add_pv(acc, p_sh, row_sh, v_cache, v_scales, kind, j + 2 * WARPS, n, dim0, per_lane)
-        _add_pv(acc, p_sh, row_sh, v_cache, v_scales, kind, j + 3 * WARPS, n, dim0, per_lane)
-        _add_pv(acc, p_sh, row_sh, v_cache, v_scales, kind, j + 4 * WARPS, n, dim0, per_lane)
-        _add_pv(acc, p_sh, row_sh, v_cache, v_scales, kind, j + 5 * WARPS, n, dim0, per_lane)
-        _add_pv(acc, p_sh, row_sh, v_cache, v_scales, kind, j + 6 * WARPS, n, dim0, per_lane)
-        _add_pv(acc, p_sh, row_sh, v_cache, v_scales, kind, j + 7 * WARPS, n, dim0, per_lane)
+def _accumulate_pv(acc, corr, p_sh, row_sh, v_cache, v_scales, kind, n, warp, dim0, per_lane,
+                   heads):
+    """acc_h ← corr[h]·acc_h + Σ p_h,j·V_j[dim0 : dim0 + per_lane] over this warp's share of n
+    chunk keys, eight keys per round written out (the loop is bound by load latency)."""
+    for h in range(heads):
+        for e in range(per_lane):
+            acc[h * per_lane + e] *= corr[h]
+    vc, vs, d0 = v_cache, v_scales, dim0
+    for j in range(warp, n, 8 * WARPS):  # written out: a loop of loads is not unrolled
+        _add_pv(acc, p_sh, row_sh, vc, vs, kind, j, n, d0, per_lane, heads)
+        _add_pv(acc, p_sh, row_sh, vc, vs, kind, j + WARPS, n, d0, per_lane, heads)
+        _add_pv(acc, p_sh, row_sh, vc, vs, kind, j + 2 * WARPS, n, d0, per_lane, heads)
+        _add_pv(acc, p_sh, row_sh, vc, vs, kind, j + 3 * WARPS, n, d0, per_lane, heads)
+        _add_pv(acc, p_sh, row_sh, vc, vs, kind, j + 4 * WARPS, n, d0, per_lane, heads)
+        _add_pv(acc, p_sh, row_sh, vc, vs, kind, j + 5 * WARPS, n, d0, per_lane, heads)
+        _add_pv(acc, p_sh, row_sh, vc, vs, kind, j + 6 * WARPS, n, d0, per_lane, heads)
+        _add_pv(acc, p_sh, row_sh, vc, vs, kind, j + 7 * WARPS, n, d0, per_lane, heads)
 
 
 @cuda.jit(device=True, inline=True)
@@ -223,38 +245,45 @@ def _split_len(seq_len, n_splits):
 
 
 @cuda.jit(device=True, inline=True)
-def _sum_warps(acc_sh, d, head_dim):
-    """Σ_w acc_sh[w, d] over the warps' rows of a (WARPS, head_dim) shared array."""
+def _sum_warps(acc_sh, h, d, head_dim):
+    """Σ_w acc_sh[h, w, d] over the warps' rows of a (heads, WARPS, head_dim) shared array."""
     total = float32(0.0)
     for w in range(WARPS):
-        total += acc_sh[w * head_dim + d]
+        total += acc_sh[(h * WARPS + w) * head_dim + d]
     return total
 
 
 @cuda.jit(device=True, inline=True)
-def _spill_acc(acc, acc_sh, head_dim, per_lane):
-    """acc_sh[warp, lane·per_lane + e] = acc[e], then a barrier (the block reads it after)."""
+def _spill_acc(acc, acc_sh, head_dim, per_lane, heads):
+    """acc_sh[h, warp, lane·per_lane + e] = acc[h·per_lane + e], then a barrier (the block reads
+    it after)."""
     warp, lane = cuda.threadIdx.x // 32, cuda.threadIdx.x % 32
-    for e in range(per_lane):
-        acc_sh[warp * head_dim + lane * per_lane + e] = acc[e]
+    for h in range(heads):
+        for e in range(per_lane):
+            acc_sh[(h * WARPS + warp) * head_dim + lane * per_lane + e] = acc[h * per_lane + e]
     cuda.syncthreads()
 
 
 @cuda.jit(device=True, inline=True)
-def _store_partial(acc, acc_sh, m, l_sum, part, part_m, part_l, part_acc, head_dim, per_lane):
-    """Split `part`'s running max, softmax sum and unnormalised Σ p·V (summed over warps)."""
-    _spill_acc(acc, acc_sh, head_dim, per_lane)
-    for d in range(cuda.threadIdx.x, head_dim, CHUNK):
-        part_acc[part * head_dim + d] = _sum_warps(acc_sh, d, head_dim)
+def _store_partials(acc, acc_sh, m, l_sum, part0, n_splits, part_m, part_l, part_acc, head_dim,
+                    per_lane, heads):
+    """Each head's running max, softmax sum and unnormalised Σ p·V (summed over warps) into its
+    partial: head h's is part0 + h·n_splits."""
+    _spill_acc(acc, acc_sh, head_dim, per_lane, heads)
+    for i in range(cuda.threadIdx.x, heads * head_dim, CHUNK):
+        h, d = i // head_dim, i % head_dim
+        part_acc[(part0 + h * n_splits) * head_dim + d] = _sum_warps(acc_sh, h, d, head_dim)
     if cuda.threadIdx.x == 0:
-        part_m[part] = m
-        part_l[part] = l_sum
+        for h in range(heads):
+            part_m[part0 + h * n_splits] = m[h]
+            part_l[part0 + h * n_splits] = l_sum[h]
 
 
 @cuda.jit(device=True, inline=True)
 def _arrives_last(arrivals, idx, n_active, flag_sh):
-    """Count this block in as one of the n_active blocks of (row, head) idx; True for the last
-    to arrive, which then sees every split's partial and resets the counter for the next launch."""
+    """Count this block in as one of the n_active blocks of counter idx (a row's head group);
+    True for the last to arrive, which then sees every split's partial and resets the counter
+    for the next launch."""
     cuda.threadfence()  # release: this thread's partial stores are visible before it counts
     cuda.syncthreads()
     if cuda.threadIdx.x == 0:
@@ -272,14 +301,21 @@ def _arrives_last(arrivals, idx, n_active, flag_sh):
 @cuda.jit(device=True, inline=True)
 def _split_weights(row, n_active, n_splits, part_m, part_l, weight_sh):
     """weight_sh[s] = e^(m_s - m) / Σ_s' e^(m_s' - m)·l_s' over the splits s < n_active that hold
-    keys (m: their max), so out = Σ_s weight_sh[s]·acc_s. Warp 0 calls it (n_splits ≤ 32)."""
-    lane = cuda.threadIdx.x % 32
-    live = lane < n_active
-    m_s = part_m[row * n_splits + lane] if live else float32(-math.inf)
-    m = warp_max(m_s)
-    c = math.exp(m_s - m) if live else float32(0.0)
-    den = warp_sum(c * part_l[row * n_splits + lane] if live else float32(0.0))
-    weight_sh[lane] = c / den
+    keys (m: their max), so out = Σ_s weight_sh[s]·acc_s. Warp 0 calls it; lane l takes splits
+    l, l + 32, ..."""
+    lane, first = cuda.threadIdx.x % 32, row * n_splits
+    m_lane = float32(-math.inf)
+    for s in range(lane, n_active, 32):
+        m_lane = max(m_lane, part_m[first + s])
+    m = warp_max(m_lane)
+    den = float32(0.0)
+    for s in range(lane, n_active, 32):
+        c = math.exp(part_m[first + s] - m)
+        weight_sh[s] = c
+        den += c * part_l[first + s]
+    den = warp_sum(den)
+    for s in range(lane, n_active, 32):
+        weight_sh[s] /= den
 
 
 @cuda.jit(device=True, inline=True)
@@ -297,9 +333,11 @@ def _add_partial(acc, weight_sh, part_acc, first, s, n_active, dim0, head_dim, p
 @cuda.jit(device=True, inline=True)
 def _merge_splits(acc, acc_sh, weight_sh, row, n_active, n_splits, part_m, part_l, part_acc,
                   out, head_dim, per_lane, quantize, xq, xd, xs):
-    """out[row] = the softmax-weighted mix of the row's n_active non-empty split partials; warp w
-    sums splits w, w + WARPS, ..., two per round. quantize: out[row] also as q8 (xq, xd, xs)."""
+    """out[row] = the softmax-weighted mix of (row, head) `row`'s n_active non-empty split
+    partials; warp w sums splits w, w + WARPS, ..., two per round. quantize: out[row] also as
+    q8 (xq, xd, xs). Starts with a barrier: the block may still be reading acc_sh / weight_sh."""
     warp, lane = cuda.threadIdx.x // 32, cuda.threadIdx.x % 32
+    cuda.syncthreads()
     if warp == 0:
         _split_weights(row, n_active, n_splits, part_m, part_l, weight_sh)
     cuda.syncthreads()
@@ -311,9 +349,10 @@ def _merge_splits(acc, acc_sh, weight_sh, row, n_active, n_splits, part_m, part_
                      per_lane)
         _add_partial(acc, weight_sh, part_acc, first, s + WARPS, n_active, lane * per_lane,
                      head_dim, per_lane)
-    _spill_acc(acc, acc_sh, head_dim, per_lane)
+    _spill_acc(acc, acc_sh, head_dim, per_lane, 1)
     for d in range(cuda.threadIdx.x, head_dim, CHUNK):
-        _store_out(_sum_warps(acc_sh, d, head_dim), row * head_dim + d, out, quantize, xq, xd, xs)
+        _store_out(_sum_warps(acc_sh, 0, d, head_dim), row * head_dim + d, out, quantize, xq, xd,
+                   xs)
 
 
 @cuda.jit(device=True, inline=True)
@@ -326,91 +365,140 @@ def _store_out(v, i, out, quantize, xq, xd, xs):
 
 
 @cuda.jit(device=True, inline=True)
-def _scan_keys(q_sh, k_cache, v_cache, k_scales, v_scales, block_table, table, block_size, n_kv,
-               kv_head, start, end, head_dim, kind, p_sh, row_sh, scratch, acc, per_lane):
-    """Online softmax of keys [start, end) of a row (block table at `table`) against q_sh, CHUNK
-    keys at a time: thread t scores key t of the chunk (its whole K row), the block agrees on the
-    running max, then warp w accumulates p·V over keys w, w + WARPS, ..., lane l owning dims
-    [l·per_lane, +per_lane) in acc. Returns (max, Σ p)."""
+def _chunk_softmax(scores, live, m, l_sum, corr, p_sh, red_sh, heads):
+    """The online-softmax step of one chunk for each head h, thread t holding key t's score
+    scores[h]: m[h] ← max(m[h], the chunk's max), corr[h] = e^(m_old - m_new), p_sh[h, t] =
+    e^(s - m_new) (0 past the keys' end), l_sum[h] ← corr[h]·l_sum[h] + Σ_t p. Two barriers (the
+    warps' maxima, then their sums: red_sh (2, heads, WARPS)); the second also publishes p_sh."""
     tid = cuda.threadIdx.x
     warp, lane = tid // 32, tid % 32
-    m, l_sum = float32(-math.inf), float32(0.0)
+    for h in range(heads):
+        chunk_max = warp_max(scores[h])
+        if lane == 0:
+            red_sh[h * WARPS + warp] = chunk_max
+    cuda.syncthreads()
+    for h in range(heads):
+        m_new = m[h]
+        for w in range(WARPS):
+            m_new = max(m_new, red_sh[h * WARPS + w])
+        corr[h] = math.exp(m[h] - m_new)  # m = -inf on the first chunk: corr = 0
+        p = math.exp(scores[h] - m_new) if live else float32(0.0)
+        p_sh[h * CHUNK + tid] = p
+        p_sum = warp_sum(p)
+        if lane == 0:
+            red_sh[(heads + h) * WARPS + warp] = p_sum
+        m[h] = m_new
+    cuda.syncthreads()
+    for h in range(heads):
+        total = float32(0.0)
+        for w in range(WARPS):
+            total += red_sh[(heads + h) * WARPS + w]
+        l_sum[h] = l_sum[h] * corr[h] + total
+
+
+@cuda.jit(device=True, inline=True)
+def _scan_keys(q_sh, k_cache, v_cache, k_scales, v_scales, block_table, table, block_size, n_kv,
+               kv_head, start, end, head_dim, kind, p_sh, row_sh, red_sh, acc, per_lane, heads,
+               m, l_sum, corr, scores):
+    """Online softmax of keys [start, end) of a row (block table at `table`) for the block's
+    `heads` query heads (q_sh (heads, head_dim)), CHUNK keys at a time: thread t scores key t of
+    the chunk (its whole K row, once for all heads), the block agrees on the running maxima, then
+    warp w accumulates p·V over keys w, w + WARPS, ..., lane l owning dims [l·per_lane,
+    +per_lane) of each head in acc. Leaves each head's max in m and Σ p in l_sum."""
+    tid = cuda.threadIdx.x
+    warp, lane = tid // 32, tid % 32
+    for h in range(heads):
+        m[h], l_sum[h] = -math.inf, 0.0
     for c0 in range(start, end, CHUNK):
         t = c0 + tid
-        s = float32(-math.inf)
+        for h in range(heads):
+            scores[h] = -math.inf
         if t < end:
             blk = block_table[table + t // block_size]
             row_sh[tid] = ((blk * block_size + t % block_size) * n_kv + kv_head) * head_dim
-            s = _dot_q(q_sh, k_cache, k_scales, row_sh[tid], head_dim, kind)
-        m_new = max(m, block_max(s, scratch))
-        corr = math.exp(m - m_new)  # m = -inf on the first chunk: corr = 0
-        p = math.exp(s - m_new) if t < end else float32(0.0)
-        p_sh[tid] = p
-        l_sum = l_sum * corr + block_sum(p, scratch)  # its barriers publish p_sh, row_sh
+            _dot_q(q_sh, k_cache, k_scales, row_sh[tid], head_dim, kind, heads, scores)
+        _chunk_softmax(scores, t < end, m, l_sum, corr, p_sh, red_sh, heads)
         _accumulate_pv(acc, corr, p_sh, row_sh, v_cache, v_scales, kind, min(CHUNK, end - c0),
-                       warp, lane * per_lane, per_lane)
-        m = m_new
+                       warp, lane * per_lane, per_lane, heads)
         cuda.syncthreads()  # before the next chunk overwrites p_sh / row_sh
-    return m, l_sum
 
 
 @functools.cache
-def _split_kernel(head_dim: int, kind: int, quantize: bool):
-    """quantize: the merge also writes the output as q8 activations (the next GEMV's input)."""
+def _split_kernel(head_dim: int, kind: int, quantize: bool, heads: int):
+    """heads: query heads a block serves (of one kv head); quantize: the merge also writes the
+    output as q8 activations (the next GEMV's input)."""
     per_lane = head_dim // 32
-    acc_len = WARPS * head_dim
+    # shared / local array sizes must be compile-time constants
+    q_len, p_len, red_len, acc_sh_len = heads * head_dim, heads * CHUNK, 2 * heads * WARPS, \
+        heads * WARPS * head_dim
+    acc_len = heads * per_lane
 
     @cuda.jit(fastmath=True, **_LAUNCH_BOUNDS)
     def decode_split(q, k_cache, v_cache, k_scales, v_scales, block_table, max_blocks, row_seq,
                      seq_lens, n_kv, block_size, scale, part_m, part_l, part_acc, arrivals, out,
                      xq, xd, xs):
-        # One block per (head, query row, split); the row's keys are cut into n_splits splits of
-        # _split_len keys, each scanned by _scan_keys. Splits past the row's end exit; of the
-        # others, the last to store its partial merges them all.
-        h, seq, split = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
-        n_heads, n_splits = cuda.gridDim.x, cuda.gridDim.z
-        tid = cuda.threadIdx.x
-        head_row = seq * n_heads + h
-        q_sh = cuda.shared.array(head_dim, float32)
-        p_sh = cuda.shared.array(CHUNK, float32)
+        # One block per (head group, query row, split); the row's keys are cut into n_splits
+        # splits of _split_len keys, each scanned by _scan_keys. Splits past the row's end exit;
+        # of the others, the last to store its partials merges them all, head by head.
+        g, seq, split = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
+        n_groups, n_splits = cuda.gridDim.x, cuda.gridDim.z
+        tid, n_heads = cuda.threadIdx.x, cuda.gridDim.x * heads
+        row0 = seq * n_heads + g * heads  # the (row, head) index of the block's first head
+        q_sh = cuda.shared.array(q_len, float32)
+        p_sh = cuda.shared.array(p_len, float32)  # (heads, CHUNK); merge: split weights
         row_sh = cuda.shared.array(CHUNK, int64)  # element offset of each chunk key's row
-        scratch = cuda.shared.array(33, float32)
-        acc_sh = cuda.shared.array(acc_len, float32)  # (warps, head_dim)
+        red_sh = cuda.shared.array(red_len, float32)
+        acc_sh = cuda.shared.array(acc_sh_len, float32)  # (heads, warps, head_dim)
         flag_sh = cuda.shared.array(1, int32)
-        acc = cuda.local.array(per_lane, float32)  # (head_dim / 32,)
+        acc = cuda.local.array(acc_len, float32)  # (heads, head_dim / 32)
+        m, l_sum = cuda.local.array(heads, float32), cuda.local.array(heads, float32)
+        corr, scores = cuda.local.array(heads, float32), cuda.local.array(heads, float32)
         seq_len = seq_lens[seq]
         split_len = _split_len(seq_len, n_splits)
         n_active = (seq_len + split_len - 1) // split_len  # splits that hold keys
-        end = min(seq_len, (split + 1) * split_len)
         if split < n_active:  # block-uniform
-            kv_head = h // (n_heads // n_kv)
-            table = row_seq[seq] * max_blocks
-            for d in range(tid, head_dim, CHUNK):
-                q_sh[d] = q[head_row * head_dim + d] * scale
-            for e in range(per_lane):
+            for i in range(tid, heads * head_dim, CHUNK):
+                q_sh[i] = q[row0 * head_dim + i] * scale
+            for e in range(heads * per_lane):
                 acc[e] = 0.0
             cuda.syncthreads()
-            m, l_sum = _scan_keys(q_sh, k_cache, v_cache, k_scales, v_scales, block_table, table,
-                                  block_size, n_kv, kv_head, split * split_len, end, head_dim,
-                                  kind, p_sh, row_sh, scratch, acc, per_lane)
-            _store_partial(acc, acc_sh, m, l_sum, head_row * n_splits + split, part_m, part_l,
-                           part_acc, head_dim, per_lane)
-            if _arrives_last(arrivals, head_row, n_active, flag_sh):
-                _merge_splits(acc, acc_sh, p_sh, head_row, n_active, n_splits, part_m, part_l,
-                              part_acc, out, head_dim, per_lane, quantize, xq, xd, xs)
+            _scan_keys(q_sh, k_cache, v_cache, k_scales, v_scales, block_table,
+                       row_seq[seq] * max_blocks, block_size, n_kv, g * heads // (n_heads // n_kv),
+                       split * split_len, min(seq_len, (split + 1) * split_len), head_dim, kind,
+                       p_sh, row_sh, red_sh, acc, per_lane, heads, m, l_sum, corr, scores)
+            _store_partials(acc, acc_sh, m, l_sum, row0 * n_splits + split, n_splits, part_m,
+                            part_l, part_acc, head_dim, per_lane, heads)
+            if _arrives_last(arrivals, seq * n_groups + g, n_active, flag_sh):
+                for h in range(heads):
+                    _merge_splits(acc, acc_sh, p_sh, row0 + h, n_active, n_splits, part_m,
+                                  part_l, part_acc, out, head_dim, per_lane, quantize, xq, xd, xs)
         elif split == 0:  # no keys at all: attention over nothing is 0
-            for d in range(tid, head_dim, CHUNK):
-                _store_out(float32(0.0), head_row * head_dim + d, out, quantize, xq, xd, xs)
+            for i in range(tid, heads * head_dim, CHUNK):
+                _store_out(float32(0.0), row0 * head_dim + i, out, quantize, xq, xd, xs)
     return decode_split
 
 
-MAX_SPLITS = 32  # splits per query row: the merge weighs them with one warp's lanes
+def heads_per_block(n_heads: int, n_kv: int, kind: int = KV_F16) -> int:
+    """Query heads one decode block serves: up to MAX_BLOCK_HEADS of a kv head's group, all fed
+    by each K/V load (the decode's K/V traffic from L2 shrinks by that factor; long contexts were
+    bound by it: 8 heads re-reading each kv head). An int8 cache keeps one: unpacking its bytes
+    for 4 heads spills registers (ptxas sm_90: 300-720 bytes a thread at the 128 cap)."""
+    heads = 1 if kind == KV_I8 else MAX_BLOCK_HEADS
+    while (n_heads // n_kv) % heads:
+        heads //= 2
+    return heads
+
+
+MAX_BLOCK_HEADS = 4  # ptxas sm_90, f16 cache: 128 registers, no spills at head_dim 256
+
+
+MAX_SPLITS = 64  # splits per query row (the merge weighs them with one warp, ≤ CHUNK)
 
 
 class DecodeWorkspace:
-    """Split-K decode state for up to n_seqs query rows: each split's partial (max, sum,
-    unnormalised out) and, per (row, head), how many splits have stored theirs (zero between
-    launches: the last split resets it).
+    """Split-K decode state for up to n_seqs query rows: each (row, head, split)'s partial (max,
+    sum, unnormalised out) and, per (row, head group), how many splits have stored theirs (zero
+    between launches: the last split resets it).
 
     n_splits = min(MAX_SPLITS, ⌈max_context / split_len⌉) splits per row; a launch sizes them
     to each row's own context (_split_len), so split_len only bounds their number: the fewest
@@ -459,7 +547,9 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, out, ws: 
         raise ValueError(f"q8 activations of shape {act.shape} do not hold out {out.shape}")
     q8 = (act.xq, act.xd, act.xs) if act is not None else (_placeholder_i8(),) + \
         (_placeholder(),) * 2
-    _split_kernel(head_dim, kind, act is not None)[(n_heads, n_seqs, ws.n_splits), CHUNK, stream](
+    heads = heads_per_block(n_heads, n_kv, kind)
+    grid = (n_heads // heads, n_seqs, ws.n_splits)
+    _split_kernel(head_dim, kind, act is not None, heads)[grid, CHUNK, stream](
         q.reshape(q.size), k_cache.reshape(k_cache.size), v_cache.reshape(v_cache.size),
         k_scales, v_scales, block_table.reshape(block_table.size), block_table.shape[1], row_seq,
         seq_lens, n_kv, block_size, float32(scale), ws.part_m, ws.part_l, ws.part_acc,
