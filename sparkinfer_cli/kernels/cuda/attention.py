@@ -16,8 +16,8 @@ length, so a captured CUDA graph replays as the context grows:
      per thread: every key's K row is read in parallel) with an online softmax, and stores a
      partial (max, sum, unnormalised out) per head;
   2. each block then counts itself on its (row, head group)'s counter; the last of the row's
-     non-empty splits to arrive merges their partials into out, head by head, and resets the
-     counter to 0.
+     non-empty splits to arrive merges their partials into out (all its heads at once) and
+     resets the counter to 0.
 The loops are chains of dependent memory latencies: the K dot and the p·V sum keep eight loads in
 flight per round. With one head per block, a long context's decode was bound by L2 bandwidth
 instead (each kv head's K/V read by all the query heads of its group).
@@ -299,10 +299,10 @@ def _arrives_last(arrivals, idx, n_active, flag_sh):
 
 
 @cuda.jit(device=True, inline=True)
-def _split_weights(row, n_active, n_splits, part_m, part_l, weight_sh):
-    """weight_sh[s] = e^(m_s - m) / Σ_s' e^(m_s' - m)·l_s' over the splits s < n_active that hold
-    keys (m: their max), so out = Σ_s weight_sh[s]·acc_s. Warp 0 calls it; lane l takes splits
-    l, l + 32, ..."""
+def _split_weights(row, n_active, n_splits, part_m, part_l, weight_sh, w0):
+    """weight_sh[w0 + s] = e^(m_s - m) / Σ_s' e^(m_s' - m)·l_s' over the splits s < n_active of
+    (row, head) `row` that hold keys (m: their max), so out = Σ_s weight_sh[w0 + s]·acc_s. One
+    warp calls it; lane l takes splits l, l + 32, ..."""
     lane, first = cuda.threadIdx.x % 32, row * n_splits
     m_lane = float32(-math.inf)
     for s in range(lane, n_active, 32):
@@ -311,48 +311,55 @@ def _split_weights(row, n_active, n_splits, part_m, part_l, weight_sh):
     den = float32(0.0)
     for s in range(lane, n_active, 32):
         c = math.exp(part_m[first + s] - m)
-        weight_sh[s] = c
+        weight_sh[w0 + s] = c
         den += c * part_l[first + s]
     den = warp_sum(den)
     for s in range(lane, n_active, 32):
-        weight_sh[s] /= den
+        weight_sh[w0 + s] /= den
 
 
 @cuda.jit(device=True, inline=True)
-def _add_partial(acc, weight_sh, part_acc, first, s, n_active, dim0, head_dim, per_lane):
-    """acc += w_s·acc_s[dim0 : dim0 + per_lane] of partial first + s; s ≥ n_active re-reads split
-    0 with w = 0 (branch-free loads, as in _add_pv)."""
+def _add_split(out_acc, weight_sh, part_acc, row0, s, n_active, n_splits, head_dim, n_out,
+               n_elems):
+    """out_acc[k] += w_h,s·acc_h,s[d] for this thread's output elements (h, d) = divmod(t +
+    k·CHUNK, head_dim) of the block's heads; s ≥ n_active re-reads split 0 with w = 0 and a
+    thread past the heads' n_elems its last element (branch-free loads, as in _add_pv)."""
     ss = s if s < n_active else 0
-    w = weight_sh[ss]
-    w = w if s < n_active else float32(0.0)
-    off = (first + ss) * head_dim + dim0
-    for e in range(per_lane):
-        acc[e] += w * part_acc[off + e]
+    for k in range(n_out):
+        i = min(cuda.threadIdx.x + k * CHUNK, n_elems - 1)
+        h, d = i // head_dim, i % head_dim
+        w = weight_sh[h * CHUNK + ss]
+        w = w if s < n_active else float32(0.0)
+        out_acc[k] += w * part_acc[((row0 + h) * n_splits + ss) * head_dim + d]
 
 
 @cuda.jit(device=True, inline=True)
-def _merge_splits(acc, acc_sh, weight_sh, row, n_active, n_splits, part_m, part_l, part_acc,
-                  out, head_dim, per_lane, quantize, xq, xd, xs):
-    """out[row] = the softmax-weighted mix of (row, head) `row`'s n_active non-empty split
-    partials; warp w sums splits w, w + WARPS, ..., two per round. quantize: out[row] also as
-    q8 (xq, xd, xs). Starts with a barrier: the block may still be reading acc_sh / weight_sh."""
-    warp, lane = cuda.threadIdx.x // 32, cuda.threadIdx.x % 32
+def _merge_heads(out_acc, weight_sh, row0, heads, n_active, n_splits, part_m, part_l, part_acc,
+                 out, head_dim, n_out, quantize, xq, xd, xs):
+    """out rows row0 .. row0 + heads - 1 (one per head of the block): each the softmax-weighted
+    mix of its n_active split partials. Warp h weighs head h's splits (weight_sh: (heads, CHUNK),
+    heads ≤ WARPS); then thread t sums output elements t, t + CHUNK, ... of all the heads (n_out
+    of them) over the splits, four splits a round written out. quantize: also as q8."""
+    n_elems = heads * head_dim
+    if cuda.threadIdx.x // 32 < heads:
+        w = cuda.threadIdx.x // 32
+        _split_weights(row0 + w, n_active, n_splits, part_m, part_l, weight_sh, w * CHUNK)
     cuda.syncthreads()
-    if warp == 0:
-        _split_weights(row, n_active, n_splits, part_m, part_l, weight_sh)
-    cuda.syncthreads()
-    for e in range(per_lane):
-        acc[e] = 0.0
-    first = row * n_splits
-    for s in range(warp, n_active, 2 * WARPS):
-        _add_partial(acc, weight_sh, part_acc, first, s, n_active, lane * per_lane, head_dim,
-                     per_lane)
-        _add_partial(acc, weight_sh, part_acc, first, s + WARPS, n_active, lane * per_lane,
-                     head_dim, per_lane)
-    _spill_acc(acc, acc_sh, head_dim, per_lane, 1)
-    for d in range(cuda.threadIdx.x, head_dim, CHUNK):
-        _store_out(_sum_warps(acc_sh, 0, d, head_dim), row * head_dim + d, out, quantize, xq, xd,
-                   xs)
+    for k in range(n_out):
+        out_acc[k] = 0.0
+    for s in range(0, n_active, 4):
+        _add_split(out_acc, weight_sh, part_acc, row0, s, n_active, n_splits, head_dim, n_out,
+                   n_elems)
+        _add_split(out_acc, weight_sh, part_acc, row0, s + 1, n_active, n_splits, head_dim, n_out,
+                   n_elems)
+        _add_split(out_acc, weight_sh, part_acc, row0, s + 2, n_active, n_splits, head_dim, n_out,
+                   n_elems)
+        _add_split(out_acc, weight_sh, part_acc, row0, s + 3, n_active, n_splits, head_dim, n_out,
+                   n_elems)
+    for k in range(n_out):
+        i = cuda.threadIdx.x + k * CHUNK
+        if i < n_elems:  # warp-uniform: n_elems is a multiple of 32
+            _store_out(out_acc[k], row0 * head_dim + i, out, quantize, xq, xd, xs)
 
 
 @cuda.jit(device=True, inline=True)
@@ -432,6 +439,7 @@ def _split_kernel(head_dim: int, kind: int, quantize: bool, heads: int):
     q_len, p_len, red_len, acc_sh_len = heads * head_dim, heads * CHUNK, 2 * heads * WARPS, \
         heads * WARPS * head_dim
     acc_len = heads * per_lane
+    n_out = (heads * head_dim + CHUNK - 1) // CHUNK  # merged output elements a thread (≤ acc_len)
 
     @cuda.jit(fastmath=True, **_LAUNCH_BOUNDS)
     def decode_split(q, k_cache, v_cache, k_scales, v_scales, block_table, max_blocks, row_seq,
@@ -439,7 +447,7 @@ def _split_kernel(head_dim: int, kind: int, quantize: bool, heads: int):
                      xq, xd, xs):
         # One block per (head group, query row, split); the row's keys are cut into n_splits
         # splits of _split_len keys, each scanned by _scan_keys. Splits past the row's end exit;
-        # of the others, the last to store its partials merges them all, head by head.
+        # of the others, the last to store its partials merges them all.
         g, seq, split = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
         n_groups, n_splits = cuda.gridDim.x, cuda.gridDim.z
         tid, n_heads = cuda.threadIdx.x, cuda.gridDim.x * heads
@@ -469,9 +477,8 @@ def _split_kernel(head_dim: int, kind: int, quantize: bool, heads: int):
             _store_partials(acc, acc_sh, m, l_sum, row0 * n_splits + split, n_splits, part_m,
                             part_l, part_acc, head_dim, per_lane, heads)
             if _arrives_last(arrivals, seq * n_groups + g, n_active, flag_sh):
-                for h in range(heads):
-                    _merge_splits(acc, acc_sh, p_sh, row0 + h, n_active, n_splits, part_m,
-                                  part_l, part_acc, out, head_dim, per_lane, quantize, xq, xd, xs)
+                _merge_heads(acc, p_sh, row0, heads, n_active, n_splits, part_m, part_l,
+                             part_acc, out, head_dim, n_out, quantize, xq, xd, xs)
         elif split == 0:  # no keys at all: attention over nothing is 0
             for i in range(tid, heads * head_dim, CHUNK):
                 _store_out(float32(0.0), row0 * head_dim + i, out, quantize, xq, xd, xs)
