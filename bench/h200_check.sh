@@ -7,14 +7,15 @@
 #   bash bench/h200_check.sh kernels   # kernel micro-benchmarks                          (~3 min)
 #   bash bench/h200_check.sh profile   # CUPTI per-kernel profiles: batch 1, batch 64, prefill,
 #                                      # then the host side of a decode step               (~7 min)
-#   bash bench/h200_check.sh bench     # `sparkinfer bench` on both synthetic presets     (~9 min:
-#                                      # give the device call its full 600 s, nothing else)
+#   bash bench/h200_check.sh bench36   # `sparkinfer bench`, Qwen3.6 shape: 512 / 32768 tokens,
+#                                      # 8 / 64 sequences (~6.5 min: ~4 of them compiling kernels)
+#   bash bench/h200_check.sh bench30   # `sparkinfer bench`, Qwen3-30B shape, 512 tokens (~5 min)
 #
 # Everything is logged under $OUT (the device tool brings that folder back).
 set -u
 case "${1:-tests}" in
-  tests|oracle|kernels|profile|bench) ;;
-  *) echo "usage: $0 tests|oracle|kernels|profile|bench" >&2; exit 2 ;;
+  tests|oracle|kernels|profile|bench36|bench30) ;;
+  *) echo "usage: $0 tests|oracle|kernels|profile|bench36|bench30" >&2; exit 2 ;;
 esac
 OUT=${OUT:-/tmp/h200_out}
 mkdir -p "$OUT"
@@ -34,9 +35,10 @@ run() {  # run LOG TIMEOUT CMD...: log to $OUT/LOG, print its tail
 
 case "${1:-tests}" in
   tests)  # the model file takes > 300 s cold: its decode half here, the oracle half below
-    run gpu_kernels.log 240 python3 -m pytest -m gpu tests/kernels -q -p no:cacheprovider
-    run gpu_model.log 300 python3 -m pytest -m gpu tests/model/test_cuda_model.py \
-      -k "decode or greedy or batched or output_projection" -q -p no:cacheprovider ;;
+    run gpu_kernels.log 230 python3 -m pytest -m gpu tests/kernels -q -p no:cacheprovider
+    run gpu_model.log 330 python3 -m pytest -m gpu tests/model/test_cuda_model.py \
+      -k "(exact_decode and (Q4_K_M or F32)) or greedy_ids or batched or output_projection" \
+      -q -p no:cacheprovider ;;
   oracle)
     run gpu_oracle.log 500 python3 -m pytest -m gpu tests/model/test_cuda_model.py \
       -k "not (demo_model or decode or greedy or batched or output_projection)" -q \
@@ -51,10 +53,10 @@ case "${1:-tests}" in
     run prof_b64.log 150 python3 $P qwen3.6-35b-a3b "$OUT/prof_b64.json" --steps 5 --batch 64 --ctx 128
     run prof_pf.log 120 python3 $P qwen3.6-35b-a3b "$OUT/prof_pf.json" --steps 2 --prefill 4096 --ctx 0
     run host_b1.log 120 python3 bench/cuda_host_profile.py qwen3.6-35b-a3b ;;
-  bench)
-    mkdir -p "$OUT/bench"
-    run bench36.log 370 python3 -m sparkinfer_cli bench --synthetic qwen3.6-35b-a3b --device cuda \
-      --ctx 512 --ctx 32768 --concurrency 8 --concurrency 64 --out "$OUT/bench"
-    run bench30.log 190 python3 -m sparkinfer_cli bench --synthetic qwen3-30b-a3b --device cuda \
+  bench36)
+    run bench36.log 560 python3 -m sparkinfer_cli bench --synthetic qwen3.6-35b-a3b --device cuda \
+      --ctx 512 --ctx 32768 --concurrency 8 --concurrency 64 --out "$OUT/bench" ;;
+  bench30)
+    run bench30.log 560 python3 -m sparkinfer_cli bench --synthetic qwen3-30b-a3b --device cuda \
       --ctx 512 --concurrency 1 --out "$OUT/bench" ;;
 esac
