@@ -38,6 +38,9 @@ EXPERT_CASES = [
 ]
 PLAIN_CASES = [(t, k, n) for t in (GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.Q8_0)
                for k, n in ((2048, 4096), (4096, 2048))] + [(GGMLType.Q6_K, 2048, 248320)]
+# 64 decoding sequences: the Gated DeltaNet input projection (qkv + z + a + b) and an attention
+# output projection (GB/s: the matrix once; each group of 8 tokens reads it again)
+BATCH_64_CASES = [(GGMLType.Q8_0, 2048, 12352), (GGMLType.Q8_0, 4096, 2048)]
 
 
 def gpu_us(launch: Callable[[object, int], None], stream) -> float:
@@ -67,9 +70,10 @@ def weight_copies(ggml_type: GGMLType, k: int, n_rows: int, n_mats: int,
             for _ in range(n_copies)]
 
 
-def random_activations(n_groups: int, k: int, rng, stream) -> qg.QuantizedActivations:
-    act = qg.QuantizedActivations(n_groups, 1, k)
-    x = rng.standard_normal((n_groups, 1, k)).astype(np.float32)  # (n_groups, 1, k)
+def random_activations(n_groups: int, k: int, rng, stream,
+                       n_cols: int = 1) -> qg.QuantizedActivations:
+    act = qg.QuantizedActivations(n_groups, n_cols, k)
+    x = rng.standard_normal((n_groups, n_cols, k)).astype(np.float32)  # (n_groups, n_cols, k)
     qg.quantize_activations(cuda.to_device(x, stream=stream), act, stream=stream)
     return act
 
@@ -101,12 +105,19 @@ def expert_row(case, n_tokens: int, rng, stream) -> dict:
     return _row(f"{label}: per-slot gemv", gpu_us(launch, stream), touched)
 
 
-def plain_row(ggml_type: GGMLType, k: int, n_rows: int, rng, stream) -> dict:
+def plain_row(ggml_type: GGMLType, k: int, n_rows: int, rng, stream, n_tokens: int = 1) -> dict:
+    """A dense linear over n_tokens tokens: groups of ≤ MAX_COLS columns, one slot each (as the
+    model's Workspace.linear runs it)."""
     mats = weight_copies(ggml_type, k, n_rows, 1, rng)
-    act = random_activations(1, k, rng, stream)
-    y = cuda.device_array((1, 1, n_rows), np.float32)  # (1, 1, rows)
-    us = gpu_us(lambda s, i: qg.gemv(mats[i % len(mats)], act, y, stream=s), stream)
-    return _row(f"batch-1 gemv {ggml_type.name} k={k} rows={n_rows}", us,
+    cols = min(n_tokens, qg.MAX_COLS)
+    groups = n_tokens // cols
+    act = random_activations(groups, k, rng, stream, cols)
+    y = cuda.device_array((groups, cols, n_rows), np.float32)  # (groups, cols, rows)
+    slot_mat = cuda.to_device(np.zeros(groups, np.int32))
+    slot_x = cuda.to_device(np.arange(groups, dtype=np.int32))
+    us = gpu_us(lambda s, i: qg.gemv(mats[i % len(mats)], act, y, slot_mat=slot_mat,
+                                     slot_x=slot_x, stream=s), stream)
+    return _row(f"batch-{n_tokens} gemv {ggml_type.name} k={k} rows={n_rows}", us,
                 n_rows * row_bytes(ggml_type, k))
 
 
@@ -125,6 +136,7 @@ def main() -> None:
     rows = [expert_row(case, n_tokens, rng, stream)
             for n_tokens in (64, 1) for case in EXPERT_CASES]
     rows += [plain_row(t, k, n, rng, stream) for t, k, n in PLAIN_CASES]
+    rows += [plain_row(t, k, n, rng, stream, n_tokens=64) for t, k, n in BATCH_64_CASES]
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
