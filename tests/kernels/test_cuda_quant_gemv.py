@@ -156,6 +156,8 @@ def test_gemv_rejects_rows_that_are_not_whole_blocks():
     (GGMLType.IQ4_XS, 4096, 4096, 1, 1, 3),
     (GGMLType.BF16, 4096, 4096, 1, 1, 2),
     (GGMLType.F32, 2048, 257, 1, 1, 1),        # Qwen3.6 router + shared-expert gate
+    (GGMLType.Q6_K, 2048, 248320, 1, 1, 1),    # Qwen3.6 output, batch 1: two rows a lane
+    (GGMLType.Q8_0, 2048, 12352, 1, 1, 1),     # Qwen3.6 GDN input projection, batch 1
 ])
 def test_gemv_real_shapes(ggml_type, k, n_rows, n_mats, n_slots, n_cols):
     rng = np.random.default_rng(12)
@@ -192,6 +194,34 @@ def test_fused_swiglu_gemv_over_expert_slots():
     for s, (m, g) in enumerate(zip(slot_mat, slot_x)):
         ref = swiglu_reference(per_mat[0][m], per_mat[1][m], ggml_type, k, x[g])
         np.testing.assert_allclose(y[s], ref, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("ggml_type, k, n_rows, swiglu", [
+    (GGMLType.Q4_K, 256, 13, False),  # 8 rows a block: the second block's last 3 rows are past
+    (GGMLType.Q8_0, 64, 37, False),  # 2 lanes a row: 32 rows a warp
+    (GGMLType.Q4_K, 256, 13, True),
+], ids=["Q4_K", "Q8_0 short rows", "Q4_K SwiGLU"])
+def test_gemv_with_two_rows_a_lane(monkeypatch, ggml_type, k, n_rows, swiglu):
+    monkeypatch.setattr(qg, "MULTI_ROW_MIN_ROWS", 1)  # the path big matrices take
+    assert qg.rows_per_lane(1, n_rows, 1) == 2
+    rng = np.random.default_rng(17)
+    n_mats = 2
+    gate_bytes, up_bytes = (random_weights(ggml_type, n_mats * n_rows, k, rng) for _ in range(2))
+    x = rng.standard_normal((2, 1, k)).astype(np.float32)
+    slot_mat, slot_x = [1, 0, 1], [0, 1, 1]
+    gate, up = (qg.DeviceQuantMatrix(to_device_bytes(b), ggml_type, k, n_rows, n_mats)
+                for b in (gate_bytes, up_bytes))
+    y = cuda.device_array((3, 1, n_rows), np.float32)  # (slots, 1, rows)
+    qg.gemv(gate, upload_activations(x, gate), y, slot_mat=dev_i32(slot_mat),
+            slot_x=dev_i32(slot_x), up=up if swiglu else None)
+    y = y.copy_to_host()
+    per_mat = [b.reshape(n_mats, n_rows, -1) for b in (gate_bytes, up_bytes)]
+    for s, (m, g) in enumerate(zip(slot_mat, slot_x)):
+        if swiglu:
+            ref = swiglu_reference(per_mat[0][m], per_mat[1][m], ggml_type, k, x[g])
+            np.testing.assert_allclose(y[s], ref, rtol=1e-4, atol=1e-6)
+        else:
+            check_close(y[s], per_mat[0][m], ggml_type, k, x[g])
 
 
 def test_stacked_gemv_splits_rows_over_outputs_and_adds_bias():

@@ -56,6 +56,7 @@ MAX_COLS = 8
 MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y
 MAX_PARTS = 4
 SPLIT_ROWS_BELOW = 1024  # rows (× slots) under which long rows are split over a block's warps
+MULTI_ROW_MIN_ROWS = 8192  # rows (× slots) from which a lane loads two rows side by side
 _IQ4NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
                          np.int8)
 IQ4NL_WORDS = tuple(int(w) for w in _IQ4NL_VALUES.view(np.uint32))  # the table as 4 LE words
@@ -339,67 +340,79 @@ def _row_reduction(n_acc: int):
 
 
 @functools.cache
-def _block_rows(ggml_type: GGMLType, n_cols: int, swiglu: bool):
+def _block_rows(ggml_type: GGMLType, n_cols: int, swiglu: bool, rows_per_lane: int):
     """The GEMV kernel's device body: this block's rows of the matrix at byte mat_base, dotted with
     n_cols activation columns; column c reads x from element xcol[c] and lands in output column
-    ycol[c] (the kernel maps its grid.y slot to those columns).
+    ycol[c] (the kernel maps its grid.x slot to those columns).
 
     swiglu: also dot the same rows of a second matrix w2 (up) and write silu(W·x) · (W2·x).
+    rows_per_lane: rows whose units a lane loads side by side (2: twice the loads in flight).
     """
     unit, blk_elems, blk_bytes, parts = _UNITS[ggml_type]
     n_acc = 2 * n_cols if swiglu else n_cols
-    reduce_rows = _row_reduction(n_acc)
+    acc_len = rows_per_lane * n_acc  # a compile-time constant for the local array
+    reduce_rows = _row_reduction(acc_len)
 
     @cuda.jit(device=True, inline=True)
-    def accumulate(acc, w, w2, base, u, xcol, xq, xd, xs):
+    def accumulate(acc, bases, w, w2, u, xcol, xq, xd, xs):
+        # unit u of each of the lane's rows: row j's sums at acc[j·n_acc:]
         blk = _udiv(u, parts)
         for c in range(n_cols):
             xo = xcol[c] + blk * blk_elems
-            acc[c] += unit(w, base + blk * blk_bytes, u - blk * parts, xq, xd, xs, xo)
-            if swiglu:
-                acc[n_cols + c] += unit(w2, base + blk * blk_bytes, u - blk * parts, xq, xd, xs,
-                                        xo)
+            for j in range(rows_per_lane):
+                at = bases[j] + blk * blk_bytes
+                acc[j * n_acc + c] += unit(w, at, u - blk * parts, xq, xd, xs, xo)
+                if swiglu:
+                    acc[j * n_acc + n_cols + c] += unit(w2, at, u - blk * parts, xq, xd, xs, xo)
 
     @cuda.jit(device=True, inline=True)
     def block_rows(w, w2, row_bytes, n_rows, mat_base, k, lanes_per_row, row_warps, row_block,
                    xcol, ycol, xq, xd, xs, bias, has_bias, y0, y1, y2, y3, ends):
         # a row per `lanes_per_row` lanes (32, fewer for short rows) of `row_warps` warps (1, or
-        # all WARPS_PER_BLOCK for matrices of few long rows), two units in flight per lane
+        # all WARPS_PER_BLOCK for matrices of few long rows), times rows_per_lane: the lanes of
+        # row r also take rows r + rows_per_warp, ...; two units a row in flight per lane
         lane, warp = cuda.threadIdx.x % 32, cuda.threadIdx.x // 32
         rows_per_warp = 32 // lanes_per_row
-        first = (row_block * (WARPS_PER_BLOCK // row_warps) + warp // row_warps) * rows_per_warp
+        first = (row_block * (WARPS_PER_BLOCK // row_warps) + warp // row_warps) \
+            * rows_per_warp * rows_per_lane
         if first >= n_rows:
             return
         row = first + lane // lanes_per_row
         sub = lane % lanes_per_row + (warp % row_warps) * lanes_per_row
         stride = lanes_per_row * row_warps
-        acc = cuda.local.array(n_acc, float32)  # (n_cols,) or (gate cols, up cols)
-        for c in range(n_acc):
+        acc = cuda.local.array(acc_len, float32)  # (rows, n_cols or gate + up)
+        bases = cuda.local.array(rows_per_lane, int64)
+        for c in range(acc_len):
             acc[c] = 0.0
+        for j in range(rows_per_lane):  # rows past the end re-read the last (never stored)
+            bases[j] = mat_base + min(row + j * rows_per_warp, n_rows - 1) * row_bytes
         if row < n_rows:
-            base = mat_base + row * row_bytes
             n_units = k // blk_elems * parts
             u = sub
             while u + stride < n_units:
-                accumulate(acc, w, w2, base, u, xcol, xq, xd, xs)
-                accumulate(acc, w, w2, base, u + stride, xcol, xq, xd, xs)
+                accumulate(acc, bases, w, w2, u, xcol, xq, xd, xs)
+                accumulate(acc, bases, w, w2, u + stride, xcol, xq, xd, xs)
                 u += 2 * stride
             if u < n_units:
-                accumulate(acc, w, w2, base, u, xcol, xq, xd, xs)
+                accumulate(acc, bases, w, w2, u, xcol, xq, xd, xs)
         reduce_rows(acc, lanes_per_row, row_warps)
-        if sub == 0 and row < n_rows:
-            for c in range(n_cols):
-                total = acc[c]
-                if swiglu:
-                    total = total / (float32(1.0) + math.exp(-total)) * acc[n_cols + c]
-                if has_bias:
-                    total += bias[row]
-                store_part(y0, y1, y2, y3, ends, ycol[c], row, total)
+        for j in range(rows_per_lane):
+            r = row + j * rows_per_warp
+            if sub == 0 and r < n_rows:
+                for c in range(n_cols):
+                    total = acc[j * n_acc + c]
+                    if swiglu:
+                        total = total / (float32(1.0) + math.exp(-total)) \
+                            * acc[j * n_acc + n_cols + c]
+                    if has_bias:
+                        total += bias[r]
+                    store_part(y0, y1, y2, y3, ends, ycol[c], r, total)
     return block_rows
 
 
 @functools.cache
-def _gemv_kernel(ggml_type: GGMLType, n_cols: int, swiglu: bool = False):
+def _gemv_kernel(ggml_type: GGMLType, n_cols: int, swiglu: bool = False,
+                 rows_per_lane: int = 1):
     """grid.x = slot: matrix slot_mat[slot], the n_cols columns of activation group slot_x[slot];
     grid.y: row blocks (grid-stride over n_row_blocks).
 
@@ -407,7 +420,7 @@ def _gemv_kernel(ggml_type: GGMLType, n_cols: int, swiglu: bool = False):
     groups of a batched linear, or the tokens that picked the same expert, share one DRAM read
     of those rows through L2 (with row blocks fastest, a slot's re-read came after the whole
     matrix had passed through L2)."""
-    block_rows = _block_rows(ggml_type, n_cols, swiglu)
+    block_rows = _block_rows(ggml_type, n_cols, swiglu, rows_per_lane)
 
     @cuda.jit(fastmath=True)
     def gemv(w, w2, row_bytes, n_rows, mat_bytes, k, lanes_per_row, row_warps, n_row_blocks,
@@ -458,6 +471,13 @@ def row_warps(ggml_type: GGMLType, k: int, n_rows: int) -> int:
     units_per_lane = k // blk_elems * parts // 32
     few_blocks = n_rows < SPLIT_ROWS_BELOW
     return WARPS_PER_BLOCK if few_blocks and units_per_lane >= 8 else 1
+
+
+def rows_per_lane(n_cols: int, n_rows: int, row_warps: int) -> int:
+    """2 for one-column GEMVs of ≥ MULTI_ROW_MIN_ROWS rows (× slots): matrices that take several
+    waves of blocks, where loads in flight rather than launch latency bound the time (the LM
+    head, Qwen3.6's Gated DeltaNet projections, the experts' down projections); else 1."""
+    return 2 if n_cols == 1 and row_warps == 1 and n_rows >= MULTI_ROW_MIN_ROWS else 1
 
 
 @cuda.jit(device=True, inline=True)
@@ -558,9 +578,11 @@ def gemv(w: DeviceQuantMatrix, x, y, *, slot_mat=None, slot_x=None,
         check_array("bias", bias, np.float32, (w.n_rows,))
     lanes = lanes_per_row(w.ggml_type, w.k)
     warps = row_warps(w.ggml_type, w.k, w.n_rows * n_slots)
-    n_row_blocks = cdiv(w.n_rows, WARPS_PER_BLOCK // warps * (32 // lanes))
+    per_lane = rows_per_lane(n_cols, w.n_rows * n_slots, warps)
+    n_row_blocks = cdiv(w.n_rows, WARPS_PER_BLOCK // warps * (32 // lanes) * per_lane)
     grid = (n_slots, min(n_row_blocks, MAX_GRID_Y))
-    _gemv_kernel(w.ggml_type, n_cols, up is not None)[grid, 32 * WARPS_PER_BLOCK, stream](
+    kernel = _gemv_kernel(w.ggml_type, n_cols, up is not None, per_lane)
+    kernel[grid, 32 * WARPS_PER_BLOCK, stream](
         w.data, w.data if up is None else up.data, w.row_bytes, w.n_rows, w.n_rows * w.row_bytes,
         w.k, lanes, warps, n_row_blocks, slot_mat, slot_x, xq, xd, xs, parts[0] if bias is None else bias,
         bias is not None, *parts, ends)
