@@ -352,6 +352,7 @@ def _block_rows(ggml_type: GGMLType, n_cols: int, swiglu: bool, rows_per_lane: i
     n_acc = 2 * n_cols if swiglu else n_cols
     acc_len = rows_per_lane * n_acc  # a compile-time constant for the local array
     reduce_rows = _row_reduction(acc_len)
+    store_rows = _row_stores(n_cols, swiglu, rows_per_lane)
 
     @cuda.jit(device=True, inline=True)
     def accumulate(acc, bases, w, w2, u, xcol, xq, xd, xs):
@@ -396,9 +397,22 @@ def _block_rows(ggml_type: GGMLType, n_cols: int, swiglu: bool, rows_per_lane: i
             if u < n_units:
                 accumulate(acc, bases, w, w2, u, xcol, xq, xd, xs)
         reduce_rows(acc, lanes_per_row, row_warps)
+        if sub == 0:
+            store_rows(acc, row, rows_per_warp, n_rows, ycol, bias, has_bias, y0, y1, y2, y3, ends)
+    return block_rows
+
+
+@functools.cache
+def _row_stores(n_cols: int, swiglu: bool, rows_per_lane: int):
+    """Device fn: a lane's reduced sums (rows_per_lane rows × n_cols, and the up sums when swiglu)
+    → the outputs, with silu(gate)·up and the bias applied; rows past n_rows are dropped."""
+    n_acc = 2 * n_cols if swiglu else n_cols
+
+    @cuda.jit(device=True, inline=True)
+    def store_rows(acc, row, rows_per_warp, n_rows, ycol, bias, has_bias, y0, y1, y2, y3, ends):
         for j in range(rows_per_lane):
             r = row + j * rows_per_warp
-            if sub == 0 and r < n_rows:
+            if r < n_rows:
                 for c in range(n_cols):
                     total = acc[j * n_acc + c]
                     if swiglu:
@@ -407,7 +421,7 @@ def _block_rows(ggml_type: GGMLType, n_cols: int, swiglu: bool, rows_per_lane: i
                     if has_bias:
                         total += bias[r]
                     store_part(y0, y1, y2, y3, ends, ycol[c], r, total)
-    return block_rows
+    return store_rows
 
 
 @functools.cache
