@@ -37,7 +37,8 @@ EXPERT_CASES = [
     ("down exps", GGMLType.Q6_K, 512, 2048, False, True),
 ]
 PLAIN_CASES = [(t, k, n) for t in (GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.Q8_0)
-               for k, n in ((2048, 4096), (4096, 2048))] + [(GGMLType.Q6_K, 2048, 248320)]
+               for k, n in ((2048, 4096), (4096, 2048))] + [(GGMLType.Q6_K, 2048, 248320),
+                                                            (GGMLType.Q8_0, 2048, 12352)]
 # 64 decoding sequences: the Gated DeltaNet input projection (qkv + z + a + b) and an attention
 # output projection (GB/s: the matrix once; each group of 8 tokens reads it again)
 BATCH_64_CASES = [(GGMLType.Q8_0, 2048, 12352), (GGMLType.Q8_0, 4096, 2048)]
@@ -105,7 +106,8 @@ def expert_row(case, n_tokens: int, rng, stream) -> dict:
     return _row(f"{label}: per-slot gemv", gpu_us(launch, stream), touched)
 
 
-def plain_row(ggml_type: GGMLType, k: int, n_rows: int, rng, stream, n_tokens: int = 1) -> dict:
+def plain_row(ggml_type: GGMLType, k: int, n_rows: int, rng, stream, n_tokens: int = 1,
+              label: str = "") -> dict:
     """A dense linear over n_tokens tokens: groups of ≤ MAX_COLS columns, one slot each (as the
     model's Workspace.linear runs it)."""
     mats = weight_copies(ggml_type, k, n_rows, 1, rng)
@@ -117,7 +119,7 @@ def plain_row(ggml_type: GGMLType, k: int, n_rows: int, rng, stream, n_tokens: i
     slot_x = cuda.to_device(np.arange(groups, dtype=np.int32))
     us = gpu_us(lambda s, i: qg.gemv(mats[i % len(mats)], act, y, slot_mat=slot_mat,
                                      slot_x=slot_x, stream=s), stream)
-    return _row(f"batch-{n_tokens} gemv {ggml_type.name} k={k} rows={n_rows}", us,
+    return _row(f"batch-{n_tokens} gemv {ggml_type.name} k={k} rows={n_rows} {label}", us,
                 n_rows * row_bytes(ggml_type, k))
 
 
@@ -137,6 +139,10 @@ def main() -> None:
             for n_tokens in (64, 1) for case in EXPERT_CASES]
     rows += [plain_row(t, k, n, rng, stream) for t, k, n in PLAIN_CASES]
     rows += [plain_row(t, k, n, rng, stream, n_tokens=64) for t, k, n in BATCH_64_CASES]
+    two_rows_a_lane = [(t, k, n) for t, k, n in PLAIN_CASES if qg.rows_per_lane(1, n, 1) == 2]
+    qg.MULTI_ROW_MIN_ROWS = 1 << 62  # A/B: those matrices again with one row a lane
+    rows += [plain_row(t, k, n, rng, stream, label="(one row a lane)")
+             for t, k, n in two_rows_a_lane]
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
