@@ -26,7 +26,7 @@ def main() -> None:
             x = upload_activations(rng.standard_normal((1, n_cols, k)).astype(np.float32), w)
             y = cuda.device_array((1, n_cols, n_rows), np.float32)
             qg.gemv(w, x, y, up=w if swiglu else None)
-            kernel = qg._gemv_kernel(t, n_cols, swiglu)
+            kernel = qg._gemv_kernel(t, n_cols, swiglu, 1)  # 256 rows: one row a lane
             regs = max(compiled.regs_per_thread for compiled in kernel.overloads.values())
             blocks = min(16, 65536 // (regs * 128 + 1))
             print(f"{t.name:6s} cols {n_cols} swiglu {swiglu!s:5s}: {regs:3d} registers, "
