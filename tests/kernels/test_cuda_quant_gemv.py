@@ -177,41 +177,15 @@ def swiglu_reference(gate_bytes, up_bytes, ggml_type, k, x_slot):
     return g / (1 + np.exp(-g)) * qg.gemv_reference(up_bytes, ggml_type, k, xk)
 
 
-def test_fused_swiglu_gemv_over_expert_slots():
-    rng = np.random.default_rng(13)
-    k, n_rows, n_mats = 256, 3, 3
-    ggml_type = GGMLType.Q4_K
+def check_expert_slots(ggml_type, k, n_rows, slot_mat, slot_x, swiglu, rng):
+    """The per-slot GEMV (fused SwiGLU when swiglu) over random expert matrices and 2 activation
+    groups, each slot checked against numpy."""
+    n_mats = max(slot_mat) + 1
     gate_bytes, up_bytes = (random_weights(ggml_type, n_mats * n_rows, k, rng) for _ in range(2))
     x = rng.standard_normal((2, 1, k)).astype(np.float32)
-    slot_mat, slot_x = [2, 0, 2], [0, 0, 1]
     gate, up = (qg.DeviceQuantMatrix(to_device_bytes(b), ggml_type, k, n_rows, n_mats)
                 for b in (gate_bytes, up_bytes))
-    y = cuda.device_array((3, 1, n_rows), np.float32)  # (slots, 1, rows)
-    qg.gemv(gate, upload_activations(x, gate), y, slot_mat=dev_i32(slot_mat),
-            slot_x=dev_i32(slot_x), up=up)
-    y = y.copy_to_host()
-    per_mat = [b.reshape(n_mats, n_rows, -1) for b in (gate_bytes, up_bytes)]
-    for s, (m, g) in enumerate(zip(slot_mat, slot_x)):
-        ref = swiglu_reference(per_mat[0][m], per_mat[1][m], ggml_type, k, x[g])
-        np.testing.assert_allclose(y[s], ref, rtol=1e-4, atol=1e-6)
-
-
-@pytest.mark.parametrize("ggml_type, k, n_rows, swiglu", [
-    (GGMLType.Q4_K, 256, 13, False),  # 8 rows a block: the second block's last 3 rows are past
-    (GGMLType.Q8_0, 64, 37, False),  # 2 lanes a row: 32 rows a warp
-    (GGMLType.Q4_K, 256, 13, True),
-], ids=["Q4_K", "Q8_0 short rows", "Q4_K SwiGLU"])
-def test_gemv_with_two_rows_a_lane(monkeypatch, ggml_type, k, n_rows, swiglu):
-    monkeypatch.setattr(qg, "MULTI_ROW_MIN_ROWS", 1)  # the path big matrices take
-    assert qg.rows_per_lane(1, n_rows, 1) == 2
-    rng = np.random.default_rng(17)
-    n_mats = 2
-    gate_bytes, up_bytes = (random_weights(ggml_type, n_mats * n_rows, k, rng) for _ in range(2))
-    x = rng.standard_normal((2, 1, k)).astype(np.float32)
-    slot_mat, slot_x = [1, 0, 1], [0, 1, 1]
-    gate, up = (qg.DeviceQuantMatrix(to_device_bytes(b), ggml_type, k, n_rows, n_mats)
-                for b in (gate_bytes, up_bytes))
-    y = cuda.device_array((3, 1, n_rows), np.float32)  # (slots, 1, rows)
+    y = cuda.device_array((len(slot_mat), 1, n_rows), np.float32)  # (slots, 1, rows)
     qg.gemv(gate, upload_activations(x, gate), y, slot_mat=dev_i32(slot_mat),
             slot_x=dev_i32(slot_x), up=up if swiglu else None)
     y = y.copy_to_host()
@@ -222,6 +196,23 @@ def test_gemv_with_two_rows_a_lane(monkeypatch, ggml_type, k, n_rows, swiglu):
             np.testing.assert_allclose(y[s], ref, rtol=1e-4, atol=1e-6)
         else:
             check_close(y[s], per_mat[0][m], ggml_type, k, x[g])
+
+
+def test_fused_swiglu_gemv_over_expert_slots():
+    check_expert_slots(GGMLType.Q4_K, 256, 3, [2, 0, 2], [0, 0, 1], True,
+                       np.random.default_rng(13))
+
+
+@pytest.mark.parametrize("ggml_type, k, n_rows, swiglu", [
+    (GGMLType.Q4_K, 256, 13, False),  # 8 rows a block: the second block's last 3 rows are past
+    (GGMLType.Q8_0, 64, 37, False),  # 2 lanes a row: 32 rows a warp
+    (GGMLType.Q4_K, 256, 13, True),
+], ids=["Q4_K", "Q8_0 short rows", "Q4_K SwiGLU"])
+def test_gemv_with_two_rows_a_lane(monkeypatch, ggml_type, k, n_rows, swiglu):
+    monkeypatch.setattr(qg, "MULTI_ROW_MIN_ROWS", 1)  # the path big matrices take
+    assert qg.rows_per_lane(1, n_rows, 1) == 2
+    check_expert_slots(ggml_type, k, n_rows, [1, 0, 1], [0, 1, 1], swiglu,
+                       np.random.default_rng(17))
 
 
 def test_stacked_gemv_splits_rows_over_outputs_and_adds_bias():
