@@ -340,10 +340,9 @@ def _merge_heads(out_acc, weight_sh, row0, heads, n_active, n_splits, part_m, pa
     mix of its n_active split partials. Warp h weighs head h's splits (weight_sh: (heads, CHUNK),
     heads ≤ WARPS); then thread t sums output elements t, t + CHUNK, ... of all the heads (n_out
     of them) over the splits, four splits a round written out. quantize: also as q8."""
-    n_elems = heads * head_dim
-    if cuda.threadIdx.x // 32 < heads:
-        w = cuda.threadIdx.x // 32
-        _split_weights(row0 + w, n_active, n_splits, part_m, part_l, weight_sh, w * CHUNK)
+    n_elems, warp = heads * head_dim, cuda.threadIdx.x // 32
+    if warp < heads:
+        _split_weights(row0 + warp, n_active, n_splits, part_m, part_l, weight_sh, warp * CHUNK)
     cuda.syncthreads()
     for k in range(n_out):
         out_acc[k] = 0.0
@@ -467,7 +466,7 @@ def _split_kernel(head_dim: int, kind: int, quantize: bool, heads: int):
         if split < n_active:  # block-uniform
             for i in range(tid, heads * head_dim, CHUNK):
                 q_sh[i] = q[row0 * head_dim + i] * scale
-            for e in range(heads * per_lane):
+            for e in range(acc_len):
                 acc[e] = 0.0
             cuda.syncthreads()
             _scan_keys(q_sh, k_cache, v_cache, k_scales, v_scales, block_table,
@@ -497,8 +496,6 @@ def heads_per_block(n_heads: int, n_kv: int, kind: int = KV_F16) -> int:
 
 
 MAX_BLOCK_HEADS = 4  # ptxas sm_90, f16 cache: 128 registers, no spills at head_dim 256
-
-
 MAX_SPLITS = 64  # splits per query row (the merge weighs them with one warp, ≤ CHUNK)
 
 

@@ -592,10 +592,10 @@ def gemv(w: DeviceQuantMatrix, x, y, *, slot_mat=None, slot_x=None,
         check_array("bias", bias, np.float32, (w.n_rows,))
     lanes = lanes_per_row(w.ggml_type, w.k)
     warps = row_warps(w.ggml_type, w.k, w.n_rows * n_slots)
-    per_lane = rows_per_lane(n_cols, w.n_rows * n_slots, warps)
-    n_row_blocks = cdiv(w.n_rows, WARPS_PER_BLOCK // warps * (32 // lanes) * per_lane)
+    lane_rows = rows_per_lane(n_cols, w.n_rows * n_slots, warps)
+    n_row_blocks = cdiv(w.n_rows, WARPS_PER_BLOCK // warps * (32 // lanes) * lane_rows)
     grid = (n_slots, min(n_row_blocks, MAX_GRID_Y))
-    kernel = _gemv_kernel(w.ggml_type, n_cols, up is not None, per_lane)
+    kernel = _gemv_kernel(w.ggml_type, n_cols, up is not None, lane_rows)
     kernel[grid, 32 * WARPS_PER_BLOCK, stream](
         w.data, w.data if up is None else up.data, w.row_bytes, w.n_rows, w.n_rows * w.row_bytes,
         w.k, lanes, warps, n_row_blocks, slot_mat, slot_x, xq, xd, xs, parts[0] if bias is None else bias,
