@@ -82,7 +82,7 @@ def run(kv: PagedKV, q, seq_lens, ws, out=None, row_seq=None, act=None) -> np.nd
     # 34 splits: the merge weighs more splits than a warp has lanes
     (16, 1, 32, 2, (33 * CHUNK + 5,), 33 * CHUNK + 5, CHUNK),
     pytest.param(16, 2, 256, 16, (3000, 700), 3005, 512, marks=pytest.mark.gpu),  # Qwen3.6
-    # a cache sized for 32k tokens: 64 splits, of which 4 and 1 hold keys
+    # a cache sized for 32k tokens: 128 splits, of which 4 and 1 hold keys
     pytest.param(16, 4, 128, 32, (512, 33), 32768, CHUNK, marks=pytest.mark.gpu),  # Qwen3-30B
 ])
 def test_paged_decode_matches_reference(block_size, n_kv, head_dim, n_heads, lens, max_context,
@@ -103,10 +103,22 @@ def test_a_block_serves_query_heads_of_one_kv_head(n_heads, n_kv, heads):
 
 
 def test_workspace_splits_cover_max_context_in_chunks():
-    assert attention.DecodeWorkspace(1, 1, 32, 32768).n_splits == attention.MAX_SPLITS
-    assert attention.DecodeWorkspace(1, 1, 32, 390).n_splits == 4  # ⌈390 / CHUNK⌉
-    assert attention.DecodeWorkspace(1, 1, 32, 390, split_len=130).n_splits == 3
-    assert attention.DecodeWorkspace(1, 1, 32, 8, split_len=4).n_splits == 1
+    assert attention.DecodeWorkspace(1, 1, 32, 32768).max_splits == attention.MAX_SPLITS
+    assert attention.DecodeWorkspace(1, 1, 32, 390).max_splits == 4  # ⌈390 / CHUNK⌉
+    assert attention.DecodeWorkspace(1, 1, 32, 390, split_len=130).max_splits == 3
+    assert attention.DecodeWorkspace(1, 1, 32, 8, split_len=4).max_splits == 1
+
+
+def test_a_launch_takes_fewer_splits_when_its_rows_fill_the_gpu():
+    """Batch 1 (Qwen3.6: 16 heads in 4 groups) splits a 32k context as far as MAX_SPLITS; 64
+    rows take SPLIT_BLOCKS / (64 · 4) each; a prefill-sized workspace keeps one split's partials
+    (not 4096 rows × MAX_SPLITS)."""
+    one, many = (attention.DecodeWorkspace(n, 16, 256, 32768) for n in (1, 64))
+    assert one.splits(1, 16, 4) == attention.MAX_SPLITS
+    assert many.splits(64, 16, 4) == attention.SPLIT_BLOCKS // 256
+    prefill = attention.DecodeWorkspace(4096, 16, 256, 32768)
+    assert prefill.part_m.size == 4096 * 16
+    assert prefill.splits(4096, 16, 4) == 1
 
 
 @pytest.mark.parametrize("dtype, n_kv, head_dim, n_heads, lens", [

@@ -496,7 +496,11 @@ def heads_per_block(n_heads: int, n_kv: int, kind: int = KV_F16) -> int:
 
 
 MAX_BLOCK_HEADS = 4  # ptxas sm_90, f16 cache: 128 registers, no spills at head_dim 256
-MAX_SPLITS = 64  # splits per query row (the merge weighs them with one warp, ≤ CHUNK)
+MAX_SPLITS = CHUNK  # splits per query row (the merge weighs a head's splits in CHUNK floats)
+# Blocks a launch aims for (rows × head groups × splits; 132 SMs hold 4 each): a block is a chain
+# of dependent latencies, so a long context needs many short splits to keep loads in flight,
+# while many rows need few (every split past a row's end still launches).
+SPLIT_BLOCKS = 2048
 
 
 class DecodeWorkspace:
@@ -504,19 +508,26 @@ class DecodeWorkspace:
     sum, unnormalised out) and, per (row, head group), how many splits have stored theirs (zero
     between launches: the last split resets it).
 
-    n_splits = min(MAX_SPLITS, ⌈max_context / split_len⌉) splits per row; a launch sizes them
-    to each row's own context (_split_len), so split_len only bounds their number: the fewest
-    keys a split gets at max_context (at least CHUNK, a split's unit).
+    max_splits = min(MAX_SPLITS, ⌈max_context / split_len⌉) bounds the splits per row (split_len:
+    the fewest keys a split gets at max_context, at least CHUNK, a split's unit); a launch takes
+    fewer when its rows × head groups fill the GPU anyway (`splits`), and sizes them to each row's
+    own context (_split_len). Partials are kept for n_seqs rows at ≤ ⌈SPLIT_BLOCKS / n_seqs⌉
+    splits: what such a launch uses.
     """
 
     def __init__(self, n_seqs: int, n_heads: int, head_dim: int, max_context: int,
                  split_len: int = CHUNK):
-        self.n_splits = max(1, min(MAX_SPLITS, cdiv(max_context, max(split_len, CHUNK))))
-        n_parts = n_seqs * n_heads * self.n_splits
+        self.max_splits = max(1, min(MAX_SPLITS, cdiv(max_context, max(split_len, CHUNK))))
+        n_parts = n_seqs * n_heads * min(self.max_splits, cdiv(SPLIT_BLOCKS, n_seqs))
         self.part_m = cuda.device_array(n_parts, np.float32)  # (seqs, heads, splits)
         self.part_l = cuda.device_array(n_parts, np.float32)
         self.part_acc = cuda.device_array(n_parts * head_dim, np.float32)  # (..., head_dim)
         self.arrivals = cuda.to_device(np.zeros(n_seqs * n_heads, np.int32))  # (seqs, heads)
+
+    def splits(self, n_rows: int, n_heads: int, n_groups: int) -> int:
+        """Splits per row of a launch over n_rows query rows of n_heads heads in n_groups."""
+        fit = self.part_m.size // (n_rows * n_heads)  # what the partials hold
+        return max(1, min(self.max_splits, cdiv(SPLIT_BLOCKS, n_rows * n_groups), fit))
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, out, ws: DecodeWorkspace,
@@ -534,7 +545,10 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, out, ws: 
     _, block_size, n_kv, _ = k_cache.shape
     if head_dim % 32 or n_heads % n_kv:
         raise ValueError(f"head_dim {head_dim} must be a multiple of 32, n_heads % n_kv == 0")
-    if q.size * ws.n_splits > ws.part_acc.size or n_seqs * n_heads > ws.arrivals.size:
+    kind = kv_kind(k_cache)
+    heads = heads_per_block(n_heads, n_kv, kind)
+    n_splits = ws.splits(n_seqs, n_heads, n_heads // heads)
+    if n_seqs * n_heads > ws.arrivals.size or q.size * n_splits > ws.part_acc.size:
         raise ValueError(f"q {q.shape} does not fit the decode workspace")
     check_array("out", out, np.float32, q.shape)
     check_array("block_table", block_table, np.int32)
@@ -545,14 +559,12 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, out, ws: 
         row_seq = _identity_rows(n_seqs)
     check_array("row_seq", row_seq, np.int32, (n_seqs,))
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    kind = kv_kind(k_cache)
     k_scales, v_scales = flat_scales(kind, scales, k_cache.size)
     if act is not None and int(np.prod(act.shape)) != out.size:
         raise ValueError(f"q8 activations of shape {act.shape} do not hold out {out.shape}")
     q8 = (act.xq, act.xd, act.xs) if act is not None else (_placeholder_i8(),) + \
         (_placeholder(),) * 2
-    heads = heads_per_block(n_heads, n_kv, kind)
-    grid = (n_heads // heads, n_seqs, ws.n_splits)
+    grid = (n_heads // heads, n_seqs, n_splits)
     _split_kernel(head_dim, kind, act is not None, heads)[grid, CHUNK, stream](
         q.reshape(q.size), k_cache.reshape(k_cache.size), v_cache.reshape(v_cache.size),
         k_scales, v_scales, block_table.reshape(block_table.size), block_table.shape[1], row_seq,
