@@ -94,10 +94,12 @@ def test_paged_decode_matches_reference(block_size, n_kv, head_dim, n_heads, len
     np.testing.assert_allclose(run(kv, q, lens, ws), kv.reference(q, lens), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("n_heads, n_kv, heads", [
-    (16, 2, 4), (32, 4, 4), (4, 2, 2), (6, 2, 1), (3, 3, 1), (12, 1, 4), (6, 1, 2),
+@pytest.mark.parametrize("n_heads, n_kv, max_heads, heads", [
+    (16, 2, 2, 2), (32, 4, 4, 4), (4, 2, 4, 2), (6, 2, 4, 1), (3, 3, 2, 1), (12, 1, 4, 4),
+    (6, 1, 4, 2),
 ])
-def test_a_block_serves_query_heads_of_one_kv_head(n_heads, n_kv, heads):
+def test_a_block_serves_query_heads_of_one_kv_head(n_heads, n_kv, max_heads, heads, monkeypatch):
+    monkeypatch.setattr(attention, "MAX_BLOCK_HEADS", max_heads)
     assert attention.heads_per_block(n_heads, n_kv) == heads
     assert attention.heads_per_block(n_heads, n_kv, attention.KV_I8) == 1
 
@@ -110,12 +112,12 @@ def test_workspace_splits_cover_max_context_in_chunks():
 
 
 def test_a_launch_takes_fewer_splits_when_its_rows_fill_the_gpu():
-    """Batch 1 (Qwen3.6: 16 heads in 4 groups) splits a 32k context as far as MAX_SPLITS; 64
-    rows take SPLIT_BLOCKS / (64 · 4) each; a prefill-sized workspace keeps one split's partials
+    """Batch 1 (Qwen3.6: 16 heads in 8 groups) splits a 32k context as far as MAX_SPLITS; 64
+    rows take SPLIT_BLOCKS / (64 · 8) each; a prefill-sized workspace keeps one split's partials
     (not 4096 rows × MAX_SPLITS)."""
     one, many = (attention.DecodeWorkspace(n, 16, 256, 32768) for n in (1, 64))
-    assert one.splits(1, 16, 4) == attention.MAX_SPLITS
-    assert many.splits(64, 16, 4) == attention.SPLIT_BLOCKS // 256
+    assert one.splits(1, 16, 8) == attention.MAX_SPLITS
+    assert many.splits(64, 16, 8) == attention.SPLIT_BLOCKS // 512
     prefill = attention.DecodeWorkspace(4096, 16, 256, 32768)
     assert prefill.part_m.size == 4096 * 16
     assert prefill.splits(4096, 16, 4) == 1
@@ -124,7 +126,7 @@ def test_a_launch_takes_fewer_splits_when_its_rows_fill_the_gpu():
 @pytest.mark.parametrize("dtype, n_kv, head_dim, n_heads, lens", [
     (np.float32, 1, 64, 1, (140,)),  # splits of 128 and 12 keys
     (np.int8, 2, 128, 2, (100,)),  # q8_0: attends like its dequantized values
-    (np.float32, 1, 64, 4, (150,)),  # 4 query heads a block over float32 K/V
+    (np.float32, 1, 64, 4, (150,)),  # 2 query heads a block over float32 K/V
 ])
 def test_cache_types(dtype, n_kv, head_dim, n_heads, lens):
     rng = np.random.default_rng(10)

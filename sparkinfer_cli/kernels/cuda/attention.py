@@ -19,8 +19,8 @@ length, so a captured CUDA graph replays as the context grows:
      non-empty splits to arrive merges their partials into out (all its heads at once) and
      resets the counter to 0.
 The loops are chains of dependent memory latencies: the K dot and the p·V sum keep eight loads in
-flight per round. With one head per block, a long context's decode was bound by L2 bandwidth
-instead (each kv head's K/V read by all the query heads of its group).
+flight per round. The splits per row are chosen at launch (DecodeWorkspace.splits): enough blocks
+to spread one long sequence, few for many rows.
 """
 
 from __future__ import annotations
@@ -486,21 +486,23 @@ def _split_kernel(head_dim: int, kind: int, quantize: bool, heads: int):
 
 def heads_per_block(n_heads: int, n_kv: int, kind: int = KV_F16) -> int:
     """Query heads one decode block serves: up to MAX_BLOCK_HEADS of a kv head's group, all fed
-    by each K/V load (the decode's K/V traffic from L2 shrinks by that factor; long contexts were
-    bound by it: 8 heads re-reading each kv head). An int8 cache keeps one: unpacking its bytes
-    for 4 heads spills registers (ptxas sm_90: 300-720 bytes a thread at the 128 cap)."""
+    by each K/V load. An int8 cache keeps one: unpacking its bytes for 4 heads spills registers
+    (ptxas sm_90: 300-720 bytes a thread at the 128 cap)."""
     heads = 1 if kind == KV_I8 else MAX_BLOCK_HEADS
     while (n_heads // n_kv) % heads:
         heads //= 2
     return heads
 
 
-MAX_BLOCK_HEADS = 4  # ptxas sm_90, f16 cache: 128 registers, no spills at head_dim 256
-MAX_SPLITS = CHUNK  # splits per query row (the merge weighs a head's splits in CHUNK floats)
-# Blocks a launch aims for (rows × head groups × splits; 132 SMs hold 4 each): a block is a chain
-# of dependent latencies, so a long context needs many short splits to keep loads in flight,
-# while many rows need few (every split past a row's end still launches).
-SPLIT_BLOCKS = 2048
+# Measured on the H200 (bench/cuda_decode_attention_bench.py, Qwen3.6 shape, one sequence): 1 / 2 / 4
+# heads a block took 13.0 / 16.4 / 24.8 µs after 512 tokens and 132 / 103 / 116 µs after 32,768
+# (64 splits; 128 splits: 144 / 116 / 121): a block is bound by its own chain of latencies and
+# instructions more than by the K/V traffic that sharing saves.
+MAX_BLOCK_HEADS = 2
+MAX_SPLITS = 64  # splits per query row (≤ CHUNK: the merge weighs a head's splits in CHUNK floats)
+# Blocks a launch aims for (rows × head groups × splits): one sequence spreads a long context
+# over MAX_SPLITS splits, many rows take few (every split past a row's end still launches).
+SPLIT_BLOCKS = 1024
 
 
 class DecodeWorkspace:
