@@ -494,10 +494,10 @@ def heads_per_block(n_heads: int, n_kv: int, kind: int = KV_F16) -> int:
     return heads
 
 
-# Measured on the H200 (bench/cuda_decode_attention_bench.py, Qwen3.6 shape, one sequence): 1 / 2 / 4
-# heads a block took 13.0 / 16.4 / 24.8 µs after 512 tokens and 132 / 103 / 116 µs after 32,768
-# (64 splits; 128 splits: 144 / 116 / 121): a block is bound by its own chain of latencies and
-# instructions more than by the K/V traffic that sharing saves.
+# Measured on the H200 (bench/cuda_decode_attention_bench.py, Qwen3.6 shape, one sequence):
+# 1 / 2 / 4 heads a block took 13.0 / 16.4 / 24.8 µs after 512 tokens and 132 / 103 / 116 µs
+# after 32,768 (64 splits; 128 splits: 144 / 116 / 121): a block is bound by its own chain of
+# latencies and instructions more than by the K/V traffic that sharing saves.
 MAX_BLOCK_HEADS = 2
 MAX_SPLITS = 64  # splits per query row (≤ CHUNK: the merge weighs a head's splits in CHUNK floats)
 # Blocks a launch aims for (rows × head groups × splits): one sequence spreads a long context

@@ -5,9 +5,11 @@ y[slot, r] = Σ_k W[mat][r, k] · x[xrow(slot), k] (+ bias[r])   (mma.sync m16n8
 - `matmul`: dense, slot = token (x and y are (n_tok, ·)). `grouped_matmul`: MoE prefill, the token
   tiles of an ExpertRoute (each tile's slots all use one expert matrix), x rows picked by slot_x.
 - A block computes BM = 128 weight rows × BN tokens (64 or 128), stepping k by BK = 32 through two
-  shared-memory buffers (one barrier per step: stage step s+1 into one buffer while the warps
-  multiply step s from the other). Staging dequantizes each weight row's 16-element piece straight
-  from the GGUF bytes to f16 and converts the float32 activations to f16.
+  shared-memory buffers (one barrier per step: each thread loads its share of step s+1, the warps
+  multiply step s from one buffer while those loads are in flight, then store step s+1 into the
+  other; before, each step waited for its loads, then multiplied). Staging dequantizes each
+  weight row's 16-element piece straight from the GGUF bytes to f16 and converts the float32
+  activations to f16.
 - 8 warps as WARPS_M × WARPS_N with 32 tokens per warp: a warp owns (BM / WARPS_M) rows × 32 tokens,
   i.e. MT m16 tiles × 4 n8 tiles of f32 accumulators.
 - Fused SwiGLU (`up=`): the 128 staged rows are 64 gate rows and the same 64 rows of `up`,
@@ -272,24 +274,34 @@ def _tiling(bn: int, swiglu: bool) -> _Tiling:
 
 
 @functools.cache
-def _stage_fn(ggml_type: GGMLType, bn: int):
+def _stage_fns(ggml_type: GGMLType, bn: int):
+    """(fetch, put): a k step's staging in two halves, so that the main loop can issue the next
+    step's global loads, multiply the current step while they are in flight, then store them."""
     piece = _PIECES[ggml_type]
     a_words, b_words = BM * ROW_WORDS, bn * ROW_WORDS
-    tok_elems = _tiling(bn, False).tok_elems
+    x_words = _tiling(bn, False).tok_elems // 2
 
     @cuda.jit(device=True, inline=True)
-    def stage(sa, sb, buf, k0, w_src, w_off, a_at, x, x_off, b_at):
-        """Weights and activations of k0..k0+BK into buffer `buf` (this thread's share)."""
+    def fetch(k0, w_src, w_off, x, x_off, xw):
+        """This thread's share of k0..k0+BK: its weight piece as 8 f16x2 words (returned) and its
+        activations as f16x2 words (into xw)."""
         q = piece(w_src, w_off, k0 + (cuda.threadIdx.x & 1) * 16)
+        for i in range(x_words // 2):
+            p = _pack4(ld_v4_u32(x, x_off + 4 * (k0 + 4 * i)))
+            xw[2 * i] = p[0]
+            xw[2 * i + 1] = p[1]
+        return q
+
+    @cuda.jit(device=True, inline=True)
+    def put(sa, sb, buf, q, xw, a_at, b_at):
+        """fetch's words into buffer `buf` of the shared tiles."""
         base = buf * a_words + a_at
         for i in range(8):
             sa[base + i] = q[i]
         base = buf * b_words + b_at
-        for i in range(tok_elems // 4):
-            p = _pack4(ld_v4_u32(x, x_off + 4 * (k0 + 4 * i)))
-            sb[base + 2 * i] = p[0]
-            sb[base + 2 * i + 1] = p[1]
-    return stage
+        for i in range(x_words):
+            sb[base + i] = xw[i]
+    return fetch, put
 
 
 @functools.cache
@@ -374,9 +386,10 @@ def _store_fn(bn: int, swiglu: bool, grouped: bool):
 def _gemm_kernel(ggml_type: GGMLType, bn: int, swiglu: bool, grouped: bool):
     t = _tiling(bn, swiglu)
     warps_n, warp_rows, rows_block = t.warps_n, t.warp_rows, t.rows_block
-    stage, multiply = _stage_fn(ggml_type, bn), _multiply_fn(bn)
+    (fetch, put), multiply = _stage_fns(ggml_type, bn), _multiply_fn(bn)
     operands, store = _operands_fn(bn, swiglu, grouped), _store_fn(bn, swiglu, grouped)
     sa_size, sb_size, n_acc = 2 * BM * ROW_WORDS, 2 * bn * ROW_WORDS, 16 * t.mt
+    x_words = t.tok_elems // 2
 
     @cuda.jit(fastmath=True)
     def gemm(w, w2, row_bytes, n_rows, mat_bytes, k, n_tok, x, tile_expert, tile_lo, tile_hi,
@@ -403,13 +416,17 @@ def _gemm_kernel(ggml_type: GGMLType, bn: int, swiglu: bool, grouped: bool):
         warp = cuda.threadIdx.x >> 5
         a_frag_at = 4 * (warp // warps_n) * warp_rows * ROW_WORDS
         b_frag_at = 4 * (warp % warps_n) * 32 * ROW_WORDS
+        xw = cuda.local.array(x_words, uint32)  # fetched activations, f16x2
         n_steps = k // BK
-        stage(sa, sb, 0, 0, w_src, w_off, a_at, x, x_off, b_at)
+        put(sa, sb, 0, fetch(0, w_src, w_off, x, x_off, xw), xw, a_at, b_at)
         cuda.syncthreads()
         for s in range(n_steps):
-            if s + 1 < n_steps:
-                stage(sa, sb, (s + 1) & 1, (s + 1) * BK, w_src, w_off, a_at, x, x_off, b_at)
+            # step s + 1's loads go out before step s's mma and land in the other buffer after
+            # them; branch-free (the last step fetches itself again, into the idle buffer), so
+            # ptxas may schedule the mma inside the loads' latency
+            q = fetch(min(s + 1, n_steps - 1) * BK, w_src, w_off, x, x_off, xw)
             multiply(sa, sb, s & 1, a_frag_at, b_frag_at, cuda.threadIdx.x & 31, acc)
+            put(sa, sb, (s + 1) & 1, q, xw, a_at, b_at)
             cuda.syncthreads()
         store(acc, row0, n_rows, lo, n_valid, order, bias, has_bias, y0, y1, y2, y3, ends)
     return gemm
