@@ -80,13 +80,15 @@ def time_variant(case: dict, n_splits: int | None, heads: int, ctx: int,
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", help="also write the rows here")
+    parser.add_argument("--heads", type=int, action="append",
+                        help=f"query heads a block to try (repeatable; default {HEADS_PER_BLOCK})")
     args = parser.parse_args()
     rng, stream = np.random.default_rng(0), cuda.stream()
     rows = []
     for shape, n_seqs, ctx, splits in CASES:
         case = make_case(shape, n_seqs, ctx, rng, stream)
         floor_us = case["kv_bytes"] / FLOOR_BYTES_PER_US
-        for heads in HEADS_PER_BLOCK:
+        for heads in args.heads or HEADS_PER_BLOCK:
             for n_splits in splits:
                 us, err = time_variant(case, n_splits, heads, ctx, stream)
                 row = {"shape": shape, "seqs": n_seqs, "ctx": ctx, "heads_per_block": heads,
