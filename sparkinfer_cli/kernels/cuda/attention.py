@@ -12,16 +12,15 @@ length, so a captured CUDA graph replays as the context grows:
   1. block (head group, row, split) serves `heads` query heads of one kv head (heads_per_block:
      each K/V load feeds them all) and takes keys [split·L, (split + 1)·L) of the row, L = the
      row's seq_len / n_splits rounded up to whole CHUNKs (short contexts still spread over
-     several blocks; splits past the end exit at once). It scans them CHUNK keys at a time (a
-     warp reads each K row whole, as it reads V rows: coalesced) with an online softmax, and
-     stores a partial (max, sum, unnormalised out) per head;
+     several blocks; splits past the end exit at once). It scans them CHUNK keys at a time (one
+     per thread: every key's K row is read in parallel) with an online softmax, and stores a
+     partial (max, sum, unnormalised out) per head;
   2. each block then counts itself on its (row, head group)'s counter; the last of the row's
      non-empty splits to arrive merges their partials into out (all its heads at once) and
      resets the counter to 0.
-The loops are chains of dependent memory latencies: the K dots and the p·V sum keep eight keys'
-loads in flight per round. (Reading K a row per thread instead cost 32 L1 wavefronts a load:
-≈ 32 µs of a 32k-token layer on the H200.) The splits per row are chosen at launch
-(DecodeWorkspace.splits): enough blocks to spread one long sequence, few for many rows.
+The loops are chains of dependent memory latencies: the K dot and the p·V sum keep eight loads in
+flight per round. The splits per row are chosen at launch (DecodeWorkspace.splits): enough blocks
+to spread one long sequence, few for many rows.
 """
 
 from __future__ import annotations
@@ -43,7 +42,7 @@ from sparkinfer_cli.kernels.cuda.intrinsics import (
 )
 from sparkinfer_cli.kernels.cuda.launch import cdiv, check_array
 from sparkinfer_cli.kernels.cuda.quant_gemv import store_q8
-from sparkinfer_cli.kernels.cuda.warp import shfl_xor, syncwarp, warp_max, warp_sum
+from sparkinfer_cli.kernels.cuda.warp import warp_max, warp_sum
 
 CHUNK = 128  # keys scored at once: one per thread
 KV_F32, KV_F16, KV_I8 = 0, 1, 2  # cache element types
@@ -102,6 +101,69 @@ def kv_kind(cache) -> int:
     if np.dtype(cache.dtype) not in kinds:
         raise ValueError(f"KV cache of {cache.dtype}: float32, float16 or int8 expected")
     return kinds[np.dtype(cache.dtype)]
+
+
+@cuda.jit(device=True, inline=True)
+def _per16(kind):
+    """Cache elements in 16 bytes."""
+    return 16 if kind == KV_I8 else 8 if kind == KV_F16 else 4
+
+
+@cuda.jit(device=True, inline=True)
+def _dot16(q_sh, d, w, kind):
+    """Σ q_sh[d + i]·x_i over the values x_i in the 16 bytes w: 4 floats, 8 halves or 16 int8."""
+    s = float32(0.0)
+    for j in range(4):
+        if kind == KV_F16:
+            s += q_sh[d + 2 * j] * f16_bits_to_f32(w[j] & 0xFFFF)
+            s += q_sh[d + 2 * j + 1] * f16_bits_to_f32(w[j] >> 16)
+        elif kind == KV_I8:
+            for b in range(4):
+                s += q_sh[d + 4 * j + b] * _s8(w[j], 8 * b)
+        else:
+            s += q_sh[d + j] * bits_to_f32(w[j])
+    return s
+
+
+@cuda.jit(device=True, inline=True)
+def _dot_pair(q_sh, d, w0, w1, scales, idx, kind):
+    """Σ q_sh[d + i]·x_i over the 32 bytes (w0, w1) holding cache elements idx, idx + 1, ...;
+    KV_I8: they are one 32-block, times its scale."""
+    s = _dot16(q_sh, d, w0, kind) + _dot16(q_sh, d + _per16(kind), w1, kind)
+    if kind == KV_I8:
+        return s * scales[idx // 32]
+    return s
+
+
+@cuda.jit(device=True, inline=True)
+def _dot_q(q_sh, cache, scales, off, head_dim, kind, heads, scores):
+    """scores[h] = Σ_d q_sh[h·head_dim + d]·K[off + d] for the block's `heads` query heads, every
+    K load shared by them, in rounds of eight 16-byte loads all issued before the first is used
+    (written out: the compiler does not unroll a loop holding several loads); a head_dim that is
+    not a multiple of the round ends with pairs of loads."""
+    per16 = _per16(kind)
+    size = 16 // per16  # bytes per element
+    n = 2 * per16  # elements per pair of loads
+    full = head_dim - head_dim % (4 * n)
+    for h in range(heads):
+        scores[h] = 0.0
+    for d in range(0, full, 4 * n):
+        b = size * (off + d)
+        w0, w1 = ld_v4_u32(cache, b), ld_v4_u32(cache, b + 16)
+        w2, w3 = ld_v4_u32(cache, b + 32), ld_v4_u32(cache, b + 48)
+        w4, w5 = ld_v4_u32(cache, b + 64), ld_v4_u32(cache, b + 80)
+        w6, w7 = ld_v4_u32(cache, b + 96), ld_v4_u32(cache, b + 112)
+        for h in range(heads):
+            qd = h * head_dim + d
+            scores[h] += (_dot_pair(q_sh, qd, w0, w1, scales, off + d, kind)
+                          + _dot_pair(q_sh, qd + n, w2, w3, scales, off + d + n, kind)
+                          + _dot_pair(q_sh, qd + 2 * n, w4, w5, scales, off + d + 2 * n, kind)
+                          + _dot_pair(q_sh, qd + 3 * n, w6, w7, scales, off + d + 3 * n, kind))
+    for d in range(full, head_dim, n):
+        b = size * (off + d)
+        w0, w1 = ld_v4_u32(cache, b), ld_v4_u32(cache, b + 16)
+        for h in range(heads):
+            scores[h] += _dot_pair(q_sh, h * head_dim + d, w0, w1, scales, off + d, kind)
 
 
 @cuda.jit(device=True, inline=True)
@@ -173,78 +235,6 @@ def _accumulate_pv(acc, corr, p_sh, row_sh, v_cache, v_scales, kind, n, warp, di
         _add_pv(acc, p_sh, row_sh, vc, vs, kind, j + 5 * WARPS, n, d0, per_lane, heads)
         _add_pv(acc, p_sh, row_sh, vc, vs, kind, j + 6 * WARPS, n, d0, per_lane, heads)
         _add_pv(acc, p_sh, row_sh, vc, vs, kind, j + 7 * WARPS, n, d0, per_lane, heads)
-
-
-@cuda.jit(device=True, inline=True)
-def _key_dots(parts, i, q_reg, k_cache, k_scales, kind, row_sh, j, n, dim0, per_lane, heads):
-    """parts[i·heads + h] = this lane's share of q_h·K_j, over its dims [dim0, dim0 + per_lane),
-    for chunk key j (q_reg: (heads, per_lane)); a key j ≥ n reads key n - 1 (the softmax masks
-    it), so the loads never wait on a branch."""
-    off = row_sh[min(j, n - 1)] + dim0
-    for h in range(heads):
-        parts[i * heads + h] = 0.0
-    if per_lane % 4 == 0:
-        for e in range(0, per_lane, 4):
-            k = _value4(k_cache, k_scales, off + e, kind)
-            for h in range(heads):
-                for x in range(4):
-                    parts[i * heads + h] += q_reg[h * per_lane + e + x] * k[x]
-    else:
-        for e in range(per_lane):
-            k1 = kv_value(k_cache, k_scales, off + e, kind)
-            for h in range(heads):
-                parts[i * heads + h] += q_reg[h * per_lane + e] * k1
-
-
-@cuda.jit(device=True, inline=True)
-def _exchange(lo, hi, take_hi, offset):
-    """One reduce-scatter step: keep `hi` (bit set) or `lo`, add what the partner lane ^ offset
-    keeps of its pair (it sends the other one)."""
-    keep = hi if take_hi else lo
-    return keep + shfl_xor(lo if take_hi else hi, offset)
-
-
-@cuda.jit(device=True, inline=True)
-def _reduce_scatter8(parts, h, heads, lane):
-    """Σ over the warp's 32 lanes of value v = (lane >> 2) & 7 of parts[(v, h)] (8 values a lane,
-    (8, heads) array): 9 shuffles for all 8 sums (a warp sum each would take 40). Each step halves
-    the values a lane holds: bits 4, 3, 2 of the lane pick the half, then lanes 4v .. 4v + 3
-    add up what they hold."""
-    b4, b3, b2 = (lane >> 4) & 1, (lane >> 3) & 1, (lane >> 2) & 1
-    a0 = _exchange(parts[h], parts[4 * heads + h], b4, 16)
-    a1 = _exchange(parts[heads + h], parts[5 * heads + h], b4, 16)
-    a2 = _exchange(parts[2 * heads + h], parts[6 * heads + h], b4, 16)
-    a3 = _exchange(parts[3 * heads + h], parts[7 * heads + h], b4, 16)
-    c = _exchange(_exchange(a0, a2, b3, 8), _exchange(a1, a3, b3, 8), b2, 4)
-    c += shfl_xor(c, 2)
-    return c + shfl_xor(c, 1)
-
-
-@cuda.jit(device=True, inline=True)
-def _score_chunk(scores, parts, q_reg, k_cache, k_scales, kind, row_sh, n, warp, lane, per_lane,
-                 heads):
-    """scores[h] = q_h·K_t of chunk key t = this thread (-inf past the n keys). Warp w reads the K
-    rows of keys 32w .. 32w + 31 whole (lane l: dims [l·per_lane, +per_lane), coalesced, as the
-    p·V sum reads V), eight keys a round written out: round r takes keys 32w + 4v + r (v < 8),
-    whose sums _reduce_scatter8 leaves in lanes 4v .. 4v + 3, so lane 4v + r keeps its own."""
-    dim0, kc, ks = lane * per_lane, k_cache, k_scales
-    for r in range(4):
-        j = warp * 32 + r
-        _key_dots(parts, 0, q_reg, kc, ks, kind, row_sh, j, n, dim0, per_lane, heads)
-        _key_dots(parts, 1, q_reg, kc, ks, kind, row_sh, j + 4, n, dim0, per_lane, heads)
-        _key_dots(parts, 2, q_reg, kc, ks, kind, row_sh, j + 8, n, dim0, per_lane, heads)
-        _key_dots(parts, 3, q_reg, kc, ks, kind, row_sh, j + 12, n, dim0, per_lane, heads)
-        _key_dots(parts, 4, q_reg, kc, ks, kind, row_sh, j + 16, n, dim0, per_lane, heads)
-        _key_dots(parts, 5, q_reg, kc, ks, kind, row_sh, j + 20, n, dim0, per_lane, heads)
-        _key_dots(parts, 6, q_reg, kc, ks, kind, row_sh, j + 24, n, dim0, per_lane, heads)
-        _key_dots(parts, 7, q_reg, kc, ks, kind, row_sh, j + 28, n, dim0, per_lane, heads)
-        for h in range(heads):
-            dot = _reduce_scatter8(parts, h, heads, lane)
-            if lane & 3 == r:
-                scores[h] = dot
-    if warp * 32 + lane >= n:
-        for h in range(heads):
-            scores[h] = -math.inf
 
 
 @cuda.jit(device=True, inline=True)
@@ -413,31 +403,29 @@ def _chunk_softmax(scores, live, m, l_sum, corr, p_sh, red_sh, heads):
 
 
 @cuda.jit(device=True, inline=True)
-def _scan_keys(q_reg, k_cache, v_cache, k_scales, v_scales, block_table, table, block_size, n_kv,
-               kv_head, start, end, head_dim, kind, p_sh, row_sh, red_sh, acc, parts, per_lane,
-               heads, m, l_sum, corr, scores):
+def _scan_keys(q_sh, k_cache, v_cache, k_scales, v_scales, block_table, table, block_size, n_kv,
+               kv_head, start, end, head_dim, kind, p_sh, row_sh, red_sh, acc, per_lane, heads,
+               m, l_sum, corr, scores):
     """Online softmax of keys [start, end) of a row (block table at `table`) for the block's
-    `heads` query heads (q_reg: this lane's dims of each, see _score_chunk), CHUNK keys at a
-    time: each warp scores 32 of the chunk's keys (every K row read once for all heads), the block
-    agrees on the running maxima, then warp w accumulates p·V over keys w, w + WARPS, ..., lane l
-    owning dims [l·per_lane, +per_lane) of each head in acc. Leaves each head's max in m and Σ p
-    in l_sum."""
+    `heads` query heads (q_sh (heads, head_dim)), CHUNK keys at a time: thread t scores key t of
+    the chunk (its whole K row, once for all heads), the block agrees on the running maxima, then
+    warp w accumulates p·V over keys w, w + WARPS, ..., lane l owning dims [l·per_lane,
+    +per_lane) of each head in acc. Leaves each head's max in m and Σ p in l_sum."""
     tid = cuda.threadIdx.x
     warp, lane = tid // 32, tid % 32
     for h in range(heads):
         m[h], l_sum[h] = -math.inf, 0.0
     for c0 in range(start, end, CHUNK):
         t = c0 + tid
-        n = min(CHUNK, end - c0)
+        for h in range(heads):
+            scores[h] = -math.inf
         if t < end:
             blk = block_table[table + t // block_size]
             row_sh[tid] = ((blk * block_size + t % block_size) * n_kv + kv_head) * head_dim
-        syncwarp()  # a warp scores the keys its own lanes just located
-        _score_chunk(scores, parts, q_reg, k_cache, k_scales, kind, row_sh, n, warp, lane,
-                     per_lane, heads)
+            _dot_q(q_sh, k_cache, k_scales, row_sh[tid], head_dim, kind, heads, scores)
         _chunk_softmax(scores, t < end, m, l_sum, corr, p_sh, red_sh, heads)
-        _accumulate_pv(acc, corr, p_sh, row_sh, v_cache, v_scales, kind, n, warp,
-                       lane * per_lane, per_lane, heads)
+        _accumulate_pv(acc, corr, p_sh, row_sh, v_cache, v_scales, kind, min(CHUNK, end - c0),
+                       warp, lane * per_lane, per_lane, heads)
         cuda.syncthreads()  # before the next chunk overwrites p_sh / row_sh
 
 
@@ -447,8 +435,9 @@ def _split_kernel(head_dim: int, kind: int, quantize: bool, heads: int):
     output as q8 activations (the next GEMV's input)."""
     per_lane = head_dim // 32
     # shared / local array sizes must be compile-time constants
-    p_len, red_len, acc_sh_len = heads * CHUNK, 2 * heads * WARPS, heads * WARPS * head_dim
-    acc_len, parts_len = heads * per_lane, 8 * heads
+    q_len, p_len, red_len, acc_sh_len = heads * head_dim, heads * CHUNK, 2 * heads * WARPS, \
+        heads * WARPS * head_dim
+    acc_len = heads * per_lane
     n_out = (heads * head_dim + CHUNK - 1) // CHUNK  # merged output elements a thread (≤ acc_len)
 
     @cuda.jit(fastmath=True, **_LAUNCH_BOUNDS)
@@ -462,29 +451,28 @@ def _split_kernel(head_dim: int, kind: int, quantize: bool, heads: int):
         n_groups, n_splits = cuda.gridDim.x, cuda.gridDim.z
         tid, n_heads = cuda.threadIdx.x, cuda.gridDim.x * heads
         row0 = seq * n_heads + g * heads  # the (row, head) index of the block's first head
+        q_sh = cuda.shared.array(q_len, float32)
         p_sh = cuda.shared.array(p_len, float32)  # (heads, CHUNK); merge: split weights
         row_sh = cuda.shared.array(CHUNK, int64)  # element offset of each chunk key's row
         red_sh = cuda.shared.array(red_len, float32)
         acc_sh = cuda.shared.array(acc_sh_len, float32)  # (heads, warps, head_dim)
         flag_sh = cuda.shared.array(1, int32)
         acc = cuda.local.array(acc_len, float32)  # (heads, head_dim / 32)
-        q_reg = cuda.local.array(acc_len, float32)  # (heads, head_dim / 32): this lane's dims
-        parts = cuda.local.array(parts_len, float32)  # (8 keys, heads) partial K dots
         m, l_sum = cuda.local.array(heads, float32), cuda.local.array(heads, float32)
         corr, scores = cuda.local.array(heads, float32), cuda.local.array(heads, float32)
         seq_len = seq_lens[seq]
         split_len = _split_len(seq_len, n_splits)
         n_active = (seq_len + split_len - 1) // split_len  # splits that hold keys
         if split < n_active:  # block-uniform
+            for i in range(tid, heads * head_dim, CHUNK):
+                q_sh[i] = q[row0 * head_dim + i] * scale
             for e in range(acc_len):
-                h, d = e // per_lane, (tid % 32) * per_lane + e % per_lane
-                q_reg[e] = q[(row0 + h) * head_dim + d] * scale
                 acc[e] = 0.0
-            _scan_keys(q_reg, k_cache, v_cache, k_scales, v_scales, block_table,
+            cuda.syncthreads()
+            _scan_keys(q_sh, k_cache, v_cache, k_scales, v_scales, block_table,
                        row_seq[seq] * max_blocks, block_size, n_kv, g * heads // (n_heads // n_kv),
                        split * split_len, min(seq_len, (split + 1) * split_len), head_dim, kind,
-                       p_sh, row_sh, red_sh, acc, parts, per_lane, heads, m, l_sum, corr,
-                       scores)
+                       p_sh, row_sh, red_sh, acc, per_lane, heads, m, l_sum, corr, scores)
             _store_partials(acc, acc_sh, m, l_sum, row0 * n_splits + split, n_splits, part_m,
                             part_l, part_acc, head_dim, per_lane, heads)
             if _arrives_last(arrivals, seq * n_groups + g, n_active, flag_sh):

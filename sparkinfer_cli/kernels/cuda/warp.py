@@ -1,8 +1,7 @@
 """Warp shuffles and reductions shared by the CUDA kernels (all 32 lanes of a warp must take part).
 
 The simulator has no warp shuffles, so under NUMBA_ENABLE_CUDASIM=1 `shfl_xor` is a Python twin that
-exchanges values between the 32 simulated threads of a warp through a barrier (and `syncwarp` waits
-on that barrier). Reductions use the
+exchanges values between the 32 simulated threads of a warp through a barrier. Reductions use the
 same xor butterfly in both modes, so float results are bit-identical.
 """
 
@@ -22,36 +21,25 @@ if IS_SIMULATOR:
     _warps: dict[tuple[int, int], tuple[list, threading.Barrier]] = {}
     _warps_lock = threading.Lock()
 
-    def _warp() -> tuple[int, list, threading.Barrier]:
-        """This simulated thread's lane, and its warp's exchange slots and barrier."""
+    def shfl_xor(v, offset):
         t = threading.current_thread()
         bx, by, _ = t._manager._block_dim
         tid = t.threadIdx.x + bx * (t.threadIdx.y + by * t.threadIdx.z)
         with _warps_lock:
             vals, barrier = _warps.setdefault((id(t._manager), tid // WARP_SIZE),
                                               ([None] * WARP_SIZE, threading.Barrier(WARP_SIZE)))
-        return tid % WARP_SIZE, vals, barrier
-
-    def shfl_xor(v, offset):
-        lane, vals, barrier = _warp()
+        lane = tid % WARP_SIZE
         vals[lane] = v
         barrier.wait()
         out = vals[lane ^ offset]
         barrier.wait()  # nobody overwrites vals before every lane has read
         return out
 
-    def syncwarp():
-        _warp()[2].wait()
-
 else:
 
     @cuda.jit(device=True, inline=True)
     def shfl_xor(v, offset):
         return cuda.shfl_xor_sync(FULL_MASK, v, offset)
-
-    @cuda.jit(device=True, inline=True)
-    def syncwarp():
-        cuda.syncwarp(FULL_MASK)
 
 
 @cuda.jit(device=True, inline=True)
