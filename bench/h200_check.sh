@@ -37,11 +37,11 @@ case "${1:-tests}" in
   tests)  # the model file takes > 300 s cold: its decode half here, the oracle half below
     run gpu_kernels.log 230 python3 -m pytest -m gpu tests/kernels -q -p no:cacheprovider
     run gpu_model.log 330 python3 -m pytest -m gpu tests/model/test_cuda_model.py \
-      -k "(exact_decode and (Q4_K_M or F32)) or greedy_ids or batched or output_projection" \
+      -k "(exact_decode and (Q4_K_M or F32)) or greedy_ids or batched" \
       -q -p no:cacheprovider ;;
   oracle)
     run gpu_oracle.log 500 python3 -m pytest -m gpu tests/model/test_cuda_model.py \
-      -k "not (demo_model or decode or greedy or batched or output_projection)" -q \
+      -k "not (demo_model or decode or greedy or batched)" -q \
       -p no:cacheprovider ;;
   kernels)
     for b in cuda_mma_bench cuda_attention_bench cuda_delta_bench cuda_gemv_bench; do

@@ -9,11 +9,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from sparkinfer_cli.kernels.cuda import activation, attention, gated_delta, graphs, mma_gemm, moe
-from sparkinfer_cli.kernels.cuda import norm
+from sparkinfer_cli.kernels.cuda import (
+    activation,
+    attention,
+    attention_prefill,
+    gated_delta,
+    graphs,
+    mma_gemm,
+    moe,
+    norm,
+)
 from sparkinfer_cli.kernels.cuda import quant_gemv as qg
 from sparkinfer_cli.kernels.cuda.attention_input import prepare_attention_input
-from sparkinfer_cli.kernels.cuda import attention_prefill
 from sparkinfer_cli.kernels.cuda.expert_route import ExpertRoute, route_experts
 from sparkinfer_cli.model.config import ROPE_NEOX, ModelConfig
 from sparkinfer_cli.model.cuda_cache import CudaModelCache
@@ -53,8 +60,8 @@ class CudaSwiGLU:
 
 class CudaMoE:
     """Router top-k on the device; decode passes run one GEMV per (token, expert) slot reading
-    only the selected experts (slot_mat = ids), prefills of ≥ MMA_MIN_ROWS tokens sort the slots
-    by expert and run tensor-core GEMMs per expert tile.
+    only the selected experts (slot_mat = ids), prefills of ≥ EXPERTS_MMA_MIN_ROWS tokens sort
+    the slots by expert and run tensor-core GEMMs per expert tile.
 
     The weighted combine of the experts (and the gated shared expert) is left to `add_norm`, which
     folds it into the next pre-norm's residual add: one launch instead of three."""
@@ -100,7 +107,7 @@ class CudaMoE:
         """Prefills: this pass's slots sorted by expert into tensor-core GEMM tiles. None for
         decode: per-slot GEMVs measured faster than GEMVs per expert tile at 64 sequences
         (bench/cuda_gemv_bench.py: a slot's expert re-read comes from L2)."""
-        if not ws.uses_mma(ws.n_rows, self.gate.matrix):
+        if not ws.uses_mma(ws.n_rows, self.gate.matrix, experts=True):
             return None
         n_slots = ws.n_rows * self.k
         route = ws.expert_route(self.n_expert, n_slots, mma_gemm.TOKEN_TILES[0])

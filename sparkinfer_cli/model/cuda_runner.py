@@ -7,9 +7,10 @@
 A pass of N tokens runs on a workspace of the next power of two rows (cuda_workspace.py). Passes
 of one new token per sequence (decode) replay a CUDA graph captured the first time their row
 bucket is seen; other passes (prefill, mixed) launch eagerly, with attention as the tiled prefill
-kernel and, from MMA_MIN_ROWS tokens on, every linear and the MoE experts as tensor-core GEMMs
-(f16 activations). Token embeddings are looked up on the host (N rows of the GGUF table) and
-copied in with the step's other inputs.
+kernel. Passes of ≥ LINEAR_MMA_MIN_ROWS tokens (a 32-sequence decode included) run every dense
+linear as a tensor-core GEMM (f16 activations), from EXPERTS_MMA_MIN_ROWS on the MoE experts too.
+Token embeddings are looked up on the host (N rows of the GGUF table) and copied in with the
+step's other inputs.
 
 Activations: by default the GEMVs of quantized weights take q8 activations (int8 per 32, dp4a), as
 llama.cpp's CUDA path does, so logits follow llama.cpp's native runs (≈1e-2). `exact=True`
@@ -211,10 +212,10 @@ class CudaModel:
         final = ws.act("final", self.config.n_embd, logit_rows // cols, cols)
         gather_rows(ws.x.f.reshape(ws.n_rows, -1), ws.logit_rows[:logit_rows],
                     final.f.reshape(logit_rows, -1), stream=s)
-        if not ws.uses_mma(logit_rows, self.output.matrix, output=True):  # the GEMV reads q8
+        if not ws.uses_mma(logit_rows, self.output.matrix):  # the GEMV reads q8
             final.quantize(s)
         logits = self._logits(ws, logit_rows)
-        ws.linear(self.output, final, logits, s, output=True)
+        ws.linear(self.output, final, logits, s)
         if greedy:
             g = ws.greedy(logit_rows, self.output.n_rows)
             sampling.sample(logits.reshape(logit_rows, -1), *g.params, g.ids, g.workspace,

@@ -16,26 +16,27 @@ from typing import Any
 import numpy as np
 from numba import cuda
 
-from sparkinfer_cli.kernels.cuda import mma_gemm
+from sparkinfer_cli.kernels.cuda import mma_gemm, sampling
 from sparkinfer_cli.kernels.cuda import quant_gemv as qg
-from sparkinfer_cli.kernels.cuda import sampling
 from sparkinfer_cli.kernels.cuda.attention import DecodeWorkspace
 from sparkinfer_cli.kernels.cuda.driver_calls import copy_to_device_async
 from sparkinfer_cli.kernels.cuda.expert_route import ExpertRoute
-from sparkinfer_cli.kernels.cuda.graphs import CapturedGraph, side_stream
+from sparkinfer_cli.kernels.cuda.graphs import CapturedGraph, is_side_stream, side_stream
 from sparkinfer_cli.model.batch import SequenceBatch
 from sparkinfer_cli.model.cuda_cache import CudaModelCache, device_zeros
 from sparkinfer_cli.model.cuda_weights import DeviceLinear, StackedLinears
 
 MAX_COLS = qg.MAX_COLS
-# passes of at least this many tokens run their linears as tensor-core GEMMs. A GEMM block walks
-# all of k (~2 µs a 32-wide step on the H200), so below ~256 tokens too few blocks fill the GPU
-# and GEMVs (weights read once per 8 tokens, ~5 µs a read) finish first.
-MMA_MIN_ROWS = 256
-# The output projection (a vocabulary of rows: thousands of GEMM blocks) fills the GPU from far
-# fewer tokens, while its GEMV re-reads the largest matrix once per 8 tokens (8.8 ms of a 43 ms
-# 64-sequence decode step on the H200, Qwen3.6 shape, Q6_K).
-OUTPUT_MMA_MIN_ROWS = 32
+# Passes of at least this many tokens run the MoE experts as grouped tensor-core GEMMs (tokens
+# sorted by expert). A GEMM block walks all of k (~2 µs a 32-wide step on the H200): a decode
+# batch gives an expert ~2 tokens, and the per-slot GEMVs finish first.
+EXPERTS_MMA_MIN_ROWS = 256
+# Dense linears of at least this many tokens run as tensor-core GEMMs, splitting k over the grid's
+# z when the row blocks alone do not fill the GPU (mma_gemm.k_splits): each weight is dequantized
+# once per token tile, where the GEMV re-reads and re-dequantizes its matrix once per 8 tokens
+# (64 sequences, Qwen3.6 shape: a GDN input projection took 210 µs as GEMVs; the output
+# projection 8.8 ms of a 43 ms step).
+LINEAR_MMA_MIN_ROWS = 32
 INT_FIELDS = ("positions", "seq_lens", "slot_mapping", "row_seq", "state_slots", "seq_lo", "seq_n",
               "logit_rows")
 
@@ -146,11 +147,20 @@ class Workspace:
             self._bufs[key] = ExpertRoute(n_expert, n_slots, tile)
         return self._bufs[key]
 
-    def uses_mma(self, n_tokens: int, w: qg.DeviceQuantMatrix, output: bool = False) -> bool:
-        """Whether a linear (output: the output projection) over n_tokens rows of this pass runs
+    def uses_mma(self, n_tokens: int, w: qg.DeviceQuantMatrix, experts: bool = False) -> bool:
+        """Whether a dense linear (experts: the MoE experts) over n_tokens rows of this pass runs
         on tensor cores."""
-        min_rows = OUTPUT_MMA_MIN_ROWS if output else MMA_MIN_ROWS
+        min_rows = EXPERTS_MMA_MIN_ROWS if experts else LINEAR_MMA_MIN_ROWS
         return self.quantized and n_tokens >= min_rows and mma_gemm.supports(w)
+
+    def mma_partials(self, w: qg.DeviceQuantMatrix, n_tokens: int, swiglu: bool, stream):
+        """The split-K scratch of mma_gemm.matmul(w) over n_tokens rows (None: k is not split):
+        one buffer per size and stream (main / side), so linears that may run at once never
+        share one, and each exists after the first eager pass (no allocation while capturing)."""
+        n = mma_gemm.partials_size(w, n_tokens, swiglu)
+        if n == 0:
+            return None
+        return self.buf("mma.partials.side" if is_side_stream(stream) else "mma.partials", n)
 
     def zeros_i32(self, n: int):
         return self.buf("zeros_i32", n, dtype=np.int32)
@@ -163,18 +173,18 @@ class Workspace:
         return sum(a.nbytes for a in arrays + attn) + self.ints.nbytes + self.h.nbytes
 
     # ---- GEMV ----------------------------------------------------------------------------------
-    def linear(self, lin: DeviceLinear, x: Act, y, stream, up: DeviceLinear | None = None,
-               output: bool = False) -> None:
-        """y (groups, cols, rows) = W·x (+ bias); up: fused silu(W·x) ⊙ (up·x); output: lin is
-        the output projection (see uses_mma).
+    def linear(self, lin: DeviceLinear, x: Act, y, stream, up: DeviceLinear | None = None) -> None:
+        """y (groups, cols, rows) = W·x (+ bias); up: fused silu(W·x) ⊙ (up·x).
 
         y may be a list of arrays (groups, cols, rows_i) when `lin` stacks several linears."""
         groups = (y[0] if isinstance(y, list) else y).shape[0]
         n_tokens = x.f.shape[0] * x.f.shape[1]
-        if self.uses_mma(n_tokens, lin.matrix, output):
+        if self.uses_mma(n_tokens, lin.matrix):
             parts = [p.reshape(n_tokens, -1) for p in (y if isinstance(y, list) else [y])]
             mma_gemm.matmul(lin.matrix, x.f.reshape(n_tokens, -1), parts, bias=lin.bias,
-                            up=None if up is None else up.matrix, stream=stream)
+                            up=None if up is None else up.matrix, stream=stream,
+                            partials=self.mma_partials(lin.matrix, n_tokens, up is not None,
+                                                       stream))
             return
         qg.gemv(lin.matrix, x.for_matrix(lin.matrix), y, slot_mat=self.zeros_i32(groups),
                 slot_x=self.iota(groups), up=None if up is None else up.matrix, bias=lin.bias,

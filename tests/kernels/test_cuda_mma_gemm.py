@@ -7,6 +7,7 @@ so the tight check rounds W and x to f16 first; the loose check compares with th
 from __future__ import annotations
 
 import functools
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -178,6 +179,41 @@ def test_matmul_fused_swiglu_over_two_row_blocks(rng):
     _check(y.copy_to_host(), x.astype(np.float64), gate_ref[0], up=up_ref[0])
 
 
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_matmul_splits_k_when_the_grid_is_small(swiglu, rng):
+    # 13 k steps in 3 ranges of 4, 4 and 5 (MIN_SPLIT_STEPS 4); rows in 2 output parts + bias
+    k, parts, n_tok = 13 * mg.BK, (40, 30), 9
+    n_rows = sum(parts)
+    w, w_ref = _weights(GGMLType.Q8_0, 1, n_rows, k, rng)
+    up, up_ref = _weights(GGMLType.Q8_0, 1, n_rows, k, rng) if swiglu else (None, None)
+    assert mg.k_splits(w, n_tok, swiglu) == 3
+    bias = rng.standard_normal(n_rows).astype(np.float32)
+    x = rng.standard_normal((n_tok, k)).astype(np.float32)
+    ys = [cuda.device_array((n_tok, n), np.float32) for n in parts]
+    partials = cuda.device_array(mg.partials_size(w, n_tok, swiglu), np.float32)
+    mg.matmul(w, cuda.to_device(x), ys, bias=cuda.to_device(bias), up=up, partials=partials)
+    got = np.concatenate([y.copy_to_host() for y in ys], axis=1)  # (n_tok, n_rows)
+    _check(got, x.astype(np.float64), w_ref[0], up=None if up is None else up_ref[0], bias=bias)
+    with pytest.raises(ValueError, match="split-K needs"):
+        mg.matmul(w, cuda.to_device(x), ys, up=up, partials=partials[:partials.size - 1])
+
+
+def test_k_splits_fill_the_gpu_only_for_small_grids():
+    def matrix(n_rows, k):  # k_splits reads a matrix's shape only
+        return SimpleNamespace(n_rows=n_rows, k=k)
+
+    # a 4096-token prefill of a 4096-row matrix: 32 × 32 blocks already fill the GPU
+    assert mg.k_splits(matrix(4096, 2048), 4096) == 1
+    assert mg.partials_size(matrix(4096, 2048), 4096) == 0
+    # 64 tokens × 12,352 rows (a GDN input projection): 97 blocks → 6 ranges of ≥ 10 steps
+    assert mg.k_splits(matrix(12352, 2048), 64) == 6
+    assert mg.partials_size(matrix(12352, 2048), 64) == 6 * 64 * 12352
+    # 64 tokens × 2,048 rows, k 4096 (an output projection): 16 blocks → MAX_K_SPLITS
+    assert mg.k_splits(matrix(2048, 4096), 64) == mg.MAX_K_SPLITS
+    # k of 8 steps: at most 2 ranges of MIN_SPLIT_STEPS
+    assert mg.k_splits(matrix(64, 256), 64, swiglu=True) == 2
+
+
 def test_matmul_rejects_types_without_a_dequantizer_and_partial_k_steps():
     w = DeviceQuantMatrix(to_device_bytes(np.zeros(136, np.uint8)), GGMLType.IQ4_XS, 256, 1)
     with pytest.raises(ValueError, match="IQ4_XS"):
@@ -244,6 +280,26 @@ def test_matmul_real_shapes(ggml_type, n_tok, k, n_rows, rng):
     rows = np.sort(rng.choice(n_rows, 256, replace=False))
     got = y.copy_to_host()[np.ix_(toks, rows)]
     _check(got, x[toks].astype(np.float64), w_ref[0][rows])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ggml_type, k, n_rows, swiglu", [
+    (GGMLType.Q8_0, 2048, 12352, False),  # Qwen3.6 GDN input projection, 64 decode rows
+    (GGMLType.Q6_K, 4096, 2048, False),  # its output projection
+    (GGMLType.Q4_K, 2048, 512, True),  # the shared expert's gate/up
+])
+def test_matmul_split_k_real_shapes(ggml_type, k, n_rows, swiglu, rng):
+    n_tok = 64
+    w, w_ref = _weights(ggml_type, 1, n_rows, k, rng)
+    up, up_ref = _weights(ggml_type, 1, n_rows, k, rng) if swiglu else (None, None)
+    assert mg.k_splits(w, n_tok, swiglu) > 1
+    x = rng.standard_normal((n_tok, k)).astype(np.float32)
+    y = cuda.device_array((n_tok, n_rows), np.float32)
+    partials = cuda.device_array(mg.partials_size(w, n_tok, swiglu), np.float32)
+    mg.matmul(w, cuda.to_device(x), y, up=up, partials=partials)
+    rows = np.sort(rng.choice(n_rows, 256, replace=False))
+    _check(y.copy_to_host()[:, rows], x.astype(np.float64), w_ref[0][rows],
+           up=None if up is None else up_ref[0][rows])
 
 
 @pytest.mark.gpu

@@ -6,7 +6,7 @@ On the H200 (`pytest -m gpu tests/model/test_cuda_model.py`):
   and llama.cpp's greedy picks;
 - default mode (GGUF bytes, q8 activations like llama.cpp's CUDA path, F16 KV): top-1 agrees
   with llama.cpp's native logits wherever its margin is clear, with the linears as GEMVs and as
-  tensor-core GEMMs (the latter is what prefills of ≥ MMA_MIN_ROWS tokens run);
+  tensor-core GEMMs (the latter is what passes of ≥ LINEAR_MMA_MIN_ROWS tokens run);
 - a batch of sequences decoded together (one graph, padded bucket) equals each decoded alone;
 - the real demo models: greedy continuations on the GPU equal the CPU model's.
 Without a GPU, one small case runs in numba's simulator (every kernel of a qwen35moe pass).
@@ -158,7 +158,7 @@ def test_q8_top1_matches_native_llama_cpp_where_clear(family: str, variant: str,
     """tensor_cores: every linear of the prefill as an mma GEMM (f16 activations), not a GEMV."""
     from sparkinfer_cli.model import cuda_workspace
 
-    for name in ("MMA_MIN_ROWS", "OUTPUT_MMA_MIN_ROWS"):
+    for name in ("EXPERTS_MMA_MIN_ROWS", "LINEAR_MMA_MIN_ROWS"):
         monkeypatch.setattr(cuda_workspace, name, 1 if tensor_cores else 1 << 30)
     g, model = _goldens(family), _tiny(family, variant, exact=False)
     for prompt in ("short", "long"):
@@ -211,20 +211,24 @@ def test_batched_decode_equals_each_sequence_alone(family: str) -> None:
 
 
 @pytest.mark.gpu
-def test_output_projection_on_tensor_cores_in_a_batched_decode_graph(monkeypatch) -> None:
-    """33 sequences decode together: a bucket of 64 logit rows, where the output projection runs
-    as a tensor-core GEMM inside the captured graph. The first decode step's logits (same inputs
-    either way) follow the same step with the output projection as GEMVs: f16 vs q8 activations,
-    so top-1 equal where clear and close elsewhere."""
+def test_linears_on_tensor_cores_in_a_batched_decode_graph(monkeypatch) -> None:
+    """33 sequences decode together: a bucket of 64 rows, where every dense linear (the output
+    projection included) runs as a tensor-core GEMM, k split over the grid (mma_gemm.k_splits),
+    inside the captured graph. The first decode step's logits (same inputs either way) follow the
+    same step with the linears as GEMVs: f16 vs q8 activations, so top-1 equal where clear and
+    close elsewhere. MIN_SPLIT_STEPS 1: the tiny model's k of a few steps splits too."""
+    from sparkinfer_cli.kernels.cuda import mma_gemm
     from sparkinfer_cli.model import cuda_workspace
+
+    monkeypatch.setattr(mma_gemm, "MIN_SPLIT_STEPS", 1)
 
     model = _tiny("qwen3", "Q8_0", exact=False)
     prompt = _goldens("qwen3")["prompt_long"]
     prompts = [prompt[i:i + 4 + i % 5] for i in range(33)]
     group = list(range(len(prompts)))
     first_step = {}
-    for path, min_rows in (("mma", cuda_workspace.OUTPUT_MMA_MIN_ROWS), ("gemv", 1 << 30)):
-        monkeypatch.setattr(cuda_workspace, "OUTPUT_MMA_MIN_ROWS", min_rows)
+    for path, min_rows in (("mma", cuda_workspace.LINEAR_MMA_MIN_ROWS), ("gemv", 1 << 30)):
+        monkeypatch.setattr(cuda_workspace, "LINEAR_MMA_MIN_ROWS", min_rows)
         out = _decode_group(model, prompts, group, n_steps=1)
         first_step[path] = np.stack([out[i][1] for i in group])  # (33, n_vocab)
     mma, gemv = first_step["mma"], first_step["gemv"]

@@ -64,6 +64,12 @@ def side_stream() -> SideStream | SameStream:
     return SameStream() if IS_SIMULATOR else SideStream()
 
 
+def is_side_stream(stream) -> bool:
+    """Whether launches on `stream` go to the process's side stream (see SideStream.fork)."""
+    side = side_stream()
+    return isinstance(side, SideStream) and stream is side.stream
+
+
 class CapturedGraph:
     """An instantiated graph bound to the stream it replays on."""
 

@@ -15,6 +15,11 @@ y[slot, r] = Σ_k W[mat][r, k] · x[xrow(slot), k] (+ bias[r])   (mma.sync m16n8
 - Fused SwiGLU (`up=`): the 128 staged rows are 64 gate rows and the same 64 rows of `up`,
   interleaved so that every warp holds the gate and up accumulators of the same output rows.
 - Outputs may be split over up to MAX_PARTS arrays by row range, like quant_gemv.gemv.
+- Split-K (dense, given a `partials` buffer): a grid of too few blocks to fill the GPU (a decode
+  batch of 32-64 tokens: one token tile, ~100 row blocks) walks k in up to MAX_K_SPLITS ranges on
+  grid.z, each block storing its raw sums; `_splitk_epilogue` adds them up and applies SwiGLU /
+  bias. A block's k walk is a chain of ~1-2 µs steps, so without the split a 64-token linear
+  takes as long as its k is wide whatever its row count.
 """
 
 from __future__ import annotations
@@ -59,6 +64,9 @@ ROW_WORDS = 20  # u32 per staged row: 32 f16 + 16 pad bytes, so ldmatrix's 8 row
 ROW_STRIDE = 4 * ROW_WORDS
 TOKEN_TILES = (64, 128)  # BN choices
 _MAGIC = float32(8388608.0)  # 2^23: the float with bits 0x4B000000
+SPLIT_TARGET_BLOCKS = 528  # ≈ 4 blocks an SM on the H200 (132 SMs); grids of under half split k
+MAX_K_SPLITS = 16
+MIN_SPLIT_STEPS = 4  # BK steps a k range holds at least
 
 
 # ---------------------------------------------------------------- 16 weights → 8 f16x2 words
@@ -354,16 +362,31 @@ def _operands_fn(bn: int, swiglu: bool, grouped: bool):
     return operands
 
 
+@cuda.jit(device=True, inline=True)
+def _epilogue(v, up, swiglu, bias, has_bias, row):
+    """An output from its sums: silu(gate)·up with SwiGLU, plus the bias."""
+    if swiglu:
+        v = v / (float32(1.0) + math.exp(-v)) * up
+    if has_bias:
+        v += bias[row]
+    return v
+
+
 @functools.cache
 def _store_fn(bn: int, swiglu: bool, grouped: bool):
     t = _tiling(bn, swiglu)
     warps_n, mt_out, rows_warp = t.warps_n, t.mt_out, 16 * t.mt_out
+    staged = 2 if swiglu else 1  # partial sums a row
 
     @cuda.jit(device=True, inline=True)
-    def store(acc, row0, n_rows, lo, n_valid, order, bias, has_bias, y0, y1, y2, y3, ends):
-        """C fragments → y: a lane holds rows lane//4 (+8) × tokens 2·(lane%4) (+1) of each tile."""
+    def store(acc, row0, n_rows, lo, n_valid, order, bias, has_bias, y0, y1, y2, y3, ends,
+              part, n_slots):
+        """C fragments → y: a lane holds rows lane//4 (+8) × tokens 2·(lane%4) (+1) of each tile.
+        Split k (gridDim.z > 1): the raw sums (gate, then up) → part (splits, n_slots, rows ·
+        (2 with SwiGLU)) instead, for _splitk_epilogue."""
         lane = cuda.threadIdx.x & 31
         warp = cuda.threadIdx.x >> 5
+        split, n_splits = cuda.blockIdx.z, cuda.gridDim.z
         for mi in range(mt_out):
             for ni in range(4):
                 for e in range(4):
@@ -372,13 +395,16 @@ def _store_fn(bn: int, swiglu: bool, grouped: bool):
                     j = (warp % warps_n) * 32 + 8 * ni + 2 * (lane & 3) + (e & 1)
                     if row < n_rows and j < n_valid:
                         v = acc[16 * mi + 4 * ni + e]
-                        if swiglu:
-                            up = acc[16 * (mi + mt_out) + 4 * ni + e]
-                            v = v / (float32(1.0) + math.exp(-v)) * up
-                        if has_bias:
-                            v += bias[row]
+                        up = acc[16 * (mi + mt_out) + 4 * ni + e] if swiglu else v
                         slot = order[lo + j] if grouped else lo + j
-                        store_part(y0, y1, y2, y3, ends, slot, row, v)
+                        if n_splits > 1:
+                            at = (int64(split) * n_slots + slot) * (n_rows * staged) + row
+                            part[at] = v
+                            if swiglu:
+                                part[at + n_rows] = up
+                        else:
+                            store_part(y0, y1, y2, y3, ends, slot, row,
+                                       _epilogue(v, up, swiglu, bias, has_bias, row))
     return store
 
 
@@ -393,7 +419,7 @@ def _gemm_kernel(ggml_type: GGMLType, bn: int, swiglu: bool, grouped: bool):
 
     @cuda.jit(fastmath=True)
     def gemm(w, w2, row_bytes, n_rows, mat_bytes, k, n_tok, x, tile_expert, tile_lo, tile_hi,
-             order, slot_x, bias, has_bias, y0, y1, y2, y3, ends):
+             order, slot_x, bias, has_bias, y0, y1, y2, y3, ends, part):
         if grouped:
             lo = tile_lo[cuda.blockIdx.y]
             n_valid = tile_hi[cuda.blockIdx.y] - lo
@@ -417,18 +443,22 @@ def _gemm_kernel(ggml_type: GGMLType, bn: int, swiglu: bool, grouped: bool):
         a_frag_at = 4 * (warp // warps_n) * warp_rows * ROW_WORDS
         b_frag_at = 4 * (warp % warps_n) * 32 * ROW_WORDS
         xw = cuda.local.array(x_words, uint32)  # fetched activations, f16x2
-        n_steps = k // BK
-        put(sa, sb, 0, fetch(0, w_src, w_off, x, x_off, xw), xw, a_at, b_at)
+        # this block's k steps: range blockIdx.z of gridDim.z (split-K; one range otherwise)
+        n_steps, n_splits = k // BK, cuda.gridDim.z
+        s0 = cuda.blockIdx.z * n_steps // n_splits
+        s1 = (cuda.blockIdx.z + 1) * n_steps // n_splits
+        put(sa, sb, 0, fetch(s0 * BK, w_src, w_off, x, x_off, xw), xw, a_at, b_at)
         cuda.syncthreads()
-        for s in range(n_steps):
+        for s in range(s1 - s0):
             # step s + 1's loads go out before step s's mma and land in the other buffer after
             # them; branch-free (the last step fetches itself again, into the idle buffer), so
             # ptxas may schedule the mma inside the loads' latency
-            q = fetch(min(s + 1, n_steps - 1) * BK, w_src, w_off, x, x_off, xw)
+            q = fetch((s0 + min(s + 1, s1 - s0 - 1)) * BK, w_src, w_off, x, x_off, xw)
             multiply(sa, sb, s & 1, a_frag_at, b_frag_at, cuda.threadIdx.x & 31, acc)
             put(sa, sb, (s + 1) & 1, q, xw, a_at, b_at)
             cuda.syncthreads()
-        store(acc, row0, n_rows, lo, n_valid, order, bias, has_bias, y0, y1, y2, y3, ends)
+        store(acc, row0, n_rows, lo, n_valid, order, bias, has_bias, y0, y1, y2, y3, ends, part,
+              n_tok)
     return gemm
 
 
@@ -465,34 +495,94 @@ def _output_parts(y, n_slots: int, n_rows: int) -> tuple[list, tuple[int, ...]]:
     return qg.output_parts([p.reshape(n_slots, 1, p.shape[1]) for p in ys], n_slots, 1, n_rows)
 
 
-def _launch(w, up, x, y, n_slots, grid_y, bn, grouped, route_args, bias, stream) -> None:
+def _launch(w, up, x, y, n_slots, grid_y, bn, grouped, route_args, bias, stream,
+            partials=None, n_splits: int = 1) -> None:
     parts, ends = _output_parts(y, n_slots, w.n_rows)
     if bias is not None:
         check_array("bias", bias, np.float32, (w.n_rows,))
     if n_slots == 0:
         return  # nothing to compute (and a grid of 0 blocks is a launch error)
     swiglu = up is not None
-    grid = (cdiv(w.n_rows, BM // 2 if swiglu else BM), grid_y)
+    grid = (cdiv(w.n_rows, BM // 2 if swiglu else BM), grid_y, n_splits)
     kernel = _gemm_kernel(w.ggml_type, bn, swiglu, grouped)
+    bias_arg = parts[0] if bias is None else bias
     kernel[grid, THREADS, stream](
         w.data, w.data if up is None else up.data, w.row_bytes, w.n_rows, w.n_rows * w.row_bytes,
-        w.k, n_slots, x.reshape(x.size), *route_args, parts[0] if bias is None else bias,
-        bias is not None, *parts, ends)
+        w.k, n_slots, x.reshape(x.size), *route_args, bias_arg, bias is not None, *parts, ends,
+        parts[0] if partials is None else partials)
+    if n_splits > 1:
+        n_out = n_slots * w.n_rows
+        _splitk_epilogue[cdiv(n_out, EPILOGUE_THREADS), EPILOGUE_THREADS, stream](
+            partials, n_splits, n_slots, w.n_rows, swiglu, bias_arg, bias is not None, *parts,
+            ends)
+
+
+EPILOGUE_THREADS = 256
+
+
+@cuda.jit(fastmath=True)
+def _splitk_epilogue(part, n_splits, n_slots, n_rows, swiglu, bias, has_bias, y0, y1, y2, y3,
+                     ends):
+    # thread (slot, row): the sums of its n_splits k ranges (part (splits, n_slots, rows ·
+    # (2 with SwiGLU)): gate sums, then up sums), then the GEMM's own epilogue
+    i = cuda.grid(1)
+    if i >= n_slots * n_rows:
+        return
+    slot, row = i // n_rows, i % n_rows
+    staged = n_rows * 2 if swiglu else n_rows
+    v, up = float32(0.0), float32(0.0)
+    for s in range(n_splits):
+        at = (s * n_slots + slot) * staged + row
+        v += part[at]
+        if swiglu:
+            up += part[at + n_rows]
+    store_part(y0, y1, y2, y3, ends, slot, row, _epilogue(v, up, swiglu, bias, has_bias, row))
+
+
+def k_splits(w: DeviceQuantMatrix, n_tok: int, swiglu: bool = False) -> int:
+    """The k ranges matmul splits W × (n_tok, k) into given a partials buffer: 1 while its grid
+    (row blocks × token tiles) holds at least half of SPLIT_TARGET_BLOCKS, else enough ranges to
+    reach it (≤ MAX_K_SPLITS, each ≥ MIN_SPLIT_STEPS steps)."""
+    n_blocks = cdiv(w.n_rows, BM // 2 if swiglu else BM) * cdiv(n_tok, _token_tile(n_tok))
+    if 2 * n_blocks >= SPLIT_TARGET_BLOCKS:
+        return 1
+    return max(1, min(cdiv(SPLIT_TARGET_BLOCKS, n_blocks), MAX_K_SPLITS,
+                      w.k // BK // MIN_SPLIT_STEPS))
+
+
+def partials_size(w: DeviceQuantMatrix, n_tok: int, swiglu: bool = False) -> int:
+    """Floats of the partials buffer matmul needs to split this product (0: it is not split)."""
+    n_splits = k_splits(w, n_tok, swiglu)
+    return 0 if n_splits == 1 else n_splits * n_tok * w.n_rows * (2 if swiglu else 1)
+
+
+def _token_tile(n_tok: int) -> int:
+    return TOKEN_TILES[0] if n_tok <= TOKEN_TILES[0] else TOKEN_TILES[1]
 
 
 def matmul(w: DeviceQuantMatrix, x, y, *, bias=None, up: DeviceQuantMatrix | None = None,
-           stream=0) -> None:
+           partials=None, stream=0) -> None:
     """y (n_tok, n_rows) f32 ← x (n_tok, k) f32 @ dequant(W[0])ᵀ (+ bias (n_rows,) f32).
 
     up: a second matrix of W's type and shape; then y = silu(x·Wᵀ) ⊙ (x·upᵀ) (bias added after).
     y may be a sequence of up to MAX_PARTS arrays (n_tok, rows_p) with Σ rows_p = n_rows.
+    partials: float32 device scratch of ≥ partials_size(w, n_tok, up is not None) floats: then a
+    grid too small for the GPU splits k (k_splits); None never splits.
     Raises ValueError for weight types outside SUPPORTED_TYPES (use quant_gemv.gemv then).
     """
     _check_weights(w, up, x)
     n_tok = x.shape[0]
-    bn = TOKEN_TILES[0] if n_tok <= TOKEN_TILES[0] else TOKEN_TILES[1]
+    bn = _token_tile(n_tok)
+    n_splits = 1
+    if partials is not None:
+        n_splits = k_splits(w, n_tok, up is not None)
+        check_array("partials", partials, np.float32)
+        if partials.size < partials_size(w, n_tok, up is not None):
+            raise ValueError(f"partials: {partials.size} floats, split-K needs "
+                             f"{partials_size(w, n_tok, up is not None)}")
     dummy = _dummy_i32()
-    _launch(w, up, x, y, n_tok, cdiv(n_tok, bn), bn, False, (dummy,) * 5, bias, stream)
+    _launch(w, up, x, y, n_tok, cdiv(n_tok, bn), bn, False, (dummy,) * 5, bias, stream,
+            partials, n_splits)
 
 
 def grouped_matmul(w: DeviceQuantMatrix, x, y, route, slot_x, *,
@@ -510,6 +600,6 @@ def grouped_matmul(w: DeviceQuantMatrix, x, y, route, slot_x, *,
         raise ValueError(f"route tile {route.tile} exceeds the GEMM's {TOKEN_TILES[-1]} tokens")
     check_array("slot_x", slot_x, np.int32)
     n_slots = slot_x.shape[0]
-    bn = TOKEN_TILES[0] if route.tile <= TOKEN_TILES[0] else TOKEN_TILES[1]
+    bn = _token_tile(route.tile)
     route_args = (route.tile_expert, route.tile_lo, route.tile_hi, route.order, slot_x)
     _launch(w, up, x, y, n_slots, route.tiles_bound(n_slots), bn, True, route_args, None, stream)
