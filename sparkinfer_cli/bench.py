@@ -229,7 +229,7 @@ def _depth_figures(request: BenchRequest, model: CausalLM, timed: Timed) -> list
 
 def _row(m: Measurement, load: float, cost: ModelCost, peaks: MachinePeaks) -> ResultRow:
     fraction, bound = roofline(cost, peaks, m.tokens_per_pass, m.tok_s)
-    return ResultRow(m.kind, m.ctx, m.concurrency, m.tok_s, fraction, bound, load)
+    return ResultRow(m.kind, m.ctx, m.concurrency, m.tok_s, fraction, bound, load, m.host_us)
 
 
 # ---- report --------------------------------------------------------------------------------------

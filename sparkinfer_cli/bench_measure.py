@@ -47,6 +47,7 @@ class Measurement:
     concurrency: int
     tok_s: float
     tokens_per_pass: int  # tokens one forward pass carries (for the roofline)
+    host_us: float | None = None  # decode: mean host time a step until its GPU work is queued
 
 
 def random_ids(rng: np.random.Generator, n_vocab: int, n: int) -> np.ndarray:
@@ -89,9 +90,10 @@ class DepthBench:
         """Median step time over decode_steps steps after a ctx-token prompt (just prefilled)."""
         ids = self._ids(self.settings.decode_steps)
         step = getattr(self.model, "forward_greedy", self.model.forward)  # ids back, as serving
+        host = _HostTime(self.model)
         times = [_timed(lambda: self._forward(ids[i:i + 1], ctx + i, step))
                  for i in range(len(ids))]
-        return Measurement("decode", ctx, 1, 1.0 / statistics.median(times), 1)
+        return Measurement("decode", ctx, 1, 1.0 / statistics.median(times), 1, host.mean_us())
 
     def _prefill(self, ids: np.ndarray) -> None:
         if self.model.config.is_hybrid:
@@ -107,6 +109,22 @@ class DepthBench:
 
     def _ids(self, n: int) -> np.ndarray:
         return random_ids(self.rng, self.model.config.n_vocab, n)
+
+
+class _HostTime:
+    """Host time per graph-replayed decode step since construction, from a model that counts
+    it (CudaModel.times: until the step's GPU work is queued); None for other models."""
+
+    def __init__(self, model: CausalLM):
+        self.times = getattr(model, "times", None)
+        if self.times is not None:
+            self.start = (self.times.host_s["decode"], self.times.steps["decode"])
+
+    def mean_us(self) -> float | None:
+        if self.times is None or self.times.steps["decode"] == self.start[1]:
+            return None
+        return ((self.times.host_s["decode"] - self.start[0])
+                / (self.times.steps["decode"] - self.start[1]) * 1e6)
 
 
 def _timed(run: Callable[[], object]) -> float:

@@ -53,6 +53,7 @@ class ResultRow:
     roofline_fraction: float
     bound: str  # memory | compute: the roof the fraction is taken against
     load_1min: float  # the machine's 1-minute load average right after the figure was taken
+    host_us: float | None = None  # decode: host µs a step until its GPU work is queued
 
 
 @dataclass
@@ -140,7 +141,7 @@ def _load(values: list[float]) -> str:
 
 
 TABLE_HEADER = ("figure", "ctx", "concurrency", "tok/s", "roofline", "bound", "load",
-                "llama.cpp", "ratio")
+                "host µs/step", "llama.cpp", "ratio")
 
 
 def table_cells(report: BenchReport) -> list[tuple[str, ...]]:
@@ -150,8 +151,9 @@ def table_cells(report: BenchReport) -> list[tuple[str, ...]]:
     for r in report.results:
         a = anchored.get((r.kind, r.ctx, r.concurrency))
         ref = (f"{a.tok_s:,.1f} ({a.test})", f"{r.tok_s / a.tok_s:.2f}×") if a else ("—", "—")
+        host = "—" if r.host_us is None else f"{r.host_us:,.0f}"
         cells.append((r.kind, str(r.ctx), str(r.concurrency), f"{r.tok_s:,.1f}",
-                      percent(r.roofline_fraction), r.bound, f"{r.load_1min:.1f}", *ref))
+                      percent(r.roofline_fraction), r.bound, f"{r.load_1min:.1f}", host, *ref))
     return cells
 
 
@@ -176,9 +178,10 @@ def _method_lines(report: BenchReport) -> list[str]:
         f"of ≤ 3 runs). "
         f"decode: batch 1 after ctx tokens, median over {s.decode_steps} steps (random input ids; "
         f"a step returns the greedy token id where the backend samples on the device, else the "
-        f"logits). throughput: N greedy requests of {s.throughput_prompt_tokens} prompt "
-        f"tokens through the ContinuousBatchEngine; output tokens/s while all N decode together "
-        f"({s.decode_steps} steps, after {WINDOW_SKIP_STEPS} settling steps).",
+        f"logits; host µs/step: the part of a step spent on the host before its GPU work is "
+        f"queued, where the backend counts it). throughput: N greedy requests of "
+        f"{s.throughput_prompt_tokens} prompt tokens through the ContinuousBatchEngine; output "
+        f"tokens/s while all N decode together ({s.decode_steps} steps, after {WINDOW_SKIP_STEPS} settling steps).",
         "Roofline: floor = max(weight bytes read per pass / bandwidth, 2 × active params × tokens "
         "/ peak FLOPs) over the measured time; MoE counts the routed experts the pass's tokens "
         "are expected to touch (n_expert_used of n_expert per token); KV-cache reads and "

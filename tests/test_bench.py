@@ -11,6 +11,7 @@ import subprocess
 import sys
 from datetime import datetime
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from rich.console import Console
@@ -92,6 +93,7 @@ def test_json_fields_and_types(bench_run):
         assert isinstance(r["roofline_fraction"], float) and 0 < r["roofline_fraction"] <= 1
         assert r["bound"] in ("memory", "compute")
         assert isinstance(r["load_1min"], float) and r["load_1min"] >= 0
+        assert r["host_us"] is None  # the CPU model does not split host from device time
     load = data["machine"]["load_average"]
     assert len(load["before"]) == 3 and len(load["after"]) == 3
 
@@ -190,7 +192,7 @@ def test_cpu_anchor_matches_the_llama_bench_fixture(fixtures_dir):
     pp64, tg32 = (summary["summary"][k]["avg_tokens_per_s"] for k in ("pp64", "tg32"))
     rows = [ResultRow("prefill", 64, 1, 62.0, 0.1, "compute", 2.0),
             ResultRow("decode", 64, 1, 16.0, 0.2, "memory", 2.0),
-            ResultRow("decode", 512, 1, 15.0, 0.2, "memory", 2.0)]
+            ResultRow("decode", 512, 1, 15.0, 0.2, "memory", 2.0, 812.4)]
     report = _fake_report("qwen2.5-coder-0.5b", rows)
     anchors = {a["test"]: a for a in report_json(report, None)["llama_cpp"]}
     assert set(anchors) == {"pp64", "tg32"}
@@ -199,7 +201,7 @@ def test_cpu_anchor_matches_the_llama_bench_fixture(fixtures_dir):
     assert anchors["pp64"]["ratio"] == pytest.approx(62.0 / anchors["pp64"]["tok_s"])
     md = report_markdown(report, None)
     assert re.search(r"\| prefill \| 64 \| 1 \| 62\.0 \|.*124\.3 \(pp64\) \| 0\.50× \|", md)
-    assert "| decode | 512 | 1 | 15.0 | 20% | memory | 2.0 | — | — |" in md
+    assert "| decode | 512 | 1 | 15.0 | 20% | memory | 2.0 | 812 | — | — |" in md
     assert "llama.cpp:" not in report_markdown(_fake_report("tiny-qwen3", rows), None)
 
 
@@ -253,3 +255,17 @@ def test_cli_reports_a_bad_preset_cleanly():
     result = CliRunner().invoke(app, ["bench", "--synthetic", "nope", "--device", "cpu"])
     assert result.exit_code == 1
     assert "unknown synthetic preset 'nope'" in result.output
+
+
+def test_decode_host_time_is_the_mean_over_its_graph_replays():
+    from sparkinfer_cli.bench_measure import _HostTime
+    from sparkinfer_cli.model.cuda_runner import StepTimes
+
+    model = SimpleNamespace(times=StepTimes())
+    model.times.add("decode", 0.5, 1.0)  # before the figure: not counted
+    host = _HostTime(model)
+    model.times.add("decode", 300e-6, 4e-3)
+    model.times.add("eager", 0.2, 0.3)  # a capture or prefill: not a replayed step
+    model.times.add("decode", 500e-6, 4e-3)
+    assert host.mean_us() == pytest.approx(400.0)
+    assert _HostTime(SimpleNamespace()).mean_us() is None
