@@ -181,7 +181,8 @@ def _method_lines(report: BenchReport) -> list[str]:
         f"logits; host µs/step: the part of a step spent on the host before its GPU work is "
         f"queued, where the backend counts it). throughput: N greedy requests of "
         f"{s.throughput_prompt_tokens} prompt tokens through the ContinuousBatchEngine; output "
-        f"tokens/s while all N decode together ({s.decode_steps} steps, after {WINDOW_SKIP_STEPS} settling steps).",
+        f"tokens/s while all N decode together ({s.decode_steps} steps, after "
+        f"{WINDOW_SKIP_STEPS} settling steps).",
         "Roofline: floor = max(weight bytes read per pass / bandwidth, 2 × active params × tokens "
         "/ peak FLOPs) over the measured time; MoE counts the routed experts the pass's tokens "
         "are expected to touch (n_expert_used of n_expert per token); KV-cache reads and "
