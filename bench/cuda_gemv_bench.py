@@ -24,6 +24,7 @@ from numba import cuda
 
 from sparkinfer_cli.ggml_types import GGMLType, row_bytes
 from sparkinfer_cli.kernels.cuda import graphs
+from sparkinfer_cli.kernels.cuda import mma_gemm as mg
 from sparkinfer_cli.kernels.cuda import quant_gemv as qg
 from sparkinfer_cli.kernels.cuda.launch import to_device_bytes
 
@@ -41,7 +42,8 @@ PLAIN_CASES = [(t, k, n) for t in (GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, 
                                                             (GGMLType.Q8_0, 2048, 12352)]
 # 64 decoding sequences: the Gated DeltaNet input projection (qkv + z + a + b) and an attention
 # output projection (GB/s: the matrix once; each group of 8 tokens reads it again)
-BATCH_64_CASES = [(GGMLType.Q8_0, 2048, 12352), (GGMLType.Q8_0, 4096, 2048)]
+BATCH_64_CASES = [(GGMLType.Q8_0, 2048, 12352), (GGMLType.Q8_0, 4096, 2048),
+                  (GGMLType.Q6_K, 4096, 2048)]
 
 
 def gpu_us(launch: Callable[[object, int], None], stream) -> float:
@@ -123,6 +125,33 @@ def plain_row(ggml_type: GGMLType, k: int, n_rows: int, rng, stream, n_tokens: i
                 n_rows * row_bytes(ggml_type, k))
 
 
+def mma_row(ggml_type: GGMLType, k: int, n_rows: int, rng, stream, n_tokens: int,
+            split: bool) -> dict:
+    """The same dense linear as a tensor-core GEMM (as Workspace.linear runs it from
+    LINEAR_MMA_MIN_ROWS tokens), k split over the grid (split) or not."""
+    mats = weight_copies(ggml_type, k, n_rows, 1, rng)
+    x = cuda.to_device(rng.standard_normal((n_tokens, k), np.float32), stream=stream)
+    y = cuda.device_array((n_tokens, n_rows), np.float32)
+    partials = None
+    if split:
+        partials = cuda.device_array(max(1, mg.partials_size(mats[0], n_tokens)), np.float32)
+    us = gpu_us(lambda s, i: mg.matmul(mats[i % len(mats)], x, y, partials=partials, stream=s),
+                stream)
+    splits = mg.k_splits(mats[0], n_tokens) if split else 1
+    return _row(f"batch-{n_tokens} mma {ggml_type.name} k={k} rows={n_rows} ({splits} k ranges)",
+                us, n_rows * row_bytes(ggml_type, k))
+
+
+def batch_rows(rng, stream) -> list[dict]:
+    """The BATCH_64_CASES at 32 and 64 tokens: GEMVs against the tensor-core GEMM."""
+    rows = []
+    for t, k, n in BATCH_64_CASES:
+        for n_tokens in (32, 64):
+            rows.append(plain_row(t, k, n, rng, stream, n_tokens=n_tokens))
+            rows += [mma_row(t, k, n, rng, stream, n_tokens, split) for split in (True, False)]
+    return rows
+
+
 def _row(name: str, us: float, n_bytes: int) -> dict:
     row = {"case": name, "us": us, "gb_s": n_bytes / us / 1e3}
     print(f"{name:72s} {us:9.2f} µs {row['gb_s']:8.0f} GB/s", flush=True)
@@ -132,19 +161,28 @@ def _row(name: str, us: float, n_bytes: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", help="also write the rows here")
+    parser.add_argument("--batch-only", action="store_true",
+                        help="only the 32/64-token dense linears (GEMV vs tensor cores)")
     args = parser.parse_args()
     rng, stream = np.random.default_rng(0), cuda.stream()
     print(f"{'case':72s} {'GPU time':>12s} {'weights':>13s}")
-    rows = [expert_row(case, n_tokens, rng, stream)
-            for n_tokens in (64, 1) for case in EXPERT_CASES]
+    rows = batch_rows(rng, stream)
+    if args.batch_only:
+        _write(rows, args.json)
+        return
+    rows += [expert_row(case, n_tokens, rng, stream)
+             for n_tokens in (64, 1) for case in EXPERT_CASES]
     rows += [plain_row(t, k, n, rng, stream) for t, k, n in PLAIN_CASES]
-    rows += [plain_row(t, k, n, rng, stream, n_tokens=64) for t, k, n in BATCH_64_CASES]
     two_rows_a_lane = [(t, k, n) for t, k, n in PLAIN_CASES if qg.rows_per_lane(1, n, 1) == 2]
     qg.MULTI_ROW_MIN_ROWS = 1 << 62  # A/B: those matrices again with one row a lane
     rows += [plain_row(t, k, n, rng, stream, label="(one row a lane)")
              for t, k, n in two_rows_a_lane]
-    if args.json:
-        with open(args.json, "w") as f:
+    _write(rows, args.json)
+
+
+def _write(rows: list[dict], path: str | None) -> None:
+    if path:
+        with open(path, "w") as f:
             json.dump(rows, f, indent=1)
 
 
