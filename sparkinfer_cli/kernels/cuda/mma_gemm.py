@@ -64,7 +64,13 @@ ROW_WORDS = 20  # u32 per staged row: 32 f16 + 16 pad bytes, so ldmatrix's 8 row
 ROW_STRIDE = 4 * ROW_WORDS
 TOKEN_TILES = (64, 128)  # BN choices
 _MAGIC = float32(8388608.0)  # 2^23: the float with bits 0x4B000000
-SPLIT_TARGET_BLOCKS = 528  # ≈ 4 blocks an SM on the H200 (132 SMs); grids of under half split k
+# Split-K, as measured on the H200 (132 SMs; bench/cuda_gemv_bench.py --batch-only, 64 tokens):
+# 16 row blocks (2048 rows, k 4096) took 186 µs whole and 37 µs in 16 k ranges; 97 row blocks
+# (12,352 rows, k 2048) took 92 µs whole and 108 µs in 6 ranges (more blocks a SM slow each one's
+# steps, and the partials cost a write and a read). So: grids under SPLIT_BELOW_BLOCKS blocks
+# split k up to SPLIT_TARGET_BLOCKS blocks.
+SPLIT_BELOW_BLOCKS = 64
+SPLIT_TARGET_BLOCKS = 256
 MAX_K_SPLITS = 16
 MIN_SPLIT_STEPS = 4  # BK steps a k range holds at least
 
@@ -540,11 +546,11 @@ def _splitk_epilogue(part, n_splits, n_slots, n_rows, swiglu, bias, has_bias, y0
 
 
 def k_splits(w: DeviceQuantMatrix, n_tok: int, swiglu: bool = False) -> int:
-    """The k ranges matmul splits W × (n_tok, k) into given a partials buffer: 1 while its grid
-    (row blocks × token tiles) holds at least half of SPLIT_TARGET_BLOCKS, else enough ranges to
-    reach it (≤ MAX_K_SPLITS, each ≥ MIN_SPLIT_STEPS steps)."""
+    """The k ranges matmul splits W × (n_tok, k) into given a partials buffer: 1 for a grid (row
+    blocks × token tiles) of at least SPLIT_BELOW_BLOCKS blocks, else enough ranges to reach
+    SPLIT_TARGET_BLOCKS (≤ MAX_K_SPLITS, each ≥ MIN_SPLIT_STEPS steps)."""
     n_blocks = cdiv(w.n_rows, BM // 2 if swiglu else BM) * cdiv(n_tok, _token_tile(n_tok))
-    if 2 * n_blocks >= SPLIT_TARGET_BLOCKS:
+    if n_blocks >= SPLIT_BELOW_BLOCKS:
         return 1
     return max(1, min(cdiv(SPLIT_TARGET_BLOCKS, n_blocks), MAX_K_SPLITS,
                       w.k // BK // MIN_SPLIT_STEPS))
