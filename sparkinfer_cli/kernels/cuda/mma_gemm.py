@@ -379,39 +379,48 @@ def _epilogue(v, up, swiglu, bias, has_bias, row):
 
 
 @functools.cache
-def _store_fn(bn: int, swiglu: bool, grouped: bool):
+def _store_fns(bn: int, swiglu: bool, grouped: bool):
+    """(store, store_sums): the C fragments → y through the epilogue, or (split k) their raw
+    sums → the partials. Two loops, not one with a branch inside: ptxas gave the one loop 166
+    registers (1 block an SM) against 128."""
     t = _tiling(bn, swiglu)
     warps_n, mt_out, rows_warp = t.warps_n, t.mt_out, 16 * t.mt_out
     staged = 2 if swiglu else 1  # partial sums a row
 
     @cuda.jit(device=True, inline=True)
-    def store(acc, row0, n_rows, lo, n_valid, order, bias, has_bias, y0, y1, y2, y3, ends,
-              part, n_slots):
-        """C fragments → y: a lane holds rows lane//4 (+8) × tokens 2·(lane%4) (+1) of each tile.
-        Split k (gridDim.z > 1): the raw sums (gate, then up) → part (splits, n_slots, rows ·
-        (2 with SwiGLU)) instead, for _splitk_epilogue."""
-        lane = cuda.threadIdx.x & 31
-        warp = cuda.threadIdx.x >> 5
-        split, n_splits = cuda.blockIdx.z, cuda.gridDim.z
+    def fragment(mi, ni, e, row0):
+        """(weight row, token of the tile) of this lane's C element e of tile (mi, ni): a lane
+        holds rows lane//4 (+8) × tokens 2·(lane%4) (+1) of each tile."""
+        lane, warp = cuda.threadIdx.x & 31, cuda.threadIdx.x >> 5
+        row = row0 + (warp // warps_n) * rows_warp + 16 * mi + (lane >> 2) + 8 * (e >> 1)
+        return row, (warp % warps_n) * 32 + 8 * ni + 2 * (lane & 3) + (e & 1)
+
+    @cuda.jit(device=True, inline=True)
+    def store(acc, row0, n_rows, lo, n_valid, order, bias, has_bias, y0, y1, y2, y3, ends):
         for mi in range(mt_out):
             for ni in range(4):
                 for e in range(4):
-                    row = (row0 + (warp // warps_n) * rows_warp + 16 * mi + (lane >> 2)
-                           + 8 * (e >> 1))
-                    j = (warp % warps_n) * 32 + 8 * ni + 2 * (lane & 3) + (e & 1)
+                    row, j = fragment(mi, ni, e, row0)
                     if row < n_rows and j < n_valid:
-                        v = acc[16 * mi + 4 * ni + e]
-                        up = acc[16 * (mi + mt_out) + 4 * ni + e] if swiglu else v
+                        up = acc[16 * (mi + mt_out) + 4 * ni + e] if swiglu else float32(0.0)
+                        v = _epilogue(acc[16 * mi + 4 * ni + e], up, swiglu, bias, has_bias, row)
+                        store_part(y0, y1, y2, y3, ends, order[lo + j] if grouped else lo + j,
+                                   row, v)
+
+    @cuda.jit(device=True, inline=True)
+    def store_sums(acc, row0, n_rows, lo, n_valid, order, part, n_slots):
+        """part (splits, n_slots, rows · (2 with SwiGLU): gate sums, then up) for block z."""
+        for mi in range(mt_out):
+            for ni in range(4):
+                for e in range(4):
+                    row, j = fragment(mi, ni, e, row0)
+                    if row < n_rows and j < n_valid:
                         slot = order[lo + j] if grouped else lo + j
-                        if n_splits > 1:
-                            at = (int64(split) * n_slots + slot) * (n_rows * staged) + row
-                            part[at] = v
-                            if swiglu:
-                                part[at + n_rows] = up
-                        else:
-                            store_part(y0, y1, y2, y3, ends, slot, row,
-                                       _epilogue(v, up, swiglu, bias, has_bias, row))
-    return store
+                        at = (int64(cuda.blockIdx.z) * n_slots + slot) * (n_rows * staged) + row
+                        part[at] = acc[16 * mi + 4 * ni + e]
+                        if swiglu:
+                            part[at + n_rows] = acc[16 * (mi + mt_out) + 4 * ni + e]
+    return store, store_sums
 
 
 @functools.cache
@@ -419,7 +428,8 @@ def _gemm_kernel(ggml_type: GGMLType, bn: int, swiglu: bool, grouped: bool):
     t = _tiling(bn, swiglu)
     warps_n, warp_rows, rows_block = t.warps_n, t.warp_rows, t.rows_block
     (fetch, put), multiply = _stage_fns(ggml_type, bn), _multiply_fn(bn)
-    operands, store = _operands_fn(bn, swiglu, grouped), _store_fn(bn, swiglu, grouped)
+    operands, (store, store_sums) = _operands_fn(bn, swiglu, grouped), \
+        _store_fns(bn, swiglu, grouped)
     sa_size, sb_size, n_acc = 2 * BM * ROW_WORDS, 2 * bn * ROW_WORDS, 16 * t.mt
     x_words = t.tok_elems // 2
 
@@ -463,8 +473,10 @@ def _gemm_kernel(ggml_type: GGMLType, bn: int, swiglu: bool, grouped: bool):
             multiply(sa, sb, s & 1, a_frag_at, b_frag_at, cuda.threadIdx.x & 31, acc)
             put(sa, sb, (s + 1) & 1, q, xw, a_at, b_at)
             cuda.syncthreads()
-        store(acc, row0, n_rows, lo, n_valid, order, bias, has_bias, y0, y1, y2, y3, ends, part,
-              n_tok)
+        if n_splits > 1:
+            store_sums(acc, row0, n_rows, lo, n_valid, order, part, n_tok)
+        else:
+            store(acc, row0, n_rows, lo, n_valid, order, bias, has_bias, y0, y1, y2, y3, ends)
     return gemm
 
 
