@@ -243,12 +243,20 @@ def _new_report(request: BenchRequest, label: str, path: Path, peaks: MachinePea
 
 
 def git_commit() -> str:
-    try:
-        proc = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent,
-                              capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
+    """HEAD's hash, "+dirty" when tracked files differ from it (the figures are not HEAD's)."""
+    head = _git("rev-parse", "HEAD")
+    if head is None:
         return "unknown"
-    return proc.stdout.strip() if proc.returncode == 0 else "unknown"
+    return head + ("+dirty" if _git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+def _git(*args: str) -> str | None:
+    try:
+        proc = subprocess.run(["git", *args], cwd=Path(__file__).parent, capture_output=True,
+                              text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return proc.stdout.strip() if proc.returncode == 0 else None
 
 
 def results_table(report: BenchReport) -> Table:

@@ -80,9 +80,12 @@ def test_json_fields_and_types(bench_run):
     is_repo = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent,
                              capture_output=True).returncode == 0
     if is_repo:
-        assert re.fullmatch(r"[0-9a-f]{40}", data["commit"])
-        assert subprocess.run(["git", "cat-file", "-e", f"{data['commit']}^{{commit}}"],
+        head, dirty = re.fullmatch(r"([0-9a-f]{40})(\+dirty)?", data["commit"]).groups()
+        assert subprocess.run(["git", "cat-file", "-e", f"{head}^{{commit}}"],
                               cwd=Path(__file__).parent).returncode == 0
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                                 cwd=Path(__file__).parent, capture_output=True, text=True)
+        assert bool(dirty) == bool(changed.stdout.strip())
     else:
         assert data["commit"] == "unknown"
     assert datetime.fromisoformat(data["date"]).date() == datetime.now().date()
