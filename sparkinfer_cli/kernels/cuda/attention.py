@@ -40,6 +40,7 @@ from sparkinfer_cli.kernels.cuda.intrinsics import (
     ld_v2_u32,
     ld_v4_u32,
 )
+from sparkinfer_cli.kernels.cuda.jit import device_function
 from sparkinfer_cli.kernels.cuda.launch import cdiv, check_array
 from sparkinfer_cli.kernels.cuda.quant_gemv import store_q8
 from sparkinfer_cli.kernels.cuda.warp import warp_max, warp_sum
@@ -53,7 +54,7 @@ WARPS = CHUNK // 32
 _LAUNCH_BOUNDS = {} if IS_SIMULATOR else {"launch_bounds": (CHUNK, 4)}
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def kv_value(cache, scales, idx, kind):
     """Element idx of a K or V cache as float32 (KV_I8: times its 32-block's scale)."""
     if kind == KV_I8:
@@ -61,7 +62,7 @@ def kv_value(cache, scales, idx, kind):
     return float32(cache[idx])
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def store_kv(cache, scales, idx, y, kind):
     """cache[idx] = y in the cache's type. KV_I8: int8 per 32-element block with d = max|y|/127
     (q8_0's scheme); the 32 lanes of the warp that holds the block call it together."""
@@ -103,13 +104,13 @@ def kv_kind(cache) -> int:
     return kinds[np.dtype(cache.dtype)]
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def _per16(kind):
     """Cache elements in 16 bytes."""
     return 16 if kind == KV_I8 else 8 if kind == KV_F16 else 4
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def _dot16(q_sh, d, w, kind):
     """Σ q_sh[d + i]·x_i over the values x_i in the 16 bytes w: 4 floats, 8 halves or 16 int8."""
     s = float32(0.0)
@@ -125,7 +126,7 @@ def _dot16(q_sh, d, w, kind):
     return s
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def _dot_pair(q_sh, d, w0, w1, scales, idx, kind):
     """Σ q_sh[d + i]·x_i over the 32 bytes (w0, w1) holding cache elements idx, idx + 1, ...;
     KV_I8: they are one 32-block, times its scale."""
@@ -135,7 +136,7 @@ def _dot_pair(q_sh, d, w0, w1, scales, idx, kind):
     return s
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def _dot_q(q_sh, cache, scales, off, head_dim, kind, heads, scores):
     """scores[h] = Σ_d q_sh[h·head_dim + d]·K[off + d] for the block's `heads` query heads, every
     K load shared by them, in rounds of eight 16-byte loads all issued before the first is used
@@ -166,14 +167,14 @@ def _dot_q(q_sh, cache, scales, off, head_dim, kind, heads, scores):
             scores[h] += _dot_pair(q_sh, h * head_dim + d, w0, w1, scales, off + d, kind)
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def _s8(w, shift):
     """The signed byte at bit `shift` of the u32 w, as float32."""
     b = (w >> shift) & 0xFF
     return float32(int32(b) - 256 if b > 127 else int32(b))
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def _value4(cache, scales, idx, kind):
     """cache[idx : idx + 4] as four float32 (idx % 4 == 0): one 16-, 8- or 4-byte load."""
     if kind == KV_F32:
@@ -187,7 +188,7 @@ def _value4(cache, scales, idx, kind):
     return _s8(w, 0) * d, _s8(w, 8) * d, _s8(w, 16) * d, _s8(w, 24) * d
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def _p(p_sh, h, jj, live):
     """Head h's softmax weight of chunk key jj, 0 for a key past the chunk's end. The load is
     unconditional and the choice a select: a load under a branch would wait for it."""
@@ -195,7 +196,7 @@ def _p(p_sh, h, jj, live):
     return p if live else float32(0.0)
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def _add_pv(acc, p_sh, row_sh, v_cache, v_scales, kind, j, n, dim0, per_lane, heads):
     """acc[h·per_lane + e] += p_h,j·V_j[dim0 + e] for each of the block's heads (one V load for
     all); a key j ≥ n re-reads key n - 1 with p = 0, so the loads never depend on a branch and
@@ -217,7 +218,7 @@ def _add_pv(acc, p_sh, row_sh, v_cache, v_scales, kind, j, n, dim0, per_lane, he
                 acc[h * per_lane + e] += _p(p_sh, h, jj, live) * v1
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def _accumulate_pv(acc, corr, p_sh, row_sh, v_cache, v_scales, kind, n, warp, dim0, per_lane,
                    heads):
     """acc_h ← corr[h]·acc_h + Σ p_h,j·V_j[dim0 : dim0 + per_lane] over this warp's share of n
@@ -237,14 +238,14 @@ def _accumulate_pv(acc, corr, p_sh, row_sh, v_cache, v_scales, kind, n, warp, di
         _add_pv(acc, p_sh, row_sh, vc, vs, kind, j + 7 * WARPS, n, d0, per_lane, heads)
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def _split_len(seq_len, n_splits):
     """Keys per split of a row: whole chunks, as few as let n_splits splits cover seq_len."""
     per_split = max(1, (seq_len + n_splits - 1) // n_splits)
     return (per_split + CHUNK - 1) // CHUNK * CHUNK
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def _sum_warps(acc_sh, h, d, head_dim):
     """Σ_w acc_sh[h, w, d] over the warps' rows of a (heads, WARPS, head_dim) shared array."""
     total = float32(0.0)
@@ -253,7 +254,7 @@ def _sum_warps(acc_sh, h, d, head_dim):
     return total
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def _spill_acc(acc, acc_sh, head_dim, per_lane, heads):
     """acc_sh[h, warp, lane·per_lane + e] = acc[h·per_lane + e], then a barrier (the block reads
     it after)."""
@@ -264,7 +265,7 @@ def _spill_acc(acc, acc_sh, head_dim, per_lane, heads):
     cuda.syncthreads()
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def _store_partials(acc, acc_sh, m, l_sum, part0, n_splits, part_m, part_l, part_acc, head_dim,
                     per_lane, heads):
     """Each head's running max, softmax sum and unnormalised Σ p·V (summed over warps) into its
@@ -279,7 +280,7 @@ def _store_partials(acc, acc_sh, m, l_sum, part0, n_splits, part_m, part_l, part
             part_l[part0 + h * n_splits] = l_sum[h]
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def _arrives_last(arrivals, idx, n_active, flag_sh):
     """Count this block in as one of the n_active blocks of counter idx (a row's head group);
     True for the last to arrive, which then sees every split's partial and resets the counter
@@ -298,7 +299,7 @@ def _arrives_last(arrivals, idx, n_active, flag_sh):
     return is_last
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def _split_weights(row, n_active, n_splits, part_m, part_l, weight_sh, w0):
     """weight_sh[w0 + s] = e^(m_s - m) / Σ_s' e^(m_s' - m)·l_s' over the splits s < n_active of
     (row, head) `row` that hold keys (m: their max), so out = Σ_s weight_sh[w0 + s]·acc_s. One
@@ -318,7 +319,7 @@ def _split_weights(row, n_active, n_splits, part_m, part_l, weight_sh, w0):
         weight_sh[w0 + s] /= den
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def _add_split(out_acc, weight_sh, part_acc, row0, s, n_active, n_splits, head_dim, n_out,
                n_elems):
     """out_acc[k] += w_h,s·acc_h,s[d] for this thread's output elements (h, d) = divmod(t +
@@ -333,7 +334,7 @@ def _add_split(out_acc, weight_sh, part_acc, row0, s, n_active, n_splits, head_d
         out_acc[k] += w * part_acc[((row0 + h) * n_splits + ss) * head_dim + d]
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def _merge_heads(out_acc, weight_sh, row0, heads, n_active, n_splits, part_m, part_l, part_acc,
                  out, head_dim, n_out, quantize, xq, xd, xs):
     """out rows row0 .. row0 + heads - 1 (one per head of the block): each the softmax-weighted
@@ -361,7 +362,7 @@ def _merge_heads(out_acc, weight_sh, row0, heads, n_active, n_splits, part_m, pa
             _store_out(out_acc[k], row0 * head_dim + i, out, quantize, xq, xd, xs)
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def _store_out(v, i, out, quantize, xq, xd, xs):
     """out[i] = v, and its q8 form when quantize (the 32 lanes of a warp hold one 32-block: a
     head of 32·n elements, written with a CHUNK-thread stride)."""
@@ -370,7 +371,7 @@ def _store_out(v, i, out, quantize, xq, xd, xs):
         store_q8(v, i, xq, xd, xs)
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def _chunk_softmax(scores, live, m, l_sum, corr, p_sh, red_sh, heads):
     """The online-softmax step of one chunk for each head h, thread t holding key t's score
     scores[h]: m[h] ← max(m[h], the chunk's max), corr[h] = e^(m_old - m_new), p_sh[h, t] =
@@ -402,7 +403,7 @@ def _chunk_softmax(scores, live, m, l_sum, corr, p_sh, red_sh, heads):
         l_sum[h] = l_sum[h] * corr[h] + total
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def _scan_keys(q_sh, k_cache, v_cache, k_scales, v_scales, block_table, table, block_size, n_kv,
                kv_head, start, end, head_dim, kind, p_sh, row_sh, red_sh, acc, per_lane, heads,
                m, l_sum, corr, scores):

@@ -17,11 +17,12 @@ import numpy as np
 from numba import cuda, float32, float64
 
 from sparkinfer_cli.kernels.cuda.attention import flat_scales, kv_kind, store_kv
+from sparkinfer_cli.kernels.cuda.jit import device_function
 from sparkinfer_cli.kernels.cuda.launch import check_array
 from sparkinfer_cli.kernels.cuda.warp import block_sum
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def rope_cos_sin(pos, i, n_rot, log_base):
     """cos and sin of pair i's angle θ = pos · base^(-2i/n_rot)."""
     theta = float64(pos) * math.exp(-2.0 * i / n_rot * log_base)

@@ -36,6 +36,7 @@ from sparkinfer_cli.kernels.cuda.intrinsics import (
     ld_v2_u32,
     ld_v4_u32,
 )
+from sparkinfer_cli.kernels.cuda.jit import device_function
 from sparkinfer_cli.kernels.cuda.launch import cdiv, check_array
 
 ROWS = 64  # query rows per block: q heads of one kv head × tokens
@@ -111,14 +112,14 @@ else:
         return types.void(arr, idx, a, b, c, d), codegen
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def _i8(w, e):
     """Signed byte e of the 32-bit word w as float32."""
     b = int32((w >> (8 * e)) & 0xFF)
     return float32(b - 2 * (b & 0x80))
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def _load_quad(src, scales, off, kind, mul):
     """src[off : off + 4] (off % 4 == 0) as float32 × mul (KV_I8: × its 32-block's scale too)."""
     if kind == KV_I8:
@@ -134,7 +135,7 @@ def _load_quad(src, scales, off, kind, mul):
             bits_to_f32(w[3]) * mul)
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def _stage_quad(dst, dst_idx, src, scales, off, kind, mul):
     """dst[dst_idx : +4] = 4 source values from element off (zeros where off < 0)."""
     a, b, c, d = float32(0.0), float32(0.0), float32(0.0), float32(0.0)
@@ -143,7 +144,7 @@ def _stage_quad(dst, dst_idx, src, scales, off, kind, mul):
     st_shared_v4(dst, dst_idx, a, b, c, d)
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def _group_end(row_seq, base, a, n_tok):
     """End of the run of tokens [a, end) of this tile that share row a's sequence."""
     b = a + 1
@@ -152,7 +153,7 @@ def _group_end(row_seq, base, a, n_tok):
     return b
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def _setup_group(qrow_sh, lim_sh, m_sh, l_sh, seq_lens, base, a, b, n_heads, kv_head, group,
                  head_dim):
     """Per query row of the run [a, b): offset of its q / out vector (-1: not live), its number
@@ -172,7 +173,7 @@ def _setup_group(qrow_sh, lim_sh, m_sh, l_sh, seq_lens, base, a, b, n_heads, kv_
     return kend
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def _key_rows(krow_sh, block_table, table, k0, kend, block_size, n_kv, kv_head, head_dim):
     """krow_sh[j] = element offset of key k0 + j's row in the cache (-1 past kend)."""
     tid = cuda.threadIdx.x
@@ -183,12 +184,12 @@ def _key_rows(krow_sh, block_table, table, k0, kend, block_size, n_kv, kv_head, 
             if key < kend else int64(-1)
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def _offset(row_off, inner):
     return row_off + inner if row_off >= 0 else int64(-1)
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def _stage_qk(buf, q, qrow_sh, k_cache, k_scales, krow_sh, dc, kind, scale):
     """buf[:ROWS·QK_STRIDE] = scale·Q[:, dc:dc+DC], then K[:, dc:dc+DC] of the tile's keys."""
     for u in range(ROWS * DC // 4 // THREADS):
@@ -203,7 +204,7 @@ def _stage_qk(buf, q, qrow_sh, k_cache, k_scales, krow_sh, dc, kind, scale):
                     _offset(krow_sh[j], dc + 4 * dq), kind, float32(1.0))
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def _stage_v(buf, v_cache, v_scales, krow_sh, j0, kind, head_dim, vk):
     """buf[:vk·head_dim] = V rows of the tile's keys [j0, j0 + vk)."""
     for u in range(vk * head_dim // 4 // THREADS):
@@ -213,7 +214,7 @@ def _stage_v(buf, v_cache, v_scales, krow_sh, j0, kind, head_dim, vk):
                     _offset(krow_sh[j0 + j], 4 * dq), kind, float32(1.0))
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def _qk_chunk(s, buf, ty, tx):
     """s[4i + j] += Σ_d Q[ty + 16i, d]·K[tx + 16j, d] over the staged chunk."""
     for d in range(0, DC, 4):
@@ -227,7 +228,7 @@ def _qk_chunk(s, buf, ty, tx):
                 s[4 * i + j] += qd * kd
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def _scores(s, buf, q, qrow_sh, k_cache, k_scales, krow_sh, kind, scale, head_dim, ty, tx):
     """s (4 rows, 4 keys) = scale·Q·Kᵀ of this thread's rows and keys, DC dims at a time."""
     for e in range(16):
@@ -239,7 +240,7 @@ def _scores(s, buf, q, qrow_sh, k_cache, k_scales, krow_sh, kind, scale, head_di
         _qk_chunk(s, buf, ty, tx)
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def _mask_and_max(s, lim, red_sh, k0, ty, tx):
     """Mask keys at or past each row's seq_len; red_sh[row, tx] = max of this thread's 4 keys."""
     for i in range(4):
@@ -251,7 +252,7 @@ def _mask_and_max(s, lim, red_sh, k0, ty, tx):
         red_sh[(ty + 16 * i) * 16 + tx] = part
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def _update_max(row, red_sh, m_sh, ref_sh, corr_sh):
     """Row owner: new running max, the reference the tile's exps subtract and the old terms'
     rescale factor (a row with no visible key yet keeps p = 0)."""
@@ -264,7 +265,7 @@ def _update_max(row, red_sh, m_sh, ref_sh, corr_sh):
     ref_sh[row], m_sh[row] = ref, m_new
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def _probabilities(s, ref_sh, red_sh, p_sh, ty, tx):
     """p = exp(s - ref) → p_sh (key-major); red_sh[row, tx] = Σ of this thread's 4 p."""
     for i in range(4):
@@ -277,7 +278,7 @@ def _probabilities(s, ref_sh, red_sh, p_sh, ty, tx):
         red_sh[(ty + 16 * i) * 16 + tx] = part
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def _update_sum(row, red_sh, l_sh, corr_sh):
     total = float32(0.0)
     for x in range(16):
@@ -285,7 +286,7 @@ def _update_sum(row, red_sh, l_sh, corr_sh):
     l_sh[row] = l_sh[row] * corr_sh[row] + total
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def _softmax_tile(s, lim, red_sh, m_sh, l_sh, ref_sh, corr_sh, p_sh, k0, ty, tx):
     """Online-softmax step of the tile's scores: P → p_sh, per row the running max / sum in
     m_sh / l_sh and the old output's rescale factor in corr_sh (published by the last barrier)."""
@@ -316,7 +317,7 @@ def _output_accumulators(head_dim: int):
     """Device functions on a thread's O accumulators acc (rows_per_lane, quads_per_lane, 4)."""
     lanes_per_row, quads_per_lane, rows_per_lane, vk = _pv_layout(head_dim)
 
-    @cuda.jit(device=True, inline=True)
+    @device_function
     def accumulate_pv(acc, p_sh, buf, j0, r0, lq):
         """acc[i, quad c] += Σ_j P[j0 + j, r0 + i]·V[j, 4·(lq + 32c) : +4] over the staged V."""
         for j in range(vk):
@@ -331,14 +332,14 @@ def _output_accumulators(head_dim: int):
                         acc[e + 2] += p4[i] * vc
                         acc[e + 3] += p4[i] * vd
 
-    @cuda.jit(device=True, inline=True)
+    @device_function
     def rescale(acc, corr_sh, r0):
         for i in range(rows_per_lane):
             corr = corr_sh[r0 + i]
             for e in range(quads_per_lane * 4):
                 acc[i * quads_per_lane * 4 + e] *= corr
 
-    @cuda.jit(device=True, inline=True)
+    @device_function
     def write_out(out, acc, qrow_sh, l_sh, r0, lq):
         for i in range(rows_per_lane):
             off = qrow_sh[r0 + i]
@@ -358,7 +359,7 @@ def _key_tile_step(head_dim: int, kind: int):
     vk = _pv_layout(head_dim)[3]
     accumulate_pv, rescale, _ = _output_accumulators(head_dim)
 
-    @cuda.jit(device=True, inline=True)
+    @device_function
     def attend_key_tile(acc, s, lim, buf, p_sh, krow_sh, red_sh, qrow_sh, softmax_sh, q, kv,
                         scales, block_table, table, k0, kend, block_size, n_kv, kv_head, scale,
                         thread):

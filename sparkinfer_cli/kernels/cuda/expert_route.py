@@ -16,6 +16,7 @@ import numpy as np
 from numba import cuda, int32
 
 from sparkinfer_cli.kernels.cuda.intrinsics import IS_SIMULATOR
+from sparkinfer_cli.kernels.cuda.jit import device_function
 from sparkinfer_cli.kernels.cuda.launch import check_array
 from sparkinfer_cli.kernels.cuda.moe import MAX_EXPERTS
 
@@ -51,7 +52,7 @@ class ExpertRoute:
         return min(self.max_tiles, n_slots // self.tile + min(self.n_expert, n_slots))
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def _block_exclusive_scan(v, buf):
     """(Σ of v over threads before this one, Σ over all threads); buf: int32 shared ≥ blockDim."""
     tid, n = cuda.threadIdx.x, cuda.blockDim.x
@@ -69,7 +70,7 @@ def _block_exclusive_scan(v, buf):
     return inclusive - v, total
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def _write_tiles(e, first_slot, count, first_tile, tile, tile_expert, tile_lo, tile_hi):
     """Expert e's slots [first_slot, first_slot + count) as tiles of ≤ tile from first_tile on."""
     for j in range((count + tile - 1) // tile):

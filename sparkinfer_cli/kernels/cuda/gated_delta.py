@@ -16,6 +16,7 @@ import numpy as np
 from numba import cuda, float32, int32, uint32
 
 from sparkinfer_cli.kernels.cuda.intrinsics import IS_SIMULATOR, bits_to_f32, ld_u32, ld_v4_u32
+from sparkinfer_cli.kernels.cuda.jit import device_function
 from sparkinfer_cli.kernels.cuda.launch import cdiv, check_array
 from sparkinfer_cli.kernels.cuda.warp import shfl_xor, warp_sum
 
@@ -211,16 +212,16 @@ CONV_ROWS = 32
 def _conv_seq_kernel(k_conv: int):
     n_hist = k_conv - 1
 
-    @cuda.jit(device=True, inline=True, fastmath=True)
+    @device_function(fastmath=True)
     def silu(x):
         return x / (float32(1.0) + math.exp(-x))
 
-    @cuda.jit(device=True, inline=True)
+    @device_function
     def stream_at(mixed, hist, lo, i, conv_dim, c):
         """Element i of the sequence's input stream (old state ⧺ its rows) in channel c."""
         return hist[i] if i < n_hist else mixed[(lo + i - n_hist) * conv_dim + c]
 
-    @cuda.jit(device=True, inline=True, fastmath=True)
+    @device_function(fastmath=True)
     def sequence_head(mixed, w, conv_state, out, slot, lo, n, conv_dim, c):
         hist = cuda.local.array(n_hist, float32)  # (K − 1,) old state, oldest first
         base = (slot * conv_dim + c) * n_hist
@@ -293,7 +294,7 @@ GROUP = 8  # lanes per value column
 SEQ_BLOCKS = 64  # grid rows; block row y runs sequences y, y + 64, … (most of n_rows are padding)
 
 
-@cuda.jit(device=True, inline=True, fastmath=True)
+@device_function(fastmath=True)
 def _group_sum(v):
     for offset in (4, 2, 1):
         v += shfl_xor(v, offset)
@@ -311,12 +312,12 @@ if IS_SIMULATOR:
 
 else:
 
-    @cuda.jit(device=True, inline=True)
+    @device_function
     def _ballot(pred, lane):
         return cuda.ballot_sync(0xFFFFFFFF, pred)
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def _lanes_with_rows(seq_n, entry, lane):
     """Bit l set ⇔ lane l's sequence entry has rows (a warp checks 32 entries at once)."""
     return _ballot(entry < seq_n.size and seq_n[entry] > 0, lane)
@@ -333,7 +334,7 @@ def _row_moves(dk: int):
     """Device functions moving this lane's per_lane = dk / 8 floats of a dk-row as float4s."""
     vecs = dk // 32  # float4s per lane per row
 
-    @cuda.jit(device=True, inline=True, fastmath=True)
+    @device_function(fastmath=True)
     def load_row(arr, off, x):
         """x ← this lane's per_lane floats of the row at byte offset off (lane part included)."""
         for m in range(vecs):
@@ -341,13 +342,13 @@ def _row_moves(dk: int):
             for c in range(4):
                 x[4 * m + c] = bits_to_f32(w[c])
 
-    @cuda.jit(device=True, inline=True, fastmath=True)
+    @device_function(fastmath=True)
     def store_row(arr, off, x):
         """The row at byte offset off (lane part included) ← this lane's per_lane floats x."""
         for m in range(vecs):
             st_v4_f32(arr, off + 128 * m, x[4 * m], x[4 * m + 1], x[4 * m + 2], x[4 * m + 3])
 
-    @cuda.jit(device=True, inline=True, fastmath=True)
+    @device_function(fastmath=True)
     def load_token(u, a, b, u_row, g_row, q_off, k_off, v_off, q, k):
         """q, k ← a token's key-head rows (u_row, g_row: byte offsets of its u and gate rows);
         returns its (v[j], a, b)."""
@@ -365,7 +366,7 @@ def _token_step(dk: int):
     per_lane = dk // 8
     half = per_lane // 2
 
-    @cuda.jit(device=True, inline=True, fastmath=True)
+    @device_function(fastmath=True)
     def token_step(s, q, k, v, ga, gb, neg_a, bias, eps):
         """Advance the state by one token; returns this column's output Sᵀq̂ / sqrt(dk)."""
         sq, sk, p0, p1 = float32(0.0), float32(0.0), float32(0.0), float32(0.0)
@@ -397,7 +398,7 @@ def _token_runner(dk: int):
     load_token = _row_moves(dk)[2]
     token_step = _token_step(dk)
 
-    @cuda.jit(device=True, inline=True, fastmath=True)
+    @device_function(fastmath=True)
     def step_and_prefetch(u, a, b, out, s, left, rows, lane_offs, store, gates, cur, nxt):
         """Load the next token into buffers nxt while token `cur` updates s (and its output is
         stored); returns (tokens left, the next token's row offsets, its v / a / b)."""
@@ -411,7 +412,7 @@ def _token_runner(dk: int):
             st_f32(out, o_row, o)
         return left - 1, (u_nxt, g_nxt, o_row + o_step), v_n, a_n, b_n
 
-    @cuda.jit(device=True, inline=True, fastmath=True)
+    @device_function(fastmath=True)
     def run_tokens(u, a, b, out, s, n, u_row, g_row, o_row, lane_offs, store, gates, qa, ka, qb,
                    kb):
         """s ← s advanced over n tokens from byte offsets u_row / g_row; outputs from o_row."""

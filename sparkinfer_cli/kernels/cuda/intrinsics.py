@@ -246,7 +246,7 @@ else:
                                       [builder.extract_value(out, i) for i in range(4)])
         return types.UniTuple(types.uint32, 4)(arr, off), codegen
 
-    @cuda.jit(device=True, inline=True)
+    @cuda.jit(device=True, forceinline=True)  # NVVM inlining (see jit.py)
     def ldmatrix_x4(arr, tile_off, row_stride, lane):
         """The four 8×8 matrices of the 16×16 f16 tile at byte `tile_off` of shared `arr` (rows
         `row_stride` bytes apart, 16-byte aligned): (rows 0-7, cols 0-7), (rows 8-15, cols 0-7),

@@ -54,6 +54,7 @@ from sparkinfer_cli.kernels.cuda.intrinsics import (
     mma_f16_f32,
     pack_f16x2,
 )
+from sparkinfer_cli.kernels.cuda.jit import device_function
 from sparkinfer_cli.kernels.cuda.launch import cdiv, check_array
 from sparkinfer_cli.kernels.cuda.quant_gemv import DeviceQuantMatrix, store_part
 
@@ -76,7 +77,7 @@ MIN_SPLIT_STEPS = 4  # BK steps a k range holds at least
 
 
 # ---------------------------------------------------------------- 16 weights → 8 f16x2 words
-@cuda.jit(device=True, inline=True)
+@device_function(numba_inline=True)
 def _pair(word, i, scale, shift):
     """Bytes i, i+1 of `word` → f16x2 of scale·byte + shift. prmt builds the float bits
     0x4B0000bb = 2^23 + byte, so subtracting 2^23 gives the byte exactly."""
@@ -85,7 +86,7 @@ def _pair(word, i, scale, shift):
     return pack_f16x2(scale * lo + shift, scale * hi + shift)
 
 
-@cuda.jit(device=True, inline=True)
+@device_function(numba_inline=True)
 def _affine16(q, scale, shift):
     """16 unsigned byte values (4 words) → 8 f16x2 words of scale·q + shift, in element order."""
     return (_pair(q[0], 0, scale, shift), _pair(q[0], 2, scale, shift),
@@ -94,12 +95,12 @@ def _affine16(q, scale, shift):
             _pair(q[3], 0, scale, shift), _pair(q[3], 2, scale, shift))
 
 
-@cuda.jit(device=True, inline=True)
+@device_function(numba_inline=True)
 def _nibbles(q, shift):
     return ((q[0] >> shift) & M4, (q[1] >> shift) & M4, (q[2] >> shift) & M4, (q[3] >> shift) & M4)
 
 
-@cuda.jit(device=True, inline=True)
+@device_function(numba_inline=True)
 def _pack4(v):
     """4 float32 bit patterns → 2 f16x2 words."""
     return (pack_f16x2(bits_to_f32(v[0]), bits_to_f32(v[1])),
@@ -108,14 +109,14 @@ def _pack4(v):
 
 # Each piece function: (weight bytes, byte offset of the row, element kk of the row, kk % 16 == 0)
 # → the row's elements kk..kk+15 as 8 f16x2 words.
-@cuda.jit(device=True, inline=True)
+@device_function(numba_inline=True)
 def _piece_q4_0(w, off, kk):
     bo = off + (kk >> 5) * 18
     d = f16(ld_u16(w, bo))
     return _affine16(_nibbles(words4_unaligned(w, bo + 2), 4 * ((kk >> 4) & 1)), d, -8 * d)
 
 
-@cuda.jit(device=True, inline=True)
+@device_function(numba_inline=True)
 def _piece_q4_1(w, off, kk):
     bo = off + (kk >> 5) * 20
     dm = ld_u32(w, bo)
@@ -123,7 +124,7 @@ def _piece_q4_1(w, off, kk):
     return _affine16(q, f16(dm), f16(dm >> 16))
 
 
-@cuda.jit(device=True, inline=True)
+@device_function(numba_inline=True)
 def _q5_legacy(qs, qh, h):
     """Element i of half h: nibble h of qs byte i, 5th bit = bit 16h + i of qh."""
     hb = qh >> (16 * h)
@@ -133,7 +134,7 @@ def _q5_legacy(qs, qh, h):
             ((qs[3] >> (4 * h)) & M4) | (spread4((hb >> 12) & 0xF) << 4))
 
 
-@cuda.jit(device=True, inline=True)
+@device_function(numba_inline=True)
 def _piece_q5_0(w, off, kk):
     bo = off + (kk >> 5) * 22
     d = f16(ld_u16(w, bo))
@@ -141,7 +142,7 @@ def _piece_q5_0(w, off, kk):
     return _affine16(q, d, -16 * d)
 
 
-@cuda.jit(device=True, inline=True)
+@device_function(numba_inline=True)
 def _piece_q5_1(w, off, kk):
     bo = off + (kk >> 5) * 24
     dm = ld_u32(w, bo)
@@ -149,7 +150,7 @@ def _piece_q5_1(w, off, kk):
     return _affine16(q, f16(dm), f16(dm >> 16))
 
 
-@cuda.jit(device=True, inline=True)
+@device_function(numba_inline=True)
 def _piece_q8_0(w, off, kk):
     bo = off + (kk >> 5) * 34
     q = words4_unaligned(w, bo + 2 + 16 * ((kk >> 4) & 1))
@@ -158,7 +159,7 @@ def _piece_q8_0(w, off, kk):
     return _affine16(flipped, d, -128 * d)  # int8 b = (b ^ 0x80) − 128
 
 
-@cuda.jit(device=True, inline=True)
+@device_function(numba_inline=True)
 def _k4_scales(w, bo, j):
     """(d·sc_j, dmin·m_j) of sub-block j of a Q4_K/Q5_K super-block."""
     dm = ld_u32(w, bo)
@@ -166,7 +167,7 @@ def _k4_scales(w, bo, j):
     return f16(dm) * float32(sc), f16(dm >> 16) * float32(mn)
 
 
-@cuda.jit(device=True, inline=True)
+@device_function(numba_inline=True)
 def _piece_q4_k(w, off, kk):
     # sub-block j = elements 32j..32j+31: nibble j&1 of qs bytes 32(j//2)..+31
     bo = off + (kk >> 8) * 144
@@ -176,7 +177,7 @@ def _piece_q4_k(w, off, kk):
     return _affine16(q, scale, -mn)
 
 
-@cuda.jit(device=True, inline=True)
+@device_function(numba_inline=True)
 def _with_high_bits(lo, qh, shift, mask):
     """Per byte of 4 words: the low nibble lo | ((qh >> shift) & mask) << 4 (Q5_K's 5th bit,
     Q6_K's top two)."""
@@ -184,7 +185,7 @@ def _with_high_bits(lo, qh, shift, mask):
             lo[2] | (((qh[2] >> shift) & mask) << 4), lo[3] | (((qh[3] >> shift) & mask) << 4))
 
 
-@cuda.jit(device=True, inline=True)
+@device_function(numba_inline=True)
 def _piece_q5_k(w, off, kk):
     # as Q4_K, plus the 5th bit of element i of sub-block j = bit j of qh byte i
     bo = off + (kk >> 8) * 176
@@ -197,7 +198,7 @@ def _piece_q5_k(w, off, kk):
     return _affine16(q, scale, -mn)
 
 
-@cuda.jit(device=True, inline=True)
+@device_function(numba_inline=True)
 def _piece_q6_k(w, off, kk):
     # element 128n + 32g + l (l < 32): nibble g//2 of ql[64n + 32(g&1) + l], bits 2g of qh[32n + l],
     # minus 32, scale sc[8n + 2g + l//16]; a 16-element piece has l = 16h..16h+15.
@@ -213,19 +214,19 @@ def _piece_q6_k(w, off, kk):
     return _affine16(q, scale, -32 * scale)
 
 
-@cuda.jit(device=True, inline=True)
+@device_function(numba_inline=True)
 def _piece_f16(w, off, kk):
     a = ld_v4_u32(w, off + 2 * kk)
     b = ld_v4_u32(w, off + 2 * kk + 16)
     return (a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3])
 
 
-@cuda.jit(device=True, inline=True)
+@device_function(numba_inline=True)
 def _bf16_pair(u):
     return pack_f16x2(bits_to_f32(u << 16), bits_to_f32(u & 0xFFFF0000))
 
 
-@cuda.jit(device=True, inline=True)
+@device_function(numba_inline=True)
 def _piece_bf16(w, off, kk):
     a = ld_v4_u32(w, off + 2 * kk)
     b = ld_v4_u32(w, off + 2 * kk + 16)
@@ -233,7 +234,7 @@ def _piece_bf16(w, off, kk):
             _bf16_pair(b[0]), _bf16_pair(b[1]), _bf16_pair(b[2]), _bf16_pair(b[3]))
 
 
-@cuda.jit(device=True, inline=True)
+@device_function(numba_inline=True)
 def _piece_f32(w, off, kk):
     p0 = _pack4(ld_v4_u32(w, off + 4 * kk))
     p1 = _pack4(ld_v4_u32(w, off + 4 * kk + 16))
@@ -258,7 +259,7 @@ def supports(w: DeviceQuantMatrix) -> bool:
 
 
 # ---------------------------------------------------------------- the kernel
-@cuda.jit(device=True, inline=True)
+@device_function(numba_inline=True)
 def _mma_into(acc, i, a, b0, b1):
     d = mma_f16_f32(a[0], a[1], a[2], a[3], b0, b1, acc[i], acc[i + 1], acc[i + 2], acc[i + 3])
     acc[i] = d[0]
@@ -295,7 +296,7 @@ def _stage_fns(ggml_type: GGMLType, bn: int):
     a_words, b_words = BM * ROW_WORDS, bn * ROW_WORDS
     x_words = _tiling(bn, False).tok_elems // 2
 
-    @cuda.jit(device=True, inline=True)
+    @device_function(numba_inline=True)
     def fetch(k0, w_src, w_off, x, x_off, xw):
         """This thread's share of k0..k0+BK: its weight piece as 8 f16x2 words (returned) and its
         activations as f16x2 words (into xw)."""
@@ -306,7 +307,7 @@ def _stage_fns(ggml_type: GGMLType, bn: int):
             xw[2 * i + 1] = p[1]
         return q
 
-    @cuda.jit(device=True, inline=True)
+    @device_function(numba_inline=True)
     def put(sa, sb, buf, q, xw, a_at, b_at):
         """fetch's words into buffer `buf` of the shared tiles."""
         base = buf * a_words + a_at
@@ -322,7 +323,7 @@ def _stage_fns(ggml_type: GGMLType, bn: int):
 def _multiply_fn(bn: int):
     a_bytes, b_bytes, mt = 4 * BM * ROW_WORDS, 4 * bn * ROW_WORDS, _tiling(bn, False).mt
 
-    @cuda.jit(device=True, inline=True)
+    @device_function(numba_inline=True)
     def multiply(sa, sb, buf, a_at, b_at, lane, acc):
         """acc += this warp's rows × 32 tokens over the BK of buffer `buf` (two k16 steps)."""
         for kh in range(2):
@@ -345,7 +346,7 @@ def _operands_fn(bn: int, swiglu: bool, grouped: bool):
     warp_rows, half = t.warp_rows, t.warp_rows // 2
     tok_threads, tok_elems = t.tok_threads, t.tok_elems
 
-    @cuda.jit(device=True, inline=True)
+    @device_function(numba_inline=True)
     def operands(row0, mat, lo, n_valid, n_rows, row_bytes, mat_bytes, k, order, slot_x):
         """What this thread stages: (is an up row, weight row byte offset, its smem word, x byte
         offset, its smem word). Staged row r: with SwiGLU, each warp's first half of rows are
@@ -368,7 +369,7 @@ def _operands_fn(bn: int, swiglu: bool, grouped: bool):
     return operands
 
 
-@cuda.jit(device=True, inline=True)
+@device_function(numba_inline=True)
 def _epilogue(v, up, swiglu, bias, has_bias, row):
     """An output from its sums: silu(gate)·up with SwiGLU, plus the bias."""
     if swiglu:
@@ -387,7 +388,7 @@ def _store_fns(bn: int, swiglu: bool, grouped: bool):
     warps_n, mt_out, rows_warp = t.warps_n, t.mt_out, 16 * t.mt_out
     staged = 2 if swiglu else 1  # partial sums a row
 
-    @cuda.jit(device=True, inline=True)
+    @device_function(numba_inline=True)
     def fragment(mi, ni, e, row0):
         """(weight row, token of the tile) of this lane's C element e of tile (mi, ni): a lane
         holds rows lane//4 (+8) × tokens 2·(lane%4) (+1) of each tile."""
@@ -395,7 +396,7 @@ def _store_fns(bn: int, swiglu: bool, grouped: bool):
         row = row0 + (warp // warps_n) * rows_warp + 16 * mi + (lane >> 2) + 8 * (e >> 1)
         return row, (warp % warps_n) * 32 + 8 * ni + 2 * (lane & 3) + (e & 1)
 
-    @cuda.jit(device=True, inline=True)
+    @device_function(numba_inline=True)
     def store(acc, row0, n_rows, lo, n_valid, order, bias, has_bias, y0, y1, y2, y3, ends):
         for mi in range(mt_out):
             for ni in range(4):
@@ -407,7 +408,7 @@ def _store_fns(bn: int, swiglu: bool, grouped: bool):
                         store_part(y0, y1, y2, y3, ends, order[lo + j] if grouped else lo + j,
                                    row, v)
 
-    @cuda.jit(device=True, inline=True)
+    @device_function(numba_inline=True)
     def store_sums(acc, row0, n_rows, lo, n_valid, order, part, n_slots):
         """part (splits, n_slots, rows · (2 with SwiGLU): gate sums, then up) for block z."""
         for mi in range(mt_out):

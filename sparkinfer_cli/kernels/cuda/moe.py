@@ -13,6 +13,7 @@ import numpy as np
 from numba import cuda, float32, int32, uint32
 
 from sparkinfer_cli.kernels.cuda.intrinsics import IS_SIMULATOR
+from sparkinfer_cli.kernels.cuda.jit import device_function
 from sparkinfer_cli.kernels.cuda.launch import cdiv, check_array
 from sparkinfer_cli.kernels.cuda.warp import WARP_SIZE, block_max, block_sum, shfl_xor
 
@@ -23,7 +24,7 @@ MAX_THREADS = 256 if IS_SIMULATOR else 1024
 MIN_WEIGHT_SUM = 6.103515625e-5  # llama.cpp clamps the renormalising sum to the smallest f16 normal
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def _orders_before(o, j, v, e):
     """1 if expert j with logit o orders before expert e with logit v (larger, ties → lower id)."""
     return uint32(o > v) + uint32(o == v) * uint32(j < e)

@@ -14,6 +14,7 @@ import numpy as np
 from numba import cuda, float32
 
 from sparkinfer_cli.kernels.cuda.intrinsics import IS_SIMULATOR
+from sparkinfer_cli.kernels.cuda.jit import device_function
 from sparkinfer_cli.kernels.cuda.launch import cdiv, check_array
 from sparkinfer_cli.kernels.cuda.quant_gemv import store_q8
 from sparkinfer_cli.kernels.cuda.warp import block_sum
@@ -25,7 +26,7 @@ MAX_THREADS = 32 if IS_SIMULATOR else 512  # threads per row (the simulator is s
 PLAIN, ADD, SILU_GATE, MOE, MOE_SHARED = 0, 1, 2, 3, 4
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def _moe_sum(x, moe_w, k, shared, gate, row, i, d, with_shared):
     """Σ_r moe_w[row, r]·x[row·k + r, i] (+ sigmoid(gate[row])·shared[row, i])."""
     acc = float32(0.0)

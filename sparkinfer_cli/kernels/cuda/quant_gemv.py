@@ -47,6 +47,7 @@ from sparkinfer_cli.kernels.cuda.intrinsics import (
     ld_u32,
     ld_v4_u32,
 )
+from sparkinfer_cli.kernels.cuda.jit import device_function
 from sparkinfer_cli.kernels.cuda.launch import cdiv, check_array
 from sparkinfer_cli.kernels.cuda.warp import shfl_xor, warp_max, warp_sum
 
@@ -63,7 +64,7 @@ IQ4NL_WORDS = tuple(int(w) for w in _IQ4NL_VALUES.view(np.uint32))  # the table 
 
 
 # ---------------------------------------------------------------- small device helpers
-@cuda.jit(device=True, inline=True)
+@device_function
 def _iq4_lookup(q):
     """8 nibbles of q → (IQ4_NL values of the low nibbles, of the high nibbles), 4 int8 each.
 
@@ -79,14 +80,14 @@ def _iq4_lookup(q):
     return byte_perm(t0, t1, 0x6420), byte_perm(t0, t1, 0x7531)
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def _udiv(a, b):
     """a // b for 0 ≤ a, b < 2^32 in unsigned math: no floor-division sign fixups, and a result
     known to be ≥ 0, so array indexing with it drops the negative-index wraparound code."""
     return int64(uint32(a) // uint32(b))
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def _dot_nibbles16(lo_src, hi_src, xlo, xhi, acc_lo, acc_hi):
     """dp4a of low nibbles of 4 words with xlo and high nibbles with xhi."""
     for i in range(4):
@@ -98,7 +99,7 @@ def _dot_nibbles16(lo_src, hi_src, xlo, xhi, acc_lo, acc_hi):
 # ---------------------------------------------------------------- 32-element blocks
 # Each unit returns the contribution of one block to one column; xo = element offset of the
 # block's first element in that column of the activations (so xo // 32 indexes xd / xs).
-@cuda.jit(device=True, inline=True)
+@device_function
 def _sum_q4_legacy(q, xq, xo):
     """Σ q·x over a 32-element block from its 16 nibble bytes (4 words)."""
     xa = ld_v4_u32(xq, xo)
@@ -110,14 +111,14 @@ def _sum_q4_legacy(q, xq, xo):
     return s
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def _unit_q4_0(w, bo, part, xq, xd, xs, xo):
     b = _udiv(xo, Q8_BLOCK)
     s = float32(_sum_q4_legacy(words4_unaligned(w, bo + 2), xq, xo))
     return f16(ld_u16(w, bo)) * (xd[b] * s - float32(8.0) * xs[b])
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def _unit_q4_1(w, bo, part, xq, xd, xs, xo):
     b = _udiv(xo, Q8_BLOCK)
     dm = ld_u32(w, bo)
@@ -125,7 +126,7 @@ def _unit_q4_1(w, bo, part, xq, xd, xs, xo):
     return f16(dm) * xd[b] * s + f16(dm >> 16) * xs[b]
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def _sum_q5_legacy(q, qh, xq, xo):
     """Σ q5·x from 16 nibble bytes (4 words); 5th bits of elements j in bit j of qh."""
     xa = ld_v4_u32(xq, xo)
@@ -138,14 +139,14 @@ def _sum_q5_legacy(q, qh, xq, xo):
     return s
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def _unit_q5_0(w, bo, part, xq, xd, xs, xo):
     b = _udiv(xo, Q8_BLOCK)
     s = float32(_sum_q5_legacy(words4_unaligned(w, bo + 6), u32_from_u16s(w, bo + 2), xq, xo))
     return f16(ld_u16(w, bo)) * (xd[b] * s - float32(16.0) * xs[b])
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def _unit_q5_1(w, bo, part, xq, xd, xs, xo):
     b = _udiv(xo, Q8_BLOCK)
     dm = ld_u32(w, bo)
@@ -153,7 +154,7 @@ def _unit_q5_1(w, bo, part, xq, xd, xs, xo):
     return f16(dm) * xd[b] * s + f16(dm >> 16) * xs[b]
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def _unit_q8_0(w, bo, part, xq, xd, xs, xo):
     xa = ld_v4_u32(xq, xo)
     xb = ld_v4_u32(xq, xo + 16)
@@ -165,7 +166,7 @@ def _unit_q8_0(w, bo, part, xq, xd, xs, xo):
     return f16(ld_u16(w, bo)) * xd[_udiv(xo, Q8_BLOCK)] * float32(s)
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def _sum_iq4(q, xq, xo):
     xa = ld_v4_u32(xq, xo)
     xb = ld_v4_u32(xq, xo + 16)
@@ -176,13 +177,13 @@ def _sum_iq4(q, xq, xo):
     return s
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def _unit_iq4_nl(w, bo, part, xq, xd, xs, xo):
     s = float32(_sum_iq4(words4_unaligned(w, bo + 2), xq, xo))
     return f16(ld_u16(w, bo)) * xd[_udiv(xo, Q8_BLOCK)] * s
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def _unit_iq4_xs(w, bo, ib, xq, xd, xs, xo):
     head = ld_u32(w, bo)  # d (f16) | scales_h (u16)
     ls = int32(((ld_u32(w, bo + 4) >> (4 * ib)) & 0xF) | (((head >> (16 + 2 * ib)) & 3) << 4)) - 32
@@ -192,7 +193,7 @@ def _unit_iq4_xs(w, bo, ib, xq, xd, xs, xo):
 
 
 # ---------------------------------------------------------------- 256-element super-blocks
-@cuda.jit(device=True, inline=True)
+@device_function
 def _k4_combine(w, bo, c, xd, xs, b, s_lo, s_hi):
     """Q4_K/Q5_K epilogue: (d·sc)·xd·Σqx − (dmin·m)·xs for sub-blocks 2c (s_lo) and 2c+1 (s_hi)."""
     dm = ld_u32(w, bo)
@@ -204,7 +205,7 @@ def _k4_combine(w, bo, c, xd, xs, b, s_lo, s_hi):
     return f16(dm) * lo - f16(dm >> 16) * (float32(m_lo) * xs[b] + float32(m_hi) * xs[b + 1])
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def _unit_q4_k(w, bo, c, xq, xd, xs, xo):
     qa = ld_v4_u32(w, bo + 16 + 32 * c)
     qb = ld_v4_u32(w, bo + 32 + 32 * c)
@@ -214,7 +215,7 @@ def _unit_q4_k(w, bo, c, xq, xd, xs, xo):
     return _k4_combine(w, bo, c, xd, xs, _udiv(x0, Q8_BLOCK), s_lo, s_hi)
 
 
-@cuda.jit(device=True, inline=True)
+@device_function(numba_inline=True)  # through NVVM its tuples went to local memory (32 B)
 def _sum_q5_k16(q, qh, c, xlo, xhi, s_lo, s_hi):
     """16 qs bytes (4 words) + their qh bytes: sub-block 2c from low nibbles, 2c+1 from high."""
     for i in range(4):
@@ -225,7 +226,7 @@ def _sum_q5_k16(q, qh, c, xlo, xhi, s_lo, s_hi):
     return s_lo, s_hi
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def _unit_q5_k(w, bo, c, xq, xd, xs, xo):
     x0 = xo + 64 * c
     s_lo, s_hi = _sum_q5_k16(ld_v4_u32(w, bo + 48 + 32 * c), ld_v4_u32(w, bo + 16), c,
@@ -235,7 +236,7 @@ def _unit_q5_k(w, bo, c, xq, xd, xs, xo):
     return _k4_combine(w, bo, c, xd, xs, _udiv(x0, Q8_BLOCK), s_lo, s_hi)
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def _unit_q6_k(w, bo, part, xq, xd, xs, xo):
     # part = 2n + h: half n of the block, ql/qh columns l in [16h, 16h + 16); groups g = 0..3 are
     # elements 128n + 32g + l, 6-bit values (ql nibble | 2 qh bits) − 32, scale sc[8n + 2g + h].
@@ -260,7 +261,7 @@ def _unit_q6_k(w, bo, part, xq, xd, xs, xo):
 
 
 # ---------------------------------------------------------------- float weights (x in float32)
-@cuda.jit(device=True, inline=True)
+@device_function
 def _unit_f32(w, bo, part, x, xd, xs, xo):
     wv = ld_v4_u32(w, bo)
     xv = ld_v4_u32(x, 4 * xo)
@@ -270,7 +271,7 @@ def _unit_f32(w, bo, part, x, xd, xs, xo):
     return s
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def _unit_f16(w, bo, part, x, xd, xs, xo):
     wv = ld_v4_u32(w, bo)
     xa = ld_v4_u32(x, 4 * xo)
@@ -283,7 +284,7 @@ def _unit_f16(w, bo, part, x, xd, xs, xo):
     return s
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def _unit_bf16(w, bo, part, x, xd, xs, xo):
     wv = ld_v4_u32(w, bo)
     xa = ld_v4_u32(x, 4 * xo)
@@ -321,7 +322,7 @@ def _row_reduction(n_acc: int):
     """Device fn: each row's n_acc sums over the lanes that share it (shuffles) and, when the
     block's warps share the rows (row_warps > 1), over the warps: warp 0's lanes get the totals."""
 
-    @cuda.jit(device=True, inline=True)
+    @device_function
     def reduce_rows(acc, lanes_per_row, row_warps):
         lane, warp = cuda.threadIdx.x % 32, cuda.threadIdx.x // 32
         for c in range(n_acc):
@@ -354,7 +355,7 @@ def _block_rows(ggml_type: GGMLType, n_cols: int, swiglu: bool, rows_per_lane: i
     reduce_rows = _row_reduction(acc_len)
     store_rows = _row_stores(n_cols, swiglu, rows_per_lane)
 
-    @cuda.jit(device=True, inline=True)
+    @device_function
     def accumulate(acc, bases, w, w2, u, xcol, xq, xd, xs):
         # unit u of each of the lane's rows: row j's sums at acc[j·n_acc:]
         blk = _udiv(u, parts)
@@ -366,7 +367,7 @@ def _block_rows(ggml_type: GGMLType, n_cols: int, swiglu: bool, rows_per_lane: i
                 if swiglu:
                     acc[j * n_acc + n_cols + c] += unit(w2, at, u - blk * parts, xq, xd, xs, xo)
 
-    @cuda.jit(device=True, inline=True)
+    @device_function
     def block_rows(w, w2, row_bytes, n_rows, mat_base, k, lanes_per_row, row_warps, row_block,
                    xcol, ycol, xq, xd, xs, bias, has_bias, y0, y1, y2, y3, ends):
         # a row per `lanes_per_row` lanes (32, fewer for short rows) of `row_warps` warps (1, or
@@ -408,7 +409,7 @@ def _row_stores(n_cols: int, swiglu: bool, rows_per_lane: int):
     → the outputs, with silu(gate)·up and the bias applied; rows past n_rows are dropped."""
     n_acc = 2 * n_cols if swiglu else n_cols
 
-    @cuda.jit(device=True, inline=True)
+    @device_function
     def store_rows(acc, row, rows_per_warp, n_rows, ycol, bias, has_bias, y0, y1, y2, y3, ends):
         for j in range(rows_per_lane):
             r = row + j * rows_per_warp
@@ -454,7 +455,7 @@ def _gemv_kernel(ggml_type: GGMLType, n_cols: int, swiglu: bool = False,
     return gemv
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def store_part(y0, y1, y2, y3, ends, col, row, v):
     """Row `row` of the stacked matrix → its part's array (part p: rows [ends[p-1], ends[p]))."""
     if row < ends[0]:
@@ -494,7 +495,7 @@ def rows_per_lane(n_cols: int, n_rows: int, row_warps: int) -> int:
     return 2 if n_cols == 1 and row_warps == 1 and n_rows >= MULTI_ROW_MIN_ROWS else 1
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def store_q8(v, i, xq, xd, xs):
     """Called by the 32 lanes of a warp holding element i = 32·blk + lane: q8_1 of block blk,
     d = max|x|/127, q = round(x/d), s = d·Σq (so fused producers quantize in the same pass)."""

@@ -16,6 +16,7 @@ import numpy as np
 from numba import cuda, float32, int32
 
 from sparkinfer_cli.kernels.cuda.intrinsics import IS_SIMULATOR
+from sparkinfer_cli.kernels.cuda.jit import device_function
 from sparkinfer_cli.kernels.cuda.launch import cdiv, check_array
 from sparkinfer_cli.kernels.cuda.warp import shfl_xor
 
@@ -24,12 +25,12 @@ THREADS = 32 if IS_SIMULATOR else 256  # kernels are blockDim-generic; the simul
 CHUNK = 128 if IS_SIMULATOR else 2048  # vocabulary entries per stage-1 block
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def _before(v, i, best_v, best_i):
     return v > best_v or (v == best_v and i < best_i)
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def _block_best_below(vals, ids, base, n, id_offset, prev_v, prev_i, sm_v, sm_i):
     """Best (value, id) among vals[base:base+n] ranking strictly after (prev_v, prev_i).
 
@@ -57,7 +58,7 @@ def _block_best_below(vals, ids, base, n, id_offset, prev_v, prev_i, sm_v, sm_i)
     return best_v, best_i
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def _n_candidates(temperature, top_k):
     k = min(top_k, MAX_CANDIDATES) if top_k > 0 else MAX_CANDIDATES
     return 1 if temperature <= 0.0 else k

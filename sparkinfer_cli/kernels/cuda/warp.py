@@ -13,6 +13,7 @@ import threading
 from numba import cuda, float32
 
 from sparkinfer_cli.kernels.cuda.intrinsics import IS_SIMULATOR
+from sparkinfer_cli.kernels.cuda.jit import device_function
 
 WARP_SIZE = 32
 FULL_MASK = 0xFFFFFFFF
@@ -37,26 +38,26 @@ if IS_SIMULATOR:
 
 else:
 
-    @cuda.jit(device=True, inline=True)
+    @device_function
     def shfl_xor(v, offset):
         return cuda.shfl_xor_sync(FULL_MASK, v, offset)
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def warp_sum(v):
     for offset in (16, 8, 4, 2, 1):
         v += shfl_xor(v, offset)
     return v
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def warp_max(v):
     for offset in (16, 8, 4, 2, 1):
         v = max(v, shfl_xor(v, offset))
     return v
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def _block_reduce(v, scratch, is_max):
     """Sum or max over the whole block (all threads call it); scratch: float32 shared [≥ 33]."""
     warp = cuda.threadIdx.x // WARP_SIZE
@@ -78,11 +79,11 @@ def _block_reduce(v, scratch, is_max):
     return total
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def block_sum(v, scratch):
     return _block_reduce(v, scratch, False)
 
 
-@cuda.jit(device=True, inline=True)
+@device_function
 def block_max(v, scratch):
     return _block_reduce(v, scratch, True)
