@@ -16,10 +16,10 @@ y[slot, r] = Σ_k W[mat][r, k] · x[xrow(slot), k] (+ bias[r])   (mma.sync m16n8
   interleaved so that every warp holds the gate and up accumulators of the same output rows.
 - Outputs may be split over up to MAX_PARTS arrays by row range, like quant_gemv.gemv.
 - Split-K (dense, given a `partials` buffer): a grid of too few blocks to fill the GPU (a decode
-  batch of 32-64 tokens: one token tile, ~100 row blocks) walks k in up to MAX_K_SPLITS ranges on
-  grid.z, each block storing its raw sums; `_splitk_epilogue` adds them up and applies SwiGLU /
-  bias. A block's k walk is a chain of ~1-2 µs steps, so without the split a 64-token linear
-  takes as long as its k is wide whatever its row count.
+  batch of 32-64 tokens is one token tile: a 2,048-row matrix makes 16 blocks) walks k in up to
+  MAX_K_SPLITS ranges on grid.z, each block storing its raw sums; `_splitk_epilogue` adds them up
+  and applies SwiGLU / bias. A block's k walk is a chain of ~1-2 µs steps, so without the split a
+  64-token linear takes as long as its k is wide whatever its row count.
 """
 
 from __future__ import annotations
@@ -596,9 +596,9 @@ def matmul(w: DeviceQuantMatrix, x, y, *, bias=None, up: DeviceQuantMatrix | Non
     if partials is not None:
         n_splits = k_splits(w, n_tok, up is not None)
         check_array("partials", partials, np.float32)
-        if partials.size < partials_size(w, n_tok, up is not None):
-            raise ValueError(f"partials: {partials.size} floats, split-K needs "
-                             f"{partials_size(w, n_tok, up is not None)}")
+        needed = partials_size(w, n_tok, up is not None)
+        if partials.size < needed:
+            raise ValueError(f"partials: {partials.size} floats, split-K needs {needed}")
     dummy = _dummy_i32()
     _launch(w, up, x, y, n_tok, cdiv(n_tok, bn), bn, False, (dummy,) * 5, bias, stream,
             partials, n_splits)
