@@ -212,7 +212,7 @@ CONV_ROWS = 32
 def _conv_seq_kernel(k_conv: int):
     n_hist = k_conv - 1
 
-    @device_function(fastmath=True)
+    @device_function
     def silu(x):
         return x / (float32(1.0) + math.exp(-x))
 
@@ -221,7 +221,7 @@ def _conv_seq_kernel(k_conv: int):
         """Element i of the sequence's input stream (old state ⧺ its rows) in channel c."""
         return hist[i] if i < n_hist else mixed[(lo + i - n_hist) * conv_dim + c]
 
-    @device_function(fastmath=True)
+    @device_function
     def sequence_head(mixed, w, conv_state, out, slot, lo, n, conv_dim, c):
         hist = cuda.local.array(n_hist, float32)  # (K − 1,) old state, oldest first
         base = (slot * conv_dim + c) * n_hist
@@ -294,7 +294,7 @@ GROUP = 8  # lanes per value column
 SEQ_BLOCKS = 64  # grid rows; block row y runs sequences y, y + 64, … (most of n_rows are padding)
 
 
-@device_function(fastmath=True)
+@device_function
 def _group_sum(v):
     for offset in (4, 2, 1):
         v += shfl_xor(v, offset)
@@ -334,7 +334,7 @@ def _row_moves(dk: int):
     """Device functions moving this lane's per_lane = dk / 8 floats of a dk-row as float4s."""
     vecs = dk // 32  # float4s per lane per row
 
-    @device_function(fastmath=True)
+    @device_function
     def load_row(arr, off, x):
         """x ← this lane's per_lane floats of the row at byte offset off (lane part included)."""
         for m in range(vecs):
@@ -342,13 +342,13 @@ def _row_moves(dk: int):
             for c in range(4):
                 x[4 * m + c] = bits_to_f32(w[c])
 
-    @device_function(fastmath=True)
+    @device_function
     def store_row(arr, off, x):
         """The row at byte offset off (lane part included) ← this lane's per_lane floats x."""
         for m in range(vecs):
             st_v4_f32(arr, off + 128 * m, x[4 * m], x[4 * m + 1], x[4 * m + 2], x[4 * m + 3])
 
-    @device_function(fastmath=True)
+    @device_function
     def load_token(u, a, b, u_row, g_row, q_off, k_off, v_off, q, k):
         """q, k ← a token's key-head rows (u_row, g_row: byte offsets of its u and gate rows);
         returns its (v[j], a, b)."""
@@ -366,7 +366,7 @@ def _token_step(dk: int):
     per_lane = dk // 8
     half = per_lane // 2
 
-    @device_function(fastmath=True)
+    @device_function
     def token_step(s, q, k, v, ga, gb, neg_a, bias, eps):
         """Advance the state by one token; returns this column's output Sᵀq̂ / sqrt(dk)."""
         sq, sk, p0, p1 = float32(0.0), float32(0.0), float32(0.0), float32(0.0)
@@ -398,7 +398,7 @@ def _token_runner(dk: int):
     load_token = _row_moves(dk)[2]
     token_step = _token_step(dk)
 
-    @device_function(fastmath=True)
+    @device_function
     def step_and_prefetch(u, a, b, out, s, left, rows, lane_offs, store, gates, cur, nxt):
         """Load the next token into buffers nxt while token `cur` updates s (and its output is
         stored); returns (tokens left, the next token's row offsets, its v / a / b)."""
@@ -412,7 +412,7 @@ def _token_runner(dk: int):
             st_f32(out, o_row, o)
         return left - 1, (u_nxt, g_nxt, o_row + o_step), v_n, a_n, b_n
 
-    @device_function(fastmath=True)
+    @device_function
     def run_tokens(u, a, b, out, s, n, u_row, g_row, o_row, lane_offs, store, gates, qa, ka, qb,
                    kb):
         """s ← s advanced over n tokens from byte offsets u_row / g_row; outputs from o_row."""

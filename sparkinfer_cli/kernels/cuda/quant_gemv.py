@@ -509,7 +509,7 @@ def store_q8(v, i, xq, xd, xs):
         xs[i // 32] = d * total
 
 
-@cuda.jit
+@cuda.jit(fastmath=True)  # the division as in the fused producers (norm, SwiGLU, attention)
 def _quantize_q8_kernel(x, n_blocks, xq, xd, xs):
     # a warp per 32-element block (grid-stride)
     lane = cuda.threadIdx.x % 32

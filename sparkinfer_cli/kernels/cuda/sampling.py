@@ -25,12 +25,13 @@ THREADS = 32 if IS_SIMULATOR else 256  # kernels are blockDim-generic; the simul
 CHUNK = 128 if IS_SIMULATOR else 2048  # vocabulary entries per stage-1 block
 
 
-@device_function
+# precise: candidates rank against ±inf sentinels (fastmath assumes no infinities)
+@device_function(fastmath=False)
 def _before(v, i, best_v, best_i):
     return v > best_v or (v == best_v and i < best_i)
 
 
-@device_function
+@device_function(fastmath=False)
 def _block_best_below(vals, ids, base, n, id_offset, prev_v, prev_i, sm_v, sm_i):
     """Best (value, id) among vals[base:base+n] ranking strictly after (prev_v, prev_i).
 
@@ -58,7 +59,7 @@ def _block_best_below(vals, ids, base, n, id_offset, prev_v, prev_i, sm_v, sm_i)
     return best_v, best_i
 
 
-@device_function
+@device_function(fastmath=False)
 def _n_candidates(temperature, top_k):
     k = min(top_k, MAX_CANDIDATES) if top_k > 0 else MAX_CANDIDATES
     return 1 if temperature <= 0.0 else k
