@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-KERNEL_MODULES = ("activation", "attention", "attention_input", "attention_prefill",
+KERNEL_MODULES = ("activation", "attention", "attention_input", "attention_prefill", "expert_gemv",
                   "expert_route", "gated_delta", "mma_gemm", "model_ops", "moe", "norm",
                   "quant_gemv", "sampling")
 PACKAGE = "sparkinfer_cli.kernels.cuda"
