@@ -25,9 +25,9 @@ import tempfile
 import time
 from pathlib import Path
 
-KERNEL_MODULES = ("activation", "attention", "attention_input", "attention_prefill", "expert_gemv",
-                  "expert_route", "gated_delta", "mma_gemm", "model_ops", "moe", "norm",
-                  "quant_gemv", "sampling")
+KERNEL_MODULES = ("activation", "attention", "attention_input", "attention_mma",
+                  "attention_prefill", "expert_gemv", "expert_route", "gated_delta", "mma_gemm",
+                  "model_ops", "moe", "norm", "quant_gemv", "sampling")
 PACKAGE = "sparkinfer_cli.kernels.cuda"
 
 

@@ -1,6 +1,7 @@
 """GPU time of one decode-attention call (paged_decode_attention) at the real attention shapes,
-swept over query heads per block × splits per row, each output checked against the numpy
-reference.
+swept over the kernels (attention_mma's tensor-core kernel serving a kv head's query heads,
+attention.py's with 1 / 2 / 4 query heads a block) × splits per row, each output checked against
+the numpy reference.
 
     PYTHONPATH=. python bench/cuda_decode_attention_bench.py [--json OUT.json]   (on the GPU)
 
@@ -21,7 +22,7 @@ import numpy as np
 from numba import cuda
 
 from bench.cuda_gemv_bench import ROTATE_BYTES, gpu_us
-from sparkinfer_cli.kernels.cuda import attention
+from sparkinfer_cli.kernels.cuda import attention, attention_mma
 from sparkinfer_cli.kernels.cuda.launch import cdiv
 
 BLOCK_SIZE = 16
@@ -32,7 +33,8 @@ CASES = [("qwen3.6", 1, 32768, [None, 32, 64, 128]), ("qwen3.6", 1, 512, [None, 
          ("qwen3-30b", 1, 512, [None, 1, 2]), ("qwen3-30b", 1, 32768, [None, 32, 64, 128]),
          ("qwen3.6", 64, 256, [None, 1, 4, 64])]
 DEFAULT_SPLIT_BLOCKS = attention.SPLIT_BLOCKS
-HEADS_PER_BLOCK = (1, 2, 4)
+HEADS_PER_BLOCK = (0, 1, 2, 4)  # 0: attention_mma's kernel (all of a kv head's query heads)
+PACKED = attention_mma.tensor_core_group
 FLOOR_BYTES_PER_US = 4.0e6  # 4 TB/s
 
 
@@ -57,9 +59,12 @@ def make_case(shape: str, n_seqs: int, ctx: int, rng, stream) -> dict:
 
 def time_variant(case: dict, n_splits: int | None, heads: int, ctx: int,
                  stream) -> tuple[float, float]:
-    """(GPU µs a call, max |out − reference|) with `heads` query heads a block, n_splits a row
-    (each split ≥ CHUNK keys: a 512-token row holds at most 4)."""
-    attention.MAX_BLOCK_HEADS = heads  # heads_per_block reads it at launch
+    """(GPU µs a call, max |out − reference|) with `heads` query heads a block (0: the
+    tensor-core kernel), n_splits a row (each split ≥ CHUNK keys: a 512-token row holds at most
+    4; the tensor-core kernel's ≥ 64)."""
+    # the dispatch and heads_per_block read these at launch
+    attention_mma.tensor_core_group = PACKED if heads == 0 else (lambda *_: False)
+    attention.MAX_BLOCK_HEADS = max(heads, 1)
     # a forced split count: no block target to lower it
     attention.SPLIT_BLOCKS = DEFAULT_SPLIT_BLOCKS if n_splits is None else 1 << 30
     q, n_seqs = case["q"], case["q"].shape[0]

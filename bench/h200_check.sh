@@ -44,7 +44,8 @@ case "${1:-tests}" in
       -k "not (demo_model or decode or greedy or batched)" -q \
       -p no:cacheprovider ;;
   kernels)
-    for b in cuda_mma_bench cuda_attention_bench cuda_delta_bench cuda_gemv_bench; do
+    for b in cuda_mma_bench cuda_attention_bench cuda_decode_attention_bench cuda_delta_bench \
+        cuda_gemv_bench; do
       run "$b.log" 70 python3 "bench/$b.py"
     done ;;
   profile)

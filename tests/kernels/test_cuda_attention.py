@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from sparkinfer_cli.kernels.cuda import attention
+from sparkinfer_cli.kernels.cuda import attention, attention_mma
 from sparkinfer_cli.kernels.cuda.attention import CHUNK
 
 
@@ -52,8 +52,14 @@ class PagedKV:
         return q8, d, (q8.reshape(*d.shape, 32) * d[..., None]).reshape(x.shape)
 
     def reference(self, q, seq_lens, row_seq=None) -> np.ndarray:
-        """float64 attention of query row r over the first seq_lens[r] tokens of row_seq[r]."""
+        """float64 attention of query row r over the first seq_lens[r] tokens of row_seq[r]; q as
+        the kernel sees it (attention_mma scores q·scale rounded to f16)."""
         rows = np.arange(len(q)) if row_seq is None else row_seq
+        n_kv, head_dim = self.k_stored.shape[2:]
+        if attention_mma.tensor_core_group(q.shape[1], n_kv, attention.kv_kind(self.k_stored),
+                                           head_dim):
+            scale = np.float32(1 / np.sqrt(head_dim))
+            q = (q * scale).astype(np.float16).astype(np.float64) / scale
         return attention.paged_decode_attention_reference(q, self.k, self.v,
                                                           self.block_table[rows], seq_lens)
 
@@ -92,6 +98,23 @@ def test_paged_decode_matches_reference(block_size, n_kv, head_dim, n_heads, len
     q = rng.standard_normal((len(lens), n_heads, head_dim)).astype(np.float32)
     ws = attention.DecodeWorkspace(len(lens), n_heads, head_dim, max_context, split_len)
     np.testing.assert_allclose(run(kv, q, lens, ws), kv.reference(q, lens), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("n_heads, n_kv, head_dim, lens, max_context", [
+    # 8 query heads on one kv head, 150 keys in 2 splits of 128 and 22: each split's 4 warps
+    # take 16-key tiles (the second split's last tile holds 6 keys, 2 of its warps none)
+    (8, 1, 128, (150,), 150),
+    # 2 kv heads of 3 query heads (padded to 8 columns), 2 rows, K rows staged in two halves
+    (6, 2, 256, (70, 1), 70),
+])
+def test_query_heads_of_a_kv_head_on_tensor_cores(n_heads, n_kv, head_dim, lens, max_context):
+    assert attention_mma.tensor_core_group(n_heads, n_kv, attention.KV_F16, head_dim)
+    rng = np.random.default_rng(11)
+    kv = PagedKV(rng, lens, 16, n_kv, head_dim)
+    q = rng.standard_normal((len(lens), n_heads, head_dim)).astype(np.float32)
+    ws = attention.DecodeWorkspace(len(lens), n_heads, head_dim, max_context)
+    np.testing.assert_allclose(run(kv, q, lens, ws), kv.reference(q, lens), rtol=1e-4, atol=1e-5)
+    assert not ws.arrivals.copy_to_host().any()
 
 
 @pytest.mark.parametrize("n_heads, n_kv, max_heads, heads", [

@@ -21,6 +21,10 @@ length, so a captured CUDA graph replays as the context grows:
 The loops are chains of dependent memory latencies: the K dot and the p·V sum keep eight loads in
 flight per round. The splits per row are chosen at launch (DecodeWorkspace.splits): enough blocks
 to spread one long sequence, few for many rows.
+
+F16 caches whose kv heads serve 2-8 query heads (GQA, head_dim a multiple of 128) take
+attention_mma.py's kernel instead: one block a kv head, its query heads on tensor cores, the
+same partials and merge.
 """
 
 from __future__ import annotations
@@ -338,12 +342,12 @@ def _add_split(out_acc, weight_sh, part_acc, row0, s, n_active, n_splits, head_d
 def _merge_heads(out_acc, weight_sh, row0, heads, n_active, n_splits, part_m, part_l, part_acc,
                  out, head_dim, n_out, quantize, xq, xd, xs):
     """out rows row0 .. row0 + heads - 1 (one per head of the block): each the softmax-weighted
-    mix of its n_active split partials. Warp h weighs head h's splits (weight_sh: (heads, CHUNK),
-    heads ≤ WARPS); then thread t sums output elements t, t + CHUNK, ... of all the heads (n_out
+    mix of its n_active split partials. Warp w weighs heads w, w + WARPS, ...'s splits (weight_sh:
+    (heads, CHUNK)); then thread t sums output elements t, t + CHUNK, ... of all the heads (n_out
     of them) over the splits, four splits a round written out. quantize: also as q8."""
     n_elems, warp = heads * head_dim, cuda.threadIdx.x // 32
-    if warp < heads:
-        _split_weights(row0 + warp, n_active, n_splits, part_m, part_l, weight_sh, warp * CHUNK)
+    for h in range(warp, heads, WARPS):
+        _split_weights(row0 + h, n_active, n_splits, part_m, part_l, weight_sh, h * CHUNK)
     cuda.syncthreads()
     for k in range(n_out):
         out_acc[k] = 0.0
@@ -549,7 +553,11 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, out, ws: 
     if head_dim % 32 or n_heads % n_kv:
         raise ValueError(f"head_dim {head_dim} must be a multiple of 32, n_heads % n_kv == 0")
     kind = kv_kind(k_cache)
-    heads = heads_per_block(n_heads, n_kv, kind)
+    # attention_mma builds on this module's device functions: imported here, not at the top
+    from sparkinfer_cli.kernels.cuda import attention_mma
+
+    packed = attention_mma.tensor_core_group(n_heads, n_kv, kind, head_dim)
+    heads = n_heads // n_kv if packed else heads_per_block(n_heads, n_kv, kind)
     n_splits = ws.splits(n_seqs, n_heads, n_heads // heads)
     if n_seqs * n_heads > ws.arrivals.size or q.size * n_splits > ws.part_acc.size:
         raise ValueError(f"q {q.shape} does not fit the decode workspace")
@@ -568,7 +576,9 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, out, ws: 
     q8 = (act.xq, act.xd, act.xs) if act is not None else (_placeholder_i8(),) + \
         (_placeholder(),) * 2
     grid = (n_heads // heads, n_seqs, n_splits)
-    _split_kernel(head_dim, kind, act is not None, heads)[grid, CHUNK, stream](
+    kernel = attention_mma.gqa_kernel(head_dim, heads, act is not None) if packed else \
+        _split_kernel(head_dim, kind, act is not None, heads)
+    kernel[grid, CHUNK, stream](
         q.reshape(q.size), k_cache.reshape(k_cache.size), v_cache.reshape(v_cache.size),
         k_scales, v_scales, block_table.reshape(block_table.size), block_table.shape[1], row_seq,
         seq_lens, n_kv, block_size, float32(scale), ws.part_m, ws.part_l, ws.part_acc,

@@ -1,0 +1,297 @@
+"""Split-K decode attention with a kv head's query heads packed on tensor cores (F16 KV cache).
+
+A block serves all G = n_heads / n_kv query heads of one kv head (G ≤ 8) for one query row and one
+split of its keys, so each K and V row is read once per (row, split) instead of once per head group
+(attention.py's kernel serves ≤ 2 heads a block). Each of the 4 warps walks its own 16-key tiles
+of the split with its own online softmax:
+
+  S^T (16 keys × 8 heads) = K_tile (16 × head_dim) · (q·scale)^T   mma.sync m16n8k16, f16 → f32
+      the keys are the m dimension, the heads n (rows ≥ G of the staged q are zero); K rows are
+      staged in shared memory (16-byte loads, half a 256-wide row at a time) for ldmatrix;
+  P = softmax weights of S (per head: shuffles over the 8 lanes that share a head column);
+  acc_h += P[h, j]·V_j on CUDA cores: lane l owns dims [l·head_dim/32, ...) of every head, each
+      V load feeds all G heads.
+
+Then the warps' (max, sum, Σ p·V) merge into the split's partial, and the last split of a row
+to finish merges the splits as attention.py's kernel does (same partials, counters, merge).
+Scores use q·scale rounded to f16 (as llama.cpp's tensor-core flash attention does); the softmax
+and P·V stay float32.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+from numba import cuda, float32, int32, int64, uint32
+
+from sparkinfer_cli.kernels.cuda.attention import (
+    CHUNK,
+    KV_F16,
+    WARPS,
+    _arrives_last,
+    _merge_heads,
+    _store_out,
+    _value4,
+)
+from sparkinfer_cli.kernels.cuda.intrinsics import ld_v4_u32, ldmatrix_x4, mma_f16_f32, pack_f16x2
+from sparkinfer_cli.kernels.cuda.jit import device_function
+from sparkinfer_cli.kernels.cuda.warp import shfl_xor
+
+MAX_GROUP = 8  # query heads a kv head may serve here (one n8 tile)
+TILE_KEYS = 16  # keys a warp scores at once (the mma's m)
+ROUND_KEYS = WARPS * TILE_KEYS  # keys the block's warps take in one round
+STAGE_DIMS = 128  # K dims staged at once (shared memory: 4 warps × 16 rows × 272 bytes)
+_NEG = float32(-1e30)  # "no key yet" (finite: fast math assumes no infinities)
+
+
+def tensor_core_group(n_heads: int, n_kv: int, kind: int, head_dim: int) -> bool:
+    """Whether this kernel serves the launch: an F16 cache, 2..MAX_GROUP query heads a kv head
+    (one head a kv head gains nothing from sharing loads) and head_dim a multiple of STAGE_DIMS
+    (a lane's V dims are whole 8-byte loads)."""
+    group = n_heads // n_kv
+    return kind == KV_F16 and 2 <= group <= MAX_GROUP and head_dim % STAGE_DIMS == 0
+
+
+@device_function
+def _split_len(seq_len, n_splits):
+    """Keys per split of a row: whole rounds of the 4 warps' tiles (64 keys), as few as let
+    n_splits splits cover seq_len (finer than attention.py's 128-key chunks: 512 keys spread over
+    8 splits, not 4)."""
+    per_split = max(1, (seq_len + n_splits - 1) // n_splits)
+    return (per_split + ROUND_KEYS - 1) // ROUND_KEYS * ROUND_KEYS
+
+
+@device_function
+def _stage_q(q, row0, group, scale, head_dim, q_sh, q_words):
+    """q_sh (16 rows × q_words u32): rows < group hold q·scale of the block's heads as f16 pairs,
+    the rest zero."""
+    half = head_dim // 2
+    for i in range(cuda.threadIdx.x, 16 * half, CHUNK):
+        r, c = i // half, i % half
+        lo, hi = float32(0.0), float32(0.0)
+        if r < group:
+            lo = q[(row0 + r) * head_dim + 2 * c] * scale
+            hi = q[(row0 + r) * head_dim + 2 * c + 1] * scale
+        q_sh[r * q_words + c] = pack_f16x2(lo, hi)
+
+
+@device_function
+def _key_rows(row_sh, base, block_table, table, block_size, n_kv, kv_head, head_dim, k0, start,
+              end):
+    """row_sh[base + j] = element offset of key k0 + j's K/V row (keys past the split's end
+    re-read its last key; lanes 0..15 of the warp write them)."""
+    lane = cuda.threadIdx.x % 32
+    if lane < TILE_KEYS:
+        t = max(min(k0 + lane, end - 1), start)
+        blk = block_table[table + t // block_size]
+        row_sh[base + lane] = ((blk * block_size + t % block_size) * n_kv + kv_head) * head_dim
+
+
+@device_function
+def _stage_k(k_cache, row_sh, rbase, d0, k_sh, kbase, k_words):
+    """K dims [d0, d0 + STAGE_DIMS) of the warp's 16 keys → k_sh rows (16 bytes a load)."""
+    lane = cuda.threadIdx.x % 32
+    per_row = STAGE_DIMS // 8  # 16-byte pieces a row
+    for i in range(lane, TILE_KEYS * per_row, 32):
+        r, c = i // per_row, i % per_row
+        w = ld_v4_u32(k_cache, 2 * (row_sh[rbase + r] + d0 + 8 * c))
+        at = kbase + r * k_words + 4 * c
+        k_sh[at], k_sh[at + 1], k_sh[at + 2], k_sh[at + 3] = w[0], w[1], w[2], w[3]
+
+
+@device_function
+def _scores(k_cache, row_sh, rbase, head_dim, k_sh, kbase, k_words, q_sh, q_words):
+    """The warp's S^T tile: (c0, c1) keys g, heads 2t, 2t+1; (c2, c3) key g + 8 (g, t = lane
+    // 4, lane % 4). Barriers between staging rounds: every warp calls it."""
+    c0, c1, c2, c3 = float32(0.0), float32(0.0), float32(0.0), float32(0.0)
+    lane = cuda.threadIdx.x % 32
+    for d0 in range(0, head_dim, STAGE_DIMS):
+        _stage_k(k_cache, row_sh, rbase, d0, k_sh, kbase, k_words)
+        cuda.syncthreads()
+        for kk in range(0, STAGE_DIMS, 16):
+            a = ldmatrix_x4(k_sh, 4 * kbase + 2 * kk, 4 * k_words, lane)
+            b = ldmatrix_x4(q_sh, 2 * (d0 + kk), 4 * q_words, lane)
+            c0, c1, c2, c3 = mma_f16_f32(a[0], a[1], a[2], a[3], b[0], b[2], c0, c1, c2, c3)
+        cuda.syncthreads()  # before the next round restages k_sh
+    return c0, c1, c2, c3
+
+
+@device_function
+def _group_max(v):
+    """Max over the 8 lanes sharing lane % 4 (a head column of the tile)."""
+    for offset in (4, 8, 16):
+        v = max(v, shfl_xor(v, offset))
+    return v
+
+
+@device_function
+def _group_sum(v):
+    for offset in (4, 8, 16):
+        v += shfl_xor(v, offset)
+    return v
+
+
+@device_function
+def _softmax_column(s_top, s_bottom, live_top, live_bottom, m_run, l_run):
+    """One head column's online-softmax step over the tile's keys g and g + 8: the new running
+    max and sum, the rescale of the old accumulators, and the two weights."""
+    s_top = s_top if live_top else _NEG
+    s_bottom = s_bottom if live_bottom else _NEG
+    m_new = max(m_run, _group_max(max(s_top, s_bottom)))
+    corr = math.exp(m_run - m_new)
+    p_top = math.exp(s_top - m_new) if live_top else float32(0.0)
+    p_bottom = math.exp(s_bottom - m_new) if live_bottom else float32(0.0)
+    return m_new, l_run * corr + _group_sum(p_top + p_bottom), corr, p_top, p_bottom
+
+
+@device_function
+def _add_pv(acc, v_cache, row_sh, rbase, p_sh, pbase, dim0, per_lane, group):
+    """acc[h·per_lane + e] += P[j, h]·V_j[dim0 + e] over the tile's 16 keys j (P = 0 past the
+    end), four keys' loads issued before their FMAs."""
+    for j0 in range(0, TILE_KEYS, 4):
+        for e in range(0, per_lane, 4):
+            v0 = _value4(v_cache, v_cache, row_sh[rbase + j0] + dim0 + e, KV_F16)
+            v1 = _value4(v_cache, v_cache, row_sh[rbase + j0 + 1] + dim0 + e, KV_F16)
+            v2 = _value4(v_cache, v_cache, row_sh[rbase + j0 + 2] + dim0 + e, KV_F16)
+            v3 = _value4(v_cache, v_cache, row_sh[rbase + j0 + 3] + dim0 + e, KV_F16)
+            for h in range(group):
+                p = pbase + j0 * MAX_GROUP + h
+                p0, p1 = p_sh[p], p_sh[p + MAX_GROUP]
+                p2, p3 = p_sh[p + 2 * MAX_GROUP], p_sh[p + 3 * MAX_GROUP]
+                for i in range(4):
+                    acc[h * per_lane + e + i] += p0 * v0[i] + p1 * v1[i] + p2 * v2[i] + p3 * v3[i]
+
+
+@device_function
+def _merge_warps(acc, m_run, l_run, ml_sh, acc_sh, row0, split, n_splits, group, head_dim,
+                 per_lane, part_m, part_l, part_acc):
+    """The 4 warps' softmax states → the split's partial per head: max M over the warps, sum
+    Σ_w e^(m_w - M)·l_w, accumulator Σ_w e^(m_w - M)·acc_w (added up in acc_sh warp by warp)."""
+    tid, warp, lane = cuda.threadIdx.x, cuda.threadIdx.x // 32, cuda.threadIdx.x % 32
+    t = lane % 4
+    if lane < 4:  # lanes 0..3 hold head columns 2t, 2t + 1
+        for i in range(2):
+            ml_sh[warp * MAX_GROUP + 2 * t + i] = m_run[i]
+            ml_sh[(WARPS + warp) * MAX_GROUP + 2 * t + i] = l_run[i]
+    cuda.syncthreads()
+    for w in range(WARPS):
+        if warp == w:
+            for h in range(group):
+                top = _NEG
+                for o in range(WARPS):
+                    top = max(top, ml_sh[o * MAX_GROUP + h])
+                f = math.exp(ml_sh[w * MAX_GROUP + h] - top)
+                for e in range(per_lane):
+                    i = h * head_dim + lane * per_lane + e
+                    prev = acc_sh[i] if w > 0 else float32(0.0)
+                    acc_sh[i] = prev + f * acc[h * per_lane + e]
+        cuda.syncthreads()
+    for i in range(tid, group * head_dim, CHUNK):
+        h, d = i // head_dim, i % head_dim
+        part_acc[((row0 + h) * n_splits + split) * head_dim + d] = acc_sh[i]
+    if tid < group:
+        top = _NEG
+        for o in range(WARPS):
+            top = max(top, ml_sh[o * MAX_GROUP + tid])
+        total = float32(0.0)
+        for o in range(WARPS):
+            total += math.exp(ml_sh[o * MAX_GROUP + tid] - top) * ml_sh[(WARPS + o) * MAX_GROUP
+                                                                         + tid]
+        part_m[(row0 + tid) * n_splits + split] = top
+        part_l[(row0 + tid) * n_splits + split] = total
+
+
+@device_function
+def _scan_tiles(q_sh, q_words, k_cache, v_cache, block_table, table, block_size, n_kv, kv_head,
+                head_dim, group, start, end, row_sh, k_sh, k_words, p_sh, corr_sh, acc, m_run,
+                l_run):
+    """Warp w's online softmax over tiles w, w + 4, ... of keys [start, end); every warp makes
+    the same number of rounds (tiles past the end score nothing) for the barriers inside."""
+    warp, lane = cuda.threadIdx.x // 32, cuda.threadIdx.x % 32
+    g, t = lane // 4, lane % 4
+    per_lane = head_dim // 32
+    rbase, kbase, pbase = warp * TILE_KEYS, warp * TILE_KEYS * k_words, warp * TILE_KEYS * MAX_GROUP
+    n_tiles = (end - start + TILE_KEYS - 1) // TILE_KEYS
+    for r in range(0, n_tiles, WARPS):
+        k0 = start + (r + warp) * TILE_KEYS
+        _key_rows(row_sh, rbase, block_table, table, block_size, n_kv, kv_head, head_dim, k0,
+                  start, end)
+        cuda.syncthreads()
+        c0, c1, c2, c3 = _scores(k_cache, row_sh, rbase, head_dim, k_sh, kbase, k_words, q_sh,
+                                 q_words)
+        live_top, live_bottom = k0 + g < end, k0 + g + 8 < end
+        m0, l0, corr0, p00, p10 = _softmax_column(c0, c2, live_top, live_bottom, m_run[0],
+                                                  l_run[0])
+        m1, l1, corr1, p01, p11 = _softmax_column(c1, c3, live_top, live_bottom, m_run[1],
+                                                  l_run[1])
+        m_run[0], l_run[0], m_run[1], l_run[1] = m0, l0, m1, l1
+        p = pbase + g * MAX_GROUP + 2 * t  # p_sh: (warps, 16 keys, MAX_GROUP heads)
+        p_sh[p], p_sh[p + 1] = p00, p01
+        p_sh[p + 8 * MAX_GROUP], p_sh[p + 8 * MAX_GROUP + 1] = p10, p11
+        if g == 0:
+            corr_sh[warp * MAX_GROUP + 2 * t], corr_sh[warp * MAX_GROUP + 2 * t + 1] = corr0, corr1
+        cuda.syncthreads()  # p_sh, corr_sh written
+        for h in range(group):  # every lane rescales its dims of every head
+            corr = corr_sh[warp * MAX_GROUP + h]
+            for e in range(per_lane):
+                acc[h * per_lane + e] *= corr
+        _add_pv(acc, v_cache, row_sh, rbase, p_sh, pbase, lane * per_lane, per_lane, group)
+        cuda.syncthreads()  # before the next round rewrites row_sh / p_sh
+
+
+@functools.cache
+def gqa_kernel(head_dim: int, group: int, quantize: bool):
+    per_lane = head_dim // 32
+    q_words, k_words = head_dim // 2 + 4, STAGE_DIMS // 2 + 4  # padded rows: ldmatrix, no conflicts
+    acc_len, n_out = MAX_GROUP * per_lane, (group * head_dim + CHUNK - 1) // CHUNK
+    # shared / local array sizes must be compile-time constants
+    q_len, k_len, rows_len = 16 * q_words, ROUND_KEYS * k_words, ROUND_KEYS
+    p_len, corr_len = ROUND_KEYS * MAX_GROUP, WARPS * MAX_GROUP
+    ml_len = 2 * corr_len
+    acc_sh_len, weight_len = group * head_dim, group * CHUNK
+
+    @cuda.jit(fastmath=True)
+    def decode_gqa(q, k_cache, v_cache, k_scales, v_scales, block_table, max_blocks, row_seq,
+                   seq_lens, n_kv, block_size, scale, part_m, part_l, part_acc, arrivals, out, xq,
+                   xd, xs):
+        # One block per (kv head, query row, split), as attention.py's decode_split with `group`
+        # heads a block; the splits' partials and their merge are the same.
+        kv_head, seq, split = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
+        n_splits, tid = cuda.gridDim.z, cuda.threadIdx.x
+        n_heads = n_kv * group
+        row0 = seq * n_heads + kv_head * group
+        q_sh = cuda.shared.array(q_len, uint32)
+        k_sh = cuda.shared.array(k_len, uint32)
+        row_sh = cuda.shared.array(rows_len, int64)
+        p_sh = cuda.shared.array(p_len, float32)
+        ml_sh = cuda.shared.array(ml_len, float32)  # the warps' (max, sum)
+        corr_sh = cuda.shared.array(corr_len, float32)
+        acc_sh = cuda.shared.array(acc_sh_len, float32)
+        weight_sh = cuda.shared.array(weight_len, float32)  # the merge's split weights
+        flag_sh = cuda.shared.array(1, int32)
+        acc = cuda.local.array(acc_len, float32)
+        m_run, l_run = cuda.local.array(2, float32), cuda.local.array(2, float32)
+        seq_len = seq_lens[seq]
+        split_len = _split_len(seq_len, n_splits)
+        n_active = (seq_len + split_len - 1) // split_len
+        if split < n_active:  # block-uniform
+            _stage_q(q, row0, group, scale, head_dim, q_sh, q_words)
+            for e in range(acc_len):
+                acc[e] = 0.0
+            for i in range(2):
+                m_run[i], l_run[i] = _NEG, 0.0
+            _scan_tiles(q_sh, q_words, k_cache, v_cache, block_table, row_seq[seq] * max_blocks,
+                        block_size, n_kv, kv_head, head_dim, group, split * split_len,
+                        min(seq_len, (split + 1) * split_len), row_sh, k_sh, k_words, p_sh,
+                        corr_sh, acc, m_run, l_run)
+            _merge_warps(acc, m_run, l_run, ml_sh, acc_sh, row0, split, n_splits, group,
+                         head_dim, per_lane, part_m, part_l, part_acc)
+            if _arrives_last(arrivals, seq * n_kv + kv_head, n_active, flag_sh):
+                out_acc = cuda.local.array(n_out, float32)  # not acc: kept out of its registers
+                _merge_heads(out_acc, weight_sh, row0, group, n_active, n_splits, part_m, part_l,
+                             part_acc, out, head_dim, n_out, quantize, xq, xd, xs)
+        elif split == 0:  # no keys at all: attention over nothing is 0
+            for i in range(tid, group * head_dim, CHUNK):
+                _store_out(float32(0.0), row0 * head_dim + i, out, quantize, xq, xd, xs)
+    return decode_gqa
