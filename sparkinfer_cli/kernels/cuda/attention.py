@@ -367,6 +367,23 @@ def _merge_heads(out_acc, weight_sh, row0, heads, n_active, n_splits, part_m, pa
 
 
 @device_function
+def merge_if_last(arrivals, counter, n_active, flag_sh, out_acc, weight_sh, row0, heads, n_splits,
+                  part_m, part_l, part_acc, out, head_dim, n_out, quantize, xq, xd, xs):
+    """After a block stored its split's partials: the last of the n_active splits of its (row,
+    head group) `counter` to arrive merges them into out (_merge_heads)."""
+    if _arrives_last(arrivals, counter, n_active, flag_sh):
+        _merge_heads(out_acc, weight_sh, row0, heads, n_active, n_splits, part_m, part_l,
+                     part_acc, out, head_dim, n_out, quantize, xq, xd, xs)
+
+
+@device_function
+def store_zero_rows(row0, n_elems, out, head_dim, quantize, xq, xd, xs):
+    """A query row with no keys at all: attention over nothing is 0 (its q8 form too)."""
+    for i in range(cuda.threadIdx.x, n_elems, CHUNK):
+        _store_out(float32(0.0), row0 * head_dim + i, out, quantize, xq, xd, xs)
+
+
+@device_function
 def _store_out(v, i, out, quantize, xq, xd, xs):
     """out[i] = v, and its q8 form when quantize (the 32 lanes of a warp hold one 32-block: a
     head of 32·n elements, written with a CHUNK-thread stride)."""
@@ -480,12 +497,11 @@ def _split_kernel(head_dim: int, kind: int, quantize: bool, heads: int):
                        p_sh, row_sh, red_sh, acc, per_lane, heads, m, l_sum, corr, scores)
             _store_partials(acc, acc_sh, m, l_sum, row0 * n_splits + split, n_splits, part_m,
                             part_l, part_acc, head_dim, per_lane, heads)
-            if _arrives_last(arrivals, seq * n_groups + g, n_active, flag_sh):
-                _merge_heads(acc, p_sh, row0, heads, n_active, n_splits, part_m, part_l,
-                             part_acc, out, head_dim, n_out, quantize, xq, xd, xs)
-        elif split == 0:  # no keys at all: attention over nothing is 0
-            for i in range(tid, heads * head_dim, CHUNK):
-                _store_out(float32(0.0), row0 * head_dim + i, out, quantize, xq, xd, xs)
+            merge_if_last(arrivals, seq * n_groups + g, n_active, flag_sh, acc, p_sh, row0, heads,
+                          n_splits, part_m, part_l, part_acc, out, head_dim, n_out, quantize, xq,
+                          xd, xs)
+        elif split == 0:
+            store_zero_rows(row0, heads * head_dim, out, head_dim, quantize, xq, xd, xs)
     return decode_split
 
 

@@ -29,10 +29,9 @@ from sparkinfer_cli.kernels.cuda.attention import (
     CHUNK,
     KV_F16,
     WARPS,
-    _arrives_last,
-    _merge_heads,
-    _store_out,
     _value4,
+    merge_if_last,
+    store_zero_rows,
 )
 from sparkinfer_cli.kernels.cuda.intrinsics import ld_v4_u32, ldmatrix_x4, mma_f16_f32, pack_f16x2
 from sparkinfer_cli.kernels.cuda.jit import device_function
@@ -258,7 +257,7 @@ def gqa_kernel(head_dim: int, group: int, quantize: bool):
         # One block per (kv head, query row, split), as attention.py's decode_split with `group`
         # heads a block; the splits' partials and their merge are the same.
         kv_head, seq, split = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
-        n_splits, tid = cuda.gridDim.z, cuda.threadIdx.x
+        n_splits = cuda.gridDim.z
         n_heads = n_kv * group
         row0 = seq * n_heads + kv_head * group
         q_sh = cuda.shared.array(q_len, uint32)
@@ -287,11 +286,10 @@ def gqa_kernel(head_dim: int, group: int, quantize: bool):
                         corr_sh, acc, m_run, l_run)
             _merge_warps(acc, m_run, l_run, ml_sh, acc_sh, row0, split, n_splits, group,
                          head_dim, per_lane, part_m, part_l, part_acc)
-            if _arrives_last(arrivals, seq * n_kv + kv_head, n_active, flag_sh):
-                out_acc = cuda.local.array(n_out, float32)  # not acc: kept out of its registers
-                _merge_heads(out_acc, weight_sh, row0, group, n_active, n_splits, part_m, part_l,
-                             part_acc, out, head_dim, n_out, quantize, xq, xd, xs)
-        elif split == 0:  # no keys at all: attention over nothing is 0
-            for i in range(tid, group * head_dim, CHUNK):
-                _store_out(float32(0.0), row0 * head_dim + i, out, quantize, xq, xd, xs)
+            out_acc = cuda.local.array(n_out, float32)  # not acc: keeps acc in registers
+            merge_if_last(arrivals, seq * n_kv + kv_head, n_active, flag_sh, out_acc, weight_sh,
+                          row0, group, n_splits, part_m, part_l, part_acc, out, head_dim, n_out,
+                          quantize, xq, xd, xs)
+        elif split == 0:
+            store_zero_rows(row0, group * head_dim, out, head_dim, quantize, xq, xd, xs)
     return decode_gqa

@@ -33,7 +33,7 @@ def _device_ptr(arr) -> int:
 
 
 def copy_to_device_async(dst, src, stream) -> None:
-    """dst (device array) ← src (a pinned host array of the same size in bytes), queued on stream."""
+    """dst (device array) ← src (a pinned host array of as many bytes), queued on stream."""
     if IS_SIMULATOR:
         dst.copy_to_device(src, stream=stream)
         return
