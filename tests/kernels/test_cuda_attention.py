@@ -117,6 +117,29 @@ def test_query_heads_of_a_kv_head_on_tensor_cores(n_heads, n_kv, head_dim, lens,
     assert not ws.arrivals.copy_to_host().any()
 
 
+def test_tensor_core_kernel_rows_of_some_splits_and_none_with_q8_output():
+    """A row of 200 keys (4 of its 8 splits hold 64-key rounds: the others exit, the merge weighs
+    4) beside a row of none (0, and 0 in q8), the output also as q8; a second launch reuses the
+    counters."""
+    from sparkinfer_cli.kernels.cuda import quant_gemv as qg
+
+    n_heads, n_kv, head_dim, lens = 4, 2, 128, (200, 0)
+    rng = np.random.default_rng(3)
+    kv = PagedKV(rng, lens, 16, n_kv, head_dim)
+    q = rng.standard_normal((len(lens), n_heads, head_dim)).astype(np.float32)
+    ws = attention.DecodeWorkspace(len(lens), n_heads, head_dim, 1000)
+    assert ws.splits(len(lens), n_heads, n_kv) == 8
+    act = qg.QuantizedActivations(len(lens), 1, n_heads * head_dim)
+    want = kv.reference(q[:1], lens[:1])
+    for launch_act in (act, None):
+        out = run(kv, q, lens, ws, act=launch_act)
+        np.testing.assert_allclose(out[:1], want, rtol=1e-4, atol=1e-5)
+        assert not out[1].any()
+        assert not ws.arrivals.copy_to_host().any()
+    xq, _, _ = qg.quantize_q8_reference(out.reshape(len(lens), 1, -1))
+    np.testing.assert_array_equal(act.xq.copy_to_host(), xq.reshape(-1))
+
+
 @pytest.mark.parametrize("n_heads, n_kv, max_heads, heads", [
     (16, 2, 2, 2), (32, 4, 4, 4), (4, 2, 4, 2), (6, 2, 4, 1), (3, 3, 2, 1), (12, 1, 4, 4),
     (6, 1, 4, 2),

@@ -33,7 +33,13 @@ from sparkinfer_cli.kernels.cuda.attention import (
     merge_if_last,
     store_zero_rows,
 )
-from sparkinfer_cli.kernels.cuda.intrinsics import ld_v4_u32, ldmatrix_x4, mma_f16_f32, pack_f16x2
+from sparkinfer_cli.kernels.cuda.intrinsics import (
+    IS_SIMULATOR,
+    ld_v4_u32,
+    ldmatrix_x4,
+    mma_f16_f32,
+    pack_f16x2,
+)
 from sparkinfer_cli.kernels.cuda.jit import device_function
 from sparkinfer_cli.kernels.cuda.warp import shfl_xor
 
@@ -42,14 +48,17 @@ TILE_KEYS = 16  # keys a warp scores at once (the mma's m)
 ROUND_KEYS = WARPS * TILE_KEYS  # keys the block's warps take in one round
 STAGE_DIMS = 128  # K dims staged at once (shared memory: 4 warps × 16 rows × 272 bytes)
 _NEG = float32(-1e30)  # "no key yet" (finite: fast math assumes no infinities)
+# ldmatrix reads 16-byte rows: the staged tiles start 16-byte aligned (the simulator takes no
+# alignment argument)
+_LDMATRIX_ALIGN = None if IS_SIMULATOR else 16
 
 
 def tensor_core_group(n_heads: int, n_kv: int, kind: int, head_dim: int) -> bool:
     """Whether this kernel serves the launch: an F16 cache, 2..MAX_GROUP query heads a kv head
-    (one head a kv head gains nothing from sharing loads) and head_dim a multiple of STAGE_DIMS
-    (a lane's V dims are whole 8-byte loads)."""
+    (one head a kv head gains nothing from sharing loads) and head_dim 128 or 256 (whole
+    STAGE_DIMS rounds, a lane's V dims whole 8-byte loads, shared memory under 48 KB)."""
     group = n_heads // n_kv
-    return kind == KV_F16 and 2 <= group <= MAX_GROUP and head_dim % STAGE_DIMS == 0
+    return kind == KV_F16 and 2 <= group <= MAX_GROUP and head_dim in (128, 256)
 
 
 @device_function
@@ -89,14 +98,34 @@ def _key_rows(row_sh, base, block_table, table, block_size, n_kv, kv_head, head_
 
 @device_function
 def _stage_k(k_cache, row_sh, rbase, d0, k_sh, kbase, k_words):
-    """K dims [d0, d0 + STAGE_DIMS) of the warp's 16 keys → k_sh rows (16 bytes a load)."""
+    """K dims [d0, d0 + STAGE_DIMS) of the warp's 16 keys → k_sh rows: lane l loads 16-byte piece
+    l % 16 of rows l // 16, + 2, ..., + 14, all eight loads issued before the first store (a
+    store right after its load would wait out each one's latency)."""
     lane = cuda.threadIdx.x % 32
-    per_row = STAGE_DIMS // 8  # 16-byte pieces a row
-    for i in range(lane, TILE_KEYS * per_row, 32):
-        r, c = i // per_row, i % per_row
-        w = ld_v4_u32(k_cache, 2 * (row_sh[rbase + r] + d0 + 8 * c))
-        at = kbase + r * k_words + 4 * c
-        k_sh[at], k_sh[at + 1], k_sh[at + 2], k_sh[at + 3] = w[0], w[1], w[2], w[3]
+    r, c = lane // 16, lane % 16  # STAGE_DIMS = 128: 16 pieces a row, 2 rows per 32 lanes
+    off = d0 + 8 * c
+    w0 = ld_v4_u32(k_cache, 2 * (row_sh[rbase + r] + off))
+    w1 = ld_v4_u32(k_cache, 2 * (row_sh[rbase + r + 2] + off))
+    w2 = ld_v4_u32(k_cache, 2 * (row_sh[rbase + r + 4] + off))
+    w3 = ld_v4_u32(k_cache, 2 * (row_sh[rbase + r + 6] + off))
+    w4 = ld_v4_u32(k_cache, 2 * (row_sh[rbase + r + 8] + off))
+    w5 = ld_v4_u32(k_cache, 2 * (row_sh[rbase + r + 10] + off))
+    w6 = ld_v4_u32(k_cache, 2 * (row_sh[rbase + r + 12] + off))
+    w7 = ld_v4_u32(k_cache, 2 * (row_sh[rbase + r + 14] + off))
+    at = kbase + r * k_words + 4 * c
+    _store4(k_sh, at, w0)
+    _store4(k_sh, at + 2 * k_words, w1)
+    _store4(k_sh, at + 4 * k_words, w2)
+    _store4(k_sh, at + 6 * k_words, w3)
+    _store4(k_sh, at + 8 * k_words, w4)
+    _store4(k_sh, at + 10 * k_words, w5)
+    _store4(k_sh, at + 12 * k_words, w6)
+    _store4(k_sh, at + 14 * k_words, w7)
+
+
+@device_function
+def _store4(words, at, w):
+    words[at], words[at + 1], words[at + 2], words[at + 3] = w[0], w[1], w[2], w[3]
 
 
 @device_function
@@ -260,8 +289,8 @@ def gqa_kernel(head_dim: int, group: int, quantize: bool):
         n_splits = cuda.gridDim.z
         n_heads = n_kv * group
         row0 = seq * n_heads + kv_head * group
-        q_sh = cuda.shared.array(q_len, uint32)
-        k_sh = cuda.shared.array(k_len, uint32)
+        q_sh = cuda.shared.array(q_len, uint32, alignment=_LDMATRIX_ALIGN)
+        k_sh = cuda.shared.array(k_len, uint32, alignment=_LDMATRIX_ALIGN)
         row_sh = cuda.shared.array(rows_len, int64)
         p_sh = cuda.shared.array(p_len, float32)
         ml_sh = cuda.shared.array(ml_len, float32)  # the warps' (max, sum)
