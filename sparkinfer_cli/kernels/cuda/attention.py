@@ -22,7 +22,7 @@ The loops are chains of dependent memory latencies: the K dot and the p·V sum k
 flight per round. The splits per row are chosen at launch (DecodeWorkspace.splits): enough blocks
 to spread one long sequence, few for many rows.
 
-F16 caches whose kv heads serve 2-8 query heads (GQA, head_dim a multiple of 128) take
+F16 caches whose kv heads serve 2-8 query heads (GQA, head_dim 128 or 256) take
 attention_mma.py's kernel instead: one block a kv head, its query heads on tensor cores, the
 same partials and merge.
 """
