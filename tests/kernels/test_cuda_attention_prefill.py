@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from unittest import mock
 
 import numpy as np
 import pytest
 from numba import cuda
 
-from sparkinfer_cli.kernels.cuda import attention
+from sparkinfer_cli.kernels.cuda import attention, attention_mma
 from sparkinfer_cli.kernels.cuda.attention_prefill import prefill_attention, supports
 
 
@@ -93,15 +94,17 @@ def run_prefill(b: PagedBatch) -> np.ndarray:
 
 
 def run_decode(b: PagedBatch, rows: np.ndarray) -> np.ndarray:
-    """attention.py's split-K kernel on the query rows `rows` (one query row each)."""
+    """attention.py's split-K kernel on the query rows `rows` (one query row each); float32
+    scores as the prefill kernel's (attention_mma's rounds q to f16)."""
     sub = PagedBatch(np.ascontiguousarray(b.q[rows]), b.k_cache, b.v_cache, b.scales,
                      b.block_table, b.row_seq[rows], b.seq_lens[rows], b.keys, b.values)
     (q, k, v, table, seq_lens), row_seq, scales = sub.device_args()
     out = cuda.device_array_like(q)
     ws = attention.DecodeWorkspace(len(rows), q.shape[1], q.shape[2], int(b.seq_lens.max()),
                                    split_len=1024)
-    attention.paged_decode_attention(q, k, v, table, seq_lens, out, ws, row_seq=row_seq,
-                                     scales=scales)
+    with mock.patch.object(attention_mma, "tensor_core_group", lambda *_: False):
+        attention.paged_decode_attention(q, k, v, table, seq_lens, out, ws, row_seq=row_seq,
+                                         scales=scales)
     return out.copy_to_host()
 
 

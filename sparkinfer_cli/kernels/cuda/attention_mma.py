@@ -29,12 +29,14 @@ from sparkinfer_cli.kernels.cuda.attention import (
     CHUNK,
     KV_F16,
     WARPS,
-    _value4,
     merge_if_last,
     store_zero_rows,
 )
 from sparkinfer_cli.kernels.cuda.intrinsics import (
     IS_SIMULATOR,
+    bits_to_f32,
+    f16_bits_to_f32,
+    ld_v2_u32,
     ld_v4_u32,
     ldmatrix_x4,
     mma_f16_f32,
@@ -45,6 +47,8 @@ from sparkinfer_cli.kernels.cuda.warp import shfl_xor
 
 MAX_GROUP = 8  # query heads a kv head may serve here (one n8 tile)
 TILE_KEYS = 16  # keys a warp scores at once (the mma's m)
+V_BATCH = 8  # keys whose V loads a lane has in flight at once
+_V_WORDS = 4 * V_BATCH  # their u32 words (≤ 4 a key; a compile-time constant for local.array)
 ROUND_KEYS = WARPS * TILE_KEYS  # keys the block's warps take in one round
 STAGE_DIMS = 128  # K dims staged at once (shared memory: 4 warps × 16 rows × 272 bytes)
 _NEG = float32(-1e30)  # "no key yet" (finite: fast math assumes no infinities)
@@ -73,15 +77,19 @@ def _split_len(seq_len, n_splits):
 @device_function
 def _stage_q(q, row0, group, scale, head_dim, q_sh, q_words):
     """q_sh (16 rows × q_words u32): rows < group hold q·scale of the block's heads as f16 pairs,
-    the rest zero."""
-    half = head_dim // 2
-    for i in range(cuda.threadIdx.x, 16 * half, CHUNK):
-        r, c = i // half, i % half
-        lo, hi = float32(0.0), float32(0.0)
-        if r < group:
-            lo = q[(row0 + r) * head_dim + 2 * c] * scale
-            hi = q[(row0 + r) * head_dim + 2 * c + 1] * scale
-        q_sh[r * q_words + c] = pack_f16x2(lo, hi)
+    the rest zero. A thread takes 4 dims at a time, its loads all issued before their stores
+    (a fixed trip count, rows ≥ group re-read the last head's and store zeros)."""
+    quads = head_dim // 4
+    x = cuda.local.array(4, float32)
+    for it in range(16 * quads // CHUNK):
+        i = it * CHUNK + cuda.threadIdx.x
+        r, c = i // quads, i % quads
+        w = ld_v4_u32(q, 4 * ((row0 + min(r, group - 1)) * head_dim + 4 * c))
+        live = r < group
+        for e in range(4):
+            x[e] = bits_to_f32(w[e]) * scale if live else float32(0.0)
+        q_sh[r * q_words + 2 * c] = pack_f16x2(x[0], x[1])
+        q_sh[r * q_words + 2 * c + 1] = pack_f16x2(x[2], x[3])
 
 
 @device_function
@@ -176,19 +184,27 @@ def _softmax_column(s_top, s_bottom, live_top, live_bottom, m_run, l_run):
 @device_function
 def _add_pv(acc, v_cache, row_sh, rbase, p_sh, pbase, dim0, per_lane, group):
     """acc[h·per_lane + e] += P[j, h]·V_j[dim0 + e] over the tile's 16 keys j (P = 0 past the
-    end), four keys' loads issued before their FMAs."""
-    for j0 in range(0, TILE_KEYS, 4):
-        for e in range(0, per_lane, 4):
-            v0 = _value4(v_cache, v_cache, row_sh[rbase + j0] + dim0 + e, KV_F16)
-            v1 = _value4(v_cache, v_cache, row_sh[rbase + j0 + 1] + dim0 + e, KV_F16)
-            v2 = _value4(v_cache, v_cache, row_sh[rbase + j0 + 2] + dim0 + e, KV_F16)
-            v3 = _value4(v_cache, v_cache, row_sh[rbase + j0 + 3] + dim0 + e, KV_F16)
+    end): the lane's dims of 8 keys loaded at once (one 16- or 8-byte load a key), then their
+    FMAs."""
+    words = per_lane // 2  # f16 pairs a lane takes of a V row
+    v = cuda.local.array(_V_WORDS, uint32)  # (V_BATCH keys, ≤ 4 words)
+    x = cuda.local.array(8, float32)  # one key's dims
+    for j0 in range(0, TILE_KEYS, V_BATCH):
+        for j in range(V_BATCH):
+            at = 2 * (row_sh[rbase + j0 + j] + dim0)
+            if words == 4:
+                w = ld_v4_u32(v_cache, at)
+                v[4 * j], v[4 * j + 1], v[4 * j + 2], v[4 * j + 3] = w[0], w[1], w[2], w[3]
+            else:
+                v[4 * j], v[4 * j + 1] = ld_v2_u32(v_cache, at)
+        for j in range(V_BATCH):
+            for i in range(words):
+                x[2 * i] = f16_bits_to_f32(v[4 * j + i] & 0xFFFF)
+                x[2 * i + 1] = f16_bits_to_f32(v[4 * j + i] >> 16)
             for h in range(group):
-                p = pbase + j0 * MAX_GROUP + h
-                p0, p1 = p_sh[p], p_sh[p + MAX_GROUP]
-                p2, p3 = p_sh[p + 2 * MAX_GROUP], p_sh[p + 3 * MAX_GROUP]
-                for i in range(4):
-                    acc[h * per_lane + e + i] += p0 * v0[i] + p1 * v1[i] + p2 * v2[i] + p3 * v3[i]
+                p = p_sh[pbase + (j0 + j) * MAX_GROUP + h]
+                for e in range(per_lane):
+                    acc[h * per_lane + e] += p * x[e]
 
 
 @device_function
