@@ -597,13 +597,17 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, out, ws: 
         raise ValueError(f"q8 activations of shape {act.shape} do not hold out {out.shape}")
     q8 = (act.xq, act.xd, act.xs) if act is not None else (_placeholder_i8(),) + \
         (_placeholder(),) * 2
-    grid = (n_heads // heads, n_seqs, n_splits)
-    kernel = attention_mma.gqa_kernel(head_dim, heads, act is not None) if packed else \
-        _split_kernel(head_dim, kind, act is not None, heads)
-    kernel[grid, CHUNK, stream](
-        q.reshape(q.size), k_cache.reshape(k_cache.size), v_cache.reshape(v_cache.size),
-        k_scales, v_scales, block_table.reshape(block_table.size), block_table.shape[1], row_seq,
-        seq_lens, n_kv, block_size, float32(scale), ws.part_m, ws.part_l, ws.part_acc,
+    k_flat, v_flat = k_cache.reshape(k_cache.size), v_cache.reshape(v_cache.size)
+    table = block_table.reshape(block_table.size)
+    if packed:
+        attention_mma.paged_decode(q, k_flat, v_flat, table, block_table.shape[1], row_seq,
+                                   seq_lens, n_kv, block_size, float32(scale), ws, n_splits, out,
+                                   act is not None, q8, stream)
+        return
+    _split_kernel(head_dim, kind, act is not None, heads)[(n_heads // heads, n_seqs, n_splits),
+                                                          CHUNK, stream](
+        q.reshape(q.size), k_flat, v_flat, k_scales, v_scales, table, block_table.shape[1],
+        row_seq, seq_lens, n_kv, block_size, float32(scale), ws.part_m, ws.part_l, ws.part_acc,
         ws.arrivals, out.reshape(out.size), *q8)
 
 

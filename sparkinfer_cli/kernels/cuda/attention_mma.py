@@ -12,8 +12,10 @@ of the split with its own online softmax:
   acc_h += P[h, j]·V_j on CUDA cores: lane l owns dims [l·head_dim/32, ...) of every head, each
       V load feeds all G heads.
 
-Then the warps' (max, sum, Σ p·V) merge into the split's partial, and the last split of a row
-to finish merges the splits as attention.py's kernel does (same partials, counters, merge).
+Then the warps' (max, sum, Σ p·V) merge into the split's partial (attention.py's layout). A
+second kernel merges a row's split partials, one block per (row, head, MERGE_DIMS dims): the
+merge spread over many blocks, not left to the last split's block (one block reading 8 heads ×
+64 splits of partials took longer than the scan; bench/cuda_decode_attention_bench.py).
 Scores use q·scale rounded to f16 (as llama.cpp's tensor-core flash attention does); the softmax
 and P·V stay float32.
 """
@@ -29,8 +31,8 @@ from sparkinfer_cli.kernels.cuda.attention import (
     CHUNK,
     KV_F16,
     WARPS,
-    merge_if_last,
-    store_zero_rows,
+    _split_weights,
+    _store_out,
 )
 from sparkinfer_cli.kernels.cuda.intrinsics import (
     IS_SIMULATOR,
@@ -48,6 +50,7 @@ from sparkinfer_cli.kernels.cuda.warp import shfl_xor
 MAX_GROUP = 8  # query heads a kv head may serve here (one n8 tile)
 TILE_KEYS = 16  # keys a warp scores at once (the mma's m)
 V_BATCH = 8  # keys whose V loads a lane has in flight at once
+MERGE_DIMS = 64  # output dims of one head a merge block sums (2 a lane; 2 q8 blocks)
 _V_WORDS = 4 * V_BATCH  # their u32 words (≤ 4 a key; a compile-time constant for local.array)
 ROUND_KEYS = WARPS * TILE_KEYS  # keys the block's warps take in one round
 STAGE_DIMS = 128  # K dims staged at once (shared memory: 4 warps × 16 rows × 272 bytes)
@@ -285,26 +288,24 @@ def _scan_tiles(q_sh, q_words, k_cache, v_cache, block_table, table, block_size,
 
 
 @functools.cache
-def gqa_kernel(head_dim: int, group: int, quantize: bool):
+def gqa_kernel(head_dim: int, group: int):
     per_lane = head_dim // 32
     q_words, k_words = head_dim // 2 + 4, STAGE_DIMS // 2 + 4  # padded rows: ldmatrix, no conflicts
-    acc_len, n_out = MAX_GROUP * per_lane, (group * head_dim + CHUNK - 1) // CHUNK
+    acc_len = MAX_GROUP * per_lane
     # shared / local array sizes must be compile-time constants
     q_len, k_len, rows_len = 16 * q_words, ROUND_KEYS * k_words, ROUND_KEYS
     p_len, corr_len = ROUND_KEYS * MAX_GROUP, WARPS * MAX_GROUP
     ml_len = 2 * corr_len
-    acc_sh_len, weight_len = group * head_dim, group * CHUNK
+    acc_sh_len = group * head_dim
 
     @cuda.jit(fastmath=True)
-    def decode_gqa(q, k_cache, v_cache, k_scales, v_scales, block_table, max_blocks, row_seq,
-                   seq_lens, n_kv, block_size, scale, part_m, part_l, part_acc, arrivals, out, xq,
-                   xd, xs):
+    def decode_gqa(q, k_cache, v_cache, block_table, max_blocks, row_seq, seq_lens, n_kv,
+                   block_size, scale, part_m, part_l, part_acc):
         # One block per (kv head, query row, split), as attention.py's decode_split with `group`
-        # heads a block; the splits' partials and their merge are the same.
+        # heads a block: it stores the split's partials (merge_kernel adds them up).
         kv_head, seq, split = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
         n_splits = cuda.gridDim.z
-        n_heads = n_kv * group
-        row0 = seq * n_heads + kv_head * group
+        row0 = seq * n_kv * group + kv_head * group
         q_sh = cuda.shared.array(q_len, uint32, alignment=_LDMATRIX_ALIGN)
         k_sh = cuda.shared.array(k_len, uint32, alignment=_LDMATRIX_ALIGN)
         row_sh = cuda.shared.array(rows_len, int64)
@@ -312,14 +313,11 @@ def gqa_kernel(head_dim: int, group: int, quantize: bool):
         ml_sh = cuda.shared.array(ml_len, float32)  # the warps' (max, sum)
         corr_sh = cuda.shared.array(corr_len, float32)
         acc_sh = cuda.shared.array(acc_sh_len, float32)
-        weight_sh = cuda.shared.array(weight_len, float32)  # the merge's split weights
-        flag_sh = cuda.shared.array(1, int32)
         acc = cuda.local.array(acc_len, float32)
         m_run, l_run = cuda.local.array(2, float32), cuda.local.array(2, float32)
         seq_len = seq_lens[seq]
         split_len = _split_len(seq_len, n_splits)
-        n_active = (seq_len + split_len - 1) // split_len
-        if split < n_active:  # block-uniform
+        if split * split_len < seq_len:  # block-uniform: the split holds keys
             _stage_q(q, row0, group, scale, head_dim, q_sh, q_words)
             for e in range(acc_len):
                 acc[e] = 0.0
@@ -331,10 +329,63 @@ def gqa_kernel(head_dim: int, group: int, quantize: bool):
                         corr_sh, acc, m_run, l_run)
             _merge_warps(acc, m_run, l_run, ml_sh, acc_sh, row0, split, n_splits, group,
                          head_dim, per_lane, part_m, part_l, part_acc)
-            out_acc = cuda.local.array(n_out, float32)  # not acc: keeps acc in registers
-            merge_if_last(arrivals, seq * n_kv + kv_head, n_active, flag_sh, out_acc, weight_sh,
-                          row0, group, n_splits, part_m, part_l, part_acc, out, head_dim, n_out,
-                          quantize, xq, xd, xs)
-        elif split == 0:
-            store_zero_rows(row0, group * head_dim, out, head_dim, quantize, xq, xd, xs)
     return decode_gqa
+
+
+@functools.cache
+def merge_kernel(head_dim: int, quantize: bool):
+    sum_len = WARPS * MERGE_DIMS  # shared / local array sizes must be compile-time constants
+
+    @cuda.jit(fastmath=True)
+    def merge_splits(seq_lens, part_m, part_l, part_acc, n_splits, out, xq, xd, xs):
+        # One block per (head, query row, MERGE_DIMS dims of the head): out = Σ_s w_s·acc_s over
+        # the row's splits that hold keys (_split_weights: w_s = e^(m_s - m) / Σ e^(m_s' - m)·l_s';
+        # none: 0). Warp w sums splits w, w + 4, ... for 2 dims a lane, four splits' loads at once.
+        head, seq, z = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
+        row = seq * cuda.gridDim.x + head
+        warp, lane = cuda.threadIdx.x // 32, cuda.threadIdx.x % 32
+        weight_sh = cuda.shared.array(CHUNK, float32)
+        sum_sh = cuda.shared.array(sum_len, float32)  # (warps, dims)
+        seq_len = seq_lens[seq]
+        split_len = _split_len(seq_len, n_splits)
+        n_active = (seq_len + split_len - 1) // split_len
+        if warp == 0:
+            _split_weights(row, n_active, n_splits, part_m, part_l, weight_sh, 0)
+        cuda.syncthreads()
+        at = row * n_splits * head_dim + z * MERGE_DIMS + 2 * lane  # split 0's dims
+        a0, a1 = float32(0.0), float32(0.0)
+        for s0 in range(warp, n_active, 4 * WARPS):
+            for u in range(4):
+                s = s0 + u * WARPS
+                live = s < n_active
+                ss = s if live else s0  # past the end: re-read a live split with weight 0
+                lo, hi = ld_v2_u32(part_acc, 4 * (at + ss * head_dim))
+                w = weight_sh[ss] if live else float32(0.0)
+                a0 += w * bits_to_f32(lo)
+                a1 += w * bits_to_f32(hi)
+        sum_sh[warp * MERGE_DIMS + 2 * lane] = a0
+        sum_sh[warp * MERGE_DIMS + 2 * lane + 1] = a1
+        cuda.syncthreads()
+        if warp < MERGE_DIMS // 32:  # warp-uniform: each stores one 32-dim q8 block
+            i = warp * 32 + lane
+            v = float32(0.0)
+            for w in range(WARPS):
+                v += sum_sh[w * MERGE_DIMS + i]
+            _store_out(v, row * head_dim + z * MERGE_DIMS + i, out, quantize, xq, xd, xs)
+    return merge_splits
+
+
+def paged_decode(q, k_cache, v_cache, block_table, max_blocks, row_seq, seq_lens, n_kv,
+                 block_size, scale, ws, n_splits: int, out, quantize: bool, q8: tuple,
+                 stream) -> None:
+    """attention.paged_decode_attention on tensor cores (flat caches and table as it passes
+    them): the scan's partials in ws, then their merge into out (and its q8 form q8 = (xq, xd,
+    xs) when quantize)."""
+    n_seqs, n_heads, head_dim = q.shape
+    group = n_heads // n_kv
+    gqa_kernel(head_dim, group)[(n_kv, n_seqs, n_splits), CHUNK, stream](
+        q.reshape(q.size), k_cache, v_cache, block_table, max_blocks, row_seq, seq_lens, n_kv,
+        block_size, scale, ws.part_m, ws.part_l, ws.part_acc)
+    merge_kernel(head_dim, quantize)[
+        (n_heads, n_seqs, head_dim // MERGE_DIMS), CHUNK, stream](
+        seq_lens, ws.part_m, ws.part_l, ws.part_acc, n_splits, out.reshape(out.size), *q8)
