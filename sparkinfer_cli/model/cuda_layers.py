@@ -13,7 +13,6 @@ from sparkinfer_cli.kernels.cuda import (
     activation,
     attention,
     attention_prefill,
-    expert_gemv,
     gated_delta,
     graphs,
     mma_gemm,
@@ -60,11 +59,9 @@ class CudaSwiGLU:
 
 
 class CudaMoE:
-    """Router top-k on the device, then the selected experts only: prefills of ≥
-    EXPERTS_MMA_MIN_ROWS tokens sort the slots by expert and run tensor-core GEMMs per expert tile,
-    decode batches of ≥ EXPERTS_TILED_MIN_ROWS sort them too and run GEMVs over tiles of the slots
-    that share an expert (expert_gemv), smaller passes one GEMV per (token, expert) slot
-    (slot_mat = ids).
+    """Router top-k on the device; decode passes run one GEMV per (token, expert) slot reading
+    only the selected experts (slot_mat = ids), prefills of ≥ EXPERTS_MMA_MIN_ROWS tokens sort
+    the slots by expert and run tensor-core GEMMs per expert tile.
 
     The weighted combine of the experts (and the gated shared expert) is left to `add_norm`, which
     folds it into the next pre-norm's residual add: one launch instead of three."""
@@ -107,17 +104,13 @@ class CudaMoE:
         self._expert_gemv(ws, route, self.down, hidden, self._down(ws), ws.iota(rows * k), stream)
 
     def _route(self, ws: Workspace, stream) -> ExpertRoute | None:
-        """This pass's slots sorted by expert on the device, in tiles: tensor-core GEMM tiles for
-        prefills, expert_gemv.TILE slots for decode batches of ≥ EXPERTS_TILED_MIN_ROWS; None
-        for smaller passes (one GEMV per slot)."""
-        if ws.uses_mma(ws.n_rows, self.gate.matrix, experts=True):
-            tile = mma_gemm.TOKEN_TILES[0]
-        elif ws.uses_expert_tiles(ws.n_rows):
-            tile = expert_gemv.TILE
-        else:
+        """Prefills: this pass's slots sorted by expert into tensor-core GEMM tiles. None for
+        decode: per-slot GEMVs measured faster than GEMVs per expert tile at 64 sequences
+        (bench/cuda_gemv_bench.py: a slot's expert re-read comes from L2)."""
+        if not ws.uses_mma(ws.n_rows, self.gate.matrix, experts=True):
             return None
         n_slots = ws.n_rows * self.k
-        route = ws.expert_route(self.n_expert, n_slots, tile)
+        route = ws.expert_route(self.n_expert, n_slots, mma_gemm.TOKEN_TILES[0])
         route_experts(self._picks(ws)[0].reshape(n_slots), n_slots, route, stream)
         return route
 
@@ -156,21 +149,17 @@ class CudaMoE:
 
     @staticmethod
     def _on_tensor_cores(route: ExpertRoute | None, w: DeviceLinear) -> bool:
-        return route is not None and route.tile == mma_gemm.TOKEN_TILES[0] and \
-            mma_gemm.supports(w.matrix)
+        return route is not None and mma_gemm.supports(w.matrix)
 
     def _expert_gemv(self, ws, route, w: DeviceLinear, x, y, slot_x, stream, up=None) -> None:
-        """y[slot] = W[expert(slot)]·x[slot_x[slot]]: per expert tile of the route (tensor-core
-        GEMMs, or GEMVs over the tile's slots), else one GEMV per slot (slot_mat = ids)."""
+        """y[slot] = W[expert(slot)]·x[slot_x[slot]]: tensor-core GEMMs per expert tile when
+        routed, else one GEMV per slot reading only the selected experts (slot_mat = ids)."""
         up_matrix = None if up is None else up.matrix
         n_slots = y.shape[0]
         if self._on_tensor_cores(route, w):
             mma_gemm.grouped_matmul(w.matrix, x.f.reshape(x.f.shape[0] * x.f.shape[1], -1),
                                     y.reshape(n_slots, -1), route, slot_x, up=up_matrix,
                                     stream=stream)
-        elif route is not None and route.tile == expert_gemv.TILE:
-            expert_gemv.expert_gemv(w.matrix, x.for_matrix(w.matrix), y, route, slot_x,
-                                    up=up_matrix, stream=stream)
         else:
             qg.gemv(w.matrix, x.for_matrix(w.matrix), y, slot_x=slot_x, up=up_matrix,
                     slot_mat=self._picks(ws)[0].reshape(n_slots), stream=stream)

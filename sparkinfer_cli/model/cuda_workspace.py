@@ -31,11 +31,6 @@ MAX_COLS = qg.MAX_COLS
 # sorted by expert). A GEMM block walks all of k (~2 µs a 32-wide step on the H200): a decode
 # batch gives an expert ~2 tokens, and the per-slot GEMVs finish first.
 EXPERTS_MMA_MIN_ROWS = 256
-# Decode batches of at least this many tokens sort their expert picks by expert on the device and
-# run the experts' GEMVs over tiles of the slots that share an expert (expert_gemv): at 64
-# sequences (512 picks of 256 experts) the per-slot GEMVs took 15.4 of a 27.7 ms step against a
-# 4.2 ms read of the experts they touch. Below, most experts have one slot: a GEMV per slot.
-EXPERTS_TILED_MIN_ROWS = 32
 # Dense linears of at least this many tokens run as tensor-core GEMMs, splitting k over the grid's
 # z when the row blocks alone do not fill the GPU (mma_gemm.k_splits): each weight is dequantized
 # once per token tile, where the GEMV re-reads and re-dequantizes its matrix once per 8 tokens
@@ -157,11 +152,6 @@ class Workspace:
         on tensor cores."""
         min_rows = EXPERTS_MMA_MIN_ROWS if experts else LINEAR_MMA_MIN_ROWS
         return self.quantized and n_tokens >= min_rows and mma_gemm.supports(w)
-
-    def uses_expert_tiles(self, n_tokens: int) -> bool:
-        """Whether the MoE experts of a pass of n_tokens rows (not on tensor cores) run as GEMVs
-        over tiles of the slots that picked the same expert."""
-        return n_tokens >= EXPERTS_TILED_MIN_ROWS
 
     def mma_partials(self, w: qg.DeviceQuantMatrix, n_tokens: int, swiglu: bool, stream):
         """The split-K scratch of mma_gemm.matmul(w) over n_tokens rows (None: k is not split):

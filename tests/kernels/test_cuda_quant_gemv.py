@@ -8,9 +8,7 @@ from gguf.quants import dequantize, quantize
 from numba import cuda
 
 from sparkinfer_cli.ggml_types import COMPUTE_TYPES, GGMLType, row_bytes
-from sparkinfer_cli.kernels.cuda import expert_gemv
 from sparkinfer_cli.kernels.cuda import quant_gemv as qg
-from sparkinfer_cli.kernels.cuda.expert_route import ExpertRoute, route_experts
 from sparkinfer_cli.kernels.cuda.launch import to_device_bytes
 
 # byte offsets of the fp16 scale fields in one block, overwritten with sane values
@@ -179,24 +177,17 @@ def swiglu_reference(gate_bytes, up_bytes, ggml_type, k, x_slot):
     return g / (1 + np.exp(-g)) * qg.gemv_reference(up_bytes, ggml_type, k, xk)
 
 
-def check_expert_slots(ggml_type, k, n_rows, slot_mat, slot_x, swiglu, rng, tiled=False):
+def check_expert_slots(ggml_type, k, n_rows, slot_mat, slot_x, swiglu, rng):
     """The per-slot GEMV (fused SwiGLU when swiglu) over random expert matrices and 2 activation
-    groups, each slot checked against numpy; tiled: the slots sorted by expert on the device and
-    run by expert_gemv over tiles of one expert's slots."""
+    groups, each slot checked against numpy."""
     n_mats = max(slot_mat) + 1
     gate_bytes, up_bytes = (random_weights(ggml_type, n_mats * n_rows, k, rng) for _ in range(2))
     x = rng.standard_normal((2, 1, k)).astype(np.float32)
     gate, up = (qg.DeviceQuantMatrix(to_device_bytes(b), ggml_type, k, n_rows, n_mats)
                 for b in (gate_bytes, up_bytes))
-    # NaN: a slot the kernel never writes fails the check
-    y = cuda.to_device(np.full((len(slot_mat), 1, n_rows), np.nan, np.float32))  # (slots, 1, rows)
-    act, up_arg = upload_activations(x, gate), up if swiglu else None
-    if tiled:
-        route = ExpertRoute(n_mats, len(slot_mat), expert_gemv.TILE)
-        route_experts(dev_i32(slot_mat), len(slot_mat), route)
-        expert_gemv.expert_gemv(gate, act, y, route, dev_i32(slot_x), up=up_arg)
-    else:
-        qg.gemv(gate, act, y, slot_mat=dev_i32(slot_mat), slot_x=dev_i32(slot_x), up=up_arg)
+    y = cuda.device_array((len(slot_mat), 1, n_rows), np.float32)  # (slots, 1, rows)
+    qg.gemv(gate, upload_activations(x, gate), y, slot_mat=dev_i32(slot_mat),
+            slot_x=dev_i32(slot_x), up=up if swiglu else None)
     y = y.copy_to_host()
     per_mat = [b.reshape(n_mats, n_rows, -1) for b in (gate_bytes, up_bytes)]
     for s, (m, g) in enumerate(zip(slot_mat, slot_x)):
@@ -210,28 +201,6 @@ def check_expert_slots(ggml_type, k, n_rows, slot_mat, slot_x, swiglu, rng, tile
 def test_fused_swiglu_gemv_over_expert_slots():
     check_expert_slots(GGMLType.Q4_K, 256, 3, [2, 0, 2], [0, 0, 1], True,
                        np.random.default_rng(13))
-
-
-@pytest.mark.parametrize("ggml_type, k, swiglu", [
-    (GGMLType.Q4_K, 256, True), (GGMLType.Q8_0, 64, False)], ids=["Q4_K SwiGLU", "Q8_0"])
-def test_expert_gemv_over_tiles_of_the_slots_sharing_an_expert(ggml_type, k, swiglu):
-    # expert 2 has 9 slots (its last tile holds one: TILE is 2 or more), expert 0 two, expert 3
-    # one, expert 1 none: more tiles than the grid's 4 (min(max_tiles, n_expert)) tile blocks.
-    # The last slot is expert 0's: a column past a tile's slots that stored anyway (at slot -1)
-    # would land in it after.
-    slot_mat = [2, 0, 2, 3, 2, 2, 2, 2, 2, 2, 2, 0]
-    slot_x = [0, 1, 1, 0, 1, 0, 0, 1, 1, 0, 0, 1]
-    check_expert_slots(ggml_type, k, 5, slot_mat, slot_x, swiglu, np.random.default_rng(18),
-                       tiled=True)
-
-
-def test_expert_gemv_rejects_other_tile_sizes():
-    w = qg.DeviceQuantMatrix(to_device_bytes(np.zeros(row_bytes(GGMLType.Q8_0, 64), np.uint8)),
-                             GGMLType.Q8_0, 64, 1, 1)
-    route = ExpertRoute(1, 4, expert_gemv.TILE + 1)
-    with pytest.raises(ValueError, match="tiles"):
-        expert_gemv.expert_gemv(w, qg.QuantizedActivations(1, 1, 64),
-                                cuda.device_array((4, 1, 1), np.float32), route, dev_i32([0] * 4))
 
 
 @pytest.mark.parametrize("ggml_type, k, n_rows, swiglu", [

@@ -239,26 +239,6 @@ def test_linears_on_tensor_cores_in_a_batched_decode_graph(monkeypatch) -> None:
     assert np.abs(mma - gemv).max() <= 0.05 * np.abs(gemv).max()
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("family", ("qwen35moe", "qwen3moe"))
-def test_experts_over_slot_tiles_in_a_batched_decode_graph(family: str) -> None:
-    """33 sequences decode together (a bucket of 64 rows: the experts run as GEMVs over tiles of
-    the slots sharing an expert, expert_gemv, inside the graph); each one's first steps equal
-    the same sequence decoded alone (one row: a GEMV per slot). Exact mode: float activations,
-    GEMVs for the dense linears too, so only the expert path differs."""
-    from sparkinfer_cli.model import cuda_workspace
-
-    assert 1 < cuda_workspace.EXPERTS_TILED_MIN_ROWS <= 64
-    model = _tiny(family, "Q8_0", exact=True)
-    prompt = _goldens(family)["prompt_long"]
-    prompts = [prompt[i:i + 4 + i % 5] for i in range(33)]
-    together = _decode_group(model, prompts, list(range(len(prompts))), n_steps=2)
-    for i in (0, 7, 32):
-        alone = _decode_group(model, prompts, [i], n_steps=2)[i]
-        delta = float(np.abs(np.stack(alone) - np.stack(together[i])).max())
-        assert delta <= DECODE_VS_BATCH_TOL, f"{family} sequence {i}: batched vs alone {delta:.3g}"
-
-
 def _greedy(model, ids: list[int], n: int) -> list[int]:
     cache = model.create_cache(-(-(len(ids) + n) // BLOCK_SIZE), BLOCK_SIZE, 1)
     table = np.arange(cache.num_blocks)

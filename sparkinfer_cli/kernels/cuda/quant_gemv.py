@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
 
 import numpy as np
 from numba import cuda, float32, int32, int64, uint32
@@ -342,7 +341,7 @@ def _row_reduction(n_acc: int):
 
 
 @functools.cache
-def block_rows_fn(ggml_type: GGMLType, n_cols: int, swiglu: bool, rows_per_lane: int):
+def _block_rows(ggml_type: GGMLType, n_cols: int, swiglu: bool, rows_per_lane: int):
     """The GEMV kernel's device body: this block's rows of the matrix at byte mat_base, dotted with
     n_cols activation columns; column c reads x from element xcol[c] and lands in output column
     ycol[c] (the kernel maps its grid.x slot to those columns).
@@ -414,8 +413,8 @@ def _row_stores(n_cols: int, swiglu: bool, rows_per_lane: int):
     def store_rows(acc, row, rows_per_warp, n_rows, ycol, bias, has_bias, y0, y1, y2, y3, ends):
         for j in range(rows_per_lane):
             r = row + j * rows_per_warp
-            for c in range(n_cols):
-                if r < n_rows and ycol[c] >= 0:  # ycol < 0: a column with no slot (expert_gemv)
+            if r < n_rows:
+                for c in range(n_cols):
                     total = acc[j * n_acc + c]
                     if swiglu:
                         total = total / (float32(1.0) + math.exp(-total)) \
@@ -436,7 +435,7 @@ def _gemv_kernel(ggml_type: GGMLType, n_cols: int, swiglu: bool = False,
     groups of a batched linear, or the tokens that picked the same expert, share one DRAM read
     of those rows through L2 (with row blocks fastest, a slot's re-read came after the whole
     matrix had passed through L2)."""
-    block_rows = block_rows_fn(ggml_type, n_cols, swiglu, rows_per_lane)
+    block_rows = _block_rows(ggml_type, n_cols, swiglu, rows_per_lane)
 
     @cuda.jit(fastmath=True)
     def gemv(w, w2, row_bytes, n_rows, mat_bytes, k, lanes_per_row, row_warps, n_row_blocks,
@@ -584,51 +583,33 @@ def gemv(w: DeviceQuantMatrix, x, y, *, slot_mat=None, slot_x=None,
     y may be a sequence of up to MAX_PARTS arrays (n_slots, n_cols, rows_p) with Σ rows_p = n_rows:
     the stacked matrix's rows in order, one part per array.
     """
-    check_up(w, up)
+    _check_up(w, up)
     slot_mat = _default_slots() if slot_mat is None else slot_mat
     slot_x = _default_slots() if slot_x is None else slot_x
     n_slots = slot_mat.size
-    xq, xd, xs, n_cols = activation_args(w, x)
+    xq, xd, xs, n_cols = _activation_args(w, x)
     parts, ends = output_parts(y, n_slots, n_cols, w.n_rows)
     if bias is not None:
         check_array("bias", bias, np.float32, (w.n_rows,))
-    g = RowGeometry.of(w, n_cols, n_slots)
-    kernel = _gemv_kernel(w.ggml_type, n_cols, up is not None, g.lane_rows)
-    kernel[(n_slots, g.grid_y), 32 * WARPS_PER_BLOCK, stream](
+    lanes = lanes_per_row(w.ggml_type, w.k)
+    warps = row_warps(w.ggml_type, w.k, w.n_rows * n_slots)
+    lane_rows = rows_per_lane(n_cols, w.n_rows * n_slots, warps)
+    n_row_blocks = cdiv(w.n_rows, WARPS_PER_BLOCK // warps * (32 // lanes) * lane_rows)
+    grid = (n_slots, min(n_row_blocks, MAX_GRID_Y))
+    kernel = _gemv_kernel(w.ggml_type, n_cols, up is not None, lane_rows)
+    kernel[grid, 32 * WARPS_PER_BLOCK, stream](
         w.data, w.data if up is None else up.data, w.row_bytes, w.n_rows, w.n_rows * w.row_bytes,
-        w.k, g.lanes, g.warps, g.n_row_blocks, slot_mat, slot_x, xq, xd, xs,
-        parts[0] if bias is None else bias, bias is not None, *parts, ends)
+        w.k, lanes, warps, n_row_blocks, slot_mat, slot_x, xq, xd, xs, parts[0] if bias is None else bias,
+        bias is not None, *parts, ends)
 
 
-class RowGeometry(NamedTuple):
-    """How a GEMV launch spreads a matrix's rows: lanes a row, warps a row, rows a lane, row
-    blocks (and the grid.y that walks them)."""
-    lanes: int
-    warps: int
-    lane_rows: int
-    n_row_blocks: int
-
-    @property
-    def grid_y(self) -> int:
-        return min(self.n_row_blocks, MAX_GRID_Y)
-
-    @classmethod
-    def of(cls, w: DeviceQuantMatrix, n_cols: int, n_slots: int) -> RowGeometry:
-        """n_slots: the matrices' worth of rows the launch covers (slots, or expert tiles)."""
-        lanes = lanes_per_row(w.ggml_type, w.k)
-        warps = row_warps(w.ggml_type, w.k, w.n_rows * n_slots)
-        lane_rows = rows_per_lane(n_cols, w.n_rows * n_slots, warps)
-        rows_per_block = WARPS_PER_BLOCK // warps * (32 // lanes) * lane_rows
-        return cls(lanes, warps, lane_rows, cdiv(w.n_rows, rows_per_block))
-
-
-def check_up(w: DeviceQuantMatrix, up: DeviceQuantMatrix | None) -> None:
+def _check_up(w: DeviceQuantMatrix, up: DeviceQuantMatrix | None) -> None:
     if up is not None and (up.ggml_type, up.k, up.n_rows, up.n_mats) != (
             w.ggml_type, w.k, w.n_rows, w.n_mats):
         raise ValueError("gate and up matrices must share type and shape for the fused SwiGLU")
 
 
-def activation_args(w: DeviceQuantMatrix, x) -> tuple:
+def _activation_args(w: DeviceQuantMatrix, x) -> tuple:
     """(xq, xd, xs, n_cols) kernel arguments of activations x of shape (n_groups, n_cols, w.k)."""
     _, n_cols, k = x.shape
     if w.takes_float_activations:
