@@ -49,9 +49,10 @@ from sparkinfer_cli.kernels.cuda.warp import shfl_xor
 
 MAX_GROUP = 8  # query heads a kv head may serve here (one n8 tile)
 TILE_KEYS = 16  # keys a warp scores at once (the mma's m)
-V_BATCH = 8  # keys whose V loads a lane has in flight at once
 MERGE_DIMS = 64  # output dims of one head a merge block sums (2 a lane; 2 q8 blocks)
-_V_WORDS = 4 * V_BATCH  # their u32 words (≤ 4 a key; a compile-time constant for local.array)
+# u32 words of V a lane holds at once: its dims of 8 keys (head_dim 256) or 16 (128), the first
+# batch loaded before the tile's scores so their latency overlaps the K loads
+_V_WORDS = 32
 ROUND_KEYS = WARPS * TILE_KEYS  # keys the block's warps take in one round
 STAGE_DIMS = 128  # K dims staged at once (shared memory: 4 warps × 16 rows × 272 bytes)
 _NEG = float32(-1e30)  # "no key yet" (finite: fast math assumes no infinities)
@@ -185,25 +186,32 @@ def _softmax_column(s_top, s_bottom, live_top, live_bottom, m_run, l_run):
 
 
 @device_function
-def _add_pv(acc, v_cache, row_sh, rbase, p_sh, pbase, dim0, per_lane, group):
+def _load_v(v, v_cache, row_sh, rbase, j0, dim0, words):
+    """v[words·j ...] ← the lane's V dims [dim0, dim0 + 2·words) of the batch's keys j0 + j,
+    one 16- or 8-byte load a key, all issued before any is used."""
+    for j in range(_V_WORDS // words):
+        at = 2 * (row_sh[rbase + j0 + j] + dim0)
+        if words == 4:
+            w = ld_v4_u32(v_cache, at)
+            v[4 * j], v[4 * j + 1], v[4 * j + 2], v[4 * j + 3] = w[0], w[1], w[2], w[3]
+        else:
+            v[2 * j], v[2 * j + 1] = ld_v2_u32(v_cache, at)
+
+
+@device_function
+def _add_pv(acc, v, v_cache, row_sh, rbase, p_sh, pbase, dim0, per_lane, group):
     """acc[h·per_lane + e] += P[j, h]·V_j[dim0 + e] over the tile's 16 keys j (P = 0 past the
-    end): the lane's dims of 8 keys loaded at once (one 16- or 8-byte load a key), then their
-    FMAs."""
+    end), in batches of _V_WORDS words: the first already in v (_load_v before the scores)."""
     words = per_lane // 2  # f16 pairs a lane takes of a V row
-    v = cuda.local.array(_V_WORDS, uint32)  # (V_BATCH keys, ≤ 4 words)
+    batch = _V_WORDS // words  # keys a batch
     x = cuda.local.array(8, float32)  # one key's dims
-    for j0 in range(0, TILE_KEYS, V_BATCH):
-        for j in range(V_BATCH):
-            at = 2 * (row_sh[rbase + j0 + j] + dim0)
-            if words == 4:
-                w = ld_v4_u32(v_cache, at)
-                v[4 * j], v[4 * j + 1], v[4 * j + 2], v[4 * j + 3] = w[0], w[1], w[2], w[3]
-            else:
-                v[4 * j], v[4 * j + 1] = ld_v2_u32(v_cache, at)
-        for j in range(V_BATCH):
+    for j0 in range(0, TILE_KEYS, batch):
+        if j0 > 0:
+            _load_v(v, v_cache, row_sh, rbase, j0, dim0, words)
+        for j in range(batch):
             for i in range(words):
-                x[2 * i] = f16_bits_to_f32(v[4 * j + i] & 0xFFFF)
-                x[2 * i + 1] = f16_bits_to_f32(v[4 * j + i] >> 16)
+                x[2 * i] = f16_bits_to_f32(v[words * j + i] & 0xFFFF)
+                x[2 * i + 1] = f16_bits_to_f32(v[words * j + i] >> 16)
             for h in range(group):
                 p = p_sh[pbase + (j0 + j) * MAX_GROUP + h]
                 for e in range(per_lane):
@@ -260,11 +268,13 @@ def _scan_tiles(q_sh, q_words, k_cache, v_cache, block_table, table, block_size,
     per_lane = head_dim // 32
     rbase, kbase, pbase = warp * TILE_KEYS, warp * TILE_KEYS * k_words, warp * TILE_KEYS * MAX_GROUP
     n_tiles = (end - start + TILE_KEYS - 1) // TILE_KEYS
+    v = cuda.local.array(_V_WORDS, uint32)  # a batch of the lane's V words
     for r in range(0, n_tiles, WARPS):
         k0 = start + (r + warp) * TILE_KEYS
         _key_rows(row_sh, rbase, block_table, table, block_size, n_kv, kv_head, head_dim, k0,
                   start, end)
         cuda.syncthreads()
+        _load_v(v, v_cache, row_sh, rbase, 0, lane * per_lane, per_lane // 2)
         c0, c1, c2, c3 = _scores(k_cache, row_sh, rbase, head_dim, k_sh, kbase, k_words, q_sh,
                                  q_words)
         live_top, live_bottom = k0 + g < end, k0 + g + 8 < end
@@ -283,7 +293,7 @@ def _scan_tiles(q_sh, q_words, k_cache, v_cache, block_table, table, block_size,
             corr = corr_sh[warp * MAX_GROUP + h]
             for e in range(per_lane):
                 acc[h * per_lane + e] *= corr
-        _add_pv(acc, v_cache, row_sh, rbase, p_sh, pbase, lane * per_lane, per_lane, group)
+        _add_pv(acc, v, v_cache, row_sh, rbase, p_sh, pbase, lane * per_lane, per_lane, group)
         cuda.syncthreads()  # before the next round rewrites row_sh / p_sh
 
 
