@@ -106,6 +106,9 @@ def test_paged_decode_matches_reference(block_size, n_kv, head_dim, n_heads, len
     (8, 1, 128, (150,), 150),
     # 2 kv heads of 3 query heads (padded to 8 columns), 2 rows, K rows staged in two halves
     (6, 2, 256, (70, 1), 70),
+    # 17 splits of 128 keys: the merge kernel's warps add splits w, w + 4, ... four at a time,
+    # warp 0's second pass holding one live split and three masked
+    (2, 1, 128, (2100,), 2100),
 ])
 def test_query_heads_of_a_kv_head_on_tensor_cores(n_heads, n_kv, head_dim, lens, max_context):
     assert attention_mma.tensor_core_group(n_heads, n_kv, attention.KV_F16, head_dim)
