@@ -162,12 +162,15 @@ def test_workspace_splits_cover_max_context_in_chunks():
 
 def test_a_launch_takes_fewer_splits_when_its_rows_fill_the_gpu():
     """Batch 1 (Qwen3.6: 16 heads in 8 groups) splits a 32k context as far as the float kernel
-    takes (in 2 groups, on tensor cores, as far as MAX_SPLITS); 64 rows take SPLIT_BLOCKS /
-    (64 · 8) each; a prefill-sized workspace keeps one split's partials (not 4096 rows ×
-    MAX_SPLITS)."""
+    takes; 64 rows take SPLIT_BLOCKS / (64 · 8) each; a prefill-sized workspace keeps one
+    split's partials (not 4096 rows × MAX_SPLITS)."""
     one, many = (attention.DecodeWorkspace(n, 16, 256, 32768) for n in (1, 64))
     assert one.splits(1, 16, 8) == attention.FLOAT_KERNEL_SPLITS < attention.MAX_SPLITS
-    assert one.splits(1, 16, 2, attention.MAX_SPLITS) == attention.MAX_SPLITS
+    # attention_mma's block target: 2 kv heads × 128 splits (Qwen3.6), 4 × 64 (Qwen3-30B)
+    tensor_cores = (attention.MAX_SPLITS, attention_mma.SPLIT_BLOCKS)
+    assert one.splits(1, 16, 2, *tensor_cores) == attention.MAX_SPLITS
+    qwen3_30b = attention.DecodeWorkspace(1, 32, 128, 32768)
+    assert qwen3_30b.splits(1, 32, 4, *tensor_cores) == attention.MAX_SPLITS // 2
     assert many.splits(64, 16, 8) == attention.SPLIT_BLOCKS // 512
     prefill = attention.DecodeWorkspace(4096, 16, 256, 32768)
     assert prefill.part_m.size == 4096 * 16

@@ -23,8 +23,8 @@ flight per round. The splits per row are chosen at launch (DecodeWorkspace.split
 to spread one long sequence, few for many rows.
 
 F16 caches whose kv heads serve 2-8 query heads (GQA, head_dim 128 or 256) take
-attention_mma.py's kernel instead: one block a kv head, its query heads on tensor cores, the
-same partials and merge.
+attention_mma.py's kernels instead: one block a kv head, its query heads on tensor cores, the
+same partials, merged by a second kernel spread over (row, head, 64 dims).
 """
 
 from __future__ import annotations
@@ -521,8 +521,8 @@ def heads_per_block(n_heads: int, n_kv: int, kind: int = KV_F16) -> int:
 # latencies and instructions more than by the K/V traffic that sharing saves.
 MAX_BLOCK_HEADS = 2
 MAX_SPLITS = CHUNK  # splits per query row a workspace holds (the merge weighs them in CHUNK floats)
-# This module's kernel takes at most 64: 128 splits ran slower above (attention_mma's takes
-# MAX_SPLITS: a kv head's one block per split leaves the GPU short of blocks at 64).
+# This module's kernel takes at most 64: 128 splits ran slower above (attention_mma's kernel,
+# one block a kv head, goes to MAX_SPLITS).
 FLOAT_KERNEL_SPLITS = 64
 # Blocks a launch aims for (rows × head groups × splits): one sequence spreads a long context
 # over MAX_SPLITS splits, many rows take few (every split past a row's end still launches).
@@ -550,12 +550,12 @@ class DecodeWorkspace:
         self.part_acc = cuda.device_array(n_parts * head_dim, np.float32)  # (..., head_dim)
         self.arrivals = cuda.to_device(np.zeros(n_seqs * n_heads, np.int32))  # (seqs, heads)
 
-    def splits(self, n_rows: int, n_heads: int, n_groups: int,
-               cap: int = FLOAT_KERNEL_SPLITS) -> int:
-        """Splits per row of a launch over n_rows query rows of n_heads heads in n_groups, at
-        most cap (the kernel's own limit)."""
+    def splits(self, n_rows: int, n_heads: int, n_groups: int, cap: int = FLOAT_KERNEL_SPLITS,
+               target: int = SPLIT_BLOCKS) -> int:
+        """Splits per row of a launch over n_rows query rows of n_heads heads in n_groups: about
+        `target` blocks in all, at most cap a row (the kernel's own limits)."""
         fit = self.part_m.size // (n_rows * n_heads)  # what the partials hold
-        return max(1, min(self.max_splits, cap, cdiv(SPLIT_BLOCKS, n_rows * n_groups), fit))
+        return max(1, min(self.max_splits, cap, cdiv(target, n_rows * n_groups), fit))
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, out, ws: DecodeWorkspace,
@@ -579,8 +579,9 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, out, ws: 
 
     packed = attention_mma.tensor_core_group(n_heads, n_kv, kind, head_dim)
     heads = n_heads // n_kv if packed else heads_per_block(n_heads, n_kv, kind)
-    n_splits = ws.splits(n_seqs, n_heads, n_heads // heads,
-                         MAX_SPLITS if packed else FLOAT_KERNEL_SPLITS)
+    n_splits = ws.splits(n_seqs, n_heads, n_heads // heads, MAX_SPLITS,
+                         attention_mma.SPLIT_BLOCKS) if packed else \
+        ws.splits(n_seqs, n_heads, n_heads // heads)
     if n_seqs * n_heads > ws.arrivals.size or q.size * n_splits > ws.part_acc.size:
         raise ValueError(f"q {q.shape} does not fit the decode workspace")
     check_array("out", out, np.float32, q.shape)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import math
 
-from numba import cuda, float32, int32, int64, uint32
+from numba import cuda, float32, int64, uint32
 
 from sparkinfer_cli.kernels.cuda.attention import (
     CHUNK,
@@ -49,6 +49,10 @@ from sparkinfer_cli.kernels.cuda.warp import shfl_xor
 
 MAX_GROUP = 8  # query heads a kv head may serve here (one n8 tile)
 TILE_KEYS = 16  # keys a warp scores at once (the mma's m)
+# Blocks a launch aims for (kv heads × rows × splits; attention.py's is 1024). Measured on the
+# H200 after 32,768 tokens (bench/cuda_decode_attention_bench.py, µs at 64 / 128 splits):
+# Qwen3.6, 2 kv heads: 61.4 / 50.7; Qwen3-30B, 4 kv heads: 44.6 / 53.9.
+SPLIT_BLOCKS = 256
 MERGE_DIMS = 64  # output dims of one head a merge block sums (2 a lane; 2 q8 blocks)
 # u32 words of V a lane holds at once: its dims of 8 keys (head_dim 256) or 16 (128), the first
 # batch loaded before the tile's scores so their latency overlaps the K loads
