@@ -599,8 +599,8 @@ def gemv(w: DeviceQuantMatrix, x, y, *, slot_mat=None, slot_x=None,
     kernel = _gemv_kernel(w.ggml_type, n_cols, up is not None, lane_rows)
     kernel[grid, 32 * WARPS_PER_BLOCK, stream](
         w.data, w.data if up is None else up.data, w.row_bytes, w.n_rows, w.n_rows * w.row_bytes,
-        w.k, lanes, warps, n_row_blocks, slot_mat, slot_x, xq, xd, xs, parts[0] if bias is None else bias,
-        bias is not None, *parts, ends)
+        w.k, lanes, warps, n_row_blocks, slot_mat, slot_x, xq, xd, xs,
+        parts[0] if bias is None else bias, bias is not None, *parts, ends)
 
 
 def _check_up(w: DeviceQuantMatrix, up: DeviceQuantMatrix | None) -> None:
