@@ -28,11 +28,12 @@ from sparkinfer_cli.kernels.cuda.launch import cdiv
 BLOCK_SIZE = 16
 SHAPES = {"qwen3.6": (16, 2, 256), "qwen3-30b": (32, 4, 128)}  # (n_heads, n_kv, head_dim)
 # (shape, sequences, context, [splits per row to try]); None: the launch's own choice
-# (DecodeWorkspace.splits: SPLIT_BLOCKS)
+# (DecodeWorkspace.splits: SPLIT_BLOCKS). attention.py's kernel takes at most
+# FLOAT_KERNEL_SPLITS (64): its rows asking for more run that many.
 CASES = [("qwen3.6", 1, 32768, [None, 32, 64, 128]), ("qwen3.6", 1, 512, [None, 1, 2]),
          ("qwen3-30b", 1, 512, [None, 1, 2]), ("qwen3-30b", 1, 32768, [None, 32, 64, 128]),
          ("qwen3.6", 64, 256, [None, 1, 4, 64])]
-DEFAULT_SPLIT_BLOCKS = attention.SPLIT_BLOCKS
+DEFAULT_SPLIT_BLOCKS = attention.SPLIT_BLOCKS, attention_mma.SPLIT_BLOCKS
 HEADS_PER_BLOCK = (0, 1, 2, 4)  # 0: attention_mma's kernel (all of a kv head's query heads)
 PACKED = attention_mma.tensor_core_group
 FLOOR_BYTES_PER_US = 4.0e6  # 4 TB/s
@@ -66,7 +67,8 @@ def time_variant(case: dict, n_splits: int | None, heads: int, ctx: int,
     attention_mma.tensor_core_group = PACKED if heads == 0 else (lambda *_: False)
     attention.MAX_BLOCK_HEADS = max(heads, 1)
     # a forced split count: no block target to lower it
-    attention.SPLIT_BLOCKS = DEFAULT_SPLIT_BLOCKS if n_splits is None else 1 << 30
+    attention.SPLIT_BLOCKS, attention_mma.SPLIT_BLOCKS = \
+        DEFAULT_SPLIT_BLOCKS if n_splits is None else (1 << 30, 1 << 30)
     q, n_seqs = case["q"], case["q"].shape[0]
     ws = attention.DecodeWorkspace(n_seqs, case["n_heads"], case["head_dim"], ctx,
                                    split_len=attention.CHUNK if n_splits is None

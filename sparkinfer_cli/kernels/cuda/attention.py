@@ -525,14 +525,16 @@ MAX_SPLITS = CHUNK  # splits per query row a workspace holds (the merge weighs t
 # one block a kv head, goes to MAX_SPLITS).
 FLOAT_KERNEL_SPLITS = 64
 # Blocks a launch aims for (rows × head groups × splits): one sequence spreads a long context
-# over MAX_SPLITS splits, many rows take few (every split past a row's end still launches).
+# over FLOAT_KERNEL_SPLITS splits, many rows take few (every split past a row's end still
+# launches). attention_mma has its own (its SPLIT_BLOCKS).
 SPLIT_BLOCKS = 1024
 
 
 class DecodeWorkspace:
     """Split-K decode state for up to n_seqs query rows: each (row, head, split)'s partial (max,
-    sum, unnormalised out) and, per (row, head group), how many splits have stored theirs (zero
-    between launches: the last split resets it).
+    sum, unnormalised out) and the counters of this module's kernel: per (row, head group) (one
+    slot a head), how many splits have stored theirs (zero between launches: the last split
+    resets it; attention_mma's merge kernel needs none).
 
     max_splits = min(MAX_SPLITS, ⌈max_context / split_len⌉) bounds the splits per row (split_len:
     the fewest keys a split gets at max_context, at least CHUNK, a split's unit); a launch takes

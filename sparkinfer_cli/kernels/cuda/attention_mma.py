@@ -68,7 +68,7 @@ _LDMATRIX_ALIGN = None if IS_SIMULATOR else 16
 def tensor_core_group(n_heads: int, n_kv: int, kind: int, head_dim: int) -> bool:
     """Whether this kernel serves the launch: an F16 cache, 2..MAX_GROUP query heads a kv head
     (one head a kv head gains nothing from sharing loads) and head_dim 128 or 256 (whole
-    STAGE_DIMS rounds, a lane's V dims whole 8-byte loads, shared memory under 48 KB)."""
+    STAGE_DIMS rounds, a lane's V dims one 8- or 16-byte load, shared memory under 48 KB)."""
     group = n_heads // n_kv
     return kind == KV_F16 and 2 <= group <= MAX_GROUP and head_dim in (128, 256)
 
