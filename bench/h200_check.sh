@@ -9,13 +9,16 @@
 #                                      # then the host side of a decode step               (~7 min)
 #   bash bench/h200_check.sh bench36   # `sparkinfer bench`, Qwen3.6 shape: 512 / 32768 tokens,
 #                                      # 8 / 64 sequences (~6.5 min: ~4 of them compiling kernels)
-#   bash bench/h200_check.sh bench30   # `sparkinfer bench`, Qwen3-30B shape, 512 tokens (~5 min)
+#   bash bench/h200_check.sh bench30   # `sparkinfer bench`, Qwen3-30B shape, 512 / 32768 tokens
+#                                      # (~2.5 min)
+#   bash bench/h200_check.sh trace30   # every launch of a Qwen3-30B decode step after 512 tokens
+#                                      # (CUPTI, in order), then its host side       (~2 min)
 #
 # Everything is logged under $OUT (the device tool brings that folder back).
 set -u
 case "${1:-tests}" in
-  tests|oracle|kernels|profile|bench36|bench30) ;;
-  *) echo "usage: $0 tests|oracle|kernels|profile|bench36|bench30" >&2; exit 2 ;;
+  tests|oracle|kernels|profile|bench36|bench30|trace30) ;;
+  *) echo "usage: $0 tests|oracle|kernels|profile|bench36|bench30|trace30" >&2; exit 2 ;;
 esac
 OUT=${OUT:-/tmp/h200_out}
 mkdir -p "$OUT"
@@ -59,5 +62,9 @@ case "${1:-tests}" in
       --ctx 512 --ctx 32768 --concurrency 8 --concurrency 64 --out "$OUT/bench" ;;
   bench30)
     run bench30.log 560 python3 -m sparkinfer_cli bench --synthetic qwen3-30b-a3b --device cuda \
-      --ctx 512 --concurrency 1 --out "$OUT/bench" ;;
+      --ctx 512 --ctx 32768 --concurrency 1 --out "$OUT/bench" ;;
+  trace30)
+    run trace30.log 200 python3 bench/cuda_kernel_profile.py qwen3-30b-a3b "$OUT/trace30.json" \
+      --steps 10 --trace
+    run host30.log 150 python3 bench/cuda_host_profile.py qwen3-30b-a3b ;;
 esac
