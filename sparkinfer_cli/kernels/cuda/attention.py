@@ -581,9 +581,10 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, out, ws: 
 
     packed = attention_mma.tensor_core_group(n_heads, n_kv, kind, head_dim)
     heads = n_heads // n_kv if packed else heads_per_block(n_heads, n_kv, kind)
-    n_splits = ws.splits(n_seqs, n_heads, n_heads // heads, MAX_SPLITS,
-                         attention_mma.SPLIT_BLOCKS) if packed else \
-        ws.splits(n_seqs, n_heads, n_heads // heads)
+    # each kernel's split cap and block target
+    cap, target = (MAX_SPLITS, attention_mma.SPLIT_BLOCKS) if packed else \
+        (FLOAT_KERNEL_SPLITS, SPLIT_BLOCKS)
+    n_splits = ws.splits(n_seqs, n_heads, n_heads // heads, cap, target)
     if n_seqs * n_heads > ws.arrivals.size or q.size * n_splits > ws.part_acc.size:
         raise ValueError(f"q {q.shape} does not fit the decode workspace")
     check_array("out", out, np.float32, q.shape)

@@ -54,6 +54,7 @@ TILE_KEYS = 16  # keys a warp scores at once (the mma's m)
 # Qwen3.6, 2 kv heads: 61.4 / 50.7; Qwen3-30B, 4 kv heads: 44.6 / 53.9.
 SPLIT_BLOCKS = 256
 MERGE_DIMS = 64  # output dims of one head a merge block sums (2 a lane; 2 q8 blocks)
+_MERGE_LOADS = 4  # splits whose partials a merge lane has in flight at once
 # u32 words of V a lane holds at once: its dims of 8 keys (head_dim 256) or 16 (128), the first
 # batch loaded before the tile's scores so their latency overlaps the K loads
 _V_WORDS = 32
@@ -354,7 +355,7 @@ def merge_kernel(head_dim: int, quantize: bool):
     def merge_splits(seq_lens, part_m, part_l, part_acc, n_splits, out, xq, xd, xs):
         # One block per (head, query row, MERGE_DIMS dims of the head): out = Σ_s w_s·acc_s over
         # the row's splits that hold keys (_split_weights: w_s = e^(m_s - m) / Σ e^(m_s' - m)·l_s';
-        # none: 0). Warp w sums splits w, w + 4, ... for 2 dims a lane, four splits' loads at once.
+        # none: 0). Warp w sums splits w, w + 4, ... for 2 dims a lane, _MERGE_LOADS at once.
         head, seq, z = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
         row = seq * cuda.gridDim.x + head
         warp, lane = cuda.threadIdx.x // 32, cuda.threadIdx.x % 32
@@ -368,8 +369,8 @@ def merge_kernel(head_dim: int, quantize: bool):
         cuda.syncthreads()
         at = row * n_splits * head_dim + z * MERGE_DIMS + 2 * lane  # split 0's dims
         a0, a1 = float32(0.0), float32(0.0)
-        for s0 in range(warp, n_active, 4 * WARPS):
-            for u in range(4):
+        for s0 in range(warp, n_active, _MERGE_LOADS * WARPS):
+            for u in range(_MERGE_LOADS):
                 s = s0 + u * WARPS
                 live = s < n_active
                 ss = s if live else s0  # past the end: re-read a live split with weight 0
