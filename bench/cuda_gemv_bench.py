@@ -173,11 +173,17 @@ def main() -> None:
     rows += [expert_row(case, n_tokens, rng, stream)
              for n_tokens in (64, 1) for case in EXPERT_CASES]
     rows += [plain_row(t, k, n, rng, stream) for t, k, n in PLAIN_CASES]
-    two_rows_a_lane = [(t, k, n) for t, k, n in PLAIN_CASES if qg.rows_per_lane(1, n, 1) == 2]
+    two_rows_a_lane = [(t, k, n) for t, k, n in PLAIN_CASES if _two_rows_a_lane(t, k, n)]
     qg.MULTI_ROW_MIN_ROWS = 1 << 62  # A/B: those matrices again with one row a lane
     rows += [plain_row(t, k, n, rng, stream, label="(one row a lane)")
              for t, k, n in two_rows_a_lane]
     _write(rows, args.json)
+
+
+def _two_rows_a_lane(ggml_type: GGMLType, k: int, n_rows: int) -> bool:
+    units = qg.units_per_row(ggml_type, k)
+    lanes = qg.lanes_per_row(ggml_type, k, n_rows)
+    return qg.rows_per_lane(1, n_rows, 1, -(-units // lanes)) == 2
 
 
 def _write(rows: list[dict], path: str | None) -> None:

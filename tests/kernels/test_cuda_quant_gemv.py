@@ -210,9 +210,32 @@ def test_fused_swiglu_gemv_over_expert_slots():
 ], ids=["Q4_K", "Q8_0 short rows", "Q4_K SwiGLU"])
 def test_gemv_with_two_rows_a_lane(monkeypatch, ggml_type, k, n_rows, swiglu):
     monkeypatch.setattr(qg, "MULTI_ROW_MIN_ROWS", 1)  # the path big matrices take
-    assert qg.rows_per_lane(1, n_rows, 1) == 2
+    assert qg.rows_per_lane(1, n_rows, 1, 1) == 2
     check_expert_slots(ggml_type, k, n_rows, [1, 0, 1], [0, 1, 1], swiglu,
                        np.random.default_rng(17))
+
+
+@pytest.mark.parametrize("ggml_type, k, lanes", [
+    (GGMLType.Q4_K, 1024, 4),  # 16 units: 8 → 4 lanes, 4 units each
+    (GGMLType.Q6_K, 768, 4),  # 12 units: 16 lanes → 4 (3 units each: they split evenly)
+    (GGMLType.Q8_0, 512, 4),  # 16 units
+], ids=["Q4_K", "Q6_K uneven", "Q8_0"])
+def test_gemv_with_rows_narrowed_to_fewer_lanes(monkeypatch, ggml_type, k, lanes):
+    # a GEMV past the lane budget (the LM head, many expert slots): fewer lanes a row, each
+    # looping over several units; 13 rows over 3 slots leave a block's last rows past the end
+    monkeypatch.setattr(qg, "LANE_BUDGET", 1)
+    assert qg.lanes_per_row(ggml_type, k, 13 * 3) == lanes
+    check_expert_slots(ggml_type, k, 13, [1, 0, 1], [0, 1, 1], False, np.random.default_rng(19))
+
+
+def test_lanes_per_row_narrows_only_gemvs_past_the_budget():
+    # Qwen3-30B-A3B decode shapes: the attention output projection keeps a warp a row, the fused
+    # q/k/v and the experts' gate+up halve it, the LM head goes to 4 lanes of 8 units
+    assert qg.lanes_per_row(GGMLType.Q4_K, 4096, 2048) == 32
+    assert qg.lanes_per_row(GGMLType.Q4_K, 2048, 5120) == 16
+    assert qg.lanes_per_row(GGMLType.Q4_K, 2048, 8 * 768) == 16
+    assert qg.lanes_per_row(GGMLType.Q6_K, 2048, 151936) == 4
+    assert qg.lanes_per_row(GGMLType.Q4_K, 768, 8 * 2048) == 4  # 12 units: even over 4 lanes
 
 
 def test_stacked_gemv_splits_rows_over_outputs_and_adds_bias():
