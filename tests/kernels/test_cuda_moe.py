@@ -10,9 +10,12 @@ from sparkinfer_cli.kernels.cuda import moe
 
 
 @pytest.mark.parametrize("n_tokens, n_experts, k", [
-    (3, 40, 4), (2, 70, 10),  # simulator: 4 and 2 threads an expert
-    pytest.param(64, 256, 8, marks=pytest.mark.gpu),  # GPU: 4 and 8 threads an expert
-    pytest.param(64, 128, 8, marks=pytest.mark.gpu)])
+    (3, 40, 4),  # 2 logits a lane, the second only on lanes 0-7
+    (6, 70, 10),  # 4 a lane (2 warps of a block idle), picks on lanes 0-9
+    (2, 32, 32),  # every expert picked, one a lane
+    pytest.param(64, 256, 8, marks=pytest.mark.gpu),  # Qwen3.6
+    pytest.param(64, 128, 8, marks=pytest.mark.gpu),  # Qwen3-30B
+    pytest.param(5, 1024, 8, marks=pytest.mark.gpu)])
 def test_router_topk_softmax_renormalised_with_ties_to_lower_index(n_tokens, n_experts, k):
     rng = np.random.default_rng(4)
     logits = rng.standard_normal((n_tokens, n_experts)).astype(np.float32)
@@ -26,13 +29,8 @@ def test_router_topk_softmax_renormalised_with_ties_to_lower_index(n_tokens, n_e
     np.testing.assert_allclose(weights.copy_to_host(), ref_w, rtol=1e-5)
 
 
-
-def test_rank_parts_cover_the_experts_in_whole_warps_and_rounds():
-    for n_experts in range(1, moe.MAX_THREADS + 1):  # on the GPU: MAX_EXPERTS
-        parts, slots = moe._rank_parts(n_experts)
-        assert parts in (1, 2, 4, 8, 16, 32) and slots >= n_experts
-        assert slots * parts <= moe.MAX_THREADS and slots * parts % 32 == 0
-        assert slots % parts == 0 and slots // parts % 8 == 0  # counting rounds of 8
-        if parts < 32:  # the most threads that fit: twice as many would not
-            unit = max(16 * parts, 16 // parts)
-            assert -(-n_experts // unit) * unit * 2 * parts > moe.MAX_THREADS, n_experts
+def test_router_topk_rejects_what_a_warp_cannot_pick():
+    logits = cuda.to_device(np.zeros((1, 40), np.float32))
+    with pytest.raises(ValueError, match="top-k 33"):
+        moe.router_topk(logits, 33, cuda.device_array((1, 33), np.int32),
+                        cuda.device_array((1, 33), np.float32))

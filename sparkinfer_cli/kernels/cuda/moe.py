@@ -7,98 +7,98 @@ weighted combine of their outputs is fused into the next RMSNorm (norm.moe_add_r
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
-from numba import cuda, float32, int32, uint32
+from numba import cuda, float32, int32
 
-from sparkinfer_cli.kernels.cuda.intrinsics import IS_SIMULATOR
 from sparkinfer_cli.kernels.cuda.jit import device_function
 from sparkinfer_cli.kernels.cuda.launch import cdiv, check_array
-from sparkinfer_cli.kernels.cuda.warp import WARP_SIZE, block_max, block_sum, shfl_xor
+from sparkinfer_cli.kernels.cuda.warp import WARP_SIZE, shfl_xor, warp_max, warp_sum
 
-MAX_EXPERTS = 1024  # router logits held in shared memory
-# a token's block: up to 32 threads count each expert's rank together (the simulator runs a
-# Python thread per CUDA thread: fewer there)
-MAX_THREADS = 256 if IS_SIMULATOR else 1024
+MAX_EXPERTS = 1024  # experts a router may have (a warp's lanes hold 32 logits each at most)
+TOKENS_A_BLOCK = 4  # a warp per token
 MIN_WEIGHT_SUM = 6.103515625e-5  # llama.cpp clamps the renormalising sum to the smallest f16 normal
+_DEAD = float32(-3.0e38)  # a logit past n_experts or already picked (finite: fast math)
+
+
+@functools.cache
+def _router_topk_kernel(per_lane: int):
+    """per_lane: logits a lane holds (experts l, l + 32, ...), a compile-time constant so they stay
+    in registers."""
+
+    @cuda.jit(fastmath=True)
+    def router_topk(logits, n_tokens, n_experts, k, ids, weights):
+        # a warp per token: softmax over all experts (max and sum by shuffles), then k rounds of
+        # a warp argmax (larger logit, ties → lower id), each pick's logit dropped after its
+        # round; lane r keeps pick r and writes it renormalised: p / Σ_picks p
+        lane = cuda.threadIdx.x % WARP_SIZE
+        tok = cuda.blockIdx.x * TOKENS_A_BLOCK + cuda.threadIdx.x // WARP_SIZE
+        if tok >= n_tokens:
+            return
+        vals = cuda.local.array(per_lane, float32)
+        for i in range(per_lane):
+            e = lane + WARP_SIZE * i
+            v = logits[tok * n_experts + min(e, n_experts - 1)]
+            vals[i] = v if e < n_experts else _DEAD
+        m = _DEAD
+        for i in range(per_lane):
+            m = max(m, vals[i])
+        m = warp_max(m)
+        denom = float32(0.0)
+        for i in range(per_lane):
+            if lane + WARP_SIZE * i < n_experts:
+                denom += math.exp(vals[i] - m)
+        denom = warp_sum(denom)
+        total, mine_p, mine_e = float32(0.0), float32(0.0), int32(0)
+        for r in range(k):
+            best_v, best_e = _warp_argmax(vals, lane, per_lane)
+            p = math.exp(best_v - m)
+            total += p
+            if lane == r:
+                mine_p, mine_e = p, best_e
+            for i in range(per_lane):  # drop the pick (static indices: vals stays in registers)
+                if lane + WARP_SIZE * i == best_e:
+                    vals[i] = _DEAD
+        if lane < k:
+            ids[tok * k + lane] = mine_e
+            weights[tok * k + lane] = (mine_p / denom) / max(total / denom,
+                                                             float32(MIN_WEIGHT_SUM))
+    return router_topk
 
 
 @device_function
-def _orders_before(o, j, v, e):
-    """1 if expert j with logit o orders before expert e with logit v (larger, ties → lower id)."""
-    return uint32(o > v) + uint32(o == v) * uint32(j < e)
-
-
-@cuda.jit(fastmath=True)
-def _router_topk_kernel(logits, n_experts, k, parts, ids, weights):
-    # a block per token, `parts` neighbouring threads per expert slot (blockDim / parts slots,
-    # ≥ n_experts): softmax over all experts, and each expert's rank = how many experts order
-    # before it, each of its threads counting over its 1/parts of the logits in shared memory,
-    # 8 per round written out so the shared loads overlap, the counts then summed by shuffles
-    # (slots past the experts hold -inf, which orders after every logit); ranks < k are the
-    # picks, written at their rank. Unsigned indices keep the counting loop free of
-    # negative-index wraparound code.
-    tok, e, part = cuda.blockIdx.x, cuda.threadIdx.x // parts, cuda.threadIdx.x % parts
-    eu = uint32(e)
-    live = e < n_experts
-    vals = cuda.shared.array(MAX_EXPERTS, float32)
-    scratch = cuda.shared.array(33, float32)
-    v = logits[tok * n_experts + min(e, n_experts - 1)]  # idle threads repeat the last logit
-    if part == 0:
-        vals[e] = v if live else float32(-math.inf)
-    m = block_max(v, scratch)  # its barriers also publish vals
-    p = math.exp(v - m) if live else float32(0.0)
-    denom = block_sum(p if part == 0 else float32(0.0), scratch)
-    span = cuda.blockDim.x // parts // parts  # slots a thread counts over: a multiple of 8
-    rank = uint32(0)
-    for j0 in range(part * span, (part + 1) * span, 8):
-        j = uint32(j0)
-        rank += (_orders_before(vals[j], j, v, eu) + _orders_before(vals[j + 1], j + 1, v, eu)
-                 + _orders_before(vals[j + 2], j + 2, v, eu)
-                 + _orders_before(vals[j + 3], j + 3, v, eu)
-                 + _orders_before(vals[j + 4], j + 4, v, eu)
-                 + _orders_before(vals[j + 5], j + 5, v, eu)
-                 + _orders_before(vals[j + 6], j + 6, v, eu)
-                 + _orders_before(vals[j + 7], j + 7, v, eu))
-    for offset in (16, 8, 4, 2, 1):  # the expert's parts are neighbouring lanes of one warp
-        other = shfl_xor(int32(rank), offset)
-        if offset < parts:
-            rank += uint32(other)
-    picked = live and rank < k
-    total = block_sum(p if picked and part == 0 else float32(0.0), scratch)
-    if picked and part == 0:  # renormalised: p / Σ_picks p, the sum clamped as llama.cpp does
-        ids[tok * k + rank] = e
-        weights[tok * k + rank] = (p / denom) / max(total / denom, float32(MIN_WEIGHT_SUM))
+def _warp_argmax(vals, lane, per_lane):
+    """(logit, expert) of the warp's largest logit, ties → lower expert id, on every lane."""
+    best_v, best_e = _DEAD, int32(MAX_EXPERTS)
+    for i in range(per_lane):  # a lane's experts ascend: strict > keeps the lowest of ties
+        if vals[i] > best_v:
+            best_v, best_e = vals[i], int32(lane + WARP_SIZE * i)
+    for offset in (16, 8, 4, 2, 1):
+        other_v = shfl_xor(best_v, offset)
+        other_e = shfl_xor(best_e, offset)
+        if other_v > best_v or (other_v == best_v and other_e < best_e):
+            best_v, best_e = other_v, other_e
+    return best_v, best_e
 
 
 def router_topk(logits, k: int, ids, weights, stream=0) -> None:
     """logits (n_tokens, n_experts) f32 → ids int32 (n_tokens, k), renormalised weights f32."""
     n_tokens, n_experts = logits.shape
-    if not 1 <= k <= min(32, n_experts):
+    if not 1 <= k <= min(WARP_SIZE, n_experts):
         raise ValueError(f"top-k {k} must be in 1..min(32, n_experts={n_experts})")
     if n_experts > MAX_EXPERTS:
         raise ValueError(f"router top-k takes at most {MAX_EXPERTS} experts, got {n_experts}")
     check_array("logits", logits, np.float32)
     check_array("ids", ids, np.int32, (n_tokens, k))
     check_array("weights", weights, np.float32, (n_tokens, k))
-    parts, slots = _rank_parts(n_experts)
-    _router_topk_kernel[n_tokens, slots * parts, stream](
-        logits.reshape(logits.size), n_experts, k, parts, ids.reshape(ids.size),
-        weights.reshape(ids.size))
-
-
-def _rank_parts(n_experts: int) -> tuple[int, int]:
-    """(threads per expert, expert slots) of the top-k block: the most threads (≤ WARP_SIZE, a
-    power of two) that fit MAX_THREADS, with slots a multiple of 8 per thread (the counting
-    loop's round) and the block whole warps. 256 experts: 4 threads each, 64 logits a thread."""
-    parts = WARP_SIZE
-    while True:
-        unit = max(8 * parts, WARP_SIZE // parts)
-        slots = cdiv(n_experts, unit) * unit
-        if slots * parts <= MAX_THREADS or parts == 1:
-            return parts, slots
-        parts //= 2
+    per_lane = 1
+    while per_lane * WARP_SIZE < n_experts:  # powers of two: few distinct kernels
+        per_lane *= 2
+    _router_topk_kernel(per_lane)[cdiv(n_tokens, TOKENS_A_BLOCK), TOKENS_A_BLOCK * WARP_SIZE,
+                                  stream](logits.reshape(logits.size), n_tokens, n_experts, k,
+                                          ids.reshape(ids.size), weights.reshape(ids.size))
 
 
 def router_topk_reference(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
