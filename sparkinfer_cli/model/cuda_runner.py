@@ -6,11 +6,9 @@
 
 A pass of N tokens runs on a workspace of the next power of two rows (cuda_workspace.py). Passes
 of one new token per sequence (decode) replay a CUDA graph captured the first time their row
-bucket is seen (one for contexts below attention_mma.TENSOR_CORE_MIN_CONTEXT, one from there
-where the decode attention kernel differs); other passes (prefill, mixed) launch eagerly, with
-attention as the tiled prefill kernel. Passes of ≥ LINEAR_MMA_MIN_ROWS tokens (a 32-sequence
-decode included) run every dense linear as a tensor-core GEMM (f16 activations), from
-EXPERTS_MMA_MIN_ROWS on the MoE experts too.
+bucket is seen; other passes (prefill, mixed) launch eagerly, with attention as the tiled prefill
+kernel. Passes of ≥ LINEAR_MMA_MIN_ROWS tokens (a 32-sequence decode included) run every dense
+linear as a tensor-core GEMM (f16 activations), from EXPERTS_MMA_MIN_ROWS on the MoE experts too.
 Token embeddings are looked up on the host (N rows of the GGUF table) and copied in with the
 step's other inputs.
 
@@ -33,7 +31,7 @@ from numba import cuda
 from rich.console import Console
 
 from sparkinfer_cli.gguf_file import GGUFFile
-from sparkinfer_cli.kernels.cuda import attention, attention_mma, graphs, norm, sampling
+from sparkinfer_cli.kernels.cuda import graphs, norm, sampling
 from sparkinfer_cli.kernels.cuda.driver_calls import copy_to_host_async
 from sparkinfer_cli.kernels.cuda.intrinsics import IS_SIMULATOR
 from sparkinfer_cli.kernels.cuda.model_ops import gather_rows
@@ -98,10 +96,6 @@ class CudaModel:
             raise ValueError("exact mode keeps the KV cache in float32: no int8 KV")
         self.kv_dtype = np.float32 if exact else (np.int8 if kv_int8 else np.float16)
         self.use_graphs = (not IS_SIMULATOR) if use_graphs is None else use_graphs
-        cfg = self.config  # long contexts switch decode attention to tensor cores (own graphs)
-        self.context_regimes = bool(cfg.attention_layers) and attention_mma.tensor_core_group(
-            cfg.n_head, cfg.n_head_kv, attention.kv_kind(np.empty(0, self.kv_dtype)),
-            cfg.head_dim)
         self.embedding = cpu_model.token_embd  # looked up on the host
         self.stream = cuda.stream()
         self.times = StepTimes()
@@ -160,11 +154,10 @@ class CudaModel:
         return greedy.ids_host[:p.n_logits].copy()  # (n_logits,)
 
     # ---- internals -----------------------------------------------------------------------------
-    def _pass(self, batch: SequenceBatch, cache: CudaModelCache, greedy: bool = False,
-              long_context: bool | None = None) -> QueuedPass:
+    def _pass(self, batch: SequenceBatch, cache: CudaModelCache,
+              greedy: bool = False) -> QueuedPass:
         """Queue a forward pass (graph replay or eager launches) up to the logits on the device,
-        and their argmax ids (ws.greedy) when greedy. long_context: run decode attention as for
-        contexts of ≥ TENSOR_CORE_MIN_CONTEXT tokens (default: whether the batch has one)."""
+        and their argmax ids (ws.greedy) when greedy."""
         t0 = time.perf_counter()
         if len(batch.token_ids) > MAX_PASS_TOKENS:
             raise ValueError(f"a CUDA forward pass takes at most {MAX_PASS_TOKENS} tokens, got "
@@ -176,15 +169,11 @@ class CudaModel:
         ws = self._workspace(cache, row_bucket(len(batch.token_ids)))
         ws.fill(batch, self.embedding(batch.token_ids))
         ws.multi_token = max(batch.num_new_tokens) > 1
-        if long_context is None:
-            longest = max(p + n for p, n in zip(batch.start_positions, batch.num_new_tokens))
-            long_context = longest >= attention_mma.TENSOR_CORE_MIN_CONTEXT
-        long_context = ws.long_context = self.context_regimes and long_context
         ws.upload(self.stream)
         n_logits = len(batch.logit_rows())
         logit_rows = row_bucket(n_logits)
         decode = self.use_graphs and max(batch.num_new_tokens) == 1 and ws.n_rows <= MAX_GRAPH_ROWS
-        key = (logit_rows, greedy, long_context)
+        key = (logit_rows, greedy)
         replay = decode and key in ws.graphs
         if replay:
             ws.graphs[key].replay()
@@ -241,16 +230,15 @@ class CudaModel:
         return {"weights": self.weight_bytes, **cache.memory_bytes(), "workspace": workspace}
 
     def capture_decode_graphs(self, cache: CudaModelCache, max_seqs: int) -> None:
-        """Capture the decode graphs of every bucket up to max_seqs now (dummy passes with the
-        logits back, with greedy ids back; each for short and for long contexts)."""
+        """Capture the decode graphs of every bucket up to max_seqs now (dummy passes: one with
+        the logits back, one with greedy ids back)."""
         n = 1
         while n <= min(max_seqs, MAX_GRAPH_ROWS):
             batch = SequenceBatch(np.zeros(n, np.int32), [0] * n, [1] * n,
                                   [np.array([cache.scratch_block], np.int32)] * n,
                                   [cache.scratch_slot] * n if self.config.is_hybrid else [])
-            for greedy in (False, True):
-                for long_context in {False, self.context_regimes}:
-                    self._finish(self._pass(batch, cache, greedy, long_context))
+            self.forward(batch, cache)
+            self.forward_greedy(batch, cache)
             n *= 2
 
 

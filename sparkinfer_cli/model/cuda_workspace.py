@@ -107,12 +107,9 @@ class Workspace:
         self.x = self.act("x", n_embd)  # normed sub-layer input
         self.attn = DecodeWorkspace(n_rows, n_heads, head_dim, cache.max_context) \
             if n_heads else None
-        # (logit rows, greedy ids too, long_context) → captured decode graph
-        self.graphs: dict[tuple[int, bool, bool], CapturedGraph] = {}
+        # (logit rows, greedy ids too) → captured decode graph
+        self.graphs: dict[tuple[int, bool], CapturedGraph] = {}
         self.multi_token = False  # set per pass: some sequence brings several new tokens
-        # set per pass: some context reaches attention_mma.TENSOR_CORE_MIN_CONTEXT (decode
-        # attention on tensor cores, where the shape allows)
-        self.long_context = False
 
     # ---- lazily created buffers (all exist after one eager pass, before any capture) ----------
     def buf(self, name: str, *shape: int, dtype=np.float32):

@@ -562,7 +562,7 @@ class DecodeWorkspace:
 
 def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, out, ws: DecodeWorkspace,
                            scale: float | None = None, stream=0, row_seq=None,
-                           scales=None, act=None, long_context: bool = True) -> None:
+                           scales=None, act=None) -> None:
     """q (n_rows, n_heads, head_dim) f32 attends to the first seq_lens[r] cached tokens → out.
 
     row_seq: int32 (n_rows,) block-table row of each query row (default: row r uses row r), so the
@@ -570,8 +570,6 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, out, ws: 
     scales: (k_scales, v_scales) f32, one per 32 cached values, for int8 caches.
     act: a quant_gemv.QuantizedActivations of out's size, filled with out's q8 form in the same
     launch (saves the quantize launch before the output projection).
-    long_context: the contexts may reach attention_mma.TENSOR_CORE_MIN_CONTEXT, where its
-    tensor-core kernel (for the shapes it takes) beats this module's; below, this module's runs.
     """
     n_seqs, n_heads, head_dim = q.shape
     _, block_size, n_kv, _ = k_cache.shape
@@ -581,7 +579,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, out, ws: 
     # attention_mma builds on this module's device functions: imported here, not at the top
     from sparkinfer_cli.kernels.cuda import attention_mma
 
-    packed = long_context and attention_mma.tensor_core_group(n_heads, n_kv, kind, head_dim)
+    packed = attention_mma.tensor_core_group(n_heads, n_kv, kind, head_dim)
     heads = n_heads // n_kv if packed else heads_per_block(n_heads, n_kv, kind)
     # each kernel's split cap and block target
     cap, target = (MAX_SPLITS, attention_mma.SPLIT_BLOCKS) if packed else \

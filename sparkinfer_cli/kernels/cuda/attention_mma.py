@@ -53,11 +53,6 @@ TILE_KEYS = 16  # keys a warp scores at once (the mma's m)
 # H200 after 32,768 tokens (bench/cuda_decode_attention_bench.py, µs at 64 / 128 splits):
 # Qwen3.6, 2 kv heads: 61.4 / 50.7; Qwen3-30B, 4 kv heads: 44.6 / 53.9.
 SPLIT_BLOCKS = 256
-# Contexts from which this kernel beats attention.py's (H200, µs a layer after 512 / 32,768
-# tokens: Qwen3.6 23.7 / 50.7 against 12.9 / 107.5, Qwen3-30B 14.8 / 44.6 against 10.6 / 98.7;
-# crossings near 5.7k and 2.8k tokens): decode steps whose longest context is shorter run
-# attention.py's kernel (the model keeps a CUDA graph for each side).
-TENSOR_CORE_MIN_CONTEXT = 4096
 MERGE_DIMS = 64  # output dims of one head a merge block sums (2 a lane; 2 q8 blocks)
 _MERGE_LOADS = 4  # splits whose partials a merge lane has in flight at once
 # u32 words of V a lane holds at once: its dims of 8 keys (head_dim 256) or 16 (128), the first
