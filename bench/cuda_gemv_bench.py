@@ -108,8 +108,8 @@ def expert_row(case, n_tokens: int, rng, stream) -> dict:
     return _row(f"{label}: per-slot gemv", gpu_us(launch, stream), touched)
 
 
-def plain_row(ggml_type: GGMLType, k: int, n_rows: int, rng, stream, n_tokens: int = 1,
-              label: str = "") -> dict:
+def plain_row(ggml_type: GGMLType, k: int, n_rows: int, rng, stream,
+              n_tokens: int = 1) -> dict:
     """A dense linear over n_tokens tokens: groups of ≤ MAX_COLS columns, one slot each (as the
     model's Workspace.linear runs it)."""
     mats = weight_copies(ggml_type, k, n_rows, 1, rng)
@@ -121,7 +121,7 @@ def plain_row(ggml_type: GGMLType, k: int, n_rows: int, rng, stream, n_tokens: i
     slot_x = cuda.to_device(np.arange(groups, dtype=np.int32))
     us = gpu_us(lambda s, i: qg.gemv(mats[i % len(mats)], act, y, slot_mat=slot_mat,
                                      slot_x=slot_x, stream=s), stream)
-    return _row(f"batch-{n_tokens} gemv {ggml_type.name} k={k} rows={n_rows} {label}", us,
+    return _row(f"batch-{n_tokens} gemv {ggml_type.name} k={k} rows={n_rows}", us,
                 n_rows * row_bytes(ggml_type, k))
 
 
@@ -173,17 +173,7 @@ def main() -> None:
     rows += [expert_row(case, n_tokens, rng, stream)
              for n_tokens in (64, 1) for case in EXPERT_CASES]
     rows += [plain_row(t, k, n, rng, stream) for t, k, n in PLAIN_CASES]
-    two_rows_a_lane = [(t, k, n) for t, k, n in PLAIN_CASES if _two_rows_a_lane(t, k, n)]
-    qg.MULTI_ROW_MIN_ROWS = 1 << 62  # A/B: those matrices again with one row a lane
-    rows += [plain_row(t, k, n, rng, stream, label="(one row a lane)")
-             for t, k, n in two_rows_a_lane]
     _write(rows, args.json)
-
-
-def _two_rows_a_lane(ggml_type: GGMLType, k: int, n_rows: int) -> bool:
-    units = qg.units_per_row(ggml_type, k)
-    lanes = qg.lanes_per_row(ggml_type, k, n_rows)
-    return qg.rows_per_lane(1, n_rows, 1, -(-units // lanes)) == 2
 
 
 def _write(rows: list[dict], path: str | None) -> None:
