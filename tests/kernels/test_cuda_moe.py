@@ -13,19 +13,26 @@ from sparkinfer_cli.kernels.cuda import moe
     (3, 40, 4),  # 2 logits a lane, the second only on lanes 0-7
     (6, 70, 10),  # 4 a lane (2 warps of a block idle), picks on lanes 0-9
     (2, 32, 32),  # every expert picked, one a lane
+    (2, 1, 1),  # one expert: lanes 1-31 hold none
     pytest.param(64, 256, 8, marks=pytest.mark.gpu),  # Qwen3.6
     pytest.param(64, 128, 8, marks=pytest.mark.gpu),  # Qwen3-30B
     pytest.param(5, 1024, 8, marks=pytest.mark.gpu)])
 def test_router_topk_softmax_renormalised_with_ties_to_lower_index(n_tokens, n_experts, k):
     rng = np.random.default_rng(4)
     logits = rng.standard_normal((n_tokens, n_experts)).astype(np.float32)
-    logits[1, 7] = logits[1, 30] = 5.0  # a tie: expert 7 must come first
+    if n_tokens > 1 and n_experts > 30:
+        logits[1, 7] = logits[1, 30] = 5.0  # a tie across lanes: expert 7 must come first
+    if n_tokens > 2 and n_experts > 37:
+        logits[2, 37] = logits[2, 5] = 6.0  # a tie within lane 5: expert 5 must come first
     ids = cuda.device_array((n_tokens, k), np.int32)
     weights = cuda.device_array((n_tokens, k), np.float32)
     moe.router_topk(cuda.to_device(logits), k, ids, weights)
     ref_ids, ref_w = moe.router_topk_reference(logits, k)
     np.testing.assert_array_equal(ids.copy_to_host(), ref_ids)
-    assert list(ref_ids[1, :2]) == [7, 30]
+    if n_tokens > 1 and n_experts > 30:
+        assert list(ref_ids[1, :2]) == [7, 30]
+    if n_tokens > 2 and n_experts > 37:
+        assert list(ref_ids[2, :2]) == [5, 37]
     np.testing.assert_allclose(weights.copy_to_host(), ref_w, rtol=1e-5)
 
 
