@@ -22,6 +22,7 @@ from sparkinfer_cli.kernels.cuda.attention import DecodeWorkspace
 from sparkinfer_cli.kernels.cuda.driver_calls import copy_to_device_async
 from sparkinfer_cli.kernels.cuda.expert_route import ExpertRoute
 from sparkinfer_cli.kernels.cuda.graphs import CapturedGraph, is_side_stream, side_stream
+from sparkinfer_cli.kernels.cuda.launch import next_pow2
 from sparkinfer_cli.model.batch import SequenceBatch
 from sparkinfer_cli.model.cuda_cache import CudaModelCache, device_zeros
 from sparkinfer_cli.model.cuda_weights import DeviceLinear, StackedLinears
@@ -43,7 +44,7 @@ INT_FIELDS = ("positions", "seq_lens", "slot_mapping", "row_seq", "state_slots",
 
 def row_bucket(n: int) -> int:
     """Rows a pass of n tokens runs on: the next power of two."""
-    return 1 << max(n - 1, 0).bit_length()
+    return next_pow2(n)
 
 
 @dataclass

@@ -10,6 +10,11 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def next_pow2(n: int) -> int:
+    """The smallest power of two ≥ n (1 for n ≤ 1)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def check_array(name: str, arr, dtype, shape: tuple[int, ...] | None = None) -> None:
     """Raise ValueError unless `arr` is a C-contiguous array of `dtype` (and `shape` if given)."""
     if np.dtype(arr.dtype) != np.dtype(dtype):

@@ -14,7 +14,7 @@ import numpy as np
 from numba import cuda, float32, int32
 
 from sparkinfer_cli.kernels.cuda.jit import device_function
-from sparkinfer_cli.kernels.cuda.launch import cdiv, check_array
+from sparkinfer_cli.kernels.cuda.launch import cdiv, check_array, next_pow2
 from sparkinfer_cli.kernels.cuda.warp import WARP_SIZE, shfl_xor, warp_max, warp_sum
 
 MAX_EXPERTS = 1024  # experts a router may have (a warp's lanes hold 32 logits each at most)
@@ -93,9 +93,7 @@ def router_topk(logits, k: int, ids, weights, stream=0) -> None:
     check_array("logits", logits, np.float32)
     check_array("ids", ids, np.int32, (n_tokens, k))
     check_array("weights", weights, np.float32, (n_tokens, k))
-    per_lane = 1
-    while per_lane * WARP_SIZE < n_experts:  # powers of two: few distinct kernels
-        per_lane *= 2
+    per_lane = next_pow2(cdiv(n_experts, WARP_SIZE))  # powers of two: few distinct kernels
     _router_topk_kernel(per_lane)[cdiv(n_tokens, TOKENS_A_BLOCK), TOKENS_A_BLOCK * WARP_SIZE,
                                   stream](logits.reshape(logits.size), n_tokens, n_experts, k,
                                           ids.reshape(ids.size), weights.reshape(ids.size))
