@@ -278,8 +278,11 @@ def test_abort_mid_decode_mid_prefill_and_while_queued(engines):
     sink = Collector()
     initial_free = engine.stats().free_kv_blocks
     ids: list[str] = []
+    others_submitted = threading.Event()
 
     def abort_at_second_prefill_chunk(batch) -> None:
+        if ids and sink.events[ids[0]]:  # the first request decodes only once the others are queued
+            assert others_submitted.wait(WAIT_S)
         if 4 in batch.start_positions:  # positions 4..7 of the 40-token prompt
             for request_id in ids:
                 engine.abort(request_id)
@@ -289,6 +292,7 @@ def test_abort_mid_decode_mid_prefill_and_while_queued(engines):
     while not sink.events[ids[0]]:
         time.sleep(0.001)
     ids += [engine.submit([2] * 40, greedy(200), sink), engine.submit([3] * 10, greedy(200), sink)]
+    others_submitted.set()
     decoding, prefilling, queued = (sink.final(i) for i in ids)
     assert [e.finish_reason for e in (decoding, prefilling, queued)] == ["abort"] * 3
     assert decoding.num_output_tokens > 1
