@@ -34,6 +34,9 @@ class EngineConfig:
     max_num_seqs: int = 64
     prefix_token_ids: tuple[int, ...] = ()
     sampling_threads: int = 0  # argmax threads for greedy rows (0 = auto, 1 = none)
+    # decode passes queued at once while every running sequence decodes greedily and nothing
+    # waits (models with decode_greedy; 1 = one pass a step)
+    decode_steps: int = 8
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prefix_token_ids", tuple(int(t) for t in self.prefix_token_ids))
@@ -51,6 +54,7 @@ class EngineConfig:
             (self.max_num_seqs >= 1, "max_num_seqs must be at least 1"),
             (all(t >= 0 for t in self.prefix_token_ids), "prefix token ids must be >= 0"),
             (self.sampling_threads >= 0, "sampling_threads must be >= 0"),
+            (self.decode_steps >= 1, "decode_steps must be at least 1"),
         ]
         for ok, message in checks:
             if not ok:

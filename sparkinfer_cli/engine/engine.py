@@ -178,11 +178,14 @@ class ContinuousBatchEngine:
         """One iteration: schedule, run the model, sample, update, report. Returns what ran."""
         output = self.scheduler.schedule()
         on_device = self.runner.can_pick_greedy and self._is_all_plain_greedy(output)
+        n_steps = self._num_decode_steps(output) if on_device else 1
+        if n_steps > 1:
+            self._run_decode_steps(self.scheduler.extend_decodes(output, n_steps), n_steps)
+            return output
         try:
             results = self.runner.run_greedy(output) if on_device else self.runner.run(output)
         except Exception as exc:  # a failed forward pass ends the requests it carried
-            log.exception("model forward failed")
-            self._fail_step(output, exc)
+            self._fail([self.scheduler.requests[s.request_id] for s in output.sequences], exc)
             return output
         self.scheduler.update_from_output(output)
         requests = [self.scheduler.requests[request_id] for request_id in results]
@@ -191,6 +194,33 @@ class ContinuousBatchEngine:
         for request, row, token in zip(requests, rows, tokens):
             self._append_sample(request, row, token)
         return output
+
+    def _num_decode_steps(self, output: SchedulerOutput) -> int:
+        """Decode passes to queue at once: up to config.decode_steps (and the model's limit) when
+        every sequence decodes and samples, no request waits to join and no submission or abort
+        is pending (they wait for the passes), never past a request's max_tokens."""
+        limit = min(self.config.decode_steps, self.runner.max_decode_steps)
+        if limit <= 1 or self.scheduler.waiting or not output.is_decode_only or \
+                not all(s.needs_logits for s in output.sequences):
+            return 1
+        with self._lock:
+            if self._inbox or self._aborts:
+                return 1
+        requests = [self.scheduler.requests[s.request_id] for s in output.sequences]
+        return min([limit] + [r.params.max_tokens - r.num_output_tokens for r in requests])
+
+    def _run_decode_steps(self, output: SchedulerOutput, n_steps: int) -> None:
+        """n_steps greedy passes of a decode-only step; each pass's tokens are appended (and
+        streamed) as soon as it finishes. A request that ends meanwhile ignores later passes."""
+        requests = [self.scheduler.requests[s.request_id] for s in output.sequences]
+        try:
+            for ids in self.runner.run_decode_steps(output, n_steps):
+                for request, token in zip(requests, ids):
+                    if not request.is_finished:
+                        self.scheduler.decoded(request)
+                        self._append_sample(request, None, int(token))
+        except Exception as exc:  # a failed pass ends the requests still running
+            self._fail(requests, exc)
 
     def _is_all_plain_greedy(self, output: SchedulerOutput) -> bool:
         requests = [self.scheduler.requests[s.request_id] for s in output.sequences
@@ -208,8 +238,9 @@ class ContinuousBatchEngine:
             tokens[i] = token
         return tokens
 
-    def _append_sample(self, request: Request, logits: np.ndarray, token: int | None) -> None:
-        """token: the row's argmax when GreedyBatch already sampled it."""
+    def _append_sample(self, request: Request, logits: np.ndarray | None,
+                       token: int | None) -> None:
+        """token: the row's argmax when GreedyBatch or the model already picked it."""
         try:
             assert request.sampler is not None
             result = SampleResult(token, None) if token is not None else \
@@ -224,10 +255,12 @@ class ContinuousBatchEngine:
         else:
             self._emit(request)
 
-    def _fail_step(self, output: SchedulerOutput, exc: Exception) -> None:
-        for seq in output.sequences:
-            self._finish(self.scheduler.requests[seq.request_id], "error",
-                         f"model forward failed: {exc}")
+    def _fail(self, requests: list[Request], exc: Exception) -> None:
+        """A forward pass failed: end those of its requests still running."""
+        log.exception("model forward failed")
+        for request in requests:
+            if not request.is_finished:
+                self._finish(request, "error", f"model forward failed: {exc}")
 
     def _finish(self, request: Request, reason: str, error: str | None = None) -> None:
         self.scheduler.finish(request, reason, error)

@@ -7,7 +7,7 @@ SequenceBatch and runs the model.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -57,6 +57,24 @@ class ModelRunner:
         """request id → the argmax token (a 0-d array) of the same sequences as run(), picked
         by the model: only the ids leave the device, not num_seqs × n_vocab floats."""
         return self._run(output, self.model.forward_greedy)  # type: ignore[attr-defined]
+
+    @property
+    def max_decode_steps(self) -> int:
+        """Decode passes the model queues at once (CudaModel.decode_greedy); 1 without it."""
+        if not hasattr(self.model, "decode_greedy"):
+            return 1
+        return getattr(self.model, "max_queued_steps", 1)
+
+    def run_decode_steps(self, output: SchedulerOutput, n_steps: int) -> Iterator[np.ndarray]:
+        """The argmax ids (num_seqs,) of n_steps decode passes over output's sequences, in turn,
+        each pass fed the previous pass's ids on the model's device. Read them all."""
+        self.apply_cache_ops(output.cache_ops)
+        batch = self.prepare_batch(output.sequences)
+        started = time.perf_counter()
+        for ids in self.model.decode_greedy(batch, self.cache, n_steps):  # type: ignore[attr-defined]
+            self.last_forward_s += time.perf_counter() - started
+            yield ids
+            started = time.perf_counter()
 
     def _run(self, output: SchedulerOutput,
              forward: Callable[[SequenceBatch, ModelCache], np.ndarray]) -> dict[str, np.ndarray]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from dataclasses import dataclass, field
@@ -80,6 +81,24 @@ class Scheduler:
         """Marks the step's tokens as computed (call after the forward pass succeeded)."""
         for seq in output.sequences:
             self.requests[seq.request_id].num_computed_tokens += len(seq.token_ids)
+
+    def extend_decodes(self, output: SchedulerOutput, n_steps: int) -> SchedulerOutput:
+        """A decode-only output run as n_steps passes (each feeding the previous one's token):
+        every sequence's block ids cover the n_steps tokens it computes. n_steps must not pass
+        any request's max_tokens (its KV is reserved up to prompt + max_tokens)."""
+        sequences = []
+        for seq in output.sequences:
+            request = self.requests[seq.request_id]
+            assert request.kv is not None and n_steps <= request.params.max_tokens - \
+                request.num_output_tokens
+            n_blocks = self.kv.num_blocks_for(seq.start_position + n_steps)
+            sequences.append(dataclasses.replace(seq, block_ids=request.kv.block_ids[:n_blocks]))
+        return SchedulerOutput(sequences, output.cache_ops)
+
+    @staticmethod
+    def decoded(request: Request) -> None:
+        """One pass of an extended decode computed the request's next token."""
+        request.num_computed_tokens += 1
 
     def finish(self, request: Request, reason: str, error: str | None = None) -> None:
         """Ends a request in any state and frees its KV."""

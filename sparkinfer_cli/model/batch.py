@@ -71,6 +71,17 @@ class SequenceBatch:
             return np.arange(len(self.token_ids))
         return self.token_offsets()[1:] - 1
 
+    @property
+    def is_decode(self) -> bool:
+        """One new token per sequence: a pass a CUDA decode graph replays."""
+        return all(n == 1 for n in self.num_new_tokens)
+
+    def next_decode_step(self, token_ids: np.ndarray) -> SequenceBatch:
+        """The decode pass after this one: every sequence one position on, new tokens token_ids."""
+        return SequenceBatch(np.asarray(token_ids, dtype=np.int32),
+                             [s + 1 for s in self.start_positions], self.num_new_tokens,
+                             self.block_tables, self.state_slots, self.all_logits)
+
     @classmethod
     def single(cls, token_ids: np.ndarray, start: int, block_table: np.ndarray, state_slot: int = 0,
                all_logits: bool = False) -> SequenceBatch:

@@ -9,8 +9,9 @@ of one new token per sequence (decode) replay a CUDA graph captured the first ti
 bucket is seen; other passes (prefill, mixed) launch eagerly, with attention as the tiled prefill
 kernel. Passes of ≥ LINEAR_MMA_MIN_ROWS tokens (a 32-sequence decode included) run every dense
 linear as a tensor-core GEMM (f16 activations), from EXPERTS_MMA_MIN_ROWS on the MoE experts too.
-Token embeddings are looked up on the host (N rows of the GGUF table) and copied in with the
-step's other inputs.
+Token embeddings are looked up on the device (kernels/cuda/embedding.py) from the step's token
+ids, so `decode_greedy` can queue several decode passes at once, each reading the previous one's
+argmax ids on the device; tables of a type without a device lookup are read on the host.
 
 Activations: by default the GEMVs of quantized weights take q8 activations (int8 per 32, dp4a), as
 llama.cpp's CUDA path does, so logits follow llama.cpp's native runs (≈1e-2). `exact=True`
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import importlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, cast
 
@@ -31,8 +33,13 @@ from numba import cuda
 from rich.console import Console
 
 from sparkinfer_cli.gguf_file import GGUFFile
-from sparkinfer_cli.kernels.cuda import graphs, norm, sampling
-from sparkinfer_cli.kernels.cuda.driver_calls import copy_to_host_async
+from sparkinfer_cli.ggml_types import GGMLType
+from sparkinfer_cli.kernels.cuda import embedding, graphs, norm, sampling
+from sparkinfer_cli.kernels.cuda.driver_calls import (
+    StreamMark,
+    copy_device_async,
+    copy_to_host_async,
+)
 from sparkinfer_cli.kernels.cuda.intrinsics import IS_SIMULATOR
 from sparkinfer_cli.kernels.cuda.model_ops import gather_rows
 from sparkinfer_cli.model.base import CausalLM, DecoderLayer
@@ -41,7 +48,7 @@ from sparkinfer_cli.model.config import ModelConfig
 from sparkinfer_cli.model.cuda_cache import CudaModelCache
 from sparkinfer_cli.model.cuda_layers import CudaAttention, CudaGatedDeltaNet, CudaMoE, CudaSwiGLU
 from sparkinfer_cli.model.cuda_weights import Uploader, upload_progress
-from sparkinfer_cli.model.cuda_workspace import Workspace, row_bucket
+from sparkinfer_cli.model.cuda_workspace import MAX_QUEUED_STEPS, Workspace, row_bucket
 from sparkinfer_cli.model.gated_delta_net import GatedDeltaNet
 from sparkinfer_cli.model.layers import Attention, SwiGLU
 from sparkinfer_cli.model.moe import MoE
@@ -87,6 +94,7 @@ class QueuedPass(NamedTuple):
 
 class CudaModel:
     max_pass_tokens = MAX_PASS_TOKENS  # the engine keeps each step's tokens within this
+    max_queued_steps = MAX_QUEUED_STEPS  # decode passes decode_greedy queues at once
 
     def __init__(self, cpu_model: CausalLM, *, exact: bool = False, kv_int8: bool = False,
                  use_graphs: bool | None = None,
@@ -96,8 +104,9 @@ class CudaModel:
             raise ValueError("exact mode keeps the KV cache in float32: no int8 KV")
         self.kv_dtype = np.float32 if exact else (np.int8 if kv_int8 else np.float16)
         self.use_graphs = (not IS_SIMULATOR) if use_graphs is None else use_graphs
-        self.embedding = cpu_model.token_embd  # looked up on the host
+        self.embedding = cpu_model.token_embd  # the host lookup, for tables the device cannot read
         self.stream = cuda.stream()
+        self._marks = [StreamMark() for _ in range(MAX_QUEUED_STEPS)]  # decode_greedy's passes
         self.times = StepTimes()
         up = Uploader(exact, stream=self.stream)
         with upload_progress(console) as progress:
@@ -105,6 +114,7 @@ class CudaModel:
             self.layers = [self._upload_layer(up, layer) for layer in cpu_model.layers]
             self.output_norm = up.f32(cpu_model.output_norm.weight)
             self.output = up.linear(cpu_model.output)
+            self.token_embd = self._upload_embedding(up, cpu_model)
             self.stream.synchronize()
         self.weight_bytes = up.n_bytes
         self.console = console
@@ -123,6 +133,17 @@ class CudaModel:
             CudaSwiGLU(up, cast(SwiGLU, ffn), "ffn")
         return CudaLayer(up.f32(layer.attn_norm.weight), gpu_mixer, up.f32(layer.ffn_norm.weight),
                          gpu_ffn)
+
+    def _upload_embedding(self, up: Uploader, cpu_model: CausalLM):
+        """The token table the device lookup reads: the output matrix when tied, else uploaded;
+        None for a type embedding.embed_rows does not read (then the host looks rows up)."""
+        if self.config.tied_embeddings:
+            w = self.output.matrix
+            return w if embedding.supports(w.ggml_type, w.k) else None
+        t = cpu_model.token_embd.weight
+        if not embedding.supports(GGMLType.F32 if self.exact else t.ggml_type, t.shape[0]):
+            return None
+        return up.matrix(t)
 
     # ---- the Model interface -------------------------------------------------------------------
     def create_cache(self, num_blocks: int, block_size: int,
@@ -149,15 +170,59 @@ class CudaModel:
         pinned buffer, not num_seqs × V floats."""
         p = self._pass(batch, cache, greedy=True)
         greedy = p.ws.greedy(p.logit_rows, self.output.n_rows)
-        copy_to_host_async(greedy.ids_host, greedy.ids, self.stream)
+        copy_to_host_async(greedy.ids_host[0], greedy.ids, self.stream)
         self._finish(p)
-        return greedy.ids_host[:p.n_logits].copy()  # (n_logits,)
+        return greedy.ids_host[0, :p.n_logits].copy()  # (n_logits,)
+
+    def decode_greedy(self, batch: SequenceBatch, cache: CudaModelCache,
+                      n_steps: int) -> Iterator[np.ndarray]:
+        """n_steps greedy decode passes of a decode batch, each pass's tokens the previous pass's
+        argmax ids: the ids (num_seqs,) of each pass in turn, as forward_greedy would return them.
+        With the device lookup every pass is queued now, the next one reading the previous one's
+        ids on the device, so the host prepares pass i + 1 while the GPU runs pass i and reads
+        pass i's ids as soon as it is done; without it the passes run one at a time. Read every
+        pass's ids before the next call. The block tables must cover start + n_steps tokens."""
+        if not batch.is_decode or batch.all_logits or not 1 <= n_steps <= MAX_QUEUED_STEPS:
+            raise ValueError(f"decode_greedy takes a batch of one new token a sequence and 1 to "
+                             f"{MAX_QUEUED_STEPS} steps, got {n_steps}")
+        for start, table in zip(batch.start_positions, batch.block_tables):
+            if len(table) * cache.block_size < start + n_steps:
+                raise ValueError(f"a block table of {len(table)} blocks does not cover "
+                                 f"{start + n_steps} tokens")
+        if self.token_embd is None:
+            return self._decode_greedy_one_by_one(batch, cache, n_steps)
+        queued, previous_ids = [], None
+        for step in range(n_steps):
+            p = self._pass(batch, cache, greedy=True, step=step, device_tokens=previous_ids)
+            greedy = p.ws.greedy(p.logit_rows, self.output.n_rows)
+            copy_to_host_async(greedy.ids_host[step], greedy.ids, self.stream)
+            previous_ids = greedy.ids
+            self._marks[step].record(self.stream)
+            queued.append(p)
+            batch = batch.next_decode_step(batch.token_ids)  # placeholders: read on the device
+        return self._queued_ids(queued)
+
+    def _decode_greedy_one_by_one(self, batch: SequenceBatch, cache: CudaModelCache,
+                                  n_steps: int) -> Iterator[np.ndarray]:
+        for _ in range(n_steps):
+            ids = self.forward_greedy(batch, cache)
+            yield ids
+            batch = batch.next_decode_step(ids)
+
+    def _queued_ids(self, queued: list[QueuedPass]) -> Iterator[np.ndarray]:
+        for step, p in enumerate(queued):
+            self._marks[step].wait()
+            self.times.add(p.kind, p.t_queued - p.t0, time.perf_counter() - p.t0)
+            greedy = p.ws.greedy(p.logit_rows, self.output.n_rows)
+            yield greedy.ids_host[step, :p.n_logits].copy()  # (num_seqs,)
 
     # ---- internals -----------------------------------------------------------------------------
-    def _pass(self, batch: SequenceBatch, cache: CudaModelCache,
-              greedy: bool = False) -> QueuedPass:
+    def _pass(self, batch: SequenceBatch, cache: CudaModelCache, greedy: bool = False,
+              step: int = 0, device_tokens=None) -> QueuedPass:
         """Queue a forward pass (graph replay or eager launches) up to the logits on the device,
-        and their argmax ids (ws.greedy) when greedy."""
+        and their argmax ids (ws.greedy) when greedy. step: the staging row of its inputs (a
+        queued decode pass's own); device_tokens: a device array whose first N ids replace the
+        batch's token ids (the previous decode pass's argmax)."""
         t0 = time.perf_counter()
         if len(batch.token_ids) > MAX_PASS_TOKENS:
             raise ValueError(f"a CUDA forward pass takes at most {MAX_PASS_TOKENS} tokens, got "
@@ -167,9 +232,13 @@ class CudaModel:
                 if start == 0:
                     cache.reset_state(slot)
         ws = self._workspace(cache, row_bucket(len(batch.token_ids)))
-        ws.fill(batch, self.embedding(batch.token_ids))
+        on_host = self.token_embd is None
+        ws.fill(batch, self.embedding(batch.token_ids) if on_host else None, step)
         ws.multi_token = max(batch.num_new_tokens) > 1
-        ws.upload(self.stream)
+        ws.upload(self.stream, step)
+        if device_tokens is not None:
+            n = len(batch.token_ids)
+            copy_device_async(ws.token_ids[:n], device_tokens[:n], self.stream)
         n_logits = len(batch.logit_rows())
         logit_rows = row_bucket(n_logits)
         decode = self.use_graphs and max(batch.num_new_tokens) == 1 and ws.n_rows <= MAX_GRAPH_ROWS
@@ -200,6 +269,9 @@ class CudaModel:
              greedy: bool = False) -> None:
         """Every launch of one pass, on stream (or graph builder) s; greedy: and the argmax."""
         eps = self.config.rms_eps
+        if self.token_embd is not None:
+            embedding.embed_rows(self.token_embd, ws.token_ids, ws.h.reshape(ws.n_rows, -1),
+                                 stream=s)
         norm.rms_norm(ws.h, self.layers[0].attn_norm, ws.x.f, eps, stream=s, act=ws.x.q)
         for i, layer in enumerate(self.layers):
             if i > 0:  # the previous FFN's output joins the residual inside this pre-norm

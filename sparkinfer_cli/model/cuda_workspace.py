@@ -38,8 +38,11 @@ EXPERTS_MMA_MIN_ROWS = 256
 # (64 sequences, Qwen3.6 shape: a GDN input projection took 210 µs as GEMVs; the output
 # projection 8.8 ms of a 43 ms step).
 LINEAR_MMA_MIN_ROWS = 32
-INT_FIELDS = ("positions", "seq_lens", "slot_mapping", "row_seq", "state_slots", "seq_lo", "seq_n",
-              "logit_rows")
+INT_FIELDS = ("token_ids", "positions", "seq_lens", "slot_mapping", "row_seq", "state_slots", "seq_lo",
+              "seq_n", "logit_rows")
+# Decode passes queued before the host reads the first one's ids (CudaModel.decode_greedy): each
+# has its own pinned staging of the step inputs and of the ids that come back.
+MAX_QUEUED_STEPS = 8
 
 
 def row_bucket(n: int) -> int:
@@ -78,7 +81,8 @@ class GreedySampling:
         self.params = (zeros, cuda.to_device(np.zeros(n_rows, np.int32)),
                        cuda.to_device(np.ones(n_rows, np.float32)), zeros, zeros)
         self.ids = cuda.device_array(n_rows, np.int32)
-        self.ids_host = cuda.pinned_array(n_rows, np.int32)  # where the ids come back
+        # where the ids come back: a row per queued decode step
+        self.ids_host = cuda.pinned_array((MAX_QUEUED_STEPS, n_rows), np.int32)
         self.workspace = sampling.SamplingWorkspace(n_rows, n_vocab)
 
     @property
@@ -96,11 +100,12 @@ class Workspace:
         self.groups = n_rows // self.cols
         self.table_width = cache.num_blocks + 1
         n_ints = len(INT_FIELDS) * n_rows + n_rows * self.table_width
-        self.ints_host = cuda.pinned_array(n_ints, np.int32)  # (fields·rows + rows·width,)
+        # (queued steps, fields·rows + rows·width): a staging row per queued decode step
+        self.ints_host = cuda.pinned_array((MAX_QUEUED_STEPS, n_ints), np.int32)
         self.ints = cuda.device_array(n_ints, np.int32)
         views = [self.ints[i * n_rows:(i + 1) * n_rows] for i in range(len(INT_FIELDS))]
-        self.positions, self.seq_lens, self.slot_mapping, self.row_seq, self.state_slots, \
-            self.seq_lo, self.seq_n, self.logit_rows = views
+        self.token_ids, self.positions, self.seq_lens, self.slot_mapping, self.row_seq, \
+            self.state_slots, self.seq_lo, self.seq_n, self.logit_rows = views
         self.block_tables = self.ints[len(INT_FIELDS) * n_rows:].reshape(n_rows, self.table_width)
         self.h_host = cuda.pinned_array((self.groups, self.cols, n_embd), np.float32)
         self.h = device_zeros((self.groups, self.cols, n_embd), np.float32)  # residual stream
@@ -111,6 +116,7 @@ class Workspace:
         # (logit rows, greedy ids too) → captured decode graph
         self.graphs: dict[tuple[int, bool], CapturedGraph] = {}
         self.multi_token = False  # set per pass: some sequence brings several new tokens
+        self.host_embeddings = True  # set per pass: h comes from the host, not the device lookup
 
     # ---- lazily created buffers (all exist after one eager pass, before any capture) ----------
     def buf(self, name: str, *shape: int, dtype=np.float32):
@@ -210,11 +216,13 @@ class Workspace:
         return outs
 
     # ---- per-step inputs -----------------------------------------------------------------------
-    def fill(self, batch: SequenceBatch, embeddings: np.ndarray) -> None:
-        """Write this step's int32 inputs and embeddings (N, n_embd) into the host staging areas."""
+    def fill(self, batch: SequenceBatch, embeddings: np.ndarray | None, step: int = 0) -> None:
+        """Write this pass's int32 inputs (token ids: -1 on padding rows) into staging row `step`,
+        and the embeddings (N, n_embd) when the host looked them up (else the device does)."""
         cache, n_rows, N, S = self.cache, self.n_rows, len(batch.token_ids), batch.num_seqs
-        f = {name: self.ints_host[i * n_rows:(i + 1) * n_rows] for i, name in enumerate(INT_FIELDS)}
-        tables = self.ints_host[len(INT_FIELDS) * n_rows:].reshape(n_rows, self.table_width)
+        ints = self.ints_host[step]
+        f = {name: ints[i * n_rows:(i + 1) * n_rows] for i, name in enumerate(INT_FIELDS)}
+        tables = ints[len(INT_FIELDS) * n_rows:].reshape(n_rows, self.table_width)
         tables[:] = cache.scratch_block
         pos = batch.positions()  # (N,)
         seq_of_row = np.repeat(np.arange(S), batch.num_new_tokens)  # (N,)
@@ -222,6 +230,7 @@ class Workspace:
         for i, bt in enumerate(batch.block_tables):
             tables[i, :len(bt)] = bt
         blocks[:] = tables[seq_of_row, pos // cache.block_size]
+        f["token_ids"][:N], f["token_ids"][N:] = batch.token_ids, -1
         f["positions"][:N], f["positions"][N:] = pos, 0
         f["seq_lens"][:N], f["seq_lens"][N:] = pos + 1, 1
         f["slot_mapping"][:N] = blocks * cache.block_size + pos % cache.block_size
@@ -233,9 +242,13 @@ class Workspace:
         f["seq_n"][:S], f["seq_n"][S:] = batch.num_new_tokens, 0
         rows = batch.logit_rows()
         f["logit_rows"][:len(rows)], f["logit_rows"][len(rows):] = rows, 0
-        h = self.h_host.reshape(n_rows, -1)
-        h[:N], h[N:] = embeddings, 0
+        self.host_embeddings = embeddings is not None
+        if embeddings is not None:
+            h = self.h_host.reshape(n_rows, -1)
+            h[:N], h[N:] = embeddings, 0
 
-    def upload(self, stream) -> None:
-        copy_to_device_async(self.ints, self.ints_host, stream)
-        copy_to_device_async(self.h, self.h_host, stream)
+    def upload(self, stream, step: int = 0) -> None:
+        """Queue the copies of staging row `step` (and of the host's embeddings) to the device."""
+        copy_to_device_async(self.ints, self.ints_host[step], stream)
+        if self.host_embeddings:
+            copy_to_device_async(self.h, self.h_host, stream)

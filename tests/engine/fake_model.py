@@ -128,6 +128,29 @@ class FakeModel:
         return logits
 
 
+class FakeDeviceModel(FakeModel):
+    """FakeModel with CudaModel's on-device greedy calls: forward_greedy, and decode_greedy, which
+    runs every pass when called (as the GPU queues them), each fed the previous pass's ids."""
+
+    max_queued_steps = 8
+
+    def __init__(self, hybrid: bool = False):
+        super().__init__(hybrid)
+        self.decode_steps: list[int] = []  # n_steps of each decode_greedy call
+
+    def forward_greedy(self, batch: SequenceBatch, cache: FakeCache) -> np.ndarray:
+        return self.forward(batch, cache).argmax(axis=1).astype(np.int32)  # (num_seqs,)
+
+    def decode_greedy(self, batch: SequenceBatch, cache: FakeCache, n_steps: int):
+        assert 1 <= n_steps <= self.max_queued_steps and batch.is_decode
+        self.decode_steps.append(n_steps)
+        passes = []
+        for _ in range(n_steps):
+            passes.append(self.forward_greedy(batch, cache))
+            batch = batch.next_decode_step(passes[-1])
+        return iter(passes)
+
+
 @dataclass
 class _Sample:
     token_id: int

@@ -12,7 +12,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from fake_model import EOS_ID, N_VOCAB, FakeModel, expected_greedy, make_tokenizer
+from fake_model import (
+    EOS_ID,
+    N_VOCAB,
+    FakeDeviceModel,
+    FakeModel,
+    expected_greedy,
+    make_tokenizer,
+)
 
 from sparkinfer_cli.engine.config import (
     EngineConfig,
@@ -90,10 +97,12 @@ def _wait_idle(engine: ContinuousBatchEngine) -> None:
         time.sleep(0.001)
 
 
+@pytest.mark.parametrize("model_class", [FakeModel, FakeDeviceModel])
 @pytest.mark.parametrize("hybrid", [False, True])
 @pytest.mark.parametrize("policy", ["continuous", "chunked", "priority"])
-def test_concurrent_requests_match_their_solo_outputs(engines, hybrid, policy):
-    model = FakeModel(hybrid=hybrid)
+def test_concurrent_requests_match_their_solo_outputs(engines, hybrid, policy, model_class):
+    """FakeDeviceModel: the all-decode steps run as several passes (decode_greedy)."""
+    model = model_class(hybrid=hybrid)
     engine = engines(model, start=False, sched_policy=policy, max_batch_tokens=8,
                      prefill_chunk_tokens=8, prefill_mix_max=16, max_num_seqs=12)
     sink, prompts = Collector(), _prompts(24)
@@ -173,8 +182,11 @@ def test_end_of_generation_token_stops_unless_ignored(engines):
     assert sink.final(ignored).finish_reason == "length" and sink.tokens(ignored) == [EOS_ID] * 10
 
 
-def test_stop_token_ids_and_stop_strings(engines):
-    engine, sink = engines(), Collector()
+@pytest.mark.parametrize("model_class", [FakeModel, FakeDeviceModel])
+def test_stop_token_ids_and_stop_strings(engines, model_class):
+    """FakeDeviceModel: the stops fall inside a run of decode passes; the later passes' tokens
+    are dropped."""
+    engine, sink = engines(model_class()), Collector()
     prompt = [3, 30, 4]
     output = expected_greedy(prompt, 20)
     by_id = engine.submit(prompt, greedy(20, stop_token_ids=(output[4],)), sink)
@@ -303,12 +315,13 @@ def test_abort_mid_decode_mid_prefill_and_while_queued(engines):
     engine.abort("no-such-request")  # unknown ids are ignored
 
 
+@pytest.mark.parametrize("model_class", [FakeModel, FakeDeviceModel])
 @pytest.mark.parametrize("hybrid", [False, True])
-def test_random_mix_of_outcomes_returns_every_block_and_slot(engines, hybrid):
+def test_random_mix_of_outcomes_returns_every_block_and_slot(engines, hybrid, model_class):
     """Finished, stopped, aborted (queued, mid-prefill, mid-decode) and failed requests, with and
     without the prefix: one final event each, correct tokens, and all KV back at the end."""
     rng = random.Random(7)
-    model = FakeModel(hybrid=hybrid)
+    model = model_class(hybrid=hybrid)
     model.fail_on_token = 50
     engine = engines(model, start=False, ctx=512, prefix_token_ids=PREFIX, max_num_seqs=6,
                      prefill_batched=False, prefill_chunk_tokens=8, max_batch_tokens=4)
@@ -575,3 +588,46 @@ def _run_alone(engine: ContinuousBatchEngine, prompt: list[int], params: Samplin
 
 def _logprobs(sink: Collector, request_id: str) -> list[float]:
     return [lp.logprob for e in sink.events[request_id] for lp in e.logprobs]
+
+
+def test_greedy_decodes_run_as_several_passes_within_max_tokens(engines):
+    """All-greedy decode steps with nothing waiting queue up to decode_steps passes
+    (FakeDeviceModel.decode_greedy: each pass's ids feed the next), never past a max_tokens
+    (the fake's cache raises on a position outside the block table)."""
+    model = FakeDeviceModel()
+    engine = engines(model, start=False, max_num_seqs=4, decode_steps=5)
+    sink, prompts, budgets = Collector(), _prompts(3), (20, 11, 3)
+    ids = [engine.submit(p, greedy(n), sink) for p, n in zip(prompts, budgets)]
+    engine.start()
+    for request_id, prompt, n in zip(ids, prompts, budgets):
+        assert sink.final(request_id).finish_reason == "length"
+        assert sink.tokens(request_id) == expected_greedy(prompt, n)
+        assert [e.num_output_tokens for e in sink.events[request_id]] == list(range(1, n + 1))
+    assert max(model.decode_steps) == 5 and 2 in model.decode_steps  # 3 tokens: 1 + 2 passes
+    # no pass wasted: every prompt token and every output token but the last computed once
+    assert model.num_forward_tokens == sum(len(p) + n - 1 for p, n in zip(prompts, budgets))
+    _wait_idle(engine)
+    assert engine.stats().free_kv_blocks == engine.stats().total_kv_blocks
+
+
+def test_requests_join_between_runs_of_decode_passes(engines):
+    model = FakeDeviceModel()
+    engine, sink = engines(model), Collector()
+    first = engine.submit([4, 5, 6], greedy(200), sink)
+    while not sink.events[first]:
+        time.sleep(0.001)
+    second = engine.submit([7, 8], greedy(30), sink)
+    assert sink.final(second).finish_reason == "length"
+    assert sink.tokens(second) == expected_greedy([7, 8], 30)
+    assert sink.final(first).finish_reason == "length"
+    assert sink.tokens(first) == expected_greedy([4, 5, 6], 200)
+    assert max(model.batch_sizes) == 2  # the two decoded together
+
+
+def test_sampled_requests_decode_one_pass_a_step(engines):
+    model = FakeDeviceModel()
+    engine, sink = engines(model), Collector()
+    request_id = engine.submit([1, 2], SamplingParams(max_tokens=12, temperature=0.7, seed=3),
+                               sink)
+    assert sink.final(request_id).finish_reason == "length"
+    assert model.decode_steps == []

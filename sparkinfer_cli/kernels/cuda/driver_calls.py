@@ -49,3 +49,30 @@ def copy_to_host_async(dst, src, stream) -> None:
         return
     check(driver.cuMemcpyDtoHAsync(dst.ctypes.data, _device_ptr(src), dst.nbytes,
                                    stream_handle(stream)))
+
+
+def copy_device_async(dst, src, stream) -> None:
+    """dst ← src (device arrays of the same size in bytes), queued on stream."""
+    if IS_SIMULATOR:
+        dst.copy_to_device(src, stream=stream)
+        return
+    check(driver.cuMemcpyDtoDAsync(_device_ptr(dst), _device_ptr(src), dst.nbytes,
+                                   stream_handle(stream)))
+
+
+class StreamMark:
+    """A point in a stream's queue the host can wait for (a CUDA event without timing): wait()
+    returns once the work queued before record() has finished. The simulator runs every launch
+    at once, so there it does nothing."""
+
+    def __init__(self):
+        self._event = None if IS_SIMULATOR else check(
+            driver.cuEventCreate(driver.CUevent_flags.CU_EVENT_DISABLE_TIMING))
+
+    def record(self, stream) -> None:
+        if self._event is not None:
+            check(driver.cuEventRecord(self._event, stream_handle(stream)))
+
+    def wait(self) -> None:
+        if self._event is not None:
+            check(driver.cuEventSynchronize(self._event))

@@ -252,6 +252,12 @@ _PIECES = {
 SUPPORTED_TYPES = frozenset(_PIECES)
 
 
+def dequant_piece(ggml_type: int):
+    """The device function (row bytes, row's byte offset, kk) → elements kk..kk+15 of the row as
+    8 f16x2 words, for a type this GEMM stages; None for others."""
+    return _PIECES.get(GGMLType(ggml_type))
+
+
 def supports(w: DeviceQuantMatrix) -> bool:
     """Whether the tensor-core GEMM takes this matrix: a type it dequantizes, rows of whole
     BK-element steps (else fall back to quant_gemv)."""
