@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 
 KERNEL_MODULES = ("activation", "attention", "attention_input", "attention_mma",
-                  "attention_prefill", "expert_route", "gated_delta", "mma_gemm", "model_ops",
-                  "moe", "norm", "quant_gemv", "sampling")
+                  "attention_prefill", "embedding", "expert_route", "gated_delta", "mma_gemm",
+                  "model_ops", "moe", "norm", "quant_gemv", "sampling")
 PACKAGE = "sparkinfer_cli.kernels.cuda"
 
 

@@ -74,6 +74,8 @@ class DepthBench:
             self._forward(ids, 0)
             for step in range(WARMUP_DECODE_STEPS):
                 self._forward(ids[step:step + 1], n + step)
+            if self._queued_steps > 1:
+                self._decode_run(n, WARMUP_DECODE_STEPS)
             pair = SequenceBatch(self._ids(2), [n, 0], [1, 1], [self.block_table, half], [0, 1])
             self.model.forward(pair, self.cache)
 
@@ -86,14 +88,33 @@ class DepthBench:
         chunk = min(ctx, self.settings.prefill_chunk_tokens)
         return Measurement("prefill", ctx, 1, ctx / statistics.median(times), chunk)
 
+    @property
+    def _queued_steps(self) -> int:
+        """Decode passes the model queues at once (CudaModel.decode_greedy), as the engine runs
+        greedy decodes; 1: one forward a step."""
+        if not hasattr(self.model, "decode_greedy"):
+            return 1
+        return getattr(self.model, "max_queued_steps", 1)
+
     def decode(self, ctx: int) -> Measurement:
-        """Median step time over decode_steps steps after a ctx-token prompt (just prefilled)."""
-        ids = self._ids(self.settings.decode_steps)
-        step = getattr(self.model, "forward_greedy", self.model.forward)  # ids back, as serving
+        """Median time a step over decode_steps steps after a ctx-token prompt (just prefilled):
+        runs of queued passes (each fed the previous one's argmax, a random first id) where the
+        model queues them, as the engine serves greedy requests; else one forward a step."""
+        steps, run = self.settings.decode_steps, self._queued_steps
         host = _HostTime(self.model)
-        times = [_timed(lambda: self._forward(ids[i:i + 1], ctx + i, step))
-                 for i in range(len(ids))]
+        if run > 1:
+            times = [_timed(lambda: self._decode_run(ctx + i, min(run, steps - i)))
+                     / min(run, steps - i) for i in range(0, steps, run)]
+        else:
+            ids = self._ids(steps)
+            step = getattr(self.model, "forward_greedy", self.model.forward)  # ids back
+            times = [_timed(lambda: self._forward(ids[i:i + 1], ctx + i, step))
+                     for i in range(steps)]
         return Measurement("decode", ctx, 1, 1.0 / statistics.median(times), 1, host.mean_us())
+
+    def _decode_run(self, start: int, n_steps: int) -> list[np.ndarray]:
+        batch = SequenceBatch.single(self._ids(1), start, self.block_table)
+        return list(self.model.decode_greedy(batch, self.cache, n_steps))  # type: ignore[attr-defined]
 
     def _prefill(self, ids: np.ndarray) -> None:
         if self.model.config.is_hybrid:

@@ -32,8 +32,8 @@ import numpy as np
 from numba import cuda
 from rich.console import Console
 
-from sparkinfer_cli.gguf_file import GGUFFile
 from sparkinfer_cli.ggml_types import GGMLType
+from sparkinfer_cli.gguf_file import GGUFFile
 from sparkinfer_cli.kernels.cuda import embedding, graphs, norm, sampling
 from sparkinfer_cli.kernels.cuda.driver_calls import (
     StreamMark,

@@ -38,8 +38,8 @@ EXPERTS_MMA_MIN_ROWS = 256
 # (64 sequences, Qwen3.6 shape: a GDN input projection took 210 µs as GEMVs; the output
 # projection 8.8 ms of a 43 ms step).
 LINEAR_MMA_MIN_ROWS = 32
-INT_FIELDS = ("token_ids", "positions", "seq_lens", "slot_mapping", "row_seq", "state_slots", "seq_lo",
-              "seq_n", "logit_rows")
+INT_FIELDS = ("token_ids", "positions", "seq_lens", "slot_mapping", "row_seq", "state_slots",
+              "seq_lo", "seq_n", "logit_rows")
 # Decode passes queued before the host reads the first one's ids (CudaModel.decode_greedy): each
 # has its own pinned staging of the step inputs and of the ids that come back.
 MAX_QUEUED_STEPS = 8

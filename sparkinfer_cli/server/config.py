@@ -84,6 +84,7 @@ def build_engine_config(ctx: int | None, trained_context_length: int,
         "max_queue_depth": env.SPARKINFER_MAX_QUEUE_DEPTH.get(environ),
         "max_output_tokens": env.SPARKINFER_MAX_OUTPUT_TOKENS.get(environ),
         "request_timeout_s": env.SPARKINFER_REQUEST_TIMEOUT_S.get(environ),
+        "decode_steps": env.SPARKINFER_DECODE_STEPS.get(environ),
         "prefix_token_ids": env.prefix_token_ids(environ),
     }
     values.update(overrides)

@@ -239,6 +239,45 @@ def test_linears_on_tensor_cores_in_a_batched_decode_graph(monkeypatch) -> None:
     assert np.abs(mma - gemv).max() <= 0.05 * np.abs(gemv).max()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ("qwen3", "qwen35moe"))
+def test_queued_decode_passes_equal_greedy_steps_one_by_one(family: str) -> None:
+    """decode_greedy (passes queued at once, each fed the previous pass's ids on the device)
+    picks what forward_greedy picks step by step with the host feeding the ids, for 3 sequences
+    (a padded bucket of 4), over two runs of passes (graph capture, then replays)."""
+    from sparkinfer_cli.model.cuda_workspace import MAX_QUEUED_STEPS
+
+    model = _tiny(family, "Q8_0", exact=False)
+    prompt = _goldens(family)["prompt_long"]
+    prompts, tables = [prompt[:20], prompt[30:37], prompt[50:83]], [np.arange(i * 4, i * 4 + 4)
+                                                                     for i in range(3)]
+    picks = {}
+    for mode in ("one by one", "queued"):
+        cache = model.create_cache(12, BLOCK_SIZE, 3)
+        first = [model.forward_greedy(SequenceBatch.single(p, 0, t, i), cache)[0]
+                 for i, (p, t) in enumerate(zip(prompts, tables))]
+        batch = SequenceBatch(np.array(first, np.int32), [len(p) for p in prompts], [1] * 3,
+                              tables, [0, 1, 2])
+        steps: list[np.ndarray] = []
+        for _ in range(2):
+            run = list(model.decode_greedy(batch, cache, MAX_QUEUED_STEPS)) if mode == "queued" \
+                else _greedy_steps(model, batch, cache, MAX_QUEUED_STEPS)
+            steps += run
+            batch = SequenceBatch(run[-1], [s + MAX_QUEUED_STEPS for s in batch.start_positions],
+                                  [1] * 3, tables, [0, 1, 2])
+        picks[mode] = np.stack(steps)  # (2 · MAX_QUEUED_STEPS, 3)
+    np.testing.assert_array_equal(picks["queued"], picks["one by one"])
+
+
+def _greedy_steps(model, batch: SequenceBatch, cache, n_steps: int) -> list[np.ndarray]:
+    """forward_greedy n_steps times, the host feeding each step's ids to the next."""
+    steps = []
+    for _ in range(n_steps):
+        steps.append(model.forward_greedy(batch, cache))
+        batch = batch.next_decode_step(steps[-1])
+    return steps
+
+
 def _greedy(model, ids: list[int], n: int) -> list[int]:
     cache = model.create_cache(-(-(len(ids) + n) // BLOCK_SIZE), BLOCK_SIZE, 1)
     table = np.arange(cache.num_blocks)

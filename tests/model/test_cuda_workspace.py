@@ -47,3 +47,32 @@ def test_stacked_linears_of_several_weight_types_fill_each_members_output():
             ref = x_q8.astype(np.float64) @ dequantize(w.raw, w.ggml_type).T
         np.testing.assert_allclose(out.copy_to_host().reshape(ref.shape), ref, rtol=1e-4,
                                    atol=1e-5)
+
+
+def test_a_queued_decode_pass_stages_its_inputs_and_takes_device_token_ids():
+    """A 3-sequence decode in a bucket of 4 staged in staging row 2 (as the third queued pass of
+    CudaModel.decode_greedy): the device gets its token ids (-1 on the padding row: a zero
+    embedding), positions, lengths and KV slots; no host embeddings are copied; then the
+    previous pass's ids replace the placeholders on the device."""
+    from numba import cuda
+
+    from sparkinfer_cli.kernels.cuda.driver_calls import copy_device_async
+    from sparkinfer_cli.model.batch import SequenceBatch
+
+    cache = SimpleNamespace(num_blocks=9, block_size=4, scratch_block=9, scratch_slot=3)
+    ws = Workspace(4, cache, 32, True, 0, 0)
+    tables = [np.array([5, 2]), np.array([7]), np.array([1, 8, 0])]
+    batch = SequenceBatch(np.array([11, 12, 13], np.int32), [5, 0, 9], [1, 1, 1], tables,
+                          [0, 1, 2])
+    ws.h.copy_to_device(np.full(ws.h.shape, 7.0, np.float32))
+    ws.fill(batch, None, step=2)
+    ws.upload(0, step=2)
+    assert ws.token_ids.copy_to_host().tolist() == [11, 12, 13, -1]
+    assert ws.positions.copy_to_host().tolist() == [5, 0, 9, 0]
+    assert ws.seq_lens.copy_to_host().tolist() == [6, 1, 10, 1]
+    # position p of a sequence: block table[p // 4], slot p % 4; the padding row: scratch
+    assert ws.slot_mapping.copy_to_host().tolist() == [2 * 4 + 1, 7 * 4 + 0, 0 * 4 + 1, 9 * 4]
+    assert (ws.h.copy_to_host() == 7.0).all()  # the device looks the embeddings up
+    previous = cuda.to_device(np.array([21, 22, 23, 24], np.int32))  # a pass's argmax (bucket)
+    copy_device_async(ws.token_ids[:3], previous[:3], 0)
+    assert ws.token_ids.copy_to_host().tolist() == [21, 22, 23, -1]

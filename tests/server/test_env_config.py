@@ -84,14 +84,15 @@ def test_engine_config_from_env_and_ctx_rules() -> None:
                "SPARKINFER_PREFILL_CHUNK_TOKENS": "128", "SPARKINFER_PREFILL_MIX_MAX": "0",
                "SPARKINFER_PREFILL_BATCHED": "0", "SPARKINFER_MAX_QUEUE_DEPTH": "3",
                "SPARKINFER_MAX_OUTPUT_TOKENS": "100", "SPARKINFER_REQUEST_TIMEOUT_S": "9",
-               "SPARKINFER_SERVER_PREFIX_TOKEN_IDS": "1,2"}
+               "SPARKINFER_SERVER_PREFIX_TOKEN_IDS": "1,2", "SPARKINFER_DECODE_STEPS": "3"}
     config = build_engine_config(None, 32768, environ)
     assert (config.ctx, config.max_batch_tokens, config.sched_policy) == (8192, 32, "priority")
     assert (config.prefill_chunk_tokens, config.prefill_mix_max, config.prefill_batched) == \
         (128, 0, False)
     assert (config.max_queue_depth, config.max_output_tokens, config.request_timeout_s) == \
         (3, 100, 9.0)
-    assert config.prefix_token_ids == (1, 2)
+    assert config.prefix_token_ids == (1, 2) and config.decode_steps == 3
+    assert build_engine_config(None, 32768, {}).decode_steps == 8
     assert build_engine_config(1024, 32768, environ).ctx == 1024  # --ctx beats CTX
     assert build_engine_config(0, 32768, {}).ctx == 32768  # 0 = the model's own context
     assert build_engine_config(None, 32768, {}).ctx == 32768  # unset: the model's own context
