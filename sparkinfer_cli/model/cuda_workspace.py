@@ -41,7 +41,7 @@ LINEAR_MMA_MIN_ROWS = 32
 INT_FIELDS = ("token_ids", "positions", "seq_lens", "slot_mapping", "row_seq", "state_slots",
               "seq_lo", "seq_n", "logit_rows")
 # Decode passes queued before the host reads the first one's ids (CudaModel.decode_greedy): each
-# has its own pinned staging of the step inputs and of the ids that come back.
+# has its own pinned staging of the pass's inputs and of the ids that come back.
 MAX_QUEUED_STEPS = 8
 
 
@@ -100,14 +100,15 @@ class Workspace:
         self.groups = n_rows // self.cols
         self.table_width = cache.num_blocks + 1
         n_ints = len(INT_FIELDS) * n_rows + n_rows * self.table_width
-        # (queued steps, fields·rows + rows·width): a staging row per queued decode step
-        self.ints_host = cuda.pinned_array((MAX_QUEUED_STEPS, n_ints), np.int32)
+        # pinned staging of the int inputs (fields·rows + rows·width,), one per queued decode
+        # pass, made on first use (a prefill bucket needs one: its tables take rows · width)
+        self._ints_host: list[np.ndarray] = []
         self.ints = cuda.device_array(n_ints, np.int32)
         views = [self.ints[i * n_rows:(i + 1) * n_rows] for i in range(len(INT_FIELDS))]
         self.token_ids, self.positions, self.seq_lens, self.slot_mapping, self.row_seq, \
             self.state_slots, self.seq_lo, self.seq_n, self.logit_rows = views
         self.block_tables = self.ints[len(INT_FIELDS) * n_rows:].reshape(n_rows, self.table_width)
-        self.h_host = cuda.pinned_array((self.groups, self.cols, n_embd), np.float32)
+        self._h_host: np.ndarray | None = None  # pinned, made when the host looks rows up
         self.h = device_zeros((self.groups, self.cols, n_embd), np.float32)  # residual stream
         self.delta = self.buf("delta", self.groups, self.cols, n_embd)  # sub-layer output
         self.x = self.act("x", n_embd)  # normed sub-layer input
@@ -220,7 +221,7 @@ class Workspace:
         """Write this pass's int32 inputs (token ids: -1 on padding rows) into staging row `step`,
         and the embeddings (N, n_embd) when the host looked them up (else the device does)."""
         cache, n_rows, N, S = self.cache, self.n_rows, len(batch.token_ids), batch.num_seqs
-        ints = self.ints_host[step]
+        ints = self._staging(step)
         f = {name: ints[i * n_rows:(i + 1) * n_rows] for i, name in enumerate(INT_FIELDS)}
         tables = ints[len(INT_FIELDS) * n_rows:].reshape(n_rows, self.table_width)
         tables[:] = cache.scratch_block
@@ -244,11 +245,18 @@ class Workspace:
         f["logit_rows"][:len(rows)], f["logit_rows"][len(rows):] = rows, 0
         self.host_embeddings = embeddings is not None
         if embeddings is not None:
-            h = self.h_host.reshape(n_rows, -1)
+            if self._h_host is None:
+                self._h_host = cuda.pinned_array(self.h.shape, np.float32)
+            h = self._h_host.reshape(n_rows, -1)
             h[:N], h[N:] = embeddings, 0
+
+    def _staging(self, step: int) -> np.ndarray:
+        while len(self._ints_host) <= step:
+            self._ints_host.append(cuda.pinned_array(self.ints.size, np.int32))
+        return self._ints_host[step]
 
     def upload(self, stream, step: int = 0) -> None:
         """Queue the copies of staging row `step` (and of the host's embeddings) to the device."""
-        copy_to_device_async(self.ints, self.ints_host[step], stream)
+        copy_to_device_async(self.ints, self._ints_host[step], stream)
         if self.host_embeddings:
-            copy_to_device_async(self.h, self.h_host, stream)
+            copy_to_device_async(self.h, self._h_host, stream)
