@@ -3,8 +3,9 @@
 A forward pass of N new tokens runs on n_rows = the power of two ≥ N rows (padding rows are
 harmless: position 0 in the cache's scratch block, no recurrent tokens), laid out for the GEMVs as
 (groups, cols, features) with cols = min(n_rows, 8). Everything a CUDA graph reads lives here, so a
-captured decode step replays over the same pointers: per step only `h` (the token embeddings) and
-the int32 inputs (positions, block tables, slots, ...) are copied in, each as one transfer.
+captured decode step replays over the same pointers: per step only the int32 inputs (token ids,
+positions, block tables, slots, ...) are copied in, as one transfer (plus `h`, the embeddings,
+where the host looks them up).
 """
 
 from __future__ import annotations
