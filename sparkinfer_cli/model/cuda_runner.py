@@ -199,7 +199,8 @@ class CudaModel:
             previous_ids = greedy.ids
             self._marks[step].record(self.stream)
             queued.append(p)
-            batch = batch.next_decode_step(batch.token_ids)  # placeholders: read on the device
+            # the next pass's tokens are copied in on the device; -1 (a zero embedding) until then
+            batch = batch.next_decode_step(np.full(batch.num_seqs, -1, np.int32))
         return self._queued_ids(queued)
 
     def _decode_greedy_one_by_one(self, batch: SequenceBatch, cache: CudaModelCache,
