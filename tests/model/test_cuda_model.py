@@ -407,3 +407,21 @@ def test_gather_rows() -> None:
     out = cuda.device_array((2, 3), np.float32)
     gather_rows(cuda.to_device(x), cuda.to_device(np.array([3, 1], np.int32)), out)
     np.testing.assert_array_equal(out.copy_to_host(), x[[3, 1]])
+
+
+def test_decode_greedy_refuses_what_it_cannot_queue() -> None:
+    """Checked before anything is queued (so the simulator runs no pass): a prefill piece, more
+    passes than there are staging rows, block tables too short for the passes. The tiny model's
+    Q8_0 token table is read on the device."""
+    from sparkinfer_cli.model.cuda_workspace import MAX_QUEUED_STEPS
+
+    model = _tiny("qwen3", "Q8_0", exact=False)
+    assert model.token_embd is not None and model.token_embd.n_rows == model.config.n_vocab
+    cache = model.create_cache(2, BLOCK_SIZE, 1)
+    one = SequenceBatch.single([3], 10, [0])  # position 10 of a 16-token block
+    with pytest.raises(ValueError, match="one new token a sequence"):
+        model.decode_greedy(SequenceBatch.single([3, 4], 10, [0]), cache, 2)
+    with pytest.raises(ValueError, match=f"1 to {MAX_QUEUED_STEPS} steps"):
+        model.decode_greedy(one, cache, MAX_QUEUED_STEPS + 1)
+    with pytest.raises(ValueError, match="does not cover 17 tokens"):
+        model.decode_greedy(one, cache, 7)
