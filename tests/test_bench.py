@@ -268,7 +268,7 @@ def test_decode_host_time_is_the_mean_over_its_graph_replays():
     model.times.add("decode", 0.5, 1.0)  # before the figure: not counted
     host = _HostTime(model)
     model.times.add("decode", 300e-6, 4e-3)
-    model.times.add("eager", 0.2, 0.3)  # a capture or prefill: not a replayed step
+    model.times.add("other", 0.2, 0.3)  # a capture or prefill: not a replayed decode step
     model.times.add("decode", 500e-6, 4e-3)
     assert host.mean_us() == pytest.approx(400.0)
     assert _HostTime(SimpleNamespace()).mean_us() is None

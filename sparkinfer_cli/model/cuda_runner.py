@@ -4,10 +4,12 @@
     cache = model.create_cache(num_blocks, block_size, num_state_slots)   # on the device
     logits = model.forward(batch, cache)             # float32 numpy, like the CPU model
 
-A pass of N tokens runs on a workspace of the next power of two rows (cuda_workspace.py). Passes
-of one new token per sequence (decode) replay a CUDA graph captured the first time their row
-bucket is seen; other passes (prefill, mixed) launch eagerly, with attention as the tiled prefill
-kernel. Passes of ≥ LINEAR_MMA_MIN_ROWS tokens (a 32-sequence decode included) run every dense
+A pass of N tokens runs on a workspace of the next power of two rows (cuda_workspace.py). Every
+pass replays a CUDA graph captured the first time its kind is seen (row bucket; one or several
+tokens a sequence; logit rows; greedy ids or logits), after one eager run: all a pass varies is
+in device buffers, and a 512-token prefill's ~680 eager launches cost more host time than its
+kernels take. Decode graphs of up to MAX_GRAPH_ROWS sequences are captured at load; passes with
+several tokens a sequence run attention as the tiled prefill kernel. Passes of ≥ LINEAR_MMA_MIN_ROWS tokens (a 32-sequence decode included) run every dense
 linear as a tensor-core GEMM (f16 activations), from EXPERTS_MMA_MIN_ROWS on the MoE experts too.
 Token embeddings are looked up on the device (kernels/cuda/embedding.py) from the step's token
 ids, so `decode_greedy` can queue several decode passes at once, each reading the previous one's
@@ -53,7 +55,7 @@ from sparkinfer_cli.model.gated_delta_net import GatedDeltaNet
 from sparkinfer_cli.model.layers import Attention, SwiGLU
 from sparkinfer_cli.model.moe import MoE
 
-MAX_GRAPH_ROWS = 64  # decode batches up to this many sequences replay a graph
+MAX_GRAPH_ROWS = 64  # decode graphs of batches up to this many sequences are captured at load
 MAX_PASS_TOKENS = 4096  # tokens a forward pass takes at most (workspace buffers are sized by it)
 
 
@@ -67,11 +69,12 @@ class CudaLayer:
 
 @dataclass
 class StepTimes:
-    """Host-side cost of forward passes ("decode": graph replays; "eager": the rest, captures
-    included): `host_s` until the GPU work is queued, `total_s` until the logits are on the host."""
-    steps: dict[str, int] = field(default_factory=lambda: {"decode": 0, "eager": 0})
-    host_s: dict[str, float] = field(default_factory=lambda: {"decode": 0.0, "eager": 0.0})
-    total_s: dict[str, float] = field(default_factory=lambda: {"decode": 0.0, "eager": 0.0})
+    """Host-side cost of forward passes ("decode": decode passes replayed from a graph; "other":
+    the rest, prefills and captures included): `host_s` until the GPU work is queued, `total_s`
+    until the logits are on the host."""
+    steps: dict[str, int] = field(default_factory=lambda: {"decode": 0, "other": 0})
+    host_s: dict[str, float] = field(default_factory=lambda: {"decode": 0.0, "other": 0.0})
+    total_s: dict[str, float] = field(default_factory=lambda: {"decode": 0.0, "other": 0.0})
 
     def add(self, kind: str, host_s: float, total_s: float) -> None:
         self.steps[kind] += 1
@@ -89,7 +92,7 @@ class QueuedPass(NamedTuple):
     n_logits: int  # of which real
     t0: float  # perf_counter at the start of the call
     t_queued: float  # perf_counter once the GPU work was queued
-    kind: str  # "decode" (graph replay) | "eager"
+    kind: str  # "decode" (a decode pass's graph replay) | "other"
 
 
 class CudaModel:
@@ -242,18 +245,17 @@ class CudaModel:
             copy_device_async(ws.token_ids[:n], device_tokens[:n], self.stream)
         n_logits = len(batch.logit_rows())
         logit_rows = row_bucket(n_logits)
-        decode = self.use_graphs and max(batch.num_new_tokens) == 1 and ws.n_rows <= MAX_GRAPH_ROWS
-        key = (logit_rows, greedy)
-        replay = decode and key in ws.graphs
+        key = (ws.multi_token, logit_rows, greedy)
+        replay = self.use_graphs and key in ws.graphs
         if replay:
             ws.graphs[key].replay()
-        else:
+        else:  # the first pass of its kind: eager (compiles, creates buffers), then captured
             self._run(ws, cache, logit_rows, self.stream, greedy)
-            if decode:
+            if self.use_graphs:
                 ws.graphs[key] = graphs.capture(
                     lambda s: self._run(ws, cache, logit_rows, s, greedy), self.stream)
-        return QueuedPass(ws, logit_rows, n_logits, t0, time.perf_counter(),
-                          "decode" if replay else "eager")
+        kind = "decode" if replay and not ws.multi_token else "other"
+        return QueuedPass(ws, logit_rows, n_logits, t0, time.perf_counter(), kind)
 
     def _finish(self, p: QueuedPass) -> None:
         self.stream.synchronize()

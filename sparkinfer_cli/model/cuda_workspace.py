@@ -115,8 +115,8 @@ class Workspace:
         self.x = self.act("x", n_embd)  # normed sub-layer input
         self.attn = DecodeWorkspace(n_rows, n_heads, head_dim, cache.max_context) \
             if n_heads else None
-        # (logit rows, greedy ids too) → captured decode graph
-        self.graphs: dict[tuple[int, bool], CapturedGraph] = {}
+        # (several tokens a sequence, logit rows, greedy ids too) → the pass's captured graph
+        self.graphs: dict[tuple[bool, int, bool], CapturedGraph] = {}
         self.multi_token = False  # set per pass: some sequence brings several new tokens
         self.host_embeddings = True  # set per pass: h comes from the host, not the device lookup
 
