@@ -197,10 +197,13 @@ class ContinuousBatchEngine:
 
     def _num_decode_steps(self, output: SchedulerOutput) -> int:
         """Decode passes to queue at once: up to config.decode_steps (and the model's limit) when
-        every sequence decodes and samples, no request waits to join and no submission or abort
-        is pending (they wait for the passes), never past a request's max_tokens."""
+        every sequence decodes and samples, no waiting request could join now (every sequence
+        slot is taken) and no submission or abort is pending (they would wait for the passes),
+        never past a request's max_tokens."""
         limit = min(self.config.decode_steps, self.runner.max_decode_steps)
-        if limit <= 1 or self.scheduler.waiting or not output.is_decode_only or \
+        could_join = self.scheduler.waiting and \
+            len(self.scheduler.running) < self.config.max_num_seqs
+        if limit <= 1 or could_join or not output.is_decode_only or \
                 not all(s.needs_logits for s in output.sequences):
             return 1
         with self._lock:

@@ -610,6 +610,24 @@ def test_greedy_decodes_run_as_several_passes_within_max_tokens(engines):
     assert engine.stats().free_kv_blocks == engine.stats().total_kv_blocks
 
 
+def test_decode_passes_run_while_waiting_requests_have_no_free_slot(engines):
+    """Two sequence slots, four requests: the two running decode in runs of passes while the
+    other two wait for a slot; every output is the oracle's and no pass is wasted."""
+    model = FakeDeviceModel()
+    engine = engines(model, start=False, max_num_seqs=2, decode_steps=4)
+    sink, prompts = Collector(), _prompts(4)
+    ids = [engine.submit(p, greedy(9), sink) for p in prompts]
+    engine.start()
+    for request_id, prompt in zip(ids, prompts):
+        assert sink.final(request_id).finish_reason == "length"
+        assert sink.tokens(request_id) == expected_greedy(prompt, 9)
+    # each pair decodes 7 of its 9 tokens in runs of 4 + 3 passes (the first token comes with
+    # its prefill, one more from the step where the next prefill joined): the first pair while
+    # the other two wait
+    assert model.decode_steps == [4, 3, 4, 3]
+    assert model.num_forward_tokens == sum(len(p) + 9 - 1 for p in prompts)
+
+
 def test_requests_join_between_runs_of_decode_passes(engines):
     model = FakeDeviceModel()
     engine, sink = engines(model), Collector()
