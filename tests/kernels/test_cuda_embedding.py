@@ -57,3 +57,21 @@ def test_tables_without_a_device_lookup_are_refused(rng) -> None:
     raw = random_weights(GGMLType.IQ4_XS, N_TOKENS, 256, rng)
     with pytest.raises(ValueError, match="IQ4_XS"):
         _lookup(raw, GGMLType.IQ4_XS, 256, [0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ggml_type, n_tokens", [
+    (GGMLType.Q4_K, 151936),  # Qwen3-30B token_embd (the anchors' Q4_K_M)
+    (GGMLType.Q6_K, 248320),  # Qwen3.6 tied / output-sized table
+    (GGMLType.Q8_0, 151936),
+])
+def test_real_tables_a_prefill_of_rows(ggml_type, n_tokens, rng) -> None:
+    """2048-wide rows of a vocabulary-sized table, 4096 ids (a prefill pass) with padding."""
+    raw = random_weights(ggml_type, n_tokens, 2048, rng)
+    ids = rng.integers(0, n_tokens, 4096).astype(np.int32)
+    ids[-5:] = -1
+    got = _lookup(raw, ggml_type, 2048, ids.tolist())
+    live = ids[ids >= 0]
+    expected = dequantize(raw[live], ggml_type).reshape(len(live), 2048)
+    np.testing.assert_array_equal(got[ids >= 0], expected.astype(np.float16).astype(np.float32))
+    assert not got[ids < 0].any()
