@@ -9,8 +9,9 @@ pass replays a CUDA graph captured the first time its kind is seen (row bucket; 
 tokens a sequence; logit rows; greedy ids or logits), after one eager run: all a pass varies is
 in device buffers, and a 512-token prefill's ~680 eager launches cost more host time than its
 kernels take. Decode graphs of up to MAX_GRAPH_ROWS sequences are captured at load; passes with
-several tokens a sequence run attention as the tiled prefill kernel. Passes of ≥ LINEAR_MMA_MIN_ROWS tokens (a 32-sequence decode included) run every dense
-linear as a tensor-core GEMM (f16 activations), from EXPERTS_MMA_MIN_ROWS on the MoE experts too.
+several tokens a sequence run attention as the tiled prefill kernel. Passes of ≥
+LINEAR_MMA_MIN_ROWS tokens (a 32-sequence decode included) run every dense linear as a
+tensor-core GEMM (f16 activations), from EXPERTS_MMA_MIN_ROWS on the MoE experts too.
 Token embeddings are looked up on the device (kernels/cuda/embedding.py) from the step's token
 ids, so `decode_greedy` can queue several decode passes at once, each reading the previous one's
 argmax ids on the device; tables of a type without a device lookup are read on the host.
