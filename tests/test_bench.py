@@ -13,6 +13,7 @@ from datetime import datetime
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 from rich.console import Console
 
@@ -272,3 +273,34 @@ def test_decode_host_time_is_the_mean_over_its_graph_replays():
     model.times.add("decode", 500e-6, 4e-3)
     assert host.mean_us() == pytest.approx(400.0)
     assert _HostTime(SimpleNamespace()).mean_us() is None
+
+
+def test_decode_on_a_queuing_model_times_runs_of_passes(monkeypatch):
+    """A model with decode_greedy (CudaModel's queued passes) is timed as the engine runs it:
+    consecutive runs of max_queued_steps passes from the depth on, a step = a run's time / its
+    passes."""
+    from sparkinfer_cli import bench_measure
+    from sparkinfer_cli.bench_measure import DepthBench
+
+    runs = []
+
+    class QueuingModel:
+        config = SimpleNamespace(n_vocab=50, is_hybrid=False)
+        max_queued_steps = 4
+
+        def create_cache(self, num_blocks, block_size, num_state_slots):
+            return SimpleNamespace(num_blocks=num_blocks)
+
+        def decode_greedy(self, batch, cache, n_steps):
+            assert len(batch.block_tables[0]) * bench_measure.BLOCK_SIZE >= \
+                batch.start_positions[0] + n_steps
+            runs.append((batch.start_positions[0], n_steps))
+            return iter([np.zeros(1, np.int32)] * n_steps)
+
+    clock = iter(range(100))  # each _timed call: 1 s
+    monkeypatch.setattr(bench_measure.time, "perf_counter", lambda: next(clock))
+    bench = DepthBench(QueuingModel(), 64, Settings(decode_steps=10, prefill_chunk_tokens=64,
+                                                    throughput_prompt_tokens=8))
+    result = bench.decode(64)
+    assert runs == [(64, 4), (68, 4), (72, 2)]
+    assert result.tok_s == pytest.approx(4.0)  # the median run: 1 s for 4 passes
