@@ -1,11 +1,15 @@
 """Token sampling on the GPU, so only token ids come back to the host.
 
 temperature ≤ 0 or top_k == 1 → greedy argmax (ties → lowest id). Otherwise the top
-k = min(top_k or MAX_CANDIDATES, MAX_CANDIDATES) logits are kept, top-p and min-p trim them and the
-host-supplied uniform u ∈ [0, 1) picks one of softmax(candidates / T). Two kernels:
+k = min(top_k or MAX_CANDIDATES, MAX_CANDIDATES) logits are candidates (by value, ties → lower id),
+and top-p and min-p trim them by the host Sampler's rules (engine/sampler.py: top-p at temperature
+1, min-p against the best logit); the host-supplied uniform u ∈ [0, 1) then draws from
+softmax(kept / T) walking the kept ids in ascending order, as the host's cumulative search does.
+For 1 ≤ top_k ≤ MAX_CANDIDATES this is exactly the host's choice (`supports_exactly`); a wider
+top-k would need candidates this kernel does not keep. Two kernels:
   1. grid (n_chunks, n_seqs): each block finds the k best of its vocabulary chunk by k rounds of
      "block argmax strictly below the previous pick";
-  2. grid (n_seqs,): the same over the n_chunks·k candidates, then the draw.
+  2. grid (n_seqs,): the same over the n_chunks·k candidates, then the cut and the draw.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import cuda, float32, int32
+from numba import cuda, float32, float64, int32
 
 from sparkinfer_cli.kernels.cuda.intrinsics import IS_SIMULATOR
 from sparkinfer_cli.kernels.cuda.jit import device_function
@@ -85,7 +89,56 @@ def _chunk_topk_kernel(logits, n_vocab, chunk, no_ids, temperature, top_k, cand_
             cand_i[out + r] = prev_i if r < k else int32(2147483647)
 
 
-@cuda.jit(fastmath=True)
+@device_function(fastmath=False)
+def _kept_count(best_v, k, top_p, min_p):
+    """How many of the k best (value-sorted) candidates survive top-p and min-p, by the host
+    Sampler's rules (engine/sampler.py): top-p at temperature 1 over the k candidates (the one
+    that crosses top_p is kept), then min-p against the best value."""
+    kept = k
+    if top_p < 1.0:
+        total = float64(0.0)
+        for r in range(k):
+            total += float64(math.exp(best_v[r] - best_v[0]))
+        target, cdf = float64(top_p) * total, float64(0.0)
+        for r in range(k):
+            cdf += float64(math.exp(best_v[r] - best_v[0]))
+            if cdf >= target:
+                kept = r + 1
+                break
+    if min_p > 0.0:
+        floor = best_v[0] + float32(math.log(min_p))
+        n = 1
+        while n < kept and best_v[n] >= floor:
+            n += 1
+        kept = n
+    return kept
+
+
+@device_function(fastmath=False)
+def _draw_in_id_order(best_v, best_i, kept, temperature, u):
+    """The id drawn with weights exp((v - best) / T) over the kept candidates taken in id order
+    (as the host's cumulative search walks the vocabulary): the first whose cumulative weight
+    exceeds u · total."""
+    top = best_v[0]
+    for r in range(1, kept):  # insertion sort of the kept candidates by id
+        v, i, j = best_v[r], best_i[r], r
+        while j > 0 and best_i[j - 1] > i:
+            best_v[j], best_i[j] = best_v[j - 1], best_i[j - 1]
+            j -= 1
+        best_v[j], best_i[j] = v, i
+    total = float64(0.0)
+    for r in range(kept):
+        best_v[r] = math.exp((best_v[r] - top) / temperature)
+        total += float64(best_v[r])
+    target, cdf = float64(u) * total, float64(0.0)
+    for r in range(kept):
+        cdf += float64(best_v[r])
+        if cdf > target:
+            return best_i[r]
+    return best_i[kept - 1]
+
+
+@cuda.jit
 def _final_kernel(cand_v, cand_i, n_cand, temperature, top_k, top_p, min_p, uniform, out_ids):
     seq = cuda.blockIdx.x
     sm_v = cuda.shared.array(32, float32)
@@ -100,28 +153,18 @@ def _final_kernel(cand_v, cand_i, n_cand, temperature, top_k, top_p, min_p, unif
                                            sm_v, sm_i)
         if cuda.threadIdx.x == 0:
             best_v[r], best_i[r] = prev_v, prev_i
-    if cuda.threadIdx.x != 0:
-        return
-    # softmax over the sorted candidates, cut by top-p mass and min-p ratio, then draw
-    total, v_max = float32(0.0), best_v[0]
-    for r in range(k):
-        best_v[r] = math.exp((best_v[r] - v_max) / max(temp, float32(1e-6)))
-        total += best_v[r]
-    kept, mass = 0, float32(0.0)
-    for r in range(k):
-        if r > 0 and (mass >= top_p[seq] * total or best_v[r] < min_p[seq]):
-            break
-        mass += best_v[r]
-        kept = r + 1
-    target = uniform[seq] * mass
-    pick = kept - 1
-    acc = float32(0.0)
-    for r in range(kept):
-        acc += best_v[r]
-        if target < acc:
-            pick = r
-            break
-    out_ids[seq] = best_i[pick]
+    if cuda.threadIdx.x == 0:
+        if k == 1:
+            out_ids[seq] = best_i[0]
+        else:
+            kept = _kept_count(best_v, k, top_p[seq], min_p[seq])
+            out_ids[seq] = _draw_in_id_order(best_v, best_i, kept, temp, uniform[seq])
+
+
+def supports_exactly(temperature: float, top_k: int) -> bool:
+    """Whether `sample` picks what the host Sampler would (given the same u): greedy, or a top-k
+    within the candidates this kernel keeps."""
+    return temperature <= 0 or 1 <= top_k <= MAX_CANDIDATES
 
 
 class SamplingWorkspace:
@@ -154,19 +197,3 @@ def sample(logits, temperature, top_k, top_p, min_p, uniform, out_ids, ws: Sampl
     _final_kernel[n_seqs, THREADS, stream](
         ws.cand_v, ws.cand_i, ws.n_chunks * MAX_CANDIDATES, temperature, top_k, top_p, min_p,
         uniform, out_ids)
-
-
-def sample_reference(logits, temperature, top_k, top_p, min_p, uniform) -> np.ndarray:
-    out = np.zeros(len(logits), np.int32)
-    for s, row in enumerate(logits.astype(np.float64)):
-        order = np.argsort(-row, kind="stable")
-        if temperature[s] <= 0:
-            out[s] = order[0]
-            continue
-        k = min(top_k[s] if top_k[s] > 0 else MAX_CANDIDATES, MAX_CANDIDATES, len(row))
-        p = np.exp((row[order[:k]] - row[order[0]]) / temperature[s])
-        kept = next((r for r in range(1, k) if p[:r].sum() >= top_p[s] * p.sum()
-                     or p[r] < min_p[s]), k)
-        cdf = np.cumsum(p[:kept])
-        out[s] = order[min(np.searchsorted(cdf, uniform[s] * cdf[-1], side="right"), kept - 1)]
-    return out
