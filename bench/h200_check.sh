@@ -40,7 +40,7 @@ case "${1:-tests}" in
   tests)  # the model file takes > 300 s cold: its decode half here, the oracle half below
     run gpu_kernels.log 230 python3 -m pytest -m gpu tests/kernels -q -p no:cacheprovider
     run gpu_model.log 330 python3 -m pytest -m gpu tests/model/test_cuda_model.py \
-      -k "(exact_decode and (Q4_K_M or F32)) or greedy_ids or batched or queued_decode" \
+      -k "(exact_decode and (Q4_K_M or F32)) or greedy_ids or batched or queued_decode or forward_sampled" \
       -q -p no:cacheprovider ;;
   oracle)
     run gpu_oracle.log 500 python3 -m pytest -m gpu tests/model/test_cuda_model.py \

@@ -177,13 +177,16 @@ class ContinuousBatchEngine:
     def step(self) -> SchedulerOutput:
         """One iteration: schedule, run the model, sample, update, report. Returns what ran."""
         output = self.scheduler.schedule()
-        on_device = self.runner.can_pick_greedy and self._is_all_plain_greedy(output)
-        n_steps = self._num_decode_steps(output) if on_device else 1
+        rows = self._device_rows(output)
+        on_device = rows is not None
+        all_greedy = on_device and not rows[:, 0].any()  # every temperature 0
+        n_steps = self._num_decode_steps(output) if all_greedy else 1
         if n_steps > 1:
             self._run_decode_steps(self.scheduler.extend_decodes(output, n_steps), n_steps)
             return output
         try:
-            results = self.runner.run_greedy(output) if on_device else self.runner.run(output)
+            results = self.runner.run_greedy(output, None if all_greedy else rows) \
+                if on_device else self.runner.run(output)
         except Exception as exc:  # a failed forward pass ends the requests it carried
             self._fail([self.scheduler.requests[s.request_id] for s in output.sequences], exc)
             return output
@@ -225,11 +228,18 @@ class ContinuousBatchEngine:
         except Exception as exc:  # a failed pass ends the requests still running
             self._fail(requests, exc)
 
-    def _is_all_plain_greedy(self, output: SchedulerOutput) -> bool:
-        requests = [self.scheduler.requests[s.request_id] for s in output.sequences
+    def _device_rows(self, output: SchedulerOutput) -> np.ndarray | None:
+        """The sampling rows (Sampler.device_row) of the step's sampling sequences when the model
+        can pick every one of their tokens on its device, else None (the host samples)."""
+        if not self.runner.can_pick_greedy:
+            return None
+        samplers = [self.scheduler.requests[s.request_id].sampler for s in output.sequences
                     if s.needs_logits]
-        return bool(requests) and all(r.sampler is not None and r.sampler.is_plain_greedy
-                                      for r in requests)
+        limit = self.runner.max_sample_top_k
+        if not samplers or not all(x is not None and x.can_sample_on_device(limit)
+                                   for x in samplers):
+            return None
+        return np.stack([x.device_row() for x in samplers])  # type: ignore[union-attr]
 
     def _greedy_tokens(self, requests: list[Request], rows: list[np.ndarray]) -> list[int | None]:
         """The plain greedy rows' tokens, sampled together; None for the other rows."""

@@ -53,10 +53,32 @@ class ModelRunner:
         """The model picks argmax tokens on its device (CudaModel.forward_greedy)."""
         return hasattr(self.model, "forward_greedy")
 
-    def run_greedy(self, output: SchedulerOutput) -> dict[str, np.ndarray]:
-        """request id → the argmax token (a 0-d array) of the same sequences as run(), picked
-        by the model: only the ids leave the device, not num_seqs × n_vocab floats."""
-        return self._run(output, self.model.forward_greedy)  # type: ignore[attr-defined]
+    @property
+    def max_sample_top_k(self) -> int:
+        """The widest top-k the model samples on its device (CudaModel.forward_sampled); 0: it
+        picks argmax ids only, or none."""
+        if not hasattr(self.model, "forward_sampled"):
+            return 0
+        return getattr(self.model, "max_sample_top_k", 0)
+
+    def run_greedy(self, output: SchedulerOutput,
+                   rows: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        """request id → the token (a 0-d array) of the same sequences as run(), picked by the
+        model: the argmax, or drawn by rows (one per sequence that samples: Sampler.device_row)
+        where given. Only the ids leave the device, not num_seqs × n_vocab floats."""
+        if rows is None:
+            return self._run(output, self.model.forward_greedy)  # type: ignore[attr-defined]
+        return self._run(output, lambda batch, cache: self.model.forward_sampled(  # type: ignore
+            batch, cache, self._per_sequence(output, rows)))
+
+    @staticmethod
+    def _per_sequence(output: SchedulerOutput, rows: np.ndarray) -> np.ndarray:
+        """rows of the sequences that sample, spread over all of the pass's sequences (the
+        others: argmax, their ids unused)."""
+        full = np.zeros((len(output.sequences), rows.shape[1]))  # (num_seqs, 5)
+        full[:, 2] = 1.0  # top_p
+        full[[i for i, s in enumerate(output.sequences) if s.needs_logits]] = rows
+        return full
 
     @property
     def max_decode_steps(self) -> int:

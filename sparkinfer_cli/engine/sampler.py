@@ -37,14 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from sparkinfer_cli.engine.sampling_params import SamplingParams
-from sparkinfer_cli.engine.truncation import (
-    Workspace,
-    draw,
-    subset,
-    thread_workspace,
-    top_positions,
-    truncate,
-)
+from sparkinfer_cli.engine.truncation import Workspace, choose, thread_workspace, top_positions
 
 REPETITION_WINDOW = 64  # llama.cpp's penalty_last_n default
 BAN_BIAS = -100.0  # OpenAI: "-100 should result in a ban"
@@ -99,6 +92,21 @@ class Sampler:
         """The token is the argmax of the raw logits (GreedyBatch may sample it)."""
         return self.params.is_greedy and not self.params.logprobs and not self.may_touch_logits
 
+    def can_sample_on_device(self, max_top_k: int) -> bool:
+        """Whether a device sampler that keeps the max_top_k best logits (CudaModel.
+        forward_sampled) picks what sample() would from device_row(): plain greedy, or a top-k
+        of at most max_top_k with no logprobs, penalties or bias."""
+        p = self.params
+        return self.is_plain_greedy or (not p.logprobs and not self.may_touch_logits
+                                        and 1 <= p.top_k <= max_top_k)
+
+    def device_row(self) -> np.ndarray:
+        """(temperature, top_k, top_p, min_p, u) of this token for the device sampler; u is drawn
+        from this request's generator as sample() draws it (none for greedy)."""
+        p = self.params
+        u = 0.0 if p.is_greedy else self._rng.random()
+        return np.array([p.temperature, p.top_k, p.top_p, p.min_p, u])
+
     def sample(self, logits: np.ndarray, prompt_ids: Sequence[int],
                output_ids: Sequence[int]) -> SampleResult:
         if logits.shape != (self.n_vocab,):
@@ -149,9 +157,7 @@ class Sampler:
         if p.is_greedy:
             return greedy_token(logits, NOTHING_TOUCHED, ws)
         check_finite(0, logits.max())
-        ids = truncate(logits, p.top_k, p.top_p, p.min_p, ws)
-        position = draw(subset(logits, ids), p.temperature, self._rng, ws)
-        return position if ids is None else int(ids[position])
+        return choose(logits, p.temperature, p.top_k, p.top_p, p.min_p, self._rng.random(), ws)
 
 
 def logit_bias_arrays(logit_bias: dict[int, float], n_vocab: int) -> tuple[np.ndarray, np.ndarray]:

@@ -136,14 +136,23 @@ def min_p_positions(values: np.ndarray, min_p: float, ws: Workspace) -> np.ndarr
     return np.flatnonzero(np.greater_equal(values, threshold, out=ws.mask[:len(values)]))
 
 
-def draw(values: np.ndarray, temperature: float, rng: np.random.Generator, ws: Workspace) -> int:
-    """Position drawn from softmax(values / temperature)."""
+def choose(logits: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float,
+           u: float, ws: Workspace) -> int:
+    """The token the rules keep and draw for a uniform u in [0, 1): truncate, then draw."""
+    ids = truncate(logits, top_k, top_p, min_p, ws)
+    position = draw(subset(logits, ids), temperature, u, ws)
+    return position if ids is None else int(ids[position])
+
+
+def draw(values: np.ndarray, temperature: float, u: float, ws: Workspace) -> int:
+    """Position drawn from softmax(values / temperature) by u: the first whose cumulative weight
+    (positions ascending) exceeds u of the total."""
     weights = ws.weights[:len(values)]
     np.subtract(values, values.max(), out=weights)
     if temperature != 1.0:  # NOTE: dividing by 1 changes no bit; skip the pass
         np.divide(weights, np.float32(temperature), out=weights)
     np.exp(weights, out=weights)
-    return cumulative_search(weights, rng.random(), side="right")
+    return cumulative_search(weights, u, side="right")
 
 
 def cumulative_search(weights: np.ndarray, fraction: float,

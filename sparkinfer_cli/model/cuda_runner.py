@@ -99,6 +99,7 @@ class QueuedPass(NamedTuple):
 class CudaModel:
     max_pass_tokens = MAX_PASS_TOKENS  # the engine keeps each step's tokens within this
     max_queued_steps = MAX_QUEUED_STEPS  # decode passes decode_greedy queues at once
+    max_sample_top_k = sampling.MAX_CANDIDATES  # forward_sampled is exact for 1 ≤ top_k ≤ this
 
     def __init__(self, cpu_model: CausalLM, *, exact: bool = False, kv_int8: bool = False,
                  use_graphs: bool | None = None,
@@ -172,7 +173,16 @@ class CudaModel:
         """The argmax token id (num_seqs,) int32 of each sequence's logits (ties → lowest id),
         picked on the device inside the pass (and its graph): only the ids come back, through a
         pinned buffer, not num_seqs × V floats."""
-        p = self._pass(batch, cache, greedy=True)
+        return self.forward_sampled(batch, cache, None)
+
+    def forward_sampled(self, batch: SequenceBatch, cache: CudaModelCache,
+                        rows: np.ndarray | None) -> np.ndarray:
+        """The token id (num_seqs,) int32 each sequence's logits give, picked on the device
+        inside the pass as forward_greedy's argmax: rows (num_seqs, 5) = temperature, top_k,
+        top_p, min_p and a uniform u in [0, 1) per sequence (kernels/cuda/sampling.py: the host
+        Sampler's choice for the same u where sampling.supports_exactly; temperature 0 =
+        argmax); None = argmax on all."""
+        p = self._pass(batch, cache, greedy=True, sampling_rows=rows)
         greedy = p.ws.greedy(p.logit_rows, self.output.n_rows)
         copy_to_host_async(greedy.ids_host[0], greedy.ids, self.stream)
         self._finish(p)
@@ -223,11 +233,11 @@ class CudaModel:
 
     # ---- internals -----------------------------------------------------------------------------
     def _pass(self, batch: SequenceBatch, cache: CudaModelCache, greedy: bool = False,
-              step: int = 0, device_tokens=None) -> QueuedPass:
+              step: int = 0, device_tokens=None, sampling_rows=None) -> QueuedPass:
         """Queue a forward pass (graph replay or eager launches) up to the logits on the device,
-        and their argmax ids (ws.greedy) when greedy. step: the staging row of its inputs (a
-        queued decode pass's own); device_tokens: a device array whose first N ids replace the
-        batch's token ids (the previous decode pass's argmax)."""
+        and their token ids (ws.greedy: argmax, or drawn by sampling_rows) when greedy. step: the
+        staging row of its inputs (a queued decode pass's own); device_tokens: a device array
+        whose first N ids replace the batch's token ids (the previous decode pass's argmax)."""
         t0 = time.perf_counter()
         if len(batch.token_ids) > MAX_PASS_TOKENS:
             raise ValueError(f"a CUDA forward pass takes at most {MAX_PASS_TOKENS} tokens, got "
@@ -246,6 +256,8 @@ class CudaModel:
             copy_device_async(ws.token_ids[:n], device_tokens[:n], self.stream)
         n_logits = len(batch.logit_rows())
         logit_rows = row_bucket(n_logits)
+        if greedy:
+            ws.greedy(logit_rows, self.output.n_rows).stage(sampling_rows, self.stream)
         key = (ws.multi_token, logit_rows, greedy)
         replay = self.use_graphs and key in ws.graphs
         if replay:

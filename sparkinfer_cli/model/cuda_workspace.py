@@ -73,23 +73,48 @@ class Act:
         return Act(self.f.reshape(groups * cols, 1, k), q)
 
 
-class GreedySampling:
-    """sampling.sample's inputs for temperature 0 (argmax), and its output ids (n_rows,)."""
+class DeviceSampling:
+    """sampling.sample's per-row inputs and its output ids (n_rows,): argmax (temperature 0) on
+    every row until `stage` uploads a pass's sampling rows."""
 
     def __init__(self, n_rows: int, n_vocab: int):
-        zeros = cuda.to_device(np.zeros(n_rows, np.float32))
-        # temperature, top_k, top_p, min_p, uniform: greedy ignores all but temperature
-        self.params = (zeros, cuda.to_device(np.zeros(n_rows, np.int32)),
-                       cuda.to_device(np.ones(n_rows, np.float32)), zeros, zeros)
+        # temperature, top_p, min_p, uniform; and top_k: pinned staging and their device copies
+        self._floats_host = cuda.pinned_array((4, n_rows), np.float32)
+        self._top_k_host = cuda.pinned_array(n_rows, np.int32)
+        self._fill(None)
+        self._floats = cuda.to_device(self._floats_host)
+        self._top_k = cuda.to_device(self._top_k_host)
+        f = self._floats
+        self.params = (f[0], self._top_k, f[1], f[2], f[3])  # sampling.sample's argument order
+        self._is_greedy = True
         self.ids = cuda.device_array(n_rows, np.int32)
         # where the ids come back: a row per queued decode step
         self.ids_host = cuda.pinned_array((MAX_QUEUED_STEPS, n_rows), np.int32)
         self.workspace = sampling.SamplingWorkspace(n_rows, n_vocab)
 
+    def stage(self, rows: np.ndarray | None, stream) -> None:
+        """Queue this pass's sampling rows (n, 5): temperature, top_k, top_p, min_p, uniform for
+        the first n rows, argmax on the rest; None: argmax on all (copied only after a pass that
+        sampled)."""
+        if rows is None and self._is_greedy:
+            return
+        self._fill(rows)
+        copy_to_device_async(self._floats, self._floats_host, stream)
+        copy_to_device_async(self._top_k, self._top_k_host, stream)
+        self._is_greedy = rows is None
+
+    def _fill(self, rows: np.ndarray | None) -> None:
+        f, k = self._floats_host, self._top_k_host
+        f[0], f[1], f[2], f[3], k[:] = 0.0, 1.0, 0.0, 0.0, 0
+        if rows is not None:
+            n = len(rows)
+            f[0, :n], k[:n], f[1, :n], f[2, :n], f[3, :n] = (rows[:, 0], rows[:, 1], rows[:, 2],
+                                                             rows[:, 3], rows[:, 4])
+
     @property
     def nbytes(self) -> int:
         ws = self.workspace
-        return sum(a.nbytes for a in (*self.params, self.ids, ws.cand_v, ws.cand_i))
+        return sum(a.nbytes for a in (self._floats, self._top_k, self.ids, ws.cand_v, ws.cand_i))
 
 
 class Workspace:
@@ -135,11 +160,11 @@ class Workspace:
             self._bufs[key] = Act(self.buf(name, groups, cols, k), q)
         return self._bufs[key]
 
-    def greedy(self, n_rows: int, n_vocab: int) -> GreedySampling:
-        """Device buffers that turn n_rows rows of logits into argmax ids (sampling.sample)."""
+    def greedy(self, n_rows: int, n_vocab: int) -> DeviceSampling:
+        """Device buffers that turn n_rows rows of logits into token ids (sampling.sample)."""
         key = ("greedy", n_rows)
         if key not in self._bufs:
-            self._bufs[key] = GreedySampling(n_rows, n_vocab)
+            self._bufs[key] = DeviceSampling(n_rows, n_vocab)
         return self._bufs[key]
 
     def iota(self, n: int, div: int = 1):

@@ -129,17 +129,27 @@ class FakeModel:
 
 
 class FakeDeviceModel(FakeModel):
-    """FakeModel with CudaModel's on-device greedy calls: forward_greedy, and decode_greedy, which
-    runs every pass when called (as the GPU queues them), each fed the previous pass's ids."""
+    """FakeModel with CudaModel's on-device calls: forward_greedy; forward_sampled, which draws
+    by the host Sampler's own truncation and draw (engine/truncation.py) with the given u; and
+    decode_greedy, which runs every pass when called (as the GPU queues them), each fed the
+    previous pass's ids."""
 
     max_queued_steps = 8
+    max_sample_top_k = 64
 
     def __init__(self, hybrid: bool = False):
         super().__init__(hybrid)
         self.decode_steps: list[int] = []  # n_steps of each decode_greedy call
+        self.sampled_rows: list[np.ndarray] = []  # the rows of each forward_sampled call
 
     def forward_greedy(self, batch: SequenceBatch, cache: FakeCache) -> np.ndarray:
         return self.forward(batch, cache).argmax(axis=1).astype(np.int32)  # (num_seqs,)
+
+    def forward_sampled(self, batch: SequenceBatch, cache: FakeCache,
+                        rows: np.ndarray) -> np.ndarray:
+        self.sampled_rows.append(rows)
+        logits = self.forward(batch, cache)  # (num_seqs, n_vocab)
+        return np.array([_pick(row, *params) for row, params in zip(logits, rows)], np.int32)
 
     def decode_greedy(self, batch: SequenceBatch, cache: FakeCache, n_steps: int):
         assert 1 <= n_steps <= self.max_queued_steps and batch.is_decode
@@ -149,6 +159,15 @@ class FakeDeviceModel(FakeModel):
             passes.append(self.forward_greedy(batch, cache))
             batch = batch.next_decode_step(passes[-1])
         return iter(passes)
+
+
+def _pick(logits: np.ndarray, temperature: float, top_k: float, top_p: float, min_p: float,
+          u: float) -> int:
+    from sparkinfer_cli.engine.truncation import choose, thread_workspace
+
+    if temperature <= 0:
+        return int(np.argmax(logits))
+    return choose(logits, temperature, int(top_k), top_p, min_p, u, thread_workspace(len(logits)))
 
 
 @dataclass

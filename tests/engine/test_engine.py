@@ -649,3 +649,31 @@ def test_sampled_requests_decode_one_pass_a_step(engines):
                                sink)
     assert sink.final(request_id).finish_reason == "length"
     assert model.decode_steps == []
+
+
+def test_sampled_requests_pick_on_the_device_what_the_host_would(engines):
+    """The same seeded requests on a host-sampling model and on one that samples on its device
+    (FakeDeviceModel.forward_sampled: the host's rules, u from the request's own generator):
+    identical outputs. A top_k within the device's candidates samples there; top_k 0 (the whole
+    vocabulary) and logprobs stay on the host."""
+    def sampled(**kwargs) -> SamplingParams:
+        return SamplingParams(max_tokens=16, ignore_eos=True, **kwargs)
+
+    params = [sampled(temperature=0.8, top_k=5, top_p=0.9, min_p=0.05, seed=7),
+              sampled(temperature=1.3, top_k=3, seed=8),
+              sampled(temperature=0.0),
+              sampled(temperature=0.8, seed=9),  # top_k 0: the host
+              sampled(temperature=0.8, top_k=5, seed=10, logprobs=True)]  # the host
+    prompts = _prompts(len(params))
+    outputs = {}
+    for model in (FakeModel(), FakeDeviceModel()):
+        engine, sink = engines(model, start=False, max_num_seqs=8), Collector()
+        ids = [engine.submit(p, q, sink) for p, q in zip(prompts, params)]
+        engine.start()
+        outputs[type(model)] = [(sink.final(i).finish_reason, sink.tokens(i)) for i in ids]
+        engine.shutdown()
+    assert outputs[FakeModel] == outputs[FakeDeviceModel]
+    assert all(len(tokens) == 16 for _, tokens in outputs[FakeModel])
+    rows = np.concatenate(model.sampled_rows)  # the device's rows, over both device-only phases
+    assert set(rows[rows[:, 0] > 0][:, 1]) == {5.0, 3.0}  # only the two narrow top-k requests
+    assert len({tuple(t) for _, t in outputs[FakeModel][:2]}) == 2

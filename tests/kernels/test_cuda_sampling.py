@@ -3,13 +3,11 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 from numba import cuda
 
-from sparkinfer_cli.engine.truncation import draw, thread_workspace, truncate
+from sparkinfer_cli.engine.truncation import choose, thread_workspace, truncate
 from sparkinfer_cli.kernels.cuda import sampling
 
 N_ROWS = 6
@@ -22,12 +20,12 @@ def _host_choice(row: np.ndarray, temperature: float, top_k: int, top_p: float, 
     if temperature <= 0:
         return int(np.argmax(row)), 1.0
     ws = thread_workspace(len(row))
+    token = choose(row, temperature, top_k, top_p, min_p, u, ws)
     ids = truncate(row, top_k, top_p, min_p, ws)
     kept = row if ids is None else row[ids]
-    position = draw(kept, temperature, SimpleNamespace(random=lambda: u), ws)
     weights = np.exp((kept - kept.max()) / np.float32(temperature)).astype(np.float64)
     cdf = np.cumsum(weights) / weights.sum()
-    return (position if ids is None else int(ids[position])), float(np.abs(cdf - u).min())
+    return token, float(np.abs(cdf - u).min())
 
 
 PLANTED = np.arange(10, 90, 10)  # 8 ids whose logits descend with the id: 10.0, 9.5, ..., 6.5

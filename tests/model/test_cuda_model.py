@@ -273,6 +273,35 @@ def test_queued_decode_passes_equal_greedy_steps_one_by_one(family: str) -> None
     np.testing.assert_array_equal(picks["queued"], picks["one by one"])
 
 
+@pytest.mark.gpu
+def test_forward_sampled_picks_what_the_host_sampler_picks_from_the_logits() -> None:
+    """Three prompts in one prefill pass: the tokens forward_sampled draws on the device equal
+    the host Sampler's rules (truncation.choose) applied to forward's logits of the same pass,
+    for the same u (a u within 1e-4 of a cumulative boundary may round either way: skipped)."""
+    from sparkinfer_cli.engine.truncation import choose, thread_workspace, truncate
+
+    model = _tiny("qwen3", "Q8_0", exact=False)
+    prompt = _goldens("qwen3")["prompt_long"]
+    prompts = [prompt[:20], prompt[30:37], prompt[50:83]]
+    rows = np.array([[0.8, 20, 0.9, 0.0, 0.3], [1.2, 64, 1.0, 0.05, 0.7], [0.6, 7, 0.5, 0.1, 0.95]])
+    picks = {}
+    for mode in ("logits", "sampled"):
+        cache = model.create_cache(12, BLOCK_SIZE, 3)
+        batch = SequenceBatch(np.concatenate(prompts), [0] * 3, [len(p) for p in prompts],
+                              [np.arange(i * 4, i * 4 + 4) for i in range(3)], [0, 1, 2])
+        picks[mode] = model.forward(batch, cache) if mode == "logits" else \
+            model.forward_sampled(batch, cache, rows)
+    compared = 0
+    for logits, (t, k, p, m, u), got in zip(picks["logits"], rows, picks["sampled"]):
+        ws = thread_workspace(len(logits))
+        kept = logits[truncate(logits, int(k), p, m, ws)]
+        weights = np.exp((kept - kept.max()) / t).astype(np.float64)
+        if np.abs(np.cumsum(weights) / weights.sum() - u).min() > 1e-4:
+            assert got == choose(logits, t, int(k), p, m, u, ws)
+            compared += 1
+    assert compared >= 2
+
+
 def _greedy_steps(model, batch: SequenceBatch, cache, n_steps: int) -> list[np.ndarray]:
     """forward_greedy n_steps times, the host feeding each step's ids to the next."""
     steps = []

@@ -76,3 +76,20 @@ def test_a_queued_decode_pass_stages_its_inputs_and_takes_device_token_ids():
     previous = cuda.to_device(np.array([21, 22, 23, 24], np.int32))  # a pass's argmax (bucket)
     copy_device_async(ws.token_ids[:3], previous[:3], 0)
     assert ws.token_ids.copy_to_host().tolist() == [21, 22, 23, -1]
+
+
+def test_device_sampling_stages_a_pass_rows_then_argmax_again():
+    from sparkinfer_cli.model.cuda_workspace import DeviceSampling
+
+    sampling = DeviceSampling(4, 300)
+
+    def params() -> list[list[float]]:
+        return [p.copy_to_host().tolist() for p in sampling.params]
+
+    greedy = [[0.0] * 4, [0] * 4, [1.0] * 4, [0.0] * 4, [0.0] * 4]
+    assert params() == greedy
+    sampling.stage(np.array([[0.5, 20, 0.9, 0.05, 0.25], [0.0, 0, 1.0, 0.0, 0.0]]), 0)
+    assert params() == [[0.5, 0, 0, 0], [20, 0, 0, 0], [np.float32(0.9), 1, 1, 1],
+                        [np.float32(0.05), 0, 0, 0], [0.25, 0, 0, 0]]
+    sampling.stage(None, 0)
+    assert params() == greedy
