@@ -3,6 +3,7 @@
 # device's python needs the wheels built by ../shared/tools/device-wheels.sh, carried as .whl/).
 #
 #   bash bench/h200_check.sh tests     # gpu-marked kernel tests, model decode tests      (~8 min)
+#   bash bench/h200_check.sh queued    # queued decode passes, device sampling (model tests) (~5 min)
 #   bash bench/h200_check.sh oracle    # model tests against llama.cpp's logits            (~6 min)
 #   bash bench/h200_check.sh kernels   # kernel micro-benchmarks                          (~3 min)
 #   bash bench/h200_check.sh profile   # CUPTI per-kernel profiles: batch 1, batch 64, prefill,
@@ -17,8 +18,8 @@
 # Everything is logged under $OUT (the device tool brings that folder back).
 set -u
 case "${1:-tests}" in
-  tests|oracle|kernels|profile|bench36|bench30|trace30) ;;
-  *) echo "usage: $0 tests|oracle|kernels|profile|bench36|bench30|trace30" >&2; exit 2 ;;
+  tests|queued|oracle|kernels|profile|bench36|bench30|trace30) ;;
+  *) echo "usage: $0 tests|queued|oracle|kernels|profile|bench36|bench30|trace30" >&2; exit 2 ;;
 esac
 OUT=${OUT:-/tmp/h200_out}
 mkdir -p "$OUT"
@@ -40,11 +41,14 @@ case "${1:-tests}" in
   tests)  # the model file takes > 300 s cold: its decode half here, the oracle half below
     run gpu_kernels.log 230 python3 -m pytest -m gpu tests/kernels -q -p no:cacheprovider
     run gpu_model.log 330 python3 -m pytest -m gpu tests/model/test_cuda_model.py \
-      -k "(exact_decode and (Q4_K_M or F32)) or greedy_ids or batched or queued_decode or forward_sampled" \
+      -k "(exact_decode and (Q4_K_M or F32)) or greedy_ids or batched" \
       -q -p no:cacheprovider ;;
+  queued)  # session 11: queued decode passes and device sampling against step-by-step / host
+    run gpu_queued.log 500 python3 -m pytest -m gpu tests/model/test_cuda_model.py \
+      -k "queued_decode or forward_sampled" -q -p no:cacheprovider ;;
   oracle)
     run gpu_oracle.log 500 python3 -m pytest -m gpu tests/model/test_cuda_model.py \
-      -k "not (demo_model or decode or greedy or batched)" -q \
+      -k "not (demo_model or decode or greedy or batched or sampled)" -q \
       -p no:cacheprovider ;;
   kernels)
     for b in cuda_mma_bench cuda_attention_bench cuda_decode_attention_bench cuda_delta_bench \
