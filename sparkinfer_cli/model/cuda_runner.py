@@ -183,10 +183,10 @@ class CudaModel:
         Sampler's choice for the same u where sampling.supports_exactly; temperature 0 =
         argmax); None = argmax on all."""
         p = self._pass(batch, cache, greedy=True, sampling_rows=rows)
-        greedy = p.ws.greedy(p.logit_rows, self.output.n_rows)
-        copy_to_host_async(greedy.ids_host[0], greedy.ids, self.stream)
+        picks = p.ws.sampling(p.logit_rows, self.output.n_rows)
+        copy_to_host_async(picks.ids_host[0], picks.ids, self.stream)
         self._finish(p)
-        return greedy.ids_host[0, :p.n_logits].copy()  # (n_logits,)
+        return picks.ids_host[0, :p.n_logits].copy()  # (n_logits,)
 
     def decode_greedy(self, batch: SequenceBatch, cache: CudaModelCache,
                       n_steps: int) -> Iterator[np.ndarray]:
@@ -208,9 +208,9 @@ class CudaModel:
         queued, previous_ids = [], None
         for step in range(n_steps):
             p = self._pass(batch, cache, greedy=True, step=step, device_tokens=previous_ids)
-            greedy = p.ws.greedy(p.logit_rows, self.output.n_rows)
-            copy_to_host_async(greedy.ids_host[step], greedy.ids, self.stream)
-            previous_ids = greedy.ids
+            picks = p.ws.sampling(p.logit_rows, self.output.n_rows)
+            copy_to_host_async(picks.ids_host[step], picks.ids, self.stream)
+            previous_ids = picks.ids
             self._marks[step].record(self.stream)
             queued.append(p)
             # the next pass's tokens are copied in on the device; -1 (a zero embedding) until then
@@ -228,14 +228,14 @@ class CudaModel:
         for step, p in enumerate(queued):
             self._marks[step].wait()
             self.times.add(p.kind, p.t_queued - p.t0, time.perf_counter() - p.t0)
-            greedy = p.ws.greedy(p.logit_rows, self.output.n_rows)
-            yield greedy.ids_host[step, :p.n_logits].copy()  # (num_seqs,)
+            picks = p.ws.sampling(p.logit_rows, self.output.n_rows)
+            yield picks.ids_host[step, :p.n_logits].copy()  # (num_seqs,)
 
     # ---- internals -----------------------------------------------------------------------------
     def _pass(self, batch: SequenceBatch, cache: CudaModelCache, greedy: bool = False,
               step: int = 0, device_tokens=None, sampling_rows=None) -> QueuedPass:
         """Queue a forward pass (graph replay or eager launches) up to the logits on the device,
-        and their token ids (ws.greedy: argmax, or drawn by sampling_rows) when greedy. step: the
+        and their token ids (ws.sampling: argmax, or drawn by sampling_rows) when greedy. step: the
         staging row of its inputs (a queued decode pass's own); device_tokens: a device array
         whose first N ids replace the batch's token ids (the previous decode pass's argmax)."""
         t0 = time.perf_counter()
@@ -257,7 +257,7 @@ class CudaModel:
         n_logits = len(batch.logit_rows())
         logit_rows = row_bucket(n_logits)
         if greedy:
-            ws.greedy(logit_rows, self.output.n_rows).stage(sampling_rows, self.stream)
+            ws.sampling(logit_rows, self.output.n_rows).stage(sampling_rows, self.stream)
         key = (ws.multi_token, logit_rows, greedy)
         replay = self.use_graphs and key in ws.graphs
         if replay:
@@ -305,7 +305,7 @@ class CudaModel:
         logits = self._logits(ws, logit_rows)
         ws.linear(self.output, final, logits, s)
         if greedy:
-            g = ws.greedy(logit_rows, self.output.n_rows)
+            g = ws.sampling(logit_rows, self.output.n_rows)
             sampling.sample(logits.reshape(logit_rows, -1), *g.params, g.ids, g.workspace,
                             stream=s)
 

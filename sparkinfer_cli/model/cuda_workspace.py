@@ -160,7 +160,7 @@ class Workspace:
             self._bufs[key] = Act(self.buf(name, groups, cols, k), q)
         return self._bufs[key]
 
-    def greedy(self, n_rows: int, n_vocab: int) -> DeviceSampling:
+    def sampling(self, n_rows: int, n_vocab: int) -> DeviceSampling:
         """Device buffers that turn n_rows rows of logits into token ids (sampling.sample)."""
         key = ("greedy", n_rows)
         if key not in self._bufs:
