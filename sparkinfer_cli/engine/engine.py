@@ -177,16 +177,14 @@ class ContinuousBatchEngine:
     def step(self) -> SchedulerOutput:
         """One iteration: schedule, run the model, sample, update, report. Returns what ran."""
         output = self.scheduler.schedule()
-        rows = self._device_rows(output)
-        on_device = rows is not None
-        all_greedy = on_device and not rows[:, 0].any()  # every temperature 0
-        n_steps = self._num_decode_steps(output) if all_greedy else 1
+        on_device, rows = self._device_picks(output)
+        n_steps = self._num_decode_steps(output) if on_device and rows is None else 1
         if n_steps > 1:
             self._run_decode_steps(self.scheduler.extend_decodes(output, n_steps), n_steps)
             return output
         try:
-            results = self.runner.run_greedy(output, None if all_greedy else rows) \
-                if on_device else self.runner.run(output)
+            results = self.runner.run_device_picks(output, rows) if on_device else \
+                self.runner.run(output)
         except Exception as exc:  # a failed forward pass ends the requests it carried
             self._fail([self.scheduler.requests[s.request_id] for s in output.sequences], exc)
             return output
@@ -228,18 +226,21 @@ class ContinuousBatchEngine:
         except Exception as exc:  # a failed pass ends the requests still running
             self._fail(requests, exc)
 
-    def _device_rows(self, output: SchedulerOutput) -> np.ndarray | None:
-        """The sampling rows (Sampler.device_row) of the step's sampling sequences when the model
-        can pick every one of their tokens on its device, else None (the host samples)."""
+    def _device_picks(self, output: SchedulerOutput) -> tuple[bool, np.ndarray | None]:
+        """(whether the model picks every sampling sequence's token on its device, their
+        sampling rows (Sampler.device_row), or None when all are plain greedy: the argmax)."""
         if not self.runner.can_pick_greedy:
-            return None
+            return False, None
         samplers = [self.scheduler.requests[s.request_id].sampler for s in output.sequences
                     if s.needs_logits]
+        if not samplers or any(x is None for x in samplers):
+            return False, None
+        if all(x.is_plain_greedy for x in samplers):  # type: ignore[union-attr]
+            return True, None
         limit = self.runner.max_sample_top_k
-        if not samplers or not all(x is not None and x.can_sample_on_device(limit)
-                                   for x in samplers):
-            return None
-        return np.stack([x.device_row() for x in samplers])  # type: ignore[union-attr]
+        if not all(x.can_sample_on_device(limit) for x in samplers):  # type: ignore[union-attr]
+            return False, None
+        return True, np.stack([x.device_row() for x in samplers])  # type: ignore[union-attr]
 
     def _greedy_tokens(self, requests: list[Request], rows: list[np.ndarray]) -> list[int | None]:
         """The plain greedy rows' tokens, sampled together; None for the other rows."""

@@ -61,8 +61,8 @@ class ModelRunner:
             return 0
         return getattr(self.model, "max_sample_top_k", 0)
 
-    def run_greedy(self, output: SchedulerOutput,
-                   rows: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    def run_device_picks(self, output: SchedulerOutput,
+                         rows: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """request id → the token (a 0-d array) of the same sequences as run(), picked by the
         model: the argmax, or drawn by rows (one per sequence that samples: Sampler.device_row)
         where given. Only the ids leave the device, not num_seqs × n_vocab floats."""
