@@ -227,7 +227,9 @@ def _add_pv(acc, v, v_cache, row_sh, rbase, p_sh, pbase, dim0, per_lane, group):
 def _merge_warps(acc, m_run, l_run, ml_sh, acc_sh, row0, split, n_splits, group, head_dim,
                  per_lane, part_m, part_l, part_acc):
     """The 4 warps' softmax states → the split's partial per head: max M over the warps, sum
-    Σ_w e^(m_w - M)·l_w, accumulator Σ_w e^(m_w - M)·acc_w (added up in acc_sh warp by warp)."""
+    Σ_w e^(m_w - M)·l_w, accumulator Σ_w e^(m_w - M)·acc_w. Each warp rescales its own
+    accumulators, then a two-round tree adds them in registers, (w0 + w2) + (w1 + w3) (a fixed
+    order: the same sums every run), through acc_sh (2 warps' accumulators); warp 0 stores."""
     tid, warp, lane = cuda.threadIdx.x, cuda.threadIdx.x // 32, cuda.threadIdx.x % 32
     t = lane % 4
     if lane < 4:  # lanes 0..3 hold head columns 2t, 2t + 1
@@ -235,21 +237,32 @@ def _merge_warps(acc, m_run, l_run, ml_sh, acc_sh, row0, split, n_splits, group,
             ml_sh[warp * MAX_GROUP + 2 * t + i] = m_run[i]
             ml_sh[(WARPS + warp) * MAX_GROUP + 2 * t + i] = l_run[i]
     cuda.syncthreads()
-    for w in range(WARPS):
-        if warp == w:
+    for h in range(group):
+        top = _NEG
+        for o in range(WARPS):
+            top = max(top, ml_sh[o * MAX_GROUP + h])
+        f = math.exp(ml_sh[warp * MAX_GROUP + h] - top)
+        for e in range(per_lane):
+            acc[h * per_lane + e] *= f
+    dims = lane * per_lane
+    for half in (WARPS // 2, WARPS // 4):  # warps [half, 2·half) hand theirs to warps [0, half)
+        if half <= warp < 2 * half:
             for h in range(group):
-                top = _NEG
-                for o in range(WARPS):
-                    top = max(top, ml_sh[o * MAX_GROUP + h])
-                f = math.exp(ml_sh[w * MAX_GROUP + h] - top)
+                at = ((warp - half) * group + h) * head_dim + dims
                 for e in range(per_lane):
-                    i = h * head_dim + lane * per_lane + e
-                    prev = acc_sh[i] if w > 0 else float32(0.0)
-                    acc_sh[i] = prev + f * acc[h * per_lane + e]
+                    acc_sh[at + e] = acc[h * per_lane + e]
         cuda.syncthreads()
-    for i in range(tid, group * head_dim, CHUNK):
-        h, d = i // head_dim, i % head_dim
-        part_acc[((row0 + h) * n_splits + split) * head_dim + d] = acc_sh[i]
+        if warp < half:
+            for h in range(group):
+                at = (warp * group + h) * head_dim + dims
+                for e in range(per_lane):
+                    acc[h * per_lane + e] += acc_sh[at + e]
+        cuda.syncthreads()  # read before the next round rewrites acc_sh
+    if warp == 0:
+        for h in range(group):
+            for e in range(per_lane):
+                part_acc[((row0 + h) * n_splits + split) * head_dim + dims + e] = \
+                    acc[h * per_lane + e]
     if tid < group:
         top = _NEG
         for o in range(WARPS):
@@ -311,7 +324,7 @@ def gqa_kernel(head_dim: int, group: int):
     q_len, k_len, rows_len = 16 * q_words, ROUND_KEYS * k_words, ROUND_KEYS
     p_len, corr_len = ROUND_KEYS * MAX_GROUP, WARPS * MAX_GROUP
     ml_len = 2 * corr_len
-    acc_sh_len = group * head_dim
+    acc_sh_len = WARPS // 2 * group * head_dim  # the merge tree's first round
 
     @cuda.jit(fastmath=True)
     def decode_gqa(q, k_cache, v_cache, block_table, max_blocks, row_seq, seq_lens, n_kv,
