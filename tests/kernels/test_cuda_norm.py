@@ -70,3 +70,43 @@ def test_moe_combine_fused_into_the_next_pre_norm():
         np.testing.assert_allclose(y, norm.rms_norm_reference(ref_h, w, 1e-6), rtol=1e-5)
         np.testing.assert_array_equal(act.xq.copy_to_host().reshape(rows, d),
                                       qg.quantize_q8_reference(y)[0])
+
+
+def test_moe_norm_as_the_tail_of_the_expert_gemv_equals_the_separate_launches():
+    # the experts' down GEMV (4 slots: 2 tokens × 2 experts) whose last block runs the combine +
+    # residual add + RMSNorm + q8: the same h, x and q8 x as the GEMV then moe_add_rms_norm
+    from test_cuda_quant_gemv import random_weights, upload_activations
+
+    from sparkinfer_cli.kernels.cuda import quant_gemv as qg
+    from sparkinfer_cli.kernels.cuda.launch import to_device_bytes
+
+    rng = np.random.default_rng(3)
+    rows, k, d, ff, n_mats = 2, 2, 64, 256, 4
+    w_down = qg.DeviceQuantMatrix(to_device_bytes(random_weights(qg.GGMLType.Q4_K, n_mats * d,
+                                                                 ff, rng)),
+                                  qg.GGMLType.Q4_K, ff, d, n_mats)
+    x = upload_activations(rng.standard_normal((rows * k, 1, ff)).astype(np.float32), w_down)
+    ids = cuda.to_device(np.array([3, 0, 2, 3], np.int32))
+    slots = cuda.to_device(np.arange(rows * k, dtype=np.int32))
+    weights = cuda.to_device(rng.uniform(0, 1, (rows, k)).astype(np.float32))
+    h = rng.standard_normal((rows, d)).astype(np.float32)
+    norm_w = cuda.to_device(rng.uniform(0.5, 1.5, d).astype(np.float32))
+    results = []
+    for fused in (False, True, True):  # the second fused launch: the counter was reset
+        y = cuda.device_array((rows * k, 1, d), np.float32)
+        res, out = cuda.to_device(h), cuda.device_array((rows, d), np.float32)
+        act, counter = qg.QuantizedActivations(1, rows, d), cuda.to_device(np.zeros(1, np.int32))
+        args = (y.reshape(rows * k, d), weights, res, norm_w, out, 1e-6)
+        tail = norm.moe_add_rms_norm_tail(counter, *args, qg.THREADS, act=act) if fused else None
+        qg.gemv(w_down, x, y, slot_mat=ids, slot_x=slots, finish=tail)
+        if not fused:
+            norm.moe_add_rms_norm(*args, act=act)
+        results.append([a.copy_to_host() for a in (res, out, act.xq, act.xd, counter)])
+    for fused in results[1:]:
+        for got, separate in zip(fused[:2], results[0][:2]):
+            np.testing.assert_allclose(got, separate, rtol=2e-6, atol=1e-6)
+        np.testing.assert_array_equal(fused[2], qg.quantize_q8_reference(fused[1])[0].reshape(-1))
+        assert fused[4][0] == 0
+    ref_h = results[0][0]
+    np.testing.assert_allclose(results[1][1], norm.rms_norm_reference(ref_h, norm_w.copy_to_host(),
+                                                                      1e-6), rtol=1e-5)
