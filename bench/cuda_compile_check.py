@@ -87,35 +87,13 @@ def _recording(factory, module: str, name: str, made: dict):
         kernel = factory(*params)
         fn = getattr(kernel, "fn", None)
         if fn is not None:
-            made[id(fn)] = [module, name, [_param(p, made) for p in params]]
+            made[id(fn)] = [module, name, [_param(p) for p in params]]
         return kernel
     return wrapper
 
 
-def _param(p, made: dict):
-    """A factory parameter as JSON: ints, or a device function as {"device_fn": its origin}."""
-    if hasattr(p, "__index__") and not isinstance(p, bool):
-        return int(p)
-    fn = getattr(p, "fn", None)
-    if fn is not None:
-        return {"device_fn": made.get(id(fn), [fn.__module__.rsplit(".", 1)[-1], fn.__name__,
-                                               None])}
-    return p
-
-
-def _label(module_name: str, name: str, params) -> str:
-    if params is None:
-        return f"{module_name}.{name}"
-    shown = (_label(*p["device_fn"]) if isinstance(p, dict) else repr(p) for p in params)
-    return f"{module_name}.{name}({', '.join(shown)})"
-
-
-def _built(module_name: str, name: str, params):
-    """The kernel (or device function) a recorded origin names, rebuilt by its factory."""
-    obj = getattr(importlib.import_module(f"{PACKAGE}.{module_name}"), name)
-    if params is None:
-        return obj
-    return obj(*(_built(*p["device_fn"]) if isinstance(p, dict) else p for p in params))
+def _param(p):
+    return int(p) if hasattr(p, "__index__") and not isinstance(p, bool) else p
 
 
 # ---- phase 2: compile with the real numba.cuda ---------------------------------------------------
@@ -146,10 +124,12 @@ def compile_all(launches: list[dict], out_dir: Path) -> int:
     failures = 0
     for i, entry in enumerate(launches):
         module_name, name, params = entry["origin"]
-        label = _label(module_name, name, params)
+        label = f"{module_name}.{name}{tuple(params) if params is not None else ''}"
         start = time.perf_counter()
         try:
-            kernel = _built(module_name, name, params)
+            kernel = getattr(importlib.import_module(f"{PACKAGE}.{module_name}"), name)
+            if params is not None:
+                kernel = kernel(*params)
             sig = tuple(_numba_type(s) for s in entry["args"])
             ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0),
                                       fastmath=entry["fastmath"])

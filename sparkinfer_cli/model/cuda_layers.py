@@ -7,8 +7,6 @@ workspace / cache buffers, so the same calls run eagerly (prefill) or inside a C
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import numpy as np
 
 from sparkinfer_cli.kernels.cuda import (
@@ -32,8 +30,6 @@ from sparkinfer_cli.model.gated_delta_net import GatedDeltaNet
 from sparkinfer_cli.model.layers import Attention, SwiGLU
 from sparkinfer_cli.model.moe import MoE
 
-TAIL_NORM_MAX_ROWS = 2  # decode rows whose next pre-norm the experts' down GEMV's last block runs
-
 
 class CudaSwiGLU:
     def __init__(self, up: Uploader, ffn: SwiGLU, name: str):
@@ -42,9 +38,8 @@ class CudaSwiGLU:
         self.fused = self.gate.matrix.ggml_type == self.up.matrix.ggml_type
         self.name = name
 
-    def __call__(self, ws: Workspace, stream, out=None, next_norm: NextNorm | None = None) -> bool:
-        """out (default ws.delta) = down(silu(gate·x) ⊙ up·x) of x = ws.x. Returns False: the
-        next pre-norm is left to add_norm (see CudaMoE)."""
+    def __call__(self, ws: Workspace, stream, out=None) -> None:
+        """out (default ws.delta) = down(silu(gate·x) ⊙ up·x) of x = ws.x."""
         out = ws.delta if out is None else out
         hidden = ws.act(self.name, self.gate.n_rows)
         if self.fused:
@@ -56,19 +51,11 @@ class CudaSwiGLU:
             activation.swiglu(hidden.f, up, hidden.f, stream=stream)
         hidden.quantize(stream)
         ws.linear(self.down, hidden, out, stream)
-        return False
 
     @staticmethod
     def add_norm(ws: Workspace, norm_w, eps: float, stream, act) -> None:
         """h += this block's output; x = rms_norm(h)·norm_w (the next sub-layer's input)."""
         norm.add_rms_norm(ws.delta, ws.h, norm_w, ws.x.f, eps, stream=stream, act=act)
-
-
-class NextNorm(NamedTuple):
-    """The pre-norm after an FFN: its weight, epsilon and the q8 activations it fills (or None)."""
-    weight: object
-    eps: float
-    act: object | None
 
 
 class CudaMoE:
@@ -92,21 +79,18 @@ class CudaMoE:
             routers.append(ffn.shared.ffn_gate_inp_shexp)  # a (k,) vector: the shared gate logit
         self.routers = up.stacked(routers)
 
-    def __call__(self, ws: Workspace, stream, next_norm: NextNorm | None = None) -> bool:
+    def __call__(self, ws: Workspace, stream) -> None:
         """The shared expert runs on the side stream beside the router and routed experts (each
-        chain is a few latency-bound launches that leave most of the GPU idle at decode).
-
-        Decode passes of ≤ TAIL_NORM_MAX_ROWS rows fold add_norm into next_norm into the last
-        block of the experts' down GEMV (one launch less a layer): then True (add_norm is done)."""
-        side = graphs.side_stream() if self.shared is not None else None
-        if side is not None:
+        chain is a few latency-bound launches that leave most of the GPU idle at decode)."""
+        if self.shared is not None:
+            side = graphs.side_stream()
             self.shared(ws, side.fork(stream), self._shared_out(ws))
-        fused = self._routed(ws, stream, side, next_norm)
-        if side is not None:
+            self._routed(ws, stream)
             side.join(stream)
-        return fused
+        else:
+            self._routed(ws, stream)
 
-    def _routed(self, ws: Workspace, stream, side, next_norm: NextNorm | None) -> bool:
+    def _routed(self, ws: Workspace, stream) -> None:
         rows, k = ws.n_rows, self.k
         logits = ws.linears(self.routers, ws.x, ("router", "shexp.gate"), stream,
                             beside=False)[0]  # the side stream runs the shared expert
@@ -117,16 +101,7 @@ class CudaMoE:
         self._experts(ws, route, ws.x.as_rows(), hidden.f, ws.iota(rows * k, k), stream)
         if not self._on_tensor_cores(route, self.down):  # the GEMV takes q8 activations
             hidden.quantize(stream)
-        finish = None
-        if route is None and next_norm is not None and rows <= TAIL_NORM_MAX_ROWS:
-            if side is not None:
-                side.join(stream)  # the tail reads the shared expert's output
-            args, kwargs = self._norm_args(ws, next_norm)
-            finish = norm.moe_add_rms_norm_tail(ws.buf("moe.tail_count", 1, dtype=np.int32),
-                                                *args, qg.THREADS, **kwargs)
-        self._expert_gemv(ws, route, self.down, hidden, self._down(ws), ws.iota(rows * k), stream,
-                          finish=finish)
-        return finish is not None
+        self._expert_gemv(ws, route, self.down, hidden, self._down(ws), ws.iota(rows * k), stream)
 
     def _route(self, ws: Workspace, stream) -> ExpertRoute | None:
         """Prefills: this pass's slots sorted by expert into tensor-core GEMM tiles. None for
@@ -141,18 +116,14 @@ class CudaMoE:
 
     def add_norm(self, ws: Workspace, norm_w, eps: float, stream, act) -> None:
         """h += Σ_r w_r·expert_r (+ sigmoid(g)·shared); x = rms_norm(h)·norm_w."""
-        args, kwargs = self._norm_args(ws, NextNorm(norm_w, eps, act))
-        norm.moe_add_rms_norm(*args, stream=stream, **kwargs)
-
-    def _norm_args(self, ws: Workspace, nn: NextNorm) -> tuple[tuple, dict]:
-        """norm.moe_add_rms_norm's arguments for this pass."""
         rows = ws.n_rows
-        kwargs = {"act": nn.act}
+        shared = {}
         if self.shared is not None:
-            kwargs |= {"shared": self._shared_out(ws).reshape(rows, -1),
-                       "shared_gate": ws.buf("shexp.gate", ws.groups, ws.cols, 1).reshape(rows)}
-        return (self._down(ws).reshape(rows * self.k, -1), self._picks(ws)[1],
-                ws.h.reshape(rows, -1), nn.weight, ws.x.f.reshape(rows, -1), nn.eps), kwargs
+            shared = {"shared": self._shared_out(ws).reshape(rows, -1),
+                      "shared_gate": ws.buf("shexp.gate", ws.groups, ws.cols, 1).reshape(rows)}
+        norm.moe_add_rms_norm(self._down(ws).reshape(rows * self.k, -1), self._picks(ws)[1],
+                              ws.h.reshape(rows, -1), norm_w, ws.x.f.reshape(rows, -1), eps,
+                              stream=stream, act=act, **shared)
 
     def _picks(self, ws: Workspace):
         """The step's expert ids (rows, k) int32 and their renormalised weights (rows, k)."""
@@ -180,8 +151,7 @@ class CudaMoE:
     def _on_tensor_cores(route: ExpertRoute | None, w: DeviceLinear) -> bool:
         return route is not None and mma_gemm.supports(w.matrix)
 
-    def _expert_gemv(self, ws, route, w: DeviceLinear, x, y, slot_x, stream, up=None,
-                     finish=None) -> None:
+    def _expert_gemv(self, ws, route, w: DeviceLinear, x, y, slot_x, stream, up=None) -> None:
         """y[slot] = W[expert(slot)]·x[slot_x[slot]]: tensor-core GEMMs per expert tile when
         routed, else one GEMV per slot reading only the selected experts (slot_mat = ids)."""
         up_matrix = None if up is None else up.matrix
@@ -192,7 +162,7 @@ class CudaMoE:
                                     stream=stream)
         else:
             qg.gemv(w.matrix, x.for_matrix(w.matrix), y, slot_x=slot_x, up=up_matrix,
-                    slot_mat=self._picks(ws)[0].reshape(n_slots), finish=finish, stream=stream)
+                    slot_mat=self._picks(ws)[0].reshape(n_slots), stream=stream)
 
 
 class CudaAttention:

@@ -49,13 +49,7 @@ from sparkinfer_cli.model.base import CausalLM, DecoderLayer
 from sparkinfer_cli.model.batch import SequenceBatch
 from sparkinfer_cli.model.config import ModelConfig
 from sparkinfer_cli.model.cuda_cache import CudaModelCache
-from sparkinfer_cli.model.cuda_layers import (
-    CudaAttention,
-    CudaGatedDeltaNet,
-    CudaMoE,
-    CudaSwiGLU,
-    NextNorm,
-)
+from sparkinfer_cli.model.cuda_layers import CudaAttention, CudaGatedDeltaNet, CudaMoE, CudaSwiGLU
 from sparkinfer_cli.model.cuda_weights import Uploader, upload_progress
 from sparkinfer_cli.model.cuda_workspace import MAX_QUEUED_STEPS, Workspace, row_bucket
 from sparkinfer_cli.model.gated_delta_net import GatedDeltaNet
@@ -296,14 +290,12 @@ class CudaModel:
                                  stream=s)
         norm.rms_norm(ws.h, self.layers[0].attn_norm, ws.x.f, eps, stream=s, act=ws.x.q)
         for i, layer in enumerate(self.layers):
+            if i > 0:  # the previous FFN's output joins the residual inside this pre-norm
+                self.layers[i - 1].ffn.add_norm(ws, layer.attn_norm, eps, s, ws.x.q)
             layer.mixer(ws, cache, s)
             norm.add_rms_norm(ws.delta, ws.h, layer.ffn_norm, ws.x.f, eps, stream=s, act=ws.x.q)
-            # the FFN's output joins the residual inside the next pre-norm (or the final norm)
-            last = i + 1 == len(self.layers)
-            nxt = NextNorm(self.output_norm, eps, None) if last else \
-                NextNorm(self.layers[i + 1].attn_norm, eps, ws.x.q)
-            if not layer.ffn(ws, s, next_norm=nxt):
-                layer.ffn.add_norm(ws, nxt.weight, eps, s, nxt.act)
+            layer.ffn(ws, s)
+        self.layers[-1].ffn.add_norm(ws, self.output_norm, eps, s, None)
         cols = min(logit_rows, ws.cols)
         final = ws.act("final", self.config.n_embd, logit_rows // cols, cols)
         gather_rows(ws.x.f.reshape(ws.n_rows, -1), ws.logit_rows[:logit_rows],

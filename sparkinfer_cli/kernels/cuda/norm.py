@@ -17,7 +17,7 @@ from sparkinfer_cli.kernels.cuda.intrinsics import IS_SIMULATOR
 from sparkinfer_cli.kernels.cuda.jit import device_function
 from sparkinfer_cli.kernels.cuda.launch import cdiv, check_array
 from sparkinfer_cli.kernels.cuda.quant_gemv import store_q8
-from sparkinfer_cli.kernels.cuda.warp import block_sum, is_last_block
+from sparkinfer_cli.kernels.cuda.warp import block_sum
 
 MAX_THREADS = 32 if IS_SIMULATOR else 512  # threads per row (the simulator is slow)
 
@@ -38,14 +38,13 @@ def _moe_sum(x, moe_w, k, shared, gate, row, i, d, with_shared):
 
 
 @functools.cache
-def row_norm(per_thread: int, k: int, mode: int):
-    """Device fn norm_row(row, ...): one row of `mode` by the calling block's threads (per_thread:
-    elements each keeps in registers, ≥ d / blockDim; k: experts of the MOE modes). All
-    compile-time, so a thread's loads form one straight run of code."""
+def _norm_kernel(per_thread: int, k: int, mode: int):
+    """per_thread: elements each thread keeps in registers; k: experts of the MOE modes; mode.
+    All compile-time, so a thread's loads form one straight run of code."""
     accumulates = mode == ADD or mode >= MOE
 
-    @device_function
-    def norm_row(row, x, residual, w, out, d, eps, quantize, xq, xd, xs, moe_w, shared, gate):
+    @cuda.jit(fastmath=True)
+    def rms_norm(x, residual, w, out, d, eps, quantize, xq, xd, xs, moe_w, shared, gate):
         # PLAIN: out = norm(x)·w;  ADD: h = x + residual, residual ← h, out = norm(h)·w;
         # SILU_GATE: out = norm(x)·w·silu(residual)  (residual holds the gate z);
         # MOE(_SHARED): as ADD with x = the MoE output: x holds each row's k expert outputs,
@@ -60,6 +59,7 @@ def row_norm(per_thread: int, k: int, mode: int):
         weights = cuda.local.array(per_thread, float32)
         gates = cuda.local.array(per_thread, float32)  # SILU_GATE: z
         tid, n_threads = cuda.threadIdx.x, cuda.blockDim.x
+        row = cuda.blockIdx.x
         base = row * d
         for j in range(per_thread):
             i = tid + j * n_threads
@@ -92,31 +92,11 @@ def row_norm(per_thread: int, k: int, mode: int):
                 out[base + i] = y
             if quantize and j * n_threads + tid // 32 * 32 < d:
                 store_q8(y, base + i, xq, xd, xs)
-    return norm_row
-
-
-@functools.cache
-def _norm_kernel(per_thread: int, k: int, mode: int):
-    norm_row = row_norm(per_thread, k, mode)
-
-    @cuda.jit(fastmath=True)
-    def rms_norm(x, residual, w, out, d, eps, quantize, xq, xd, xs, moe_w, shared, gate):
-        # one block per row
-        norm_row(cuda.blockIdx.x, x, residual, w, out, d, eps, quantize, xq, xd, xs, moe_w,
-                 shared, gate)
     return rms_norm
 
 
 def _launch(x, residual, w, out, eps: float, mode: int, stream, act=None, moe=None) -> None:
     """moe: (weights (rows, k), shared or None, shared gate logits or None) for the MOE modes."""
-    d = w.shape[0]
-    threads = min(MAX_THREADS, cdiv(d, 32) * 32)
-    k, args = _row_args(x, residual, w, out, eps, act, moe)
-    _norm_kernel(cdiv(d, threads), k, mode)[out.size // d, threads, stream](*args)
-
-
-def _row_args(x, residual, w, out, eps: float, act, moe) -> tuple[int, tuple]:
-    """(k, norm_row's arguments after the row) for rows of len(w), after checking them."""
     d = w.shape[0]
     check_array("w", w, np.float32)
     check_array("x", x, np.float32, None if moe else out.shape)
@@ -129,10 +109,12 @@ def _row_args(x, residual, w, out, eps: float, act, moe) -> tuple[int, tuple]:
     q = (act.xq, act.xd, act.xs) if act is not None else (out.reshape(out.size),) * 3
     moe_w, shared, gate = moe if moe is not None else (w, None, None)
     k = moe_w.size // (out.size // d) if moe is not None else 0
-    return k, (x.reshape(x.size), residual.reshape(residual.size), w, out.reshape(out.size), d,
-               float32(eps), act is not None, *q, moe_w.reshape(moe_w.size),
-               w if shared is None else shared.reshape(shared.size),
-               w if gate is None else gate.reshape(gate.size))
+    threads = min(MAX_THREADS, cdiv(d, 32) * 32)
+    _norm_kernel(cdiv(d, threads), k, mode)[out.size // d, threads, stream](
+        x.reshape(x.size), residual.reshape(residual.size), w, out.reshape(out.size), d,
+        float32(eps), act is not None, *q, moe_w.reshape(moe_w.size),
+        w if shared is None else shared.reshape(shared.size),
+        w if gate is None else gate.reshape(gate.size))
 
 
 def rms_norm(x, w, out, eps: float, stream=0, act=None) -> None:
@@ -152,46 +134,13 @@ def moe_add_rms_norm(expert_out, weights, residual, w, out, eps: float, stream=0
                      shared=None, shared_gate=None) -> None:
     """residual (rows, d) += Σ_r weights[t, r]·expert_out[t·k + r] (+ sigmoid(shared_gate[t]) ·
     shared[t]), then out = rms_norm(residual)·w: the MoE combine fused into the next pre-norm."""
-    mode = _moe_mode(expert_out, weights, w, shared, shared_gate)
-    _launch(expert_out, residual, w, out, eps, mode, stream, act, (weights, shared, shared_gate))
-
-
-@functools.cache
-def _last_block_norm(per_thread: int, k: int, mode: int):
-    norm_row = row_norm(per_thread, k, mode)
-
-    @device_function
-    def finish(args):
-        # the launch's last block to get here normalises the rows (every block's stores seen)
-        counter, n_rows, x, residual, w, out, d, eps, quantize, xq, xd, xs, moe_w, shared, \
-            gate = args
-        if is_last_block(counter):
-            for row in range(n_rows):
-                norm_row(row, x, residual, w, out, d, eps, quantize, xq, xd, xs, moe_w, shared,
-                         gate)
-    return finish
-
-
-def moe_add_rms_norm_tail(counter, expert_out, weights, residual, w, out, eps: float,
-                          threads: int, act=None, shared=None, shared_gate=None) -> tuple:
-    """moe_add_rms_norm as the tail of the launch that writes expert_out: (device fn, args) for
-    quant_gemv.gemv(finish=...), run by its last block of `threads` threads (saves a launch and
-    its latency where the rows are few). counter: an int32 (1,) device array holding 0, which
-    the last block resets."""
-    mode = _moe_mode(expert_out, weights, w, shared, shared_gate)
-    k, args = _row_args(expert_out, residual, w, out, eps, act, (weights, shared, shared_gate))
-    check_array("counter", counter, np.int32, (1,))
-    per_thread = cdiv(w.shape[0], threads)
-    return _last_block_norm(per_thread, k, mode), (counter, out.size // w.shape[0], *args)
-
-
-def _moe_mode(expert_out, weights, w, shared, shared_gate) -> int:
     check_array("weights", weights, np.float32)
     if expert_out.size != weights.size * w.shape[0]:
         raise ValueError(f"expert_out has {expert_out.size} values, expected weights.size · d")
     if (shared is None) != (shared_gate is None):
         raise ValueError("the shared expert needs both its output and its gate logits")
-    return MOE if shared is None else MOE_SHARED
+    mode = MOE if shared is None else MOE_SHARED
+    _launch(expert_out, residual, w, out, eps, mode, stream, act, (weights, shared, shared_gate))
 
 
 def rms_norm_silu_gate(x, z, w, out, eps: float, stream=0, act=None) -> None:

@@ -53,7 +53,6 @@ from sparkinfer_cli.kernels.cuda.warp import shfl_xor, warp_max, warp_sum
 
 Q8_BLOCK = 32
 WARPS_PER_BLOCK = 4
-THREADS = 32 * WARPS_PER_BLOCK  # a GEMV block's
 MAX_COLS = 8
 MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y
 MAX_PARTS = 4
@@ -428,17 +427,11 @@ def _row_stores(n_cols: int, swiglu: bool, rows_per_lane: int):
     return store_rows
 
 
-@device_function
-def _no_finish(args):
-    pass
-
-
 @functools.cache
 def _gemv_kernel(ggml_type: GGMLType, n_cols: int, swiglu: bool = False,
-                 rows_per_lane: int = 1, finish=_no_finish):
+                 rows_per_lane: int = 1):
     """grid.x = slot: matrix slot_mat[slot], the n_cols columns of activation group slot_x[slot];
-    grid.y: row blocks (grid-stride over n_row_blocks). Every block then calls finish(finish_args)
-    (a device function of the block's threads: e.g. norm.gemv_tail's, run by the last block).
+    grid.y: row blocks (grid-stride over n_row_blocks).
 
     The slot is the fastest grid index so that the slots reading the same rows run together: the
     groups of a batched linear, or the tokens that picked the same expert, share one DRAM read
@@ -448,7 +441,7 @@ def _gemv_kernel(ggml_type: GGMLType, n_cols: int, swiglu: bool = False,
 
     @cuda.jit(fastmath=True)
     def gemv(w, w2, row_bytes, n_rows, mat_bytes, k, lanes_per_row, row_warps, n_row_blocks,
-             slot_mat, slot_x, xq, xd, xs, bias, has_bias, y0, y1, y2, y3, ends, finish_args):
+             slot_mat, slot_x, xq, xd, xs, bias, has_bias, y0, y1, y2, y3, ends):
         slot = cuda.blockIdx.x
         xcol = cuda.local.array(n_cols, int32)  # (n_cols,) element offsets into x
         ycol = cuda.local.array(n_cols, int32)  # (n_cols,) output columns
@@ -461,7 +454,6 @@ def _gemv_kernel(ggml_type: GGMLType, n_cols: int, swiglu: bool = False,
                        y3, ends)
             if row_warps > 1:
                 cuda.syncthreads()  # reduce_rows' shared partials are rewritten next round
-        finish(finish_args)
     return gemv
 
 
@@ -599,8 +591,7 @@ def _default_slots():
 
 
 def gemv(w: DeviceQuantMatrix, x, y, *, slot_mat=None, slot_x=None,
-         up: DeviceQuantMatrix | None = None, bias=None, finish: tuple | None = None,
-         stream=0) -> None:
+         up: DeviceQuantMatrix | None = None, bias=None, stream=0) -> None:
     """y (n_slots, n_cols, n_rows) f32 ← W[slot_mat[s]] · x[slot_x[s]] (+ bias (n_rows,) f32).
 
     x is a QuantizedActivations for quantized weights, a float32 (n_groups, n_cols, k) device array
@@ -608,8 +599,6 @@ def gemv(w: DeviceQuantMatrix, x, y, *, slot_mat=None, slot_x=None,
     up: a second matrix of the same type and shape; then y = silu(W·x) ⊙ (up·x) (fused SwiGLU).
     y may be a sequence of up to MAX_PARTS arrays (n_slots, n_cols, rows_p) with Σ rows_p = n_rows:
     the stacked matrix's rows in order, one part per array.
-    finish: (device fn, its argument tuple), called by every block after its rows (see
-    _gemv_kernel).
     """
     _check_up(w, up)
     slot_mat = _default_slots() if slot_mat is None else slot_mat
@@ -625,12 +614,11 @@ def gemv(w: DeviceQuantMatrix, x, y, *, slot_mat=None, slot_x=None,
     lane_rows = rows_per_lane(n_cols, w.n_rows * n_slots, warps, units_a_lane)
     n_row_blocks = cdiv(w.n_rows, WARPS_PER_BLOCK // warps * (32 // lanes) * lane_rows)
     grid = (n_slots, min(n_row_blocks, MAX_GRID_Y))
-    finish_fn, finish_args = finish if finish is not None else (_no_finish, (slot_mat,))
-    kernel = _gemv_kernel(w.ggml_type, n_cols, up is not None, lane_rows, finish_fn)
-    kernel[grid, THREADS, stream](
+    kernel = _gemv_kernel(w.ggml_type, n_cols, up is not None, lane_rows)
+    kernel[grid, 32 * WARPS_PER_BLOCK, stream](
         w.data, w.data if up is None else up.data, w.row_bytes, w.n_rows, w.n_rows * w.row_bytes,
         w.k, lanes, warps, n_row_blocks, slot_mat, slot_x, xq, xd, xs,
-        parts[0] if bias is None else bias, bias is not None, *parts, ends, finish_args)
+        parts[0] if bias is None else bias, bias is not None, *parts, ends)
 
 
 def _check_up(w: DeviceQuantMatrix, up: DeviceQuantMatrix | None) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import threading
 
-from numba import cuda, float32, int32
+from numba import cuda, float32
 
 from sparkinfer_cli.kernels.cuda.intrinsics import IS_SIMULATOR
 from sparkinfer_cli.kernels.cuda.jit import device_function
@@ -87,24 +87,3 @@ def block_sum(v, scratch):
 @device_function
 def block_max(v, scratch):
     return _block_reduce(v, scratch, True)
-
-
-@device_function
-def is_last_block(counter):
-    """Whether this block is the launch's last to call this (all threads of every block call it
-    once, after their stores): the last one then sees every block's stores, and resets
-    counter[0] (an int32 counting the calls) to 0 for the next launch. The fence before the count
-    makes each thread's stores visible device-wide before its block is counted."""
-    flag = cuda.shared.array(1, int32)
-    cuda.threadfence()
-    cuda.syncthreads()
-    if cuda.threadIdx.x == 0:
-        n_blocks = cuda.gridDim.x * cuda.gridDim.y * cuda.gridDim.z
-        last = cuda.atomic.add(counter, 0, 1) == n_blocks - 1
-        if last:
-            counter[0] = 0
-        flag[0] = last
-    cuda.syncthreads()
-    if flag[0]:
-        cuda.threadfence()  # the other blocks' stores, seen after their count
-    return flag[0] != 0
