@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 KERNEL_MODULES = ("activation", "attention", "attention_input", "attention_mma",
-                  "attention_prefill", "embedding", "expert_route", "gated_delta", "mma_gemm",
+                  "attention_prefill", "embedding", "expert_route", "gated_delta", "mma_gemm", "mmq_q8",
                   "model_ops", "moe", "norm", "quant_gemv", "sampling")
 PACKAGE = "sparkinfer_cli.kernels.cuda"
 
@@ -132,7 +132,8 @@ def compile_all(launches: list[dict], out_dir: Path) -> int:
                 kernel = kernel(*params)
             sig = tuple(_numba_type(s) for s in entry["args"])
             ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0),
-                                      fastmath=entry["fastmath"])
+                                      fastmath=entry["fastmath"],
+                                      launch_bounds=kernel.targetoptions.get("launch_bounds"))
         except Exception as exc:  # noqa: BLE001 - report every kernel, fail at the end
             failures += 1
             print(f"FAILED {label}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)

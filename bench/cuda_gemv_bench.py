@@ -25,6 +25,7 @@ from numba import cuda
 from sparkinfer_cli.ggml_types import GGMLType, row_bytes
 from sparkinfer_cli.kernels.cuda import graphs
 from sparkinfer_cli.kernels.cuda import mma_gemm as mg
+from sparkinfer_cli.kernels.cuda import mmq_q8 as mmq
 from sparkinfer_cli.kernels.cuda import quant_gemv as qg
 from sparkinfer_cli.kernels.cuda.launch import to_device_bytes
 
@@ -142,13 +143,30 @@ def mma_row(ggml_type: GGMLType, k: int, n_rows: int, rng, stream, n_tokens: int
                 us, n_rows * row_bytes(ggml_type, k))
 
 
+def mmq_row(k: int, n_rows: int, rng, stream, n_tokens: int) -> dict:
+    """A Q8_0 dense linear on int8 tensor cores over q8 activations (mmq_q8, as Workspace.linear
+    runs it for ≤ 64 tokens), k split as mmq_q8.k_splits says."""
+    mats = weight_copies(GGMLType.Q8_0, k, n_rows, 1, rng)
+    cols = qg.MAX_COLS
+    act = random_activations(n_tokens // cols, k, rng, stream, cols)
+    y = cuda.device_array((n_tokens, n_rows), np.float32)
+    size = mmq.partials_size(mats[0], n_tokens)
+    partials = cuda.device_array(size, np.float32) if size else None
+    us = gpu_us(lambda s, i: mmq.matmul(mats[i % len(mats)], act, y, partials=partials,
+                                        stream=s), stream)
+    return _row(f"batch-{n_tokens} mmq Q8_0 k={k} rows={n_rows} ({mmq.k_splits(mats[0])} k "
+                f"ranges)", us, n_rows * row_bytes(GGMLType.Q8_0, k))
+
+
 def batch_rows(rng, stream) -> list[dict]:
-    """The BATCH_64_CASES at 32 and 64 tokens: GEMVs against the tensor-core GEMM."""
+    """The BATCH_64_CASES at 32 and 64 tokens: GEMVs against the tensor-core GEMMs."""
     rows = []
     for t, k, n in BATCH_64_CASES:
         for n_tokens in (32, 64):
             rows.append(plain_row(t, k, n, rng, stream, n_tokens=n_tokens))
             rows += [mma_row(t, k, n, rng, stream, n_tokens, split) for split in (True, False)]
+            if t == GGMLType.Q8_0:
+                rows.append(mmq_row(k, n, rng, stream, n_tokens))
     return rows
 
 

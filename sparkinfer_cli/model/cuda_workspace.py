@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 from numba import cuda
 
-from sparkinfer_cli.kernels.cuda import mma_gemm, sampling
+from sparkinfer_cli.kernels.cuda import mma_gemm, mmq_q8, sampling
 from sparkinfer_cli.kernels.cuda import quant_gemv as qg
 from sparkinfer_cli.kernels.cuda.attention import DecodeWorkspace
 from sparkinfer_cli.kernels.cuda.driver_calls import copy_to_device_async
@@ -187,11 +187,12 @@ class Workspace:
         min_rows = EXPERTS_MMA_MIN_ROWS if experts else LINEAR_MMA_MIN_ROWS
         return self.quantized and n_tokens >= min_rows and mma_gemm.supports(w)
 
-    def mma_partials(self, w: qg.DeviceQuantMatrix, n_tokens: int, swiglu: bool, stream):
-        """The split-K scratch of mma_gemm.matmul(w) over n_tokens rows (None: k is not split):
-        one buffer per size and stream (main / side), so linears that may run at once never
-        share one, and each exists after the first eager pass (no allocation while capturing)."""
-        n = mma_gemm.partials_size(w, n_tokens, swiglu)
+    def gemm_partials(self, gemm, w: qg.DeviceQuantMatrix, n_tokens: int, swiglu: bool, stream):
+        """The split-K scratch of gemm.matmul(w) (gemm: mma_gemm or mmq_q8) over n_tokens rows
+        (None: it needs none): one buffer per size and stream (main / side), so linears that may
+        run at once never share one, and each exists after the first eager pass (no allocation
+        while capturing)."""
+        n = gemm.partials_size(w, n_tokens, swiglu)
         if n == 0:
             return None
         return self.buf("mma.partials.side" if is_side_stream(stream) else "mma.partials", n)
@@ -215,10 +216,13 @@ class Workspace:
         n_tokens = x.f.shape[0] * x.f.shape[1]
         if self.uses_mma(n_tokens, lin.matrix):
             parts = [p.reshape(n_tokens, -1) for p in (y if isinstance(y, list) else [y])]
-            mma_gemm.matmul(lin.matrix, x.f.reshape(n_tokens, -1), parts, bias=lin.bias,
-                            up=None if up is None else up.matrix, stream=stream,
-                            partials=self.mma_partials(lin.matrix, n_tokens, up is not None,
-                                                       stream))
+            up_matrix = None if up is None else up.matrix
+            # Q8_0 decode batches: int8 tensor cores on the q8 activations; else f16 tiles
+            gemm, xs = ((mmq_q8, x.q) if mmq_q8.supports(lin.matrix, n_tokens)
+                        else (mma_gemm, x.f.reshape(n_tokens, -1)))
+            gemm.matmul(lin.matrix, xs, parts, bias=lin.bias, up=up_matrix, stream=stream,
+                        partials=self.gemm_partials(gemm, lin.matrix, n_tokens, up is not None,
+                                                    stream))
             return
         qg.gemv(lin.matrix, x.for_matrix(lin.matrix), y, slot_mat=self.zeros_i32(groups),
                 slot_x=self.iota(groups), up=None if up is None else up.matrix, bias=lin.bias,

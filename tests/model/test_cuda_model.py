@@ -215,10 +215,11 @@ def test_batched_decode_equals_each_sequence_alone(family: str) -> None:
 @pytest.mark.gpu
 def test_linears_on_tensor_cores_in_a_batched_decode_graph(monkeypatch) -> None:
     """33 sequences decode together: a bucket of 64 rows, where every dense linear (the output
-    projection included) runs as a tensor-core GEMM, k split over the grid (mma_gemm.k_splits),
-    inside the captured graph. The first decode step's logits (same inputs either way) follow the
-    same step with the linears as GEMVs: f16 vs q8 activations, so top-1 equal where clear and
-    close elsewhere. MIN_SPLIT_STEPS 1: the tiny model's k of a few steps splits too."""
+    projection included) runs as a tensor-core GEMM, k split over the grid, inside the captured
+    graph: the tiny model's Q8_0 linears (k 256) on int8 tensor cores (mmq_q8, q8 activations
+    like the GEMVs), others on f16 tiles (mma_gemm). The first decode step's logits (same inputs
+    either way) follow the same step with the linears as GEMVs: top-1 equal where clear and close
+    elsewhere. MIN_SPLIT_STEPS 1: mma_gemm splits the tiny model's k of a few steps too."""
     from sparkinfer_cli.kernels.cuda import mma_gemm
     from sparkinfer_cli.model import cuda_workspace
 

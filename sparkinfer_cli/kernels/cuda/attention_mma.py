@@ -35,7 +35,7 @@ from sparkinfer_cli.kernels.cuda.attention import (
     _store_out,
 )
 from sparkinfer_cli.kernels.cuda.intrinsics import (
-    IS_SIMULATOR,
+    LDMATRIX_ALIGN,
     bits_to_f32,
     f16_bits_to_f32,
     ld_v2_u32,
@@ -61,9 +61,6 @@ _V_WORDS = 32
 ROUND_KEYS = WARPS * TILE_KEYS  # keys the block's warps take in one round
 STAGE_DIMS = 128  # K dims staged at once (shared memory: 4 warps × 16 rows × 272 bytes)
 _NEG = float32(-1e30)  # "no key yet" (finite: fast math assumes no infinities)
-# ldmatrix reads 16-byte rows: the staged tiles start 16-byte aligned (the simulator takes no
-# alignment argument)
-_LDMATRIX_ALIGN = None if IS_SIMULATOR else 16
 
 
 def tensor_core_group(n_heads: int, n_kv: int, kind: int, head_dim: int) -> bool:
@@ -334,8 +331,8 @@ def gqa_kernel(head_dim: int, group: int):
         kv_head, seq, split = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
         n_splits = cuda.gridDim.z
         row0 = seq * n_kv * group + kv_head * group
-        q_sh = cuda.shared.array(q_len, uint32, alignment=_LDMATRIX_ALIGN)
-        k_sh = cuda.shared.array(k_len, uint32, alignment=_LDMATRIX_ALIGN)
+        q_sh = cuda.shared.array(q_len, uint32, alignment=LDMATRIX_ALIGN)
+        k_sh = cuda.shared.array(k_len, uint32, alignment=LDMATRIX_ALIGN)
         row_sh = cuda.shared.array(rows_len, int64)
         p_sh = cuda.shared.array(p_len, float32)
         ml_sh = cuda.shared.array(ml_len, float32)  # the warps' (max, sum)

@@ -13,6 +13,11 @@ simulator twin cannot see the other lanes' registers, so in the simulator a frag
 `MatrixFragment` that carries the whole 8×8 matrix it came from (its int() is the lane's real u32);
 the mma twin rebuilds A and B from them and returns exactly this lane's C elements (f32 sums in a
 fixed order: equal to the GPU's up to the order of the additions).
+
+Int8 tensor cores (mma.sync m16n8k32, s8 inputs, s32 sums): `ldmatrix_x4_b8` is the same ldmatrix
+over a 16×32-byte tile (its fragments are the A of m16n8k32 for a row-major (m, k) tile and the B of
+two n8 tiles for an (n, k) tile) and `mma_s8_s32` multiplies them, exactly.
+`ld_s8_fragments_x4` gives the same A registers for rows that are not 16-byte aligned.
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ import numpy as np
 from numba.cuda.core import config
 
 IS_SIMULATOR: bool = bool(config.ENABLE_CUDASIM)
+# ldmatrix reads 16-byte rows: shared tiles it reads are declared with this alignment (the
+# simulator takes no alignment argument)
+LDMATRIX_ALIGN = None if IS_SIMULATOR else 16
 
 if IS_SIMULATOR:
 
@@ -111,6 +119,39 @@ if IS_SIMULATOR:
         bottom = a1.matrix[g] @ b_lo.T + a3.matrix[g] @ b_hi.T  # row g + 8
         return (np.float32(c0 + top[0]), np.float32(c1 + top[1]),
                 np.float32(c2 + bottom[0]), np.float32(c3 + bottom[1]))
+
+    class ByteFragment:
+        """A lane's register from ldmatrix_x4_b8: its int() is row lane//4, bytes 4·(lane%4)..+3."""
+
+        __slots__ = ("matrix", "lane")
+
+        def __init__(self, matrix: np.ndarray, lane: int):
+            self.matrix, self.lane = matrix, lane  # (8, 16) int64 holding int8 values
+
+        def __int__(self) -> int:
+            g, t = divmod(self.lane, 4)
+            return int(self.matrix[g, 4 * t:4 * t + 4].astype(np.int8).view(np.uint32)[0])
+
+        __index__ = __int__
+
+    def ldmatrix_x4_b8(arr, tile_off, row_stride, lane):
+        b = _bytes(arr)
+        tile = np.ndarray((16, 32), np.int8, buffer=b, offset=int(tile_off),
+                          strides=(int(row_stride), 1)).astype(np.int64)  # (16 rows, 32 k)
+        lane = int(lane)
+        return (ByteFragment(tile[:8, :16], lane), ByteFragment(tile[8:, :16], lane),
+                ByteFragment(tile[:8, 16:], lane), ByteFragment(tile[8:, 16:], lane))
+
+    def ld_s8_fragments_x4(arr, tile_off, row_stride, lane):
+        return ldmatrix_x4_b8(arr, tile_off, row_stride, lane)  # the twin takes any offset
+
+    def mma_s8_s32(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        g, t = divmod(a0.lane, 4)
+        b_lo, b_hi = b0.matrix[2 * t:2 * t + 2], b1.matrix[2 * t:2 * t + 2]  # (2 n, 16 k) each
+        top = a0.matrix[g] @ b_lo.T + a2.matrix[g] @ b_hi.T  # row g × cols 2t, 2t+1
+        bottom = a1.matrix[g] @ b_lo.T + a3.matrix[g] @ b_hi.T  # row g + 8
+        return (np.int32(c0 + top[0]), np.int32(c1 + top[1]),
+                np.int32(c2 + bottom[0]), np.int32(c3 + bottom[1]))
 
 else:
     from llvmlite import ir
@@ -278,3 +319,40 @@ else:
             return context.make_tuple(builder, sig.return_type,
                                       [builder.extract_value(out, i) for i in range(4)])
         return types.UniTuple(types.float32, 4)(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3), codegen
+
+    ldmatrix_x4_b8 = ldmatrix_x4  # the same 16-byte rows: 8×16 int8 matrices instead of 8×8 f16
+
+    @cuda.jit(device=True, forceinline=True)
+    def _word_at(words, off):
+        """The 4 bytes at 2-byte-aligned byte `off` of u32 array `words` (reads the next word)."""
+        i = off >> 2
+        return funnel_shift_r(words[i], words[i + 1], 8 * (off & 3))
+
+    @cuda.jit(device=True, forceinline=True)
+    def ld_s8_fragments_x4(words, tile_off, row_stride, lane):
+        """ldmatrix_x4_b8's registers for a 16×32 s8 tile whose rows start 2-byte aligned (GGUF
+        blocks put int8 values after a 2-byte scale) in shared u32 array `words`: 2 word loads
+        and a funnel shift a register instead of one ldmatrix."""
+        at = tile_off + (lane >> 2) * row_stride + 4 * (lane & 3)
+        return (_word_at(words, at), _word_at(words, at + 8 * row_stride),
+                _word_at(words, at + 16), _word_at(words, at + 8 * row_stride + 16))
+
+    @intrinsic
+    def mma_s8_s32(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        """D = A·B + C for a warp: A 16×32 s8 (4 u32 per lane), B 32×8 s8 (2 u32), C/D 16×8 s32."""
+        if not all(isinstance(t, types.Integer) for t in (a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            regs = [context.cast(builder, v, t, types.uint32) for v, t in zip(args[:6], sig.args)]
+            accs = [context.cast(builder, v, t, types.int32)
+                    for v, t in zip(args[6:], sig.args[6:])]
+            asm = ir.InlineAsm(
+                ir.FunctionType(ir.LiteralStructType([_I32] * 4), [_I32] * 10),
+                "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {$0, $1, $2, $3}, "
+                "{$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
+                "=r,=r,=r,=r,r,r,r,r,r,r,0,1,2,3")
+            out = builder.call(asm, regs + accs, attrs=_PURE)
+            return context.make_tuple(builder, sig.return_type,
+                                      [builder.extract_value(out, i) for i in range(4)])
+        return types.UniTuple(types.int32, 4)(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3), codegen

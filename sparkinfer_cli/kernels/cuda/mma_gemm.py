@@ -511,7 +511,7 @@ def _check_weights(w: DeviceQuantMatrix, up: DeviceQuantMatrix | None, x) -> Non
         raise ValueError(f"x: shape {tuple(x.shape)}, expected (·, {w.k})")
 
 
-def _output_parts(y, n_slots: int, n_rows: int) -> tuple[list, tuple[int, ...]]:
+def output_parts(y, n_slots: int, n_rows: int) -> tuple[list, tuple[int, ...]]:
     """y (n_slots, rows) or a list of row-range parts → flat arrays + end rows (quant_gemv's)."""
     ys = list(y) if isinstance(y, (list, tuple)) else [y]
     for i, part in enumerate(ys):
@@ -522,7 +522,7 @@ def _output_parts(y, n_slots: int, n_rows: int) -> tuple[list, tuple[int, ...]]:
 
 def _launch(w, up, x, y, n_slots, grid_y, bn, grouped, route_args, bias, stream,
             partials=None, n_splits: int = 1) -> None:
-    parts, ends = _output_parts(y, n_slots, w.n_rows)
+    parts, ends = output_parts(y, n_slots, w.n_rows)
     if bias is not None:
         check_array("bias", bias, np.float32, (w.n_rows,))
     if n_slots == 0:
@@ -536,13 +536,20 @@ def _launch(w, up, x, y, n_slots, grid_y, bn, grouped, route_args, bias, stream,
         w.k, n_slots, x.reshape(x.size), *route_args, bias_arg, bias is not None, *parts, ends,
         parts[0] if partials is None else partials)
     if n_splits > 1:
-        n_out = n_slots * w.n_rows
-        _splitk_epilogue[cdiv(n_out, EPILOGUE_THREADS), EPILOGUE_THREADS, stream](
-            partials, n_splits, n_slots, w.n_rows, swiglu, bias_arg, bias is not None, *parts,
-            ends)
+        add_partials(partials, n_splits, n_slots, w.n_rows, swiglu, bias, parts, ends, stream)
 
 
 EPILOGUE_THREADS = 256
+
+
+def add_partials(partials, n_splits: int, n_slots: int, n_rows: int, swiglu: bool, bias,
+                 parts: list, ends: tuple[int, ...], stream) -> None:
+    """y parts ← the sums of the k ranges' raw partials (n_splits, n_slots, n_rows · (2 with
+    SwiGLU: gate sums, then up sums)), through the GEMM's epilogue (SwiGLU, bias)."""
+    n_out = n_slots * n_rows
+    _splitk_epilogue[cdiv(n_out, EPILOGUE_THREADS), EPILOGUE_THREADS, stream](
+        partials, n_splits, n_slots, n_rows, swiglu, parts[0] if bias is None else bias,
+        bias is not None, *parts, ends)
 
 
 @cuda.jit(fastmath=True)
