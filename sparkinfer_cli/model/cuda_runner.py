@@ -300,7 +300,7 @@ class CudaModel:
         final = ws.act("final", self.config.n_embd, logit_rows // cols, cols)
         gather_rows(ws.x.f.reshape(ws.n_rows, -1), ws.logit_rows[:logit_rows],
                     final.f.reshape(logit_rows, -1), stream=s)
-        if not ws.uses_mma(logit_rows, self.output.matrix):  # the GEMV reads q8
+        if ws.reads_q8(logit_rows, self.output.matrix):
             final.quantize(s)
         logits = self._logits(ws, logit_rows)
         ws.linear(self.output, final, logits, s)

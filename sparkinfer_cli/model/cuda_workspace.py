@@ -187,6 +187,13 @@ class Workspace:
         min_rows = EXPERTS_MMA_MIN_ROWS if experts else LINEAR_MMA_MIN_ROWS
         return self.quantized and n_tokens >= min_rows and mma_gemm.supports(w)
 
+    def reads_q8(self, n_tokens: int, w: qg.DeviceQuantMatrix) -> bool:
+        """Whether linear(w) over n_tokens rows reads the q8 activations (x.q), which the caller
+        must then have quantized: the GEMVs of quantized types and the int8 tensor-core GEMM."""
+        if not self.quantized or w.takes_float_activations:
+            return False
+        return not self.uses_mma(n_tokens, w) or mmq_q8.supports(w, n_tokens)
+
     def gemm_partials(self, gemm, w: qg.DeviceQuantMatrix, n_tokens: int, swiglu: bool, stream):
         """The split-K scratch of gemm.matmul(w) (gemm: mma_gemm or mmq_q8) over n_tokens rows
         (None: it needs none): one buffer per size and stream (main / side), so linears that may
