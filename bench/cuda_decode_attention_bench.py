@@ -34,6 +34,10 @@ CASES = [("qwen3.6", 1, 32768, [None, 32, 64, 128]), ("qwen3.6", 1, 512, [None, 
          ("qwen3-30b", 1, 512, [None, 1, 2]), ("qwen3-30b", 1, 32768, [None, 32, 64, 128]),
          ("qwen3.6", 64, 256, [None, 1, 4, 64])]
 DEFAULT_SPLIT_BLOCKS = attention.SPLIT_BLOCKS, attention_mma.SPLIT_BLOCKS
+# --crossover: each kernel at its own defaults (splits auto) over batches × contexts, to place
+# the context below which attention.py's kernel serves a decode graph (attention.TENSOR_CORE_*)
+CROSSOVER_CASES = [(shape, n_seqs, ctx, [None]) for shape in SHAPES for n_seqs in (1, 8, 64)
+                   for ctx in (256, 512, 1024, 2048, 4096, 8192) if n_seqs * ctx <= 131072]
 HEADS_PER_BLOCK = (0, 1, 2, 4)  # 0: attention_mma's kernel (all of a kv head's query heads)
 PACKED = attention_mma.tensor_core_group
 FLOOR_BYTES_PER_US = 4.0e6  # 4 TB/s
@@ -89,10 +93,15 @@ def main() -> None:
     parser.add_argument("--json", help="also write the rows here")
     parser.add_argument("--heads", type=int, action="append",
                         help=f"query heads a block to try (repeatable; default {HEADS_PER_BLOCK})")
+    parser.add_argument("--crossover", action="store_true",
+                        help="the two kernels (at their defaults) over batches 1/8/64 × contexts "
+                             "256..8192")
     args = parser.parse_args()
+    if args.crossover:
+        args.heads = args.heads or [0, attention.MAX_BLOCK_HEADS]
     rng, stream = np.random.default_rng(0), cuda.stream()
     rows = []
-    for shape, n_seqs, ctx, splits in CASES:
+    for shape, n_seqs, ctx, splits in CROSSOVER_CASES if args.crossover else CASES:
         case = make_case(shape, n_seqs, ctx, rng, stream)
         floor_us = case["kv_bytes"] / FLOOR_BYTES_PER_US
         for heads in args.heads or HEADS_PER_BLOCK:

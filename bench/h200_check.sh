@@ -6,6 +6,9 @@
 #   bash bench/h200_check.sh queued    # queued decode passes, device sampling (model tests) (~5 min)
 #   bash bench/h200_check.sh oracle    # model tests against llama.cpp's logits            (~6 min)
 #   bash bench/h200_check.sh kernels   # kernel micro-benchmarks                          (~3 min)
+#   bash bench/h200_check.sh gemm      # GEMM / attention / intrinsics kernel tests, model tests
+#                                      # on tensor cores against llama.cpp, 32/64-token linears,
+#                                      # prefill GEMM rates, decode attention           (~7 min)
 #   bash bench/h200_check.sh profile   # CUPTI per-kernel profiles: batch 1, batch 64, prefill,
 #                                      # then the host side of a decode step               (~7 min)
 #   bash bench/h200_check.sh bench36   # `sparkinfer bench`, Qwen3.6 shape: 512 / 32768 tokens,
@@ -18,8 +21,8 @@
 # Everything is logged under $OUT (the device tool brings that folder back).
 set -u
 case "${1:-tests}" in
-  tests|queued|oracle|kernels|profile|bench36|bench30|trace30) ;;
-  *) echo "usage: $0 tests|queued|oracle|kernels|profile|bench36|bench30|trace30" >&2; exit 2 ;;
+  tests|queued|oracle|kernels|gemm|profile|bench36|bench30|trace30) ;;
+  *) echo "usage: $0 tests|queued|oracle|kernels|gemm|profile|bench36|bench30|trace30" >&2; exit 2 ;;
 esac
 OUT=${OUT:-/tmp/h200_out}
 mkdir -p "$OUT"
@@ -55,6 +58,16 @@ case "${1:-tests}" in
         cuda_gemv_bench; do
       run "$b.log" 70 python3 "bench/$b.py"
     done ;;
+  gemm)  # session 14: the tensor-core GEMMs' leaner inner loops
+    run gpu_gemm.log 200 python3 -m pytest -m gpu tests/kernels/test_cuda_mmq_q8.py \
+      tests/kernels/test_cuda_mma_gemm.py tests/kernels/test_cuda_attention.py \
+      tests/kernels/test_cuda_embedding.py -q -p no:cacheprovider
+    run gpu_model_tc.log 240 python3 -m pytest -m gpu tests/model/test_cuda_model.py \
+      -k "tensor_cores_in_a_batched or (q8_top1 and True) or batched_decode_equals" \
+      -q -p no:cacheprovider
+    run gemv_batch.log 100 python3 bench/cuda_gemv_bench.py --batch-only
+    run mma.log 100 python3 bench/cuda_mma_bench.py
+    run decode_attention.log 100 python3 bench/cuda_decode_attention_bench.py --heads 0 ;;
   profile)
     P=bench/cuda_kernel_profile.py
     run prof_b1.log 150 python3 $P qwen3.6-35b-a3b "$OUT/prof_b1.json" --steps 10 --trace

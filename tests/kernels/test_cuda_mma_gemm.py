@@ -18,7 +18,12 @@ from test_cuda_quant_gemv import random_weights
 from sparkinfer_cli.ggml_types import GGMLType, row_bytes
 from sparkinfer_cli.kernels.cuda import mma_gemm as mg
 from sparkinfer_cli.kernels.cuda.expert_route import ExpertRoute, route_experts
-from sparkinfer_cli.kernels.cuda.intrinsics import ldmatrix_x4, mma_f16_f32, pack_f16x2
+from sparkinfer_cli.kernels.cuda.intrinsics import (
+    ldmatrix_x4,
+    ldmatrix_x4_pairs,
+    mma_f16_f32,
+    pack_f16x2,
+)
 from sparkinfer_cli.kernels.cuda.launch import to_device_bytes
 from sparkinfer_cli.kernels.cuda.quant_gemv import DeviceQuantMatrix
 
@@ -39,11 +44,12 @@ def _fragments_kernel(a_rows, b_rows, regs, c):
     cuda.syncthreads()
     a = ldmatrix_x4(sa, 0, 4 * STRIDE_WORDS, lane)
     b = ldmatrix_x4(sb, 0, 4 * STRIDE_WORDS, lane)
+    bp = ldmatrix_x4_pairs(sb, 0, 4 * STRIDE_WORDS, lane)  # the same fragments, B-pair order
     for i in range(4):
         regs[lane, i] = a[i]
     z = np.float32(0.0)
     d0 = mma_f16_f32(a[0], a[1], a[2], a[3], b[0], b[2], z, z, z, z)  # n 0-7
-    d1 = mma_f16_f32(a[0], a[1], a[2], a[3], b[1], b[3], z, z, z, z)  # n 8-15
+    d1 = mma_f16_f32(a[0], a[1], a[2], a[3], bp[2], bp[3], z, z, z, z)  # n 8-15
     g, t = lane // 4, lane % 4
     for e in range(4):
         c[g + 8 * (e // 2), 2 * t + e % 2] = d0[e]
@@ -57,7 +63,9 @@ def _pack_kernel(lo, hi, out):
         out[i] = pack_f16x2(lo[i], hi[i])
 
 
-def test_ldmatrix_and_mma_follow_the_ptx_fragment_layouts(rng):
+# the simulator's twins here, the hardware's instructions on the GPU (pytest -m gpu)
+@pytest.mark.parametrize("where", ["simulator", pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_ldmatrix_and_mma_follow_the_ptx_fragment_layouts(where, rng):
     a = rng.standard_normal((16, 16)).astype(np.float16)
     b = rng.standard_normal((16, 16)).astype(np.float16)  # (n, k)
     regs = np.zeros((32, 4), np.uint32)

@@ -41,6 +41,7 @@ from sparkinfer_cli.kernels.cuda.intrinsics import (
     ld_v2_u32,
     ld_v4_u32,
     ldmatrix_x4,
+    ldmatrix_x4_pairs,
     mma_f16_f32,
     pack_f16x2,
 )
@@ -94,8 +95,9 @@ def _stage_q(q, row0, group, scale, head_dim, q_sh, q_words):
         live = r < group
         for e in range(4):
             x[e] = bits_to_f32(w[e]) * scale if live else float32(0.0)
-        q_sh[r * q_words + 2 * c] = pack_f16x2(x[0], x[1])
-        q_sh[r * q_words + 2 * c + 1] = pack_f16x2(x[2], x[3])
+        at = uint32(r * q_words + 2 * c)
+        q_sh[at] = pack_f16x2(x[0], x[1])
+        q_sh[at + U1] = pack_f16x2(x[2], x[3])
 
 
 @device_function
@@ -105,9 +107,9 @@ def _key_rows(row_sh, base, block_table, table, block_size, n_kv, kv_head, head_
     re-read its last key; lanes 0..15 of the warp write them)."""
     lane = cuda.threadIdx.x % 32
     if lane < TILE_KEYS:
-        t = max(min(k0 + lane, end - 1), start)
-        blk = block_table[table + t // block_size]
-        row_sh[base + lane] = ((blk * block_size + t % block_size) * n_kv + kv_head) * head_dim
+        t, bs = uint32(max(min(k0 + lane, end - 1), start)), uint32(block_size)  # t ≥ 0
+        blk = block_table[uint32(table + t // bs)]
+        row_sh[uint32(base + lane)] = ((blk * block_size + t % bs) * n_kv + kv_head) * head_dim
 
 
 @device_function
@@ -117,15 +119,15 @@ def _stage_k(k_cache, row_sh, rbase, d0, k_sh, kbase, k_words):
     store right after its load would wait out each one's latency)."""
     lane = cuda.threadIdx.x % 32
     r, c = lane // 16, lane % 16  # STAGE_DIMS = 128: 16 pieces a row, 2 rows per 32 lanes
-    off = d0 + 8 * c
-    w0 = ld_v4_u32(k_cache, 2 * (row_sh[rbase + r] + off))
-    w1 = ld_v4_u32(k_cache, 2 * (row_sh[rbase + r + 2] + off))
-    w2 = ld_v4_u32(k_cache, 2 * (row_sh[rbase + r + 4] + off))
-    w3 = ld_v4_u32(k_cache, 2 * (row_sh[rbase + r + 6] + off))
-    w4 = ld_v4_u32(k_cache, 2 * (row_sh[rbase + r + 8] + off))
-    w5 = ld_v4_u32(k_cache, 2 * (row_sh[rbase + r + 10] + off))
-    w6 = ld_v4_u32(k_cache, 2 * (row_sh[rbase + r + 12] + off))
-    w7 = ld_v4_u32(k_cache, 2 * (row_sh[rbase + r + 14] + off))
+    off, rows = d0 + 8 * c, uint32(rbase + r)
+    w0 = ld_v4_u32(k_cache, 2 * (row_sh[rows] + off))
+    w1 = ld_v4_u32(k_cache, 2 * (row_sh[rows + U2] + off))
+    w2 = ld_v4_u32(k_cache, 2 * (row_sh[rows + uint32(4)] + off))
+    w3 = ld_v4_u32(k_cache, 2 * (row_sh[rows + uint32(6)] + off))
+    w4 = ld_v4_u32(k_cache, 2 * (row_sh[rows + uint32(8)] + off))
+    w5 = ld_v4_u32(k_cache, 2 * (row_sh[rows + uint32(10)] + off))
+    w6 = ld_v4_u32(k_cache, 2 * (row_sh[rows + uint32(12)] + off))
+    w7 = ld_v4_u32(k_cache, 2 * (row_sh[rows + uint32(14)] + off))
     at = kbase + r * k_words + 4 * c
     _store4(k_sh, at, w0)
     _store4(k_sh, at + 2 * k_words, w1)
@@ -137,9 +139,15 @@ def _stage_k(k_cache, row_sh, rbase, d0, k_sh, kbase, k_words):
     _store4(k_sh, at + 14 * k_words, w7)
 
 
+# unsigned shared-memory indices: numba wraps signed ones around for negative values (a compare
+# and select an access); these kernels' indices are never negative
+U1, U2, U3 = uint32(1), uint32(2), uint32(3)
+
+
 @device_function
 def _store4(words, at, w):
-    words[at], words[at + 1], words[at + 2], words[at + 3] = w[0], w[1], w[2], w[3]
+    i = uint32(at)
+    words[i], words[i + U1], words[i + U2], words[i + U3] = w[0], w[1], w[2], w[3]
 
 
 @device_function
@@ -153,8 +161,8 @@ def _scores(k_cache, row_sh, rbase, head_dim, k_sh, kbase, k_words, q_sh, q_word
         cuda.syncthreads()
         for kk in range(0, STAGE_DIMS, 16):
             a = ldmatrix_x4(k_sh, 4 * kbase + 2 * kk, 4 * k_words, lane)
-            b = ldmatrix_x4(q_sh, 2 * (d0 + kk), 4 * q_words, lane)
-            c0, c1, c2, c3 = mma_f16_f32(a[0], a[1], a[2], a[3], b[0], b[2], c0, c1, c2, c3)
+            b = ldmatrix_x4_pairs(q_sh, 2 * (d0 + kk), 4 * q_words, lane)  # heads 0-7: b0, b1
+            c0, c1, c2, c3 = mma_f16_f32(a[0], a[1], a[2], a[3], b[0], b[1], c0, c1, c2, c3)
         cuda.syncthreads()  # before the next round restages k_sh
     return c0, c1, c2, c3
 
@@ -192,7 +200,7 @@ def _load_v(v, v_cache, row_sh, rbase, j0, dim0, words):
     """v[words·j ...] ← the lane's V dims [dim0, dim0 + 2·words) of the batch's keys j0 + j,
     one 16- or 8-byte load a key, all issued before any is used."""
     for j in range(_V_WORDS // words):
-        at = 2 * (row_sh[rbase + j0 + j] + dim0)
+        at = 2 * (row_sh[uint32(rbase + j0 + j)] + dim0)
         if words == 4:
             w = ld_v4_u32(v_cache, at)
             v[4 * j], v[4 * j + 1], v[4 * j + 2], v[4 * j + 3] = w[0], w[1], w[2], w[3]
@@ -298,14 +306,15 @@ def _scan_tiles(q_sh, q_words, k_cache, v_cache, block_table, table, block_size,
         m1, l1, corr1, p01, p11 = _softmax_column(c1, c3, live_top, live_bottom, m_run[1],
                                                   l_run[1])
         m_run[0], l_run[0], m_run[1], l_run[1] = m0, l0, m1, l1
-        p = pbase + g * MAX_GROUP + 2 * t  # p_sh: (warps, 16 keys, MAX_GROUP heads)
-        p_sh[p], p_sh[p + 1] = p00, p01
-        p_sh[p + 8 * MAX_GROUP], p_sh[p + 8 * MAX_GROUP + 1] = p10, p11
+        p = uint32(pbase + g * MAX_GROUP + 2 * t)  # p_sh: (warps, 16 keys, MAX_GROUP heads)
+        p_sh[p], p_sh[p + U1] = p00, p01
+        p_sh[p + uint32(8 * MAX_GROUP)], p_sh[p + uint32(8 * MAX_GROUP + 1)] = p10, p11
+        c = uint32(warp * MAX_GROUP + 2 * t)
         if g == 0:
-            corr_sh[warp * MAX_GROUP + 2 * t], corr_sh[warp * MAX_GROUP + 2 * t + 1] = corr0, corr1
+            corr_sh[c], corr_sh[c + U1] = corr0, corr1
         cuda.syncthreads()  # p_sh, corr_sh written
         for h in range(group):  # every lane rescales its dims of every head
-            corr = corr_sh[warp * MAX_GROUP + h]
+            corr = corr_sh[uint32(warp * MAX_GROUP + h)]
             for e in range(per_lane):
                 acc[h * per_lane + e] *= corr
         _add_pv(acc, v, v_cache, row_sh, rbase, p_sh, pbase, lane * per_lane, per_lane, group)

@@ -112,6 +112,10 @@ if IS_SIMULATOR:
         return (MatrixFragment(tile[:8, :8], lane), MatrixFragment(tile[8:, :8], lane),
                 MatrixFragment(tile[:8, 8:], lane), MatrixFragment(tile[8:, 8:], lane))
 
+    def ldmatrix_x4_pairs(arr, tile_off, row_stride, lane):
+        m = ldmatrix_x4(arr, tile_off, row_stride, lane)
+        return m[0], m[2], m[1], m[3]
+
     def mma_f16_f32(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
         g, t = divmod(a0.lane, 4)
         b_lo, b_hi = b0.matrix[2 * t:2 * t + 2], b1.matrix[2 * t:2 * t + 2]  # (2 n, 8 k) each
@@ -142,6 +146,10 @@ if IS_SIMULATOR:
         return (ByteFragment(tile[:8, :16], lane), ByteFragment(tile[8:, :16], lane),
                 ByteFragment(tile[:8, 16:], lane), ByteFragment(tile[8:, 16:], lane))
 
+    def ldmatrix_x4_b8_pairs(arr, tile_off, row_stride, lane):
+        m = ldmatrix_x4_b8(arr, tile_off, row_stride, lane)
+        return m[0], m[2], m[1], m[3]
+
     def ld_s8_fragments_x4(arr, tile_off, row_stride, lane):
         return ldmatrix_x4_b8(arr, tile_off, row_stride, lane)  # the twin takes any offset
 
@@ -155,7 +163,7 @@ if IS_SIMULATOR:
 
 else:
     from llvmlite import ir
-    from numba import cuda, types
+    from numba import cuda, types, uint32
     from numba.cuda.extending import intrinsic
 
     _I16, _I32, _I64 = ir.IntType(16), ir.IntType(32), ir.IntType(64)
@@ -320,13 +328,24 @@ else:
                                       [builder.extract_value(out, i) for i in range(4)])
         return types.UniTuple(types.float32, 4)(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3), codegen
 
+    @cuda.jit(device=True, forceinline=True)
+    def ldmatrix_x4_pairs(arr, tile_off, row_stride, lane):
+        """ldmatrix_x4's matrices in B-operand order: (rows 0-7, cols 0-7), (rows 0-7, cols 8-15),
+        (rows 8-15, cols 0-7), (rows 8-15, cols 8-15). For an (n, k) tile, registers (0, 1) are
+        the B fragment of the n8 tile of rows 0-7 and (2, 3) that of rows 8-15, each pair in
+        adjacent registers as mma.sync reads them (ldmatrix_x4's (0, 2) and (1, 3) cost ptxas
+        two register moves a pair)."""
+        row = (lane & 7) + ((lane >> 4) << 3)
+        return _ldmatrix_x4_at(arr, tile_off + row * row_stride + ((lane >> 3) & 1) * 16)
+
     ldmatrix_x4_b8 = ldmatrix_x4  # the same 16-byte rows: 8×16 int8 matrices instead of 8×8 f16
+    ldmatrix_x4_b8_pairs = ldmatrix_x4_pairs
 
     @cuda.jit(device=True, forceinline=True)
     def _word_at(words, off):
         """The 4 bytes at 2-byte-aligned byte `off` of u32 array `words` (reads the next word)."""
-        i = off >> 2
-        return funnel_shift_r(words[i], words[i + 1], 8 * (off & 3))
+        i = uint32(off >> 2)
+        return funnel_shift_r(words[i], words[i + uint32(1)], 8 * (off & 3))
 
     @cuda.jit(device=True, forceinline=True)
     def ld_s8_fragments_x4(words, tile_off, row_stride, lane):

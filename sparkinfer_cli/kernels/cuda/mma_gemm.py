@@ -51,6 +51,7 @@ from sparkinfer_cli.kernels.cuda.intrinsics import (
     ld_u32,
     ld_v4_u32,
     ldmatrix_x4,
+    ldmatrix_x4_pairs,
     mma_f16_f32,
     pack_f16x2,
 )
@@ -113,7 +114,7 @@ def _pack4(v):
 def _piece_q4_0(w, off, kk):
     bo = off + (kk >> 5) * 18
     d = f16(ld_u16(w, bo))
-    return _affine16(_nibbles(words4_unaligned(w, bo + 2), 4 * ((kk >> 4) & 1)), d, -8 * d)
+    return _affine16(_nibbles(words4_unaligned(w, bo + 2), 4 * ((kk >> 4) & 1)), d, float32(-8.0) * d)
 
 
 @device_function(numba_inline=True)
@@ -139,7 +140,7 @@ def _piece_q5_0(w, off, kk):
     bo = off + (kk >> 5) * 22
     d = f16(ld_u16(w, bo))
     q = _q5_legacy(words4_unaligned(w, bo + 6), u32_from_u16s(w, bo + 2), (kk >> 4) & 1)
-    return _affine16(q, d, -16 * d)
+    return _affine16(q, d, float32(-16.0) * d)
 
 
 @device_function(numba_inline=True)
@@ -156,7 +157,7 @@ def _piece_q8_0(w, off, kk):
     q = words4_unaligned(w, bo + 2 + 16 * ((kk >> 4) & 1))
     flipped = (q[0] ^ 0x80808080, q[1] ^ 0x80808080, q[2] ^ 0x80808080, q[3] ^ 0x80808080)
     d = f16(ld_u16(w, bo))
-    return _affine16(flipped, d, -128 * d)  # int8 b = (b ^ 0x80) − 128
+    return _affine16(flipped, d, float32(-128.0) * d)  # int8 b = (b ^ 0x80) − 128
 
 
 @device_function(numba_inline=True)
@@ -211,7 +212,7 @@ def _piece_q6_k(w, off, kk):
     q = _with_high_bits(ql, qh, 2 * g, M2)
     sc = int32((ld_u16(w, bo + 192 + 8 * n + 2 * g) >> (8 * h)) & 0xFF)  # signed int8 scale
     scale = f16(ld_u16(w, bo + 208)) * float32(sc - 256 if sc > 127 else sc)
-    return _affine16(q, scale, -32 * scale)
+    return _affine16(q, scale, float32(-32.0) * scale)
 
 
 @device_function(numba_inline=True)
@@ -316,12 +317,12 @@ def _stage_fns(ggml_type: GGMLType, bn: int):
     @device_function(numba_inline=True)
     def put(sa, sb, buf, q, xw, a_at, b_at):
         """fetch's words into buffer `buf` of the shared tiles."""
-        base = buf * a_words + a_at
+        base = uint32(buf * a_words + a_at)
         for i in range(8):
-            sa[base + i] = q[i]
-        base = buf * b_words + b_at
+            sa[base + uint32(i)] = q[i]
+        base = uint32(buf * b_words + b_at)
         for i in range(x_words):
-            sb[base + i] = xw[i]
+            sb[base + uint32(i)] = xw[i]
     return fetch, put
 
 
@@ -333,16 +334,16 @@ def _multiply_fn(bn: int):
     def multiply(sa, sb, buf, a_at, b_at, lane, acc):
         """acc += this warp's rows × 32 tokens over the BK of buffer `buf` (two k16 steps)."""
         for kh in range(2):
-            b_lo = ldmatrix_x4(sb, buf * b_bytes + b_at + 32 * kh, ROW_STRIDE, lane)
-            b_hi = ldmatrix_x4(sb, buf * b_bytes + b_at + 16 * ROW_STRIDE + 32 * kh, ROW_STRIDE,
-                               lane)
+            b_lo = ldmatrix_x4_pairs(sb, buf * b_bytes + b_at + 32 * kh, ROW_STRIDE, lane)
+            b_hi = ldmatrix_x4_pairs(sb, buf * b_bytes + b_at + 16 * ROW_STRIDE + 32 * kh,
+                                     ROW_STRIDE, lane)
             for mi in range(mt):
                 a = ldmatrix_x4(sa, buf * a_bytes + a_at + mi * 16 * ROW_STRIDE + 32 * kh,
                                 ROW_STRIDE, lane)
-                _mma_into(acc, 16 * mi, a, b_lo[0], b_lo[2])
-                _mma_into(acc, 16 * mi + 4, a, b_lo[1], b_lo[3])
-                _mma_into(acc, 16 * mi + 8, a, b_hi[0], b_hi[2])
-                _mma_into(acc, 16 * mi + 12, a, b_hi[1], b_hi[3])
+                _mma_into(acc, 16 * mi, a, b_lo[0], b_lo[1])
+                _mma_into(acc, 16 * mi + 4, a, b_lo[2], b_lo[3])
+                _mma_into(acc, 16 * mi + 8, a, b_hi[0], b_hi[1])
+                _mma_into(acc, 16 * mi + 12, a, b_hi[2], b_hi[3])
     return multiply
 
 

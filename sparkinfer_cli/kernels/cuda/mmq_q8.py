@@ -37,7 +37,7 @@ from sparkinfer_cli.kernels.cuda.intrinsics import (
     ld_s8_fragments_x4,
     ld_v2_u32,
     ld_v4_u32,
-    ldmatrix_x4_b8,
+    ldmatrix_x4_b8_pairs,
     mma_s8_s32,
 )
 from sparkinfer_cli.kernels.cuda.jit import device_function
@@ -111,7 +111,7 @@ def _stage_fns(swiglu: bool):
             r = p // ROW_WORDS
             row = min(row0 + r % half, n_rows - 1)
             off = int64(row) * row_bytes + c * ROW_BYTES + 8 * (p % ROW_WORDS)
-            v = ld_v2_u32(w2, off) if r >= half else ld_v2_u32(w, off)
+            v = ld_v2_u32(w2, off) if swiglu and r >= half else ld_v2_u32(w, off)
             wv[2 * i] = v[0]
             wv[2 * i + 1] = v[1]
         for i in range(X_LOADS):
@@ -122,7 +122,7 @@ def _stage_fns(swiglu: bool):
                 xv[4 * i + e] = v[e]
         for i in range(D_LOADS):
             q = tid + THREADS * i
-            dv[i] = xd[(k // 32) * min(q // CHUNK, n_tok - 1) + c * CHUNK + q % CHUNK]
+            dv[i] = xd[uint32((k // 32) * min(q // CHUNK, n_tok - 1) + c * CHUNK + q % CHUNK)]
 
     @device_function(numba_inline=True)
     def put(buf, sa, sb, sx, wv, xv, dv):
@@ -132,23 +132,23 @@ def _stage_fns(swiglu: bool):
         for i in range(W_LOADS):
             p = min(tid + THREADS * i, BM * ROW_WORDS - 1)
             at = buf * TILE_WORDS + (p // ROW_WORDS) * (TILE_STRIDE // 4) + 2 * (p % ROW_WORDS)
-            sa[at] = wv[2 * i]
-            sa[at + 1] = wv[2 * i + 1]
+            sa[uint32(at)] = wv[2 * i]
+            sa[uint32(at) + uint32(1)] = wv[2 * i + 1]
         for i in range(X_LOADS):
             q = tid + THREADS * i
-            at = (buf * TILE_WORDS + (q // (CHUNK_K // 16)) * (TILE_STRIDE // 4)
-                  + 4 * (q % (CHUNK_K // 16)))
+            at = uint32(buf * TILE_WORDS + (q // (CHUNK_K // 16)) * (TILE_STRIDE // 4)
+                        + 4 * (q % (CHUNK_K // 16)))
             for e in range(4):
-                sb[at + e] = xv[4 * i + e]
+                sb[at + uint32(e)] = xv[4 * i + e]
         for i in range(D_LOADS):
-            sx[buf * BN * CHUNK + tid + THREADS * i] = dv[i]
+            sx[uint32(buf * BN * CHUNK + tid + THREADS * i)] = dv[i]
     return fetch, put
 
 
 @device_function(numba_inline=True)
 def _row_scale(sa, at):
     """The f16 scale of the Q8_0 block at byte `at` (2-byte aligned) of shared u32 array sa."""
-    return f16(sa[at >> 2] >> (8 * (at & 3)))
+    return f16(sa[uint32(at >> 2)] >> (8 * (at & 3)))
 
 
 @device_function(numba_inline=True)
@@ -156,8 +156,8 @@ def _add_scaled(acc, buf, sx, n, c, dw_lo, dw_hi, j):
     """acc of the warp's n8 tile n += its s32 sums c of Q8_0 block j, times dw (rows g, g + 8) ·
     dx (tokens 2t, 2t + 1)."""
     tok = WARP_TOKENS * (cuda.threadIdx.x >> 7) + 8 * n + 2 * (cuda.threadIdx.x & 3)
-    dx0 = sx[(buf * BN + tok) * CHUNK + j]
-    dx1 = sx[(buf * BN + tok + 1) * CHUNK + j]
+    dx0 = sx[uint32((buf * BN + tok) * CHUNK + j)]
+    dx1 = sx[uint32((buf * BN + tok + 1) * CHUNK + j)]
     acc[4 * n] += float32(c[0]) * (dw_lo * dx0)
     acc[4 * n + 1] += float32(c[1]) * (dw_lo * dx1)
     acc[4 * n + 2] += float32(c[2]) * (dw_hi * dx0)
@@ -166,15 +166,15 @@ def _add_scaled(acc, buf, sx, n, c, dw_lo, dw_hi, j):
 
 @device_function(numba_inline=True)
 def _two_tiles(acc, a, buf, sb, sx, p, dw_lo, dw_hi, j):
-    """acc of the warp's n8 tiles 2p, 2p + 1 (one ldmatrix of 16 tokens: (b0, b2), (b1, b3))."""
+    """acc of the warp's n8 tiles 2p, 2p + 1 (one ldmatrix of 16 tokens: (b0, b1), (b2, b3))."""
     lane = cuda.threadIdx.x & 31
     tokens = WARP_TOKENS * (cuda.threadIdx.x >> 7) + 16 * p
-    b = ldmatrix_x4_b8(sb, 4 * buf * TILE_WORDS + tokens * TILE_STRIDE + 32 * j, TILE_STRIDE,
-                       lane)
+    b = ldmatrix_x4_b8_pairs(sb, 4 * buf * TILE_WORDS + tokens * TILE_STRIDE + 32 * j,
+                             TILE_STRIDE, lane)
     zero = np.int32(0)
-    c = mma_s8_s32(a[0], a[1], a[2], a[3], b[0], b[2], zero, zero, zero, zero)
+    c = mma_s8_s32(a[0], a[1], a[2], a[3], b[0], b[1], zero, zero, zero, zero)
     _add_scaled(acc, buf, sx, 2 * p, c, dw_lo, dw_hi, j)
-    c = mma_s8_s32(a[0], a[1], a[2], a[3], b[1], b[3], zero, zero, zero, zero)
+    c = mma_s8_s32(a[0], a[1], a[2], a[3], b[2], b[3], zero, zero, zero, zero)
     _add_scaled(acc, buf, sx, 2 * p + 1, c, dw_lo, dw_hi, j)
 
 
