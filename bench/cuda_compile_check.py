@@ -9,6 +9,14 @@ through NVVM (cuda.compile_ptx; no driver needed: the device-function compiles a
 then, where `ptxas` is on PATH, to sm_90 machine code. It prints per kernel the NVVM compile time,
 registers, stack frame and spills, and fails on any compile error: a check, before a device run,
 that a change to the kernels (or to how numba compiles them) still builds and what it costs.
+
+With `cuobjdump` on PATH (or in $CUOBJDUMP; the `triton` wheel carries one under
+triton/backends/nvidia/bin: `pip download --no-deps triton` and unzip it), each kernel's line also
+reads its SASS: the instructions of its largest loop body (a back-branch's span: the k step of a
+GEMM, a tile round of attention), the float64 instructions in the kernel (an int literal times a
+float32 is a float64 in numba) and its SEL instructions (selects: min/max and conditional
+expressions, and numba's wrap of a signed index around negative values, a compare and a select
+an access, which unsigned indices do without).
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import importlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -26,8 +35,8 @@ import time
 from pathlib import Path
 
 KERNEL_MODULES = ("activation", "attention", "attention_input", "attention_mma",
-                  "attention_prefill", "embedding", "expert_route", "gated_delta", "mma_gemm", "mmq_q8",
-                  "model_ops", "moe", "norm", "quant_gemv", "sampling")
+                  "attention_prefill", "embedding", "expert_route", "gated_delta", "mma_gemm",
+                  "mmq_q8", "model_ops", "moe", "norm", "quant_gemv", "sampling")
 PACKAGE = "sparkinfer_cli.kernels.cuda"
 
 
@@ -121,6 +130,7 @@ def compile_all(launches: list[dict], out_dir: Path) -> int:
     # device functions compile for the current device's cc: tell them 9.0 (no driver here)
     dispatcher.get_current_device = lambda: SimpleNamespace(compute_capability=(9, 0))
     has_ptxas = subprocess.run(["which", "ptxas"], capture_output=True).returncode == 0
+    cuobjdump = os.environ.get("CUOBJDUMP") or shutil.which("cuobjdump")
     failures = 0
     for i, entry in enumerate(launches):
         module_name, name, params = entry["origin"]
@@ -139,9 +149,33 @@ def compile_all(launches: list[dict], out_dir: Path) -> int:
             print(f"FAILED {label}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
             continue
         seconds = time.perf_counter() - start
-        print(f"{label:60s} {seconds:6.1f} s  {_ptxas(ptx, out_dir / f'k{i}.ptx', has_ptxas)}",
-              flush=True)
+        path = out_dir / f"k{i}.ptx"
+        report = _ptxas(ptx, path, has_ptxas)
+        if cuobjdump and has_ptxas and Path(f"{path}.cubin").exists():
+            report += _sass_summary(cuobjdump, Path(f"{path}.cubin"))
+        print(f"{label:60s} {seconds:6.1f} s  {report}", flush=True)
     return failures
+
+
+_SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);")
+_F64 = re.compile(r"\b(DFMA|DADD|DMUL|DSETP|DMNMX|F2F\.F64\.F32|F2F\.F32\.F64)\b")
+
+
+def _sass_summary(cuobjdump: str, cubin: Path) -> str:
+    """', loop N instr (M mma), f64 F, SEL S' from the cubin's SASS (see the module docstring)."""
+    sass = subprocess.run([cuobjdump, "--dump-sass", str(cubin)], capture_output=True,
+                          text=True).stdout
+    code = [(int(m.group(1), 16), m.group(2).strip()) for m in _SASS_LINE.finditer(sass)]
+    loop: list[str] = []
+    for at, text in code:
+        back = re.search(r"\bBRA (0x[0-9a-f]+)", text)
+        if back and int(back.group(1), 16) < at:
+            body = [t for a, t in code if int(back.group(1), 16) <= a <= at]
+            loop = max(loop, body, key=len)
+    mma = sum("MMA" in t for t in loop)
+    f64 = sum(bool(_F64.search(t)) for _, t in code)
+    sel = sum(re.search(r"(^|\s)U?SEL\b", t) is not None for _, t in code)
+    return f", loop {len(loop)} instr ({mma} mma), f64 {f64}, SEL {sel}"
 
 
 def _ptxas(ptx: str, path: Path, has_ptxas: bool) -> str:

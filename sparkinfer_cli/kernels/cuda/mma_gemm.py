@@ -114,7 +114,8 @@ def _pack4(v):
 def _piece_q4_0(w, off, kk):
     bo = off + (kk >> 5) * 18
     d = f16(ld_u16(w, bo))
-    return _affine16(_nibbles(words4_unaligned(w, bo + 2), 4 * ((kk >> 4) & 1)), d, float32(-8.0) * d)
+    q = _nibbles(words4_unaligned(w, bo + 2), 4 * ((kk >> 4) & 1))
+    return _affine16(q, d, float32(-8.0) * d)
 
 
 @device_function(numba_inline=True)

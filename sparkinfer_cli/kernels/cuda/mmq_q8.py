@@ -18,8 +18,8 @@ its threads read a 34-byte Q8_0 block as six 2-4-byte loads from 16 rows a warp 
   funnel shifts (intrinsics.ld_s8_fragments_x4) and the scales beside them.
 - Split-K as mma_gemm: grids under SPLIT_BELOW_BLOCKS blocks walk k in ranges on grid.z, raw sums
   to `partials`, then mma_gemm.add_partials. Fused SwiGLU (`up=`): a block's 64 rows are 32 gate
-  rows and the same 32 rows of `up` (warps 0-1 and 4-5 / 2-3 and 6-7), always through the partials, whose
-  epilogue pairs them.
+  rows and the same 32 rows of `up` (warps 0-1 and 4-5 / 2-3 and 6-7), always through the
+  partials, whose epilogue pairs them.
 """
 
 from __future__ import annotations
