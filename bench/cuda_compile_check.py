@@ -12,8 +12,8 @@ that a change to the kernels (or to how numba compiles them) still builds and wh
 
 With `cuobjdump` on PATH (or in $CUOBJDUMP; the `triton` wheel carries one under
 triton/backends/nvidia/bin: `pip download --no-deps triton` and unzip it), each kernel's line also
-reads its SASS: the instructions of its largest loop body (a back-branch's span: the k step of a
-GEMM, a tile round of attention), the float64 instructions in the kernel (an int literal times a
+reads its SASS: the instructions of its largest loop body (a back-branch's span; loops holding
+an mma first: the k step of a GEMM, a tile round of attention), the float64 instructions in the kernel (an int literal times a
 float32 is a float64 in numba) and its SEL instructions (selects: min/max and conditional
 expressions, and numba's wrap of a signed index around negative values, a compare and a select
 an access, which unsigned indices do without).
@@ -171,7 +171,7 @@ def _sass_summary(cuobjdump: str, cubin: Path) -> str:
         back = re.search(r"\bBRA (0x[0-9a-f]+)", text)
         if back and int(back.group(1), 16) < at:
             body = [t for a, t in code if int(back.group(1), 16) <= a <= at]
-            loop = max(loop, body, key=len)
+            loop = max(loop, body, key=lambda x: (any("MMA" in t for t in x), len(x)))
     mma = sum("MMA" in t for t in loop)
     f64 = sum(bool(_F64.search(t)) for _, t in code)
     sel = sum(re.search(r"(^|\s)U?SEL\b", t) is not None for _, t in code)

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from fragments import check_fragments
 from gguf.quants import dequantize
 from numba import cuda
 from test_cuda_quant_gemv import random_weights
@@ -27,35 +28,7 @@ from sparkinfer_cli.kernels.cuda.intrinsics import (
 from sparkinfer_cli.kernels.cuda.launch import to_device_bytes
 from sparkinfer_cli.kernels.cuda.quant_gemv import DeviceQuantMatrix
 
-STRIDE_WORDS = mg.ROW_WORDS  # the kernel's padded smem row: 16 words of data + 4 of padding
-TILE_WORDS = 16 * mg.ROW_WORDS  # one 16-row tile (a compile-time constant for shared.array)
-
-
 # ---------------------------------------------------------------- intrinsics
-@cuda.jit
-def _fragments_kernel(a_rows, b_rows, regs, c):
-    # a_rows (16, 8) u32 = A 16×16 f16 row-major; b_rows (16, 8) u32 = B as 16 n-rows × 16 k
-    lane = cuda.threadIdx.x
-    sa = cuda.shared.array(TILE_WORDS, np.uint32)
-    sb = cuda.shared.array(TILE_WORDS, np.uint32)
-    for i in range(4):
-        sa[(lane // 2) * STRIDE_WORDS + (lane % 2) * 4 + i] = a_rows[lane // 2, (lane % 2) * 4 + i]
-        sb[(lane // 2) * STRIDE_WORDS + (lane % 2) * 4 + i] = b_rows[lane // 2, (lane % 2) * 4 + i]
-    cuda.syncthreads()
-    a = ldmatrix_x4(sa, 0, 4 * STRIDE_WORDS, lane)
-    b = ldmatrix_x4(sb, 0, 4 * STRIDE_WORDS, lane)
-    bp = ldmatrix_x4_pairs(sb, 0, 4 * STRIDE_WORDS, lane)  # the same fragments, B-pair order
-    for i in range(4):
-        regs[lane, i] = a[i]
-    z = np.float32(0.0)
-    d0 = mma_f16_f32(a[0], a[1], a[2], a[3], b[0], b[2], z, z, z, z)  # n 0-7
-    d1 = mma_f16_f32(a[0], a[1], a[2], a[3], bp[2], bp[3], z, z, z, z)  # n 8-15
-    g, t = lane // 4, lane % 4
-    for e in range(4):
-        c[g + 8 * (e // 2), 2 * t + e % 2] = d0[e]
-        c[g + 8 * (e // 2), 8 + 2 * t + e % 2] = d1[e]
-
-
 @cuda.jit
 def _pack_kernel(lo, hi, out):
     i = cuda.grid(1)
@@ -68,15 +41,7 @@ def _pack_kernel(lo, hi, out):
 def test_ldmatrix_and_mma_follow_the_ptx_fragment_layouts(where, rng):
     a = rng.standard_normal((16, 16)).astype(np.float16)
     b = rng.standard_normal((16, 16)).astype(np.float16)  # (n, k)
-    regs = np.zeros((32, 4), np.uint32)
-    c = np.zeros((16, 16), np.float32)
-    _fragments_kernel[1, 32](a.view(np.uint32), b.view(np.uint32), regs, c)
-    # PTX ISA: A fragment reg i of lane l = row l//4 (+8 for i = 1, 3), cols 2(l%4) (+8 for i ≥ 2)
-    for lane in range(32):
-        g, t = divmod(lane, 4)
-        for i in range(4):
-            row, col = g + 8 * (i % 2), 2 * t + 8 * (i // 2)
-            assert regs[lane, i] == a[row, col:col + 2].view(np.uint32)[0], (lane, i)
+    c = check_fragments(ldmatrix_x4, ldmatrix_x4_pairs, mma_f16_f32, a, b)  # m16n8k16 .f16
     np.testing.assert_allclose(c, a.astype(np.float64) @ b.astype(np.float64).T, rtol=1e-5,
                                atol=1e-5)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from fragments import check_fragments
 from gguf.quants import dequantize
 from numba import cuda
 from test_cuda_quant_gemv import random_weights
@@ -16,57 +17,18 @@ from test_cuda_quant_gemv import random_weights
 from sparkinfer_cli.ggml_types import GGMLType
 from sparkinfer_cli.kernels.cuda import mmq_q8
 from sparkinfer_cli.kernels.cuda import quant_gemv as qg
-from sparkinfer_cli.kernels.cuda.intrinsics import (
-    LDMATRIX_ALIGN,
-    ldmatrix_x4_b8,
-    ldmatrix_x4_b8_pairs,
-    mma_s8_s32,
-)
+from sparkinfer_cli.kernels.cuda.intrinsics import ldmatrix_x4_b8, ldmatrix_x4_b8_pairs, mma_s8_s32
 from sparkinfer_cli.kernels.cuda.launch import to_device_bytes
 
-TILE_BYTES = 16 * 48  # a 16-row tile of 32 int8 + 16 pad bytes a row
-TILE_WORDS = TILE_BYTES // 4  # a global constant: shared.array needs a literal size on the GPU
 
 
 # ---------------------------------------------------------------- intrinsics
-@cuda.jit
-def _fragments_kernel(a_words, b_words, regs, c):
-    # a_words (16, 8) u32 = A 16×32 s8 row-major; b_words (16, 8) u32 = B as 16 n-rows × 32 k
-    lane = cuda.threadIdx.x
-    sa = cuda.shared.array(TILE_WORDS, np.uint32, alignment=LDMATRIX_ALIGN)
-    sb = cuda.shared.array(TILE_WORDS, np.uint32, alignment=LDMATRIX_ALIGN)
-    for i in range(4):
-        sa[(lane // 2) * 12 + (lane % 2) * 4 + i] = a_words[lane // 2, (lane % 2) * 4 + i]
-        sb[(lane // 2) * 12 + (lane % 2) * 4 + i] = b_words[lane // 2, (lane % 2) * 4 + i]
-    cuda.syncthreads()
-    a = ldmatrix_x4_b8(sa, 0, 48, lane)
-    b = ldmatrix_x4_b8_pairs(sb, 0, 48, lane)  # B fragments of n 0-7, then n 8-15
-    for i in range(4):
-        regs[lane, i] = a[i]
-    z = np.int32(0)
-    d0 = mma_s8_s32(a[0], a[1], a[2], a[3], b[0], b[1], z, z, z, z)  # n 0-7
-    d1 = mma_s8_s32(a[0], a[1], a[2], a[3], b[2], b[3], z, z, z, z)  # n 8-15
-    g, t = lane // 4, lane % 4
-    for e in range(4):
-        c[g + 8 * (e // 2), 2 * t + e % 2] = d0[e]
-        c[g + 8 * (e // 2), 8 + 2 * t + e % 2] = d1[e]
-
-
 # the simulator's twins here, the hardware's instructions on the GPU (pytest -m gpu)
 @pytest.mark.parametrize("where", ["simulator", pytest.param("gpu", marks=pytest.mark.gpu)])
 def test_ldmatrix_b8_and_mma_s8_follow_the_ptx_fragment_layouts(where, rng):
     a = rng.integers(-128, 128, (16, 32)).astype(np.int8)
     b = rng.integers(-128, 128, (16, 32)).astype(np.int8)  # (n, k)
-    regs = np.zeros((32, 4), np.uint32)
-    c = np.zeros((16, 16), np.int32)
-    _fragments_kernel[1, 32](a.view(np.uint32), b.view(np.uint32), regs, c)
-    # PTX ISA, m16n8k32 .s8: A reg i of lane l = row l//4 (+8 for i = 1, 3), bytes 4(l%4) (+16
-    # for i ≥ 2)
-    for lane in range(32):
-        g, t = divmod(lane, 4)
-        for i in range(4):
-            row, col = g + 8 * (i % 2), 4 * t + 16 * (i // 2)
-            assert regs[lane, i] == a[row, col:col + 4].view(np.uint32)[0], (lane, i)
+    c = check_fragments(ldmatrix_x4_b8, ldmatrix_x4_b8_pairs, mma_s8_s32, a, b)  # m16n8k32 .s8
     np.testing.assert_array_equal(c, a.astype(np.int64) @ b.astype(np.int64).T)
 
 

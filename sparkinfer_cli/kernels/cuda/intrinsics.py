@@ -10,7 +10,7 @@ Under NUMBA_ENABLE_CUDASIM=1 the same names are plain Python functions giving bi
 Tensor cores (mma.sync m16n8k16, f16 inputs, f32 accumulators): `ldmatrix_x4` reads a 16×16 f16
 tile from shared memory into a warp's fragments and `mma_f16_f32` multiplies fragments. A lane's
 simulator twin cannot see the other lanes' registers, so in the simulator a fragment register is a
-`MatrixFragment` that carries the whole 8×8 matrix it came from (its int() is the lane's real u32);
+`Fragment` that carries the whole 8×8 matrix it came from (its int() is the lane's real u32);
 the mma twin rebuilds A and B from them and returns exactly this lane's C elements (f32 sums in a
 fixed order: equal to the GPU's up to the order of the additions).
 
@@ -90,74 +90,65 @@ if IS_SIMULATOR:
             halves = np.array([lo, hi], np.float32).astype(np.float16)  # round to nearest even
         return np.uint32(halves.view(np.uint32)[0])
 
-    class MatrixFragment:
-        """A lane's register from ldmatrix: its int() is row lane//4, cols 2·(lane%4)+{0,1}."""
+    class Fragment:
+        """A lane's register from ldmatrix: its int() is the 4 bytes 4·(lane%4)..+3 of row
+        lane//4 of its 8-row × 16-byte matrix (f16: cols 2·(lane%4), +1; int8: 4·(lane%4)..+3)."""
 
-        __slots__ = ("matrix", "lane")
+        __slots__ = ("matrix", "lane", "dtype")
 
-        def __init__(self, matrix: np.ndarray, lane: int):
-            self.matrix, self.lane = matrix, lane  # (8, 8) float32 holding f16 values
+        def __init__(self, matrix: np.ndarray, lane: int, dtype):
+            # (8, 16 bytes of dtype) values, widened to float32 (f16) or int64 (int8) for the mma
+            self.matrix, self.lane, self.dtype = matrix, lane, dtype
 
         def __int__(self) -> int:
             g, t = divmod(self.lane, 4)
-            return int(self.matrix[g, 2 * t:2 * t + 2].astype(np.float16).view(np.uint32)[0])
+            n = 4 // np.dtype(self.dtype).itemsize  # elements a register
+            return int(self.matrix[g, n * t:n * t + n].astype(self.dtype).view(np.uint32)[0])
 
         __index__ = __int__
+
+    def _ldmatrix_x4_twin(arr, tile_off, row_stride, lane, dtype, wide):
+        """The 16-row × 32-byte tile's four 8-row × 16-byte matrices in ldmatrix_x4's order."""
+        size = np.dtype(dtype).itemsize
+        tile = np.ndarray((16, 32 // size), dtype, buffer=_bytes(arr), offset=int(tile_off),
+                          strides=(int(row_stride), size)).astype(wide)  # (16 rows, k)
+        h, lane = 16 // size, int(lane)
+        return tuple(Fragment(m, lane, dtype)
+                     for m in (tile[:8, :h], tile[8:, :h], tile[:8, h:], tile[8:, h:]))
+
+    def _b_pairs(m):
+        return m[0], m[2], m[1], m[3]
 
     def ldmatrix_x4(arr, tile_off, row_stride, lane):
-        b = _bytes(arr)
-        tile = np.ndarray((16, 16), np.float16, buffer=b, offset=int(tile_off),
-                          strides=(int(row_stride), 2)).astype(np.float32)  # (16 rows, 16 k)
-        lane = int(lane)
-        return (MatrixFragment(tile[:8, :8], lane), MatrixFragment(tile[8:, :8], lane),
-                MatrixFragment(tile[:8, 8:], lane), MatrixFragment(tile[8:, 8:], lane))
+        return _ldmatrix_x4_twin(arr, tile_off, row_stride, lane, np.float16, np.float32)
 
     def ldmatrix_x4_pairs(arr, tile_off, row_stride, lane):
-        m = ldmatrix_x4(arr, tile_off, row_stride, lane)
-        return m[0], m[2], m[1], m[3]
-
-    def mma_f16_f32(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
-        g, t = divmod(a0.lane, 4)
-        b_lo, b_hi = b0.matrix[2 * t:2 * t + 2], b1.matrix[2 * t:2 * t + 2]  # (2 n, 8 k) each
-        top = a0.matrix[g] @ b_lo.T + a2.matrix[g] @ b_hi.T  # row g × cols 2t, 2t+1
-        bottom = a1.matrix[g] @ b_lo.T + a3.matrix[g] @ b_hi.T  # row g + 8
-        return (np.float32(c0 + top[0]), np.float32(c1 + top[1]),
-                np.float32(c2 + bottom[0]), np.float32(c3 + bottom[1]))
-
-    class ByteFragment:
-        """A lane's register from ldmatrix_x4_b8: its int() is row lane//4, bytes 4·(lane%4)..+3."""
-
-        __slots__ = ("matrix", "lane")
-
-        def __init__(self, matrix: np.ndarray, lane: int):
-            self.matrix, self.lane = matrix, lane  # (8, 16) int64 holding int8 values
-
-        def __int__(self) -> int:
-            g, t = divmod(self.lane, 4)
-            return int(self.matrix[g, 4 * t:4 * t + 4].astype(np.int8).view(np.uint32)[0])
-
-        __index__ = __int__
+        return _b_pairs(ldmatrix_x4(arr, tile_off, row_stride, lane))
 
     def ldmatrix_x4_b8(arr, tile_off, row_stride, lane):
-        b = _bytes(arr)
-        tile = np.ndarray((16, 32), np.int8, buffer=b, offset=int(tile_off),
-                          strides=(int(row_stride), 1)).astype(np.int64)  # (16 rows, 32 k)
-        lane = int(lane)
-        return (ByteFragment(tile[:8, :16], lane), ByteFragment(tile[8:, :16], lane),
-                ByteFragment(tile[:8, 16:], lane), ByteFragment(tile[8:, 16:], lane))
+        return _ldmatrix_x4_twin(arr, tile_off, row_stride, lane, np.int8, np.int64)
 
     def ldmatrix_x4_b8_pairs(arr, tile_off, row_stride, lane):
-        m = ldmatrix_x4_b8(arr, tile_off, row_stride, lane)
-        return m[0], m[2], m[1], m[3]
+        return _b_pairs(ldmatrix_x4_b8(arr, tile_off, row_stride, lane))
 
     def ld_s8_fragments_x4(arr, tile_off, row_stride, lane):
         return ldmatrix_x4_b8(arr, tile_off, row_stride, lane)  # the twin takes any offset
 
-    def mma_s8_s32(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+    def _mma_twin(a0, a1, a2, a3, b0, b1):
+        """This lane's sums of A × B: (row g × cols 2t, 2t+1), (row g + 8 × the same cols)."""
         g, t = divmod(a0.lane, 4)
-        b_lo, b_hi = b0.matrix[2 * t:2 * t + 2], b1.matrix[2 * t:2 * t + 2]  # (2 n, 16 k) each
-        top = a0.matrix[g] @ b_lo.T + a2.matrix[g] @ b_hi.T  # row g × cols 2t, 2t+1
-        bottom = a1.matrix[g] @ b_lo.T + a3.matrix[g] @ b_hi.T  # row g + 8
+        b_lo, b_hi = b0.matrix[2 * t:2 * t + 2], b1.matrix[2 * t:2 * t + 2]  # (2 n, k / 2) each
+        top = a0.matrix[g] @ b_lo.T + a2.matrix[g] @ b_hi.T
+        bottom = a1.matrix[g] @ b_lo.T + a3.matrix[g] @ b_hi.T
+        return top, bottom
+
+    def mma_f16_f32(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        top, bottom = _mma_twin(a0, a1, a2, a3, b0, b1)
+        return (np.float32(c0 + top[0]), np.float32(c1 + top[1]),
+                np.float32(c2 + bottom[0]), np.float32(c3 + bottom[1]))
+
+    def mma_s8_s32(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        top, bottom = _mma_twin(a0, a1, a2, a3, b0, b1)
         return (np.int32(c0 + top[0]), np.int32(c1 + top[1]),
                 np.int32(c2 + bottom[0]), np.int32(c3 + bottom[1]))
 
@@ -305,28 +296,36 @@ else:
         """
         return _ldmatrix_x4_at(arr, tile_off + (lane & 15) * row_stride + (lane >> 4) * 16)
 
-    @intrinsic
-    def mma_f16_f32(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
-        """D = A·B + C for a warp: A 16×16 f16 (4 u32 per lane), B 16×8 (2 u32), C/D 16×8 f32."""
-        if not all(isinstance(t, types.Integer) for t in (a0, a1, a2, a3, b0, b1)):
-            return None
-        if not all(isinstance(t, types.Float) for t in (c0, c1, c2, c3)):
-            return None
+    def _mma_intrinsic(shape: str, acc, acc_ir, acc_reg: str):
+        """An mma.sync intrinsic (a0..a3, b0, b1: u32 fragment registers; c0..c3: accumulators
+        of numba type `acc`, PTX register class `acc_reg`) → D = A·B + C as 4 accumulators."""
+        acc_kind = types.Float if isinstance(acc, types.Float) else types.Integer
 
-        def codegen(context, builder, sig, args):
-            regs = [context.cast(builder, v, t, types.uint32) for v, t in zip(args[:6], sig.args)]
-            accs = [context.cast(builder, v, t, types.float32)
-                    for v, t in zip(args[6:], sig.args[6:])]
-            f32 = ir.FloatType()
-            asm = ir.InlineAsm(
-                ir.FunctionType(ir.LiteralStructType([f32] * 4), [_I32] * 6 + [f32] * 4),
-                "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0, $1, $2, $3}, "
-                "{$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
-                "=f,=f,=f,=f,r,r,r,r,r,r,0,1,2,3")
-            out = builder.call(asm, regs + accs, attrs=_PURE)
-            return context.make_tuple(builder, sig.return_type,
-                                      [builder.extract_value(out, i) for i in range(4)])
-        return types.UniTuple(types.float32, 4)(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3), codegen
+        @intrinsic
+        def mma(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+            if not all(isinstance(t, types.Integer) for t in (a0, a1, a2, a3, b0, b1)):
+                return None
+            if not all(isinstance(t, acc_kind) for t in (c0, c1, c2, c3)):
+                return None
+
+            def codegen(context, builder, sig, args):
+                regs = [context.cast(builder, v, t, types.uint32)
+                        for v, t in zip(args[:6], sig.args)]
+                accs = [context.cast(builder, v, t, acc) for v, t in zip(args[6:], sig.args[6:])]
+                asm = ir.InlineAsm(
+                    ir.FunctionType(ir.LiteralStructType([acc_ir] * 4), [_I32] * 6 + [acc_ir] * 4),
+                    f"mma.sync.aligned.{shape} {{$0, $1, $2, $3}}, {{$4, $5, $6, $7}}, "
+                    "{$8, $9}, {$10, $11, $12, $13};",
+                    ",".join([f"={acc_reg}"] * 4) + ",r,r,r,r,r,r,0,1,2,3")
+                out = builder.call(asm, regs + accs, attrs=_PURE)
+                return context.make_tuple(builder, sig.return_type,
+                                          [builder.extract_value(out, i) for i in range(4)])
+            return types.UniTuple(acc, 4)(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3), codegen
+        return mma
+
+    # D = A·B + C for a warp: A 16×16 f16 (4 u32 a lane), B 16×8 (2 u32), C/D 16×8 f32
+    mma_f16_f32 = _mma_intrinsic("m16n8k16.row.col.f32.f16.f16.f32", types.float32,
+                                 ir.FloatType(), "f")
 
     @cuda.jit(device=True, forceinline=True)
     def ldmatrix_x4_pairs(arr, tile_off, row_stride, lane):
@@ -356,22 +355,5 @@ else:
         return (_word_at(words, at), _word_at(words, at + 8 * row_stride),
                 _word_at(words, at + 16), _word_at(words, at + 8 * row_stride + 16))
 
-    @intrinsic
-    def mma_s8_s32(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
-        """D = A·B + C for a warp: A 16×32 s8 (4 u32 per lane), B 32×8 s8 (2 u32), C/D 16×8 s32."""
-        if not all(isinstance(t, types.Integer) for t in (a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)):
-            return None
-
-        def codegen(context, builder, sig, args):
-            regs = [context.cast(builder, v, t, types.uint32) for v, t in zip(args[:6], sig.args)]
-            accs = [context.cast(builder, v, t, types.int32)
-                    for v, t in zip(args[6:], sig.args[6:])]
-            asm = ir.InlineAsm(
-                ir.FunctionType(ir.LiteralStructType([_I32] * 4), [_I32] * 10),
-                "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {$0, $1, $2, $3}, "
-                "{$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
-                "=r,=r,=r,=r,r,r,r,r,r,r,0,1,2,3")
-            out = builder.call(asm, regs + accs, attrs=_PURE)
-            return context.make_tuple(builder, sig.return_type,
-                                      [builder.extract_value(out, i) for i in range(4)])
-        return types.UniTuple(types.int32, 4)(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3), codegen
+    # D = A·B + C for a warp: A 16×32 s8 (4 u32 a lane), B 32×8 s8 (2 u32), C/D 16×8 s32
+    mma_s8_s32 = _mma_intrinsic("m16n8k32.row.col.s32.s8.s8.s32", types.int32, _I32, "r")
