@@ -28,6 +28,7 @@ from sparkinfer_cli.kernels.cuda.intrinsics import (
 from sparkinfer_cli.kernels.cuda.launch import to_device_bytes
 from sparkinfer_cli.kernels.cuda.quant_gemv import DeviceQuantMatrix
 
+
 # ---------------------------------------------------------------- intrinsics
 @cuda.jit
 def _pack_kernel(lo, hi, out):

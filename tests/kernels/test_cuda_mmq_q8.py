@@ -21,7 +21,6 @@ from sparkinfer_cli.kernels.cuda.intrinsics import ldmatrix_x4_b8, ldmatrix_x4_b
 from sparkinfer_cli.kernels.cuda.launch import to_device_bytes
 
 
-
 # ---------------------------------------------------------------- intrinsics
 # the simulator's twins here, the hardware's instructions on the GPU (pytest -m gpu)
 @pytest.mark.parametrize("where", ["simulator", pytest.param("gpu", marks=pytest.mark.gpu)])
