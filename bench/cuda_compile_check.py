@@ -14,9 +14,9 @@ With `cuobjdump` on PATH (or in $CUOBJDUMP; the `triton` wheel carries one under
 triton/backends/nvidia/bin: `pip download --no-deps triton` and unzip it), each kernel's line also
 reads its SASS: the instructions of its largest loop body (a back-branch's span; loops holding
 an mma first: the k step of a GEMM, a tile round of attention), the float64 instructions in the
-kernel (an int literal times a float32 is a float64 in numba) and its SEL instructions (selects: min/max and conditional
-expressions, and numba's wrap of a signed index around negative values, a compare and a select
-an access, which unsigned indices do without).
+kernel (an int literal times a float32 is a float64 in numba) and its SEL instructions
+(selects: min/max and conditional expressions, and numba's wrap of a signed index around
+negative values, a compare and a select an access, which unsigned indices do without).
 """
 
 from __future__ import annotations
