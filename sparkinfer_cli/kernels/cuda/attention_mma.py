@@ -121,7 +121,7 @@ def _stage_k(k_cache, row_sh, rbase, d0, k_sh, kbase, k_words):
     r, c = lane // 16, lane % 16  # STAGE_DIMS = 128: 16 pieces a row, 2 rows per 32 lanes
     off, rows = d0 + 8 * c, uint32(rbase + r)
     w0 = ld_v4_u32(k_cache, 2 * (row_sh[rows] + off))
-    w1 = ld_v4_u32(k_cache, 2 * (row_sh[rows + U2] + off))
+    w1 = ld_v4_u32(k_cache, 2 * (row_sh[rows + uint32(2)] + off))
     w2 = ld_v4_u32(k_cache, 2 * (row_sh[rows + uint32(4)] + off))
     w3 = ld_v4_u32(k_cache, 2 * (row_sh[rows + uint32(6)] + off))
     w4 = ld_v4_u32(k_cache, 2 * (row_sh[rows + uint32(8)] + off))
