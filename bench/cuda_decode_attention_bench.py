@@ -34,8 +34,9 @@ CASES = [("qwen3.6", 1, 32768, [None, 32, 64, 128]), ("qwen3.6", 1, 512, [None, 
          ("qwen3-30b", 1, 512, [None, 1, 2]), ("qwen3-30b", 1, 32768, [None, 32, 64, 128]),
          ("qwen3.6", 64, 256, [None, 1, 4, 64])]
 DEFAULT_SPLIT_BLOCKS = attention.SPLIT_BLOCKS, attention_mma.SPLIT_BLOCKS
-# --crossover: each kernel at its own defaults (splits auto) over batches × contexts, to place
-# the context below which attention.py's kernel serves a decode graph (attention.TENSOR_CORE_*)
+# --crossover: each kernel at its own defaults (splits auto) over batches × contexts: where
+# attention.py's CUDA-core kernel beats the tensor-core one (2026-12-01: one sequence under ~2k
+# tokens, by ≤ 2.3 µs; not worth a context-dependent decode graph)
 CROSSOVER_CASES = [(shape, n_seqs, ctx, [None]) for shape in SHAPES for n_seqs in (1, 8, 64)
                    for ctx in (256, 512, 1024, 2048, 4096, 8192) if n_seqs * ctx <= 131072]
 HEADS_PER_BLOCK = (0, 1, 2, 4)  # 0: attention_mma's kernel (all of a kv head's query heads)
