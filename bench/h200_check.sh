@@ -17,12 +17,15 @@
 #                                      # (~2.5 min)
 #   bash bench/h200_check.sh trace30   # every launch of a Qwen3-30B decode step after 512 tokens
 #                                      # (CUPTI, in order), then its host side       (~2 min)
+#   bash bench/h200_check.sh pdl       # `sparkinfer bench`, Qwen3-30B after 512 tokens, chained
+#                                      # launches off then on; graph and exact-decode GPU tests
+#                                      # (~7 min)
 #
 # Everything is logged under $OUT (the device tool brings that folder back).
 set -u
 case "${1:-tests}" in
-  tests|queued|oracle|kernels|gemm|profile|bench36|bench30|trace30) ;;
-  *) echo "usage: $0 tests|queued|oracle|kernels|gemm|profile|bench36|bench30|trace30" >&2; exit 2 ;;
+  tests|queued|oracle|kernels|gemm|profile|bench36|bench30|trace30|pdl) ;;
+  *) echo "usage: $0 tests|queued|oracle|kernels|gemm|profile|bench36|bench30|trace30|pdl" >&2; exit 2 ;;
 esac
 OUT=${OUT:-/tmp/h200_out}
 mkdir -p "$OUT"
@@ -80,6 +83,14 @@ case "${1:-tests}" in
   bench30)
     run bench30.log 560 python3 -m sparkinfer_cli bench --synthetic qwen3-30b-a3b --device cuda \
       --ctx 512 --ctx 32768 --concurrency 1 --out "$OUT/bench" ;;
+  pdl)  # session 15: programmatic dependent launches (SPARKINFER_CUDA_PDL)
+    for on in 0 1; do
+      export SPARKINFER_CUDA_PDL=$on; run "bench30_pdl$on.log" 200 python3 -m sparkinfer_cli bench \
+        --synthetic qwen3-30b-a3b --device cuda --ctx 512 --concurrency 1 --out "$OUT/bench_pdl$on"
+    done
+    run gpu_pdl_tests.log 200 python3 -m pytest -m gpu tests/kernels/test_cuda_graphs.py \
+      tests/model/test_cuda_model.py -k "graphs or (exact_decode and Q4_K_M) or batched_decode_equals" \
+      -q -p no:cacheprovider ;;
   trace30)
     run trace30.log 200 python3 bench/cuda_kernel_profile.py qwen3-30b-a3b "$OUT/trace30.json" \
       --steps 10 --trace

@@ -142,6 +142,9 @@ SPARKINFER_SERVER_PREFIX_TOKEN_IDS: EnvVar[tuple[int, ...]] = EnvVar(
     "comma-separated token ids of a shared prompt prefix")
 SPARKINFER_KV_INT8: EnvVar[bool | None] = EnvVar(
     "SPARKINFER_KV_INT8", parse_bool, None, "int8 KV cache (unset = the model's default)")
+SPARKINFER_CUDA_PDL: EnvVar[bool] = EnvVar(
+    "SPARKINFER_CUDA_PDL", parse_bool, True,
+    "launch each CUDA kernel while the one before it runs (programmatic dependent launch, sm_90+)")
 SPARKINFER_TOKENIZER_URL: EnvVar[str | None] = EnvVar(
     "SPARKINFER_TOKENIZER_URL", str, None, "override where the tokenizer is downloaded from")
 
@@ -151,7 +154,8 @@ ALL_VARS: tuple[EnvVar, ...] = (
     SPARKINFER_PREFILL_BATCHED, SPARKINFER_MAX_OUTPUT_TOKENS, SPARKINFER_DECODE_STEPS,
     SPARKINFER_MAX_QUEUE_DEPTH, SPARKINFER_REQUEST_TIMEOUT_S, SPARKINFER_SHUTDOWN_GRACE_S,
     SPARKINFER_READ_TIMEOUT_S, SPARKINFER_WRITE_TIMEOUT_S, SPARKINFER_SERVER_PREFIX_TOKEN_FILE,
-    SPARKINFER_SERVER_PREFIX_TOKEN_IDS, SPARKINFER_KV_INT8, SPARKINFER_TOKENIZER_URL,
+    SPARKINFER_SERVER_PREFIX_TOKEN_IDS, SPARKINFER_KV_INT8, SPARKINFER_CUDA_PDL,
+    SPARKINFER_TOKENIZER_URL,
 )
 
 

@@ -7,22 +7,26 @@ import math
 import numpy as np
 from numba import cuda, float32
 
+from sparkinfer_cli.kernels.cuda.intrinsics import chain_start
+from sparkinfer_cli.kernels.cuda.jit import kernel
 from sparkinfer_cli.kernels.cuda.launch import cdiv, check_array
 from sparkinfer_cli.kernels.cuda.quant_gemv import store_q8
 
 THREADS = 256
 
 
-@cuda.jit(fastmath=True)
+@kernel(fastmath=True)
 def _swiglu_kernel(gate, up, out, n):
+    chain_start()
     i = cuda.grid(1)
     if i < n:
         g = gate[i]
         out[i] = g / (float32(1.0) + math.exp(-g)) * up[i]
 
 
-@cuda.jit(fastmath=True)
+@kernel(fastmath=True)
 def _sigmoid_mul_kernel(x, gate, out, n, quantize, xq, xd, xs):
+    chain_start()
     # quantize: n % 32 == 0, so every warp holds one whole q8 block
     i = cuda.grid(1)
     if i < n:

@@ -39,12 +39,13 @@ from numba.cuda.types import float16
 from sparkinfer_cli.kernels.cuda.intrinsics import (
     IS_SIMULATOR,
     bits_to_f32,
+    chain_start,
     f16_bits_to_f32,
     ld_u32,
     ld_v2_u32,
     ld_v4_u32,
 )
-from sparkinfer_cli.kernels.cuda.jit import device_function
+from sparkinfer_cli.kernels.cuda.jit import device_function, kernel
 from sparkinfer_cli.kernels.cuda.launch import cdiv, check_array
 from sparkinfer_cli.kernels.cuda.quant_gemv import store_q8
 from sparkinfer_cli.kernels.cuda.warp import warp_max, warp_sum
@@ -462,10 +463,11 @@ def _split_kernel(head_dim: int, kind: int, quantize: bool, heads: int):
     acc_len = heads * per_lane
     n_out = (heads * head_dim + CHUNK - 1) // CHUNK  # merged output elements a thread (≤ acc_len)
 
-    @cuda.jit(fastmath=True, **_LAUNCH_BOUNDS)
+    @kernel(fastmath=True, **_LAUNCH_BOUNDS)
     def decode_split(q, k_cache, v_cache, k_scales, v_scales, block_table, max_blocks, row_seq,
                      seq_lens, n_kv, block_size, scale, part_m, part_l, part_acc, arrivals, out,
                      xq, xd, xs):
+        chain_start()
         # One block per (head group, query row, split); the row's keys are cut into n_splits
         # splits of _split_len keys, each scanned by _scan_keys. Splits past the row's end exit;
         # of the others, the last to store its partials merges them all.

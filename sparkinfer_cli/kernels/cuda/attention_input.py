@@ -17,7 +17,8 @@ import numpy as np
 from numba import cuda, float32, float64
 
 from sparkinfer_cli.kernels.cuda.attention import flat_scales, kv_kind, store_kv
-from sparkinfer_cli.kernels.cuda.jit import device_function
+from sparkinfer_cli.kernels.cuda.intrinsics import chain_start
+from sparkinfer_cli.kernels.cuda.jit import device_function, kernel
 from sparkinfer_cli.kernels.cuda.launch import check_array
 from sparkinfer_cli.kernels.cuda.warp import block_sum
 
@@ -31,9 +32,10 @@ def rope_cos_sin(pos, i, n_rot, log_base):
 
 @functools.cache
 def _prepare_kernel(head_dim: int, kind: int):
-    @cuda.jit(fastmath=True)
+    @kernel(fastmath=True)
     def prepare(q, k, v, q_norm, k_norm, has_norm, eps, positions, n_rot, log_base, neox,
                 k_cache, v_cache, k_scales, v_scales, slot_mapping, n_heads, n_kv):
+        chain_start()
         # grid (n_tokens, n_heads + 2·n_kv), block head_dim threads: thread i owns element i
         tok, head = cuda.blockIdx.x, cuda.blockIdx.y
         i = cuda.threadIdx.x

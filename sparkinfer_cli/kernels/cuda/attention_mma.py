@@ -37,6 +37,7 @@ from sparkinfer_cli.kernels.cuda.attention import (
 from sparkinfer_cli.kernels.cuda.intrinsics import (
     LDMATRIX_ALIGN,
     bits_to_f32,
+    chain_start,
     f16_bits_to_f32,
     ld_v2_u32,
     ld_v4_u32,
@@ -45,7 +46,7 @@ from sparkinfer_cli.kernels.cuda.intrinsics import (
     mma_f16_f32,
     pack_f16x2,
 )
-from sparkinfer_cli.kernels.cuda.jit import device_function
+from sparkinfer_cli.kernels.cuda.jit import device_function, kernel
 from sparkinfer_cli.kernels.cuda.warp import shfl_xor
 
 MAX_GROUP = 8  # query heads a kv head may serve here (one n8 tile)
@@ -332,9 +333,10 @@ def gqa_kernel(head_dim: int, group: int):
     ml_len = 2 * corr_len
     acc_sh_len = WARPS // 2 * group * head_dim  # the merge tree's first round
 
-    @cuda.jit(fastmath=True)
+    @kernel(fastmath=True)
     def decode_gqa(q, k_cache, v_cache, block_table, max_blocks, row_seq, seq_lens, n_kv,
                    block_size, scale, part_m, part_l, part_acc):
+        chain_start()
         # One block per (kv head, query row, split), as attention.py's decode_split with `group`
         # heads a block: it stores the split's partials (merge_kernel adds them up).
         kv_head, seq, split = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
@@ -370,8 +372,9 @@ def gqa_kernel(head_dim: int, group: int):
 def merge_kernel(head_dim: int, quantize: bool):
     sum_len = WARPS * MERGE_DIMS  # shared / local array sizes must be compile-time constants
 
-    @cuda.jit(fastmath=True)
+    @kernel(fastmath=True)
     def merge_splits(seq_lens, part_m, part_l, part_acc, n_splits, out, xq, xd, xs):
+        chain_start()
         # One block per (head, query row, MERGE_DIMS dims of the head): out = Σ_s w_s·acc_s over
         # the row's splits that hold keys (_split_weights: w_s = e^(m_s - m) / Σ e^(m_s' - m)·l_s';
         # none: 0). Warp w sums splits w, w + 4, ... for 2 dims a lane, _MERGE_LOADS at once.

@@ -31,12 +31,13 @@ from sparkinfer_cli.kernels.cuda.attention import KV_F16, KV_F32, KV_I8, flat_sc
 from sparkinfer_cli.kernels.cuda.intrinsics import (
     IS_SIMULATOR,
     bits_to_f32,
+    chain_start,
     f16_bits_to_f32,
     ld_u32,
     ld_v2_u32,
     ld_v4_u32,
 )
-from sparkinfer_cli.kernels.cuda.jit import device_function
+from sparkinfer_cli.kernels.cuda.jit import device_function, kernel
 from sparkinfer_cli.kernels.cuda.launch import cdiv, check_array
 
 ROWS = 64  # query rows per block: q heads of one kv head × tokens
@@ -389,9 +390,10 @@ def _prefill_kernel(head_dim: int, kind: int):
     attend_key_tile = _key_tile_step(head_dim, kind)
     write_out = _output_accumulators(head_dim)[2]
 
-    @cuda.jit(fastmath=True)
+    @kernel(fastmath=True)
     def prefill(q, k_cache, v_cache, k_scales, v_scales, block_table, max_blocks, row_seq,
                 seq_lens, n_rows, n_kv, block_size, scale, out):
+        chain_start()
         n_heads = q.size // (n_rows * head_dim)
         group = n_heads // n_kv
         base = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * (ROWS // group)  # longest tiles first

@@ -18,7 +18,14 @@ from numba import cuda, float32
 from sparkinfer_cli.ggml_types import GGMLType
 from sparkinfer_cli.kernels.cuda import mma_gemm
 from sparkinfer_cli.kernels.cuda import quant_gemv as qg
-from sparkinfer_cli.kernels.cuda.intrinsics import bits_to_f32, f16_bits_to_f32, ld_u16, ld_u32
+from sparkinfer_cli.kernels.cuda.intrinsics import (
+    bits_to_f32,
+    chain_start,
+    f16_bits_to_f32,
+    ld_u16,
+    ld_u32,
+)
+from sparkinfer_cli.kernels.cuda.jit import kernel
 from sparkinfer_cli.kernels.cuda.launch import cdiv, check_array
 
 PIECE = 16  # elements a thread writes
@@ -38,8 +45,9 @@ def _float_kernel(ggml_type: GGMLType):
     width = 4 if ggml_type == GGMLType.F32 else 2  # bytes an element
     is_f16 = ggml_type == GGMLType.F16  # else BF16 when width is 2
 
-    @cuda.jit
+    @kernel
     def embed_float(w, row_bytes, k, ids, out):
+        chain_start()
         row, e0 = cuda.blockIdx.y, (cuda.blockIdx.x * THREADS + cuda.threadIdx.x) * PIECE
         if e0 < k:
             token = ids[row]
@@ -61,8 +69,9 @@ def _float_kernel(ggml_type: GGMLType):
 def _quant_kernel(ggml_type: GGMLType):
     piece = mma_gemm.dequant_piece(ggml_type)
 
-    @cuda.jit
+    @kernel
     def embed_quant(w, row_bytes, k, ids, out):
+        chain_start()
         row, e0 = cuda.blockIdx.y, (cuda.blockIdx.x * THREADS + cuda.threadIdx.x) * PIECE
         if e0 < k:
             token = ids[row]

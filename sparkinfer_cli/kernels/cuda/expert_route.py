@@ -15,8 +15,8 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, int32
 
-from sparkinfer_cli.kernels.cuda.intrinsics import IS_SIMULATOR
-from sparkinfer_cli.kernels.cuda.jit import device_function
+from sparkinfer_cli.kernels.cuda.intrinsics import IS_SIMULATOR, chain_start
+from sparkinfer_cli.kernels.cuda.jit import device_function, kernel
 from sparkinfer_cli.kernels.cuda.launch import check_array
 from sparkinfer_cli.kernels.cuda.moe import MAX_EXPERTS
 
@@ -79,9 +79,10 @@ def _write_tiles(e, first_slot, count, first_tile, tile, tile_expert, tile_lo, t
         tile_hi[first_tile + j] = first_slot + min((j + 1) * tile, count)
 
 
-@cuda.jit
+@kernel
 def _route_kernel(ids, n_slots, n_expert, tile, max_tiles, order, offsets, tile_expert, tile_lo,
                   tile_hi, n_tiles):
+    chain_start()
     # one block; thread t owns a contiguous run of experts for the scan and tile writing
     count = cuda.shared.array(MAX_EXPERTS, int32)  # slots per expert, then the scatter cursor
     scan = cuda.shared.array(MAX_THREADS, int32)

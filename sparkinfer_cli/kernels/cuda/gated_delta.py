@@ -15,8 +15,14 @@ import math
 import numpy as np
 from numba import cuda, float32, int32, uint32
 
-from sparkinfer_cli.kernels.cuda.intrinsics import IS_SIMULATOR, bits_to_f32, ld_u32, ld_v4_u32
-from sparkinfer_cli.kernels.cuda.jit import device_function
+from sparkinfer_cli.kernels.cuda.intrinsics import (
+    IS_SIMULATOR,
+    bits_to_f32,
+    chain_start,
+    ld_u32,
+    ld_v4_u32,
+)
+from sparkinfer_cli.kernels.cuda.jit import device_function, kernel
 from sparkinfer_cli.kernels.cuda.launch import cdiv, check_array
 from sparkinfer_cli.kernels.cuda.warp import shfl_xor, warp_sum
 
@@ -73,8 +79,9 @@ else:
                     _store("st.global.v4.f32 [$0], {$1, $2, $3, $4};", 4))
 
 
-@cuda.jit(fastmath=True)
+@kernel(fastmath=True)
 def _conv_silu_kernel(mixed, conv_w, conv_state, state_slots, conv_dim, k_conv, out):
+    chain_start()
     i = cuda.grid(1)
     if i >= mixed.size:
         return
@@ -109,8 +116,9 @@ def conv_silu_step(mixed, conv_w, conv_state, state_slots, out, stream=0) -> Non
 def _delta_kernel(dk: int, dv: int):
     per_lane = dk // 32
 
-    @cuda.jit(fastmath=True)
+    @kernel(fastmath=True)
     def delta_step(u, a, b, ssm_a, dt_bias, state, state_slots, n_k_heads, head_map_mod, eps, out):
+        chain_start()
         # u = conv output (n_seqs, q | k | v); a, b: (n_seqs, H_v) pre-activations of decay and beta
         h, seq = cuda.blockIdx.x, cuda.blockIdx.y
         n_v_heads = cuda.gridDim.x
@@ -235,8 +243,9 @@ def _conv_seq_kernel(k_conv: int):
         for t in range(n_hist):
             conv_state[base + t] = stream_at(mixed, hist, lo, n + t, conv_dim, c)
 
-    @cuda.jit(fastmath=True)
+    @kernel(fastmath=True)
     def conv_seq(mixed, conv_w, conv_state, state_slots, seq_lo, seq_n, conv_dim, rows, out):
+        chain_start()
         row_seq = cuda.shared.array(CONV_ROWS, int32)  # (rows,) sequence of each row, or −1
         tid = cuda.threadIdx.x
         r0 = cuda.blockIdx.y * rows
@@ -439,9 +448,10 @@ def _delta_seq_kernel(dk: int, dv: int):
     load_row, store_row, _ = _row_moves(dk)
     run_tokens = _token_runner(dk)
 
-    @cuda.jit(fastmath=True)
+    @kernel(fastmath=True)
     def delta_seq(u, a, b, ssm_a, dt_bias, state, state_slots, seq_lo, seq_n, n_k_heads,
                   head_map_mod, eps, out):
+        chain_start()
         n_v_heads = cuda.gridDim.x // col_blocks
         h = cuda.blockIdx.x // col_blocks
         lane = cuda.threadIdx.x % 32

@@ -85,6 +85,9 @@ if IS_SIMULATOR:
     def bits_to_f32(u):
         return np.array([int(u) & 0xFFFFFFFF], np.uint32).view(np.float32)[0]
 
+    def chain_start():
+        pass
+
     def pack_f16x2(lo, hi):
         with np.errstate(over="ignore"):  # out of range → ±inf, as cvt.rn does
             halves = np.array([lo, hi], np.float32).astype(np.float16)  # round to nearest even
@@ -155,6 +158,7 @@ if IS_SIMULATOR:
 else:
     from llvmlite import ir
     from numba import cuda, types, uint32
+    from numba.cuda import dispatcher as _dispatcher
     from numba.cuda.extending import intrinsic
 
     _I16, _I32, _I64 = ir.IntType(16), ir.IntType(32), ir.IntType(64)
@@ -252,6 +256,22 @@ else:
             bits = context.cast(builder, args[0], sig.args[0], types.uint32)
             return builder.bitcast(bits, ir.FloatType())
         return types.float32(u), codegen
+
+    @intrinsic
+    def chain_start(typingctx):
+        """A chained kernel's first statement (jit.kernel): wait until the kernel before it on the
+        stream has finished and its writes are visible, then let the next kernel launch (its
+        blocks take free SM slots and wait at their own chain_start while this one runs).
+        Programmatic dependent launch needs sm_90: for older targets nothing is emitted."""
+        def codegen(context, builder, sig, args):
+            # NOTE: the target is the current device's (the compile check patches it to 9.0)
+            if _dispatcher.get_current_device().compute_capability >= (9, 0):
+                asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []),
+                                   "griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;",
+                                   "~{memory}", side_effect=True)
+                builder.call(asm, [])
+            return context.get_dummy_value()
+        return types.none(), codegen
 
     @intrinsic
     def pack_f16x2(typingctx, lo, hi):

@@ -1,4 +1,5 @@
-"""How device functions are compiled: inlined into their callers by NVVM.
+"""How kernels and device functions are compiled: device functions inlined into their callers by
+NVVM, kernels launched as programmatic dependents of the kernel before them.
 
 numba's own inlining (`inline=True`, at the level of its IR) retypes the callee at every call
 site: the decode-attention kernel took ~120 s to compile that way and ~10 s with NVVM's
@@ -17,9 +18,16 @@ fastmath=False.
 
 from __future__ import annotations
 
+import ast
+import inspect
+import textwrap
+
 from numba import cuda
 
+from sparkinfer_cli import env
 from sparkinfer_cli.kernels.cuda.intrinsics import IS_SIMULATOR
+
+_CHAINED = "_sparkinfer_chained"  # set on the Python function of every jit.kernel
 
 
 def device_function(fn=None, *, fastmath: bool = True, numba_inline: bool = False):
@@ -35,3 +43,61 @@ def device_function(fn=None, *, fastmath: bool = True, numba_inline: bool = Fals
         options["forceinline"] = True
     jit = cuda.jit(**options)
     return jit if fn is None else jit(fn)
+
+
+def kernel(fn=None, **options):
+    """@kernel or @kernel(fastmath=True, ...): a cuda.jit kernel launched as a programmatic
+    dependent (PDL, sm_90) of the kernel before it on its stream, eagerly and in CUDA graphs.
+
+    A decode step is ~600 launches of a few µs each; between two plain launches the GPU idles
+    while the next grid starts (~1 µs: the trace's gaps, and each kernel's own start). A chained
+    kernel is launched while its predecessor still runs, its blocks wait on the SMs, and go the
+    moment the predecessor's writes are visible. For that the body must begin with
+    `chain_start()` (intrinsics), checked here: a chained kernel that touched memory before it
+    would race with its predecessor. SPARKINFER_CUDA_PDL=0 launches every kernel plainly."""
+    def wrap(f):
+        if not _begins_with_chain_start(f):
+            raise TypeError(f"kernel {f.__qualname__}: the body must begin with chain_start()")
+        setattr(f, _CHAINED, True)
+        return cuda.jit(**options)(f)
+    return wrap if fn is None else wrap(fn)
+
+
+def _begins_with_chain_start(f) -> bool:
+    tree = ast.parse(textwrap.dedent(inspect.getsource(f)))
+    body = tree.body[0].body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]  # the docstring
+    first = body[0] if body else None
+    return (isinstance(first, ast.Expr) and isinstance(first.value, ast.Call)
+            and isinstance(first.value.func, ast.Name) and first.value.func.id == "chain_start")
+
+
+def _install_chained_launch() -> None:
+    """numba-cuda launches through cuda.core (`launch(stream, LaunchConfig, kernel, *args)` in
+    _Kernel.launch); chained kernels get the same launch with programmatic stream serialization.
+    NOTE: wraps a private method of numba-cuda 0.30; other versions keep plain launches."""
+    from numba.cuda import dispatcher
+
+    plain = dispatcher._Kernel.launch
+    if not all(hasattr(dispatcher, name) for name in ("launch", "LaunchConfig")):
+        return
+
+    def launch(self, args, griddim, blockdim, stream=0, sharedmem=0):
+        if not getattr(self.py_func, _CHAINED, False) or self.debug or self.cooperative:
+            return plain(self, args, griddim, blockdim, stream, sharedmem)
+        retr, kernelargs = [], []  # as _Kernel.launch marshals them
+        for t, v in zip(self.argument_types, args):
+            self._prepare_args(t, v, stream, retr, kernelargs)
+        config = dispatcher.LaunchConfig(grid=griddim, block=blockdim, shmem_size=sharedmem,
+                                         programmatic_stream_serialization=True)
+        dispatcher.launch(stream, config, self._codelibrary.get_cufunc().kernel, *kernelargs)
+        for write_back in retr:
+            write_back()
+
+    dispatcher._Kernel.launch = launch
+
+
+if not IS_SIMULATOR and env.SPARKINFER_CUDA_PDL.get() and cuda.is_available() \
+        and cuda.get_current_device().compute_capability >= (9, 0):
+    _install_chained_launch()

@@ -47,6 +47,7 @@ from sparkinfer_cli.kernels.cuda.ggml_blocks import (
 from sparkinfer_cli.kernels.cuda.intrinsics import (
     bits_to_f32,
     byte_perm,
+    chain_start,
     ld_u16,
     ld_u32,
     ld_v4_u32,
@@ -55,7 +56,7 @@ from sparkinfer_cli.kernels.cuda.intrinsics import (
     mma_f16_f32,
     pack_f16x2,
 )
-from sparkinfer_cli.kernels.cuda.jit import device_function
+from sparkinfer_cli.kernels.cuda.jit import device_function, kernel
 from sparkinfer_cli.kernels.cuda.launch import cdiv, check_array
 from sparkinfer_cli.kernels.cuda.quant_gemv import DeviceQuantMatrix, store_part
 
@@ -442,9 +443,10 @@ def _gemm_kernel(ggml_type: GGMLType, bn: int, swiglu: bool, grouped: bool):
     sa_size, sb_size, n_acc = 2 * BM * ROW_WORDS, 2 * bn * ROW_WORDS, 16 * t.mt
     x_words = t.tok_elems // 2
 
-    @cuda.jit(fastmath=True)
+    @kernel(fastmath=True)
     def gemm(w, w2, row_bytes, n_rows, mat_bytes, k, n_tok, x, tile_expert, tile_lo, tile_hi,
              order, slot_x, bias, has_bias, y0, y1, y2, y3, ends, part):
+        chain_start()
         if grouped:
             lo = tile_lo[cuda.blockIdx.y]
             n_valid = tile_hi[cuda.blockIdx.y] - lo
@@ -554,9 +556,10 @@ def add_partials(partials, n_splits: int, n_slots: int, n_rows: int, swiglu: boo
         bias is not None, *parts, ends)
 
 
-@cuda.jit(fastmath=True)
+@kernel(fastmath=True)
 def _splitk_epilogue(part, n_splits, n_slots, n_rows, swiglu, bias, has_bias, y0, y1, y2, y3,
                      ends):
+    chain_start()
     # thread (slot, row): the sums of its n_splits k ranges (part (splits, n_slots, rows ·
     # (2 with SwiGLU)): gate sums, then up sums), then the GEMM's own epilogue
     i = cuda.grid(1)

@@ -34,13 +34,14 @@ from sparkinfer_cli.kernels.cuda.ggml_blocks import f16
 from sparkinfer_cli.kernels.cuda.intrinsics import (
     IS_SIMULATOR,
     LDMATRIX_ALIGN,
+    chain_start,
     ld_s8_fragments_x4,
     ld_v2_u32,
     ld_v4_u32,
     ldmatrix_x4_b8_pairs,
     mma_s8_s32,
 )
-from sparkinfer_cli.kernels.cuda.jit import device_function
+from sparkinfer_cli.kernels.cuda.jit import device_function, kernel
 from sparkinfer_cli.kernels.cuda.launch import cdiv, check_array
 from sparkinfer_cli.kernels.cuda.mma_gemm import add_partials, output_parts
 from sparkinfer_cli.kernels.cuda.quant_gemv import (
@@ -201,9 +202,10 @@ def _gemm_kernel(swiglu: bool):
     tile_words, x_scales = 2 * TILE_WORDS, 2 * BN * CHUNK
     w_words, x_words = 2 * W_LOADS, 4 * X_LOADS
 
-    @cuda.jit(fastmath=True, **_LAUNCH_BOUNDS)
+    @kernel(fastmath=True, **_LAUNCH_BOUNDS)
     def gemm_q8(w, w2, row_bytes, n_rows, k, n_tok, xq, xd, bias, has_bias, y0, y1, y2, y3,
                 ends, part, use_part):
+        chain_start()
         row0 = cuda.blockIdx.x * half
         sa = cuda.shared.array(tile_words, uint32)  # (2 buffers, BM rows, TILE_STRIDE bytes)
         sb = cuda.shared.array(tile_words, uint32, alignment=LDMATRIX_ALIGN)  # (2, BN, ·)

@@ -5,13 +5,16 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
+from sparkinfer_cli.kernels.cuda.intrinsics import chain_start
+from sparkinfer_cli.kernels.cuda.jit import kernel
 from sparkinfer_cli.kernels.cuda.launch import cdiv, check_array
 
 THREADS = 256
 
 
-@cuda.jit
+@kernel
 def _gather_rows_kernel(x, rows, d, out):
+    chain_start()
     i = cuda.grid(1)
     if i < rows.size * d:
         r = i // d

@@ -13,7 +13,8 @@ import math
 import numpy as np
 from numba import cuda, float32, int32
 
-from sparkinfer_cli.kernels.cuda.jit import device_function
+from sparkinfer_cli.kernels.cuda.intrinsics import chain_start
+from sparkinfer_cli.kernels.cuda.jit import device_function, kernel
 from sparkinfer_cli.kernels.cuda.launch import cdiv, check_array, next_pow2
 from sparkinfer_cli.kernels.cuda.warp import WARP_SIZE, shfl_xor, warp_max, warp_sum
 
@@ -28,8 +29,9 @@ def _router_topk_kernel(per_lane: int):
     """per_lane: logits a lane holds (experts l, l + 32, ...), a compile-time constant so they stay
     in registers."""
 
-    @cuda.jit(fastmath=True)
+    @kernel(fastmath=True)
     def router_topk(logits, n_tokens, n_experts, k, ids, weights):
+        chain_start()
         # a warp per token: softmax over all experts (max and sum by shuffles), then k rounds of
         # a warp argmax (larger logit, ties → lower id), each pick's logit dropped after its
         # round; lane r keeps pick r and writes it renormalised: p / Σ_picks p

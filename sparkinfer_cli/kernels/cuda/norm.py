@@ -13,8 +13,8 @@ import math
 import numpy as np
 from numba import cuda, float32
 
-from sparkinfer_cli.kernels.cuda.intrinsics import IS_SIMULATOR
-from sparkinfer_cli.kernels.cuda.jit import device_function
+from sparkinfer_cli.kernels.cuda.intrinsics import IS_SIMULATOR, chain_start
+from sparkinfer_cli.kernels.cuda.jit import device_function, kernel
 from sparkinfer_cli.kernels.cuda.launch import cdiv, check_array
 from sparkinfer_cli.kernels.cuda.quant_gemv import store_q8
 from sparkinfer_cli.kernels.cuda.warp import block_sum
@@ -43,8 +43,9 @@ def _norm_kernel(per_thread: int, k: int, mode: int):
     All compile-time, so a thread's loads form one straight run of code."""
     accumulates = mode == ADD or mode >= MOE
 
-    @cuda.jit(fastmath=True)
+    @kernel(fastmath=True)
     def rms_norm(x, residual, w, out, d, eps, quantize, xq, xd, xs, moe_w, shared, gate):
+        chain_start()
         # PLAIN: out = norm(x)·w;  ADD: h = x + residual, residual ← h, out = norm(h)·w;
         # SILU_GATE: out = norm(x)·w·silu(residual)  (residual holds the gate z);
         # MOE(_SHARED): as ADD with x = the MoE output: x holds each row's k expert outputs,

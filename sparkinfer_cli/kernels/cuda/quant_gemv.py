@@ -42,12 +42,13 @@ from sparkinfer_cli.kernels.cuda.ggml_blocks import (
 from sparkinfer_cli.kernels.cuda.intrinsics import (
     bits_to_f32,
     byte_perm,
+    chain_start,
     dp4a,
     ld_u16,
     ld_u32,
     ld_v4_u32,
 )
-from sparkinfer_cli.kernels.cuda.jit import device_function
+from sparkinfer_cli.kernels.cuda.jit import device_function, kernel
 from sparkinfer_cli.kernels.cuda.launch import cdiv, check_array, next_pow2
 from sparkinfer_cli.kernels.cuda.warp import shfl_xor, warp_max, warp_sum
 
@@ -439,9 +440,10 @@ def _gemv_kernel(ggml_type: GGMLType, n_cols: int, swiglu: bool = False,
     matrix had passed through L2)."""
     block_rows = _block_rows(ggml_type, n_cols, swiglu, rows_per_lane)
 
-    @cuda.jit(fastmath=True)
+    @kernel(fastmath=True)
     def gemv(w, w2, row_bytes, n_rows, mat_bytes, k, lanes_per_row, row_warps, n_row_blocks,
              slot_mat, slot_x, xq, xd, xs, bias, has_bias, y0, y1, y2, y3, ends):
+        chain_start()
         slot = cuda.blockIdx.x
         xcol = cuda.local.array(n_cols, int32)  # (n_cols,) element offsets into x
         ycol = cuda.local.array(n_cols, int32)  # (n_cols,) output columns
@@ -526,8 +528,9 @@ def store_q8(v, i, xq, xd, xs):
         xs[i // 32] = d * total
 
 
-@cuda.jit(fastmath=True)  # the division as in the fused producers (norm, SwiGLU, attention)
+@kernel(fastmath=True)  # the division as in the fused producers (norm, SwiGLU, attention)
 def _quantize_q8_kernel(x, n_blocks, xq, xd, xs):
+    chain_start()
     # a warp per 32-element block (grid-stride)
     lane = cuda.threadIdx.x % 32
     n_warps = cuda.gridDim.x * cuda.blockDim.x // 32

@@ -19,8 +19,8 @@ import math
 import numpy as np
 from numba import cuda, float32, float64, int32
 
-from sparkinfer_cli.kernels.cuda.intrinsics import IS_SIMULATOR
-from sparkinfer_cli.kernels.cuda.jit import device_function
+from sparkinfer_cli.kernels.cuda.intrinsics import IS_SIMULATOR, chain_start
+from sparkinfer_cli.kernels.cuda.jit import device_function, kernel
 from sparkinfer_cli.kernels.cuda.launch import cdiv, check_array
 from sparkinfer_cli.kernels.cuda.warp import shfl_xor
 
@@ -69,8 +69,9 @@ def _n_candidates(temperature, top_k):
     return 1 if temperature <= 0.0 else k
 
 
-@cuda.jit
+@kernel
 def _chunk_topk_kernel(logits, n_vocab, chunk, no_ids, temperature, top_k, cand_v, cand_i):
+    chain_start()
     # candidates (n_seqs, n_chunks, MAX_CANDIDATES); slots past k stay -inf
     c, seq = cuda.blockIdx.x, cuda.blockIdx.y
     sm_v = cuda.shared.array(32, float32)
@@ -138,8 +139,9 @@ def _draw_in_id_order(best_v, best_i, kept, temperature, u):
     return best_i[kept - 1]
 
 
-@cuda.jit
+@kernel
 def _final_kernel(cand_v, cand_i, n_cand, temperature, top_k, top_p, min_p, uniform, out_ids):
+    chain_start()
     seq = cuda.blockIdx.x
     sm_v = cuda.shared.array(32, float32)
     sm_i = cuda.shared.array(32, int32)
