@@ -256,3 +256,48 @@ def test_stacked_gemv_splits_rows_over_outputs_and_adds_bias():
     np.testing.assert_allclose(got, ref + bias, rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="hold 5 rows"):
         qg.gemv(w, act, ys[:2])
+
+
+@pytest.mark.parametrize("ggml_type, k, n_rows, slots, multi_row", [
+    (GGMLType.Q4_K, 256, 5, 8, False),  # 8 slots: a row per warp (4 lanes each)
+    (GGMLType.Q6_K, 256, 6, 3, False),  # 3 slots in 4 lane groups: the 4th weighs 0
+    (GGMLType.Q8_0, 64, 9, 2, True),  # two rows a lane
+], ids=["Q4_K 8 slots", "Q6_K 3 slots", "Q8_0 2 slots, two rows a lane"])
+def test_combining_gemv_adds_each_tokens_weighted_expert_rows(monkeypatch, ggml_type, k, n_rows,
+                                                             slots, multi_row):
+    # the MoE down projection: y[t] = Σ_j w[t, j] · W[ids[t, j]] · x[t·S + j]
+    if multi_row:
+        monkeypatch.setattr(qg, "MULTI_ROW_MIN_ROWS", 1)
+    rng = np.random.default_rng(23)
+    n_tokens, n_mats = 2, 10
+    w_bytes = random_weights(ggml_type, n_mats * n_rows, k, rng)
+    w = qg.DeviceQuantMatrix(to_device_bytes(w_bytes), ggml_type, k, n_rows, n_mats)
+    ids = rng.choice(n_mats, (n_tokens, slots)).astype(np.int32)  # (tokens, S); repeats allowed
+    weights = rng.uniform(0.05, 1.0, (n_tokens, slots)).astype(np.float32)
+    x = rng.standard_normal((n_tokens * slots, 1, k)).astype(np.float32)  # an input a slot
+    y = cuda.device_array((n_tokens, 1, n_rows), np.float32)
+    qg.gemv(w, upload_activations(x, w), y, slot_mat=dev_i32(ids.reshape(-1)),
+            slot_x=dev_i32(np.arange(n_tokens * slots)),
+            combine=(cuda.to_device(weights.reshape(-1)), slots))
+    per_mat = w_bytes.reshape(n_mats, n_rows, -1)
+    for t in range(n_tokens):
+        ref = sum(float(weights[t, j]) * qg.gemv_reference(
+            per_mat[ids[t, j]], ggml_type, k,
+            activations_seen_by_kernel(x[t * slots + j], ggml_type))[0] for j in range(slots))
+        np.testing.assert_allclose(y.copy_to_host()[t, 0], ref, rtol=1e-4, atol=1e-6)
+
+
+def test_combining_gemv_rejects_what_it_cannot_add_up():
+    rng = np.random.default_rng(24)
+    k, n_rows = 256, 4
+    w = qg.DeviceQuantMatrix(to_device_bytes(random_weights(GGMLType.Q4_K, 2 * n_rows, k, rng)),
+                             GGMLType.Q4_K, k, n_rows, 2)
+    act = upload_activations(rng.standard_normal((6, 1, k)).astype(np.float32), w)
+    ids, iota = dev_i32([0, 1, 1, 0, 0, 1]), dev_i32(range(6))
+    y = cuda.device_array((2, 1, n_rows), np.float32)
+    with pytest.raises(ValueError, match="do not come 4"):
+        qg.gemv(w, act, y, slot_mat=ids, slot_x=iota,
+                combine=(cuda.to_device(np.ones(6, np.float32)), 4))
+    with pytest.raises(ValueError, match="combine weights"):
+        qg.gemv(w, act, y, slot_mat=ids, slot_x=iota,
+                combine=(cuda.to_device(np.ones(5, np.float32)), 3))
