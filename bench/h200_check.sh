@@ -17,6 +17,8 @@
 #                                      # (~2.5 min)
 #   bash bench/h200_check.sh trace30   # every launch of a Qwen3-30B decode step after 512 tokens
 #                                      # (CUPTI, in order), then its host side       (~2 min)
+#   bash bench/h200_check.sh moe       # MoE-model GPU tests (exact decode, batched, q8 top-1), a
+#                                      # Qwen3-30B step's trace, `sparkinfer bench` after 512 (~7 min)
 #   bash bench/h200_check.sh pdl       # `sparkinfer bench`, Qwen3-30B after 512 tokens, chained
 #                                      # launches off then on; graph and exact-decode GPU tests
 #                                      # (~7 min)
@@ -24,8 +26,8 @@
 # Everything is logged under $OUT (the device tool brings that folder back).
 set -u
 case "${1:-tests}" in
-  tests|queued|oracle|kernels|gemm|profile|bench36|bench30|trace30|pdl) ;;
-  *) echo "usage: $0 tests|queued|oracle|kernels|gemm|profile|bench36|bench30|trace30|pdl" >&2; exit 2 ;;
+  tests|queued|oracle|kernels|gemm|profile|bench36|bench30|trace30|pdl|moe) ;;
+  *) echo "usage: $0 tests|queued|oracle|kernels|gemm|profile|bench36|bench30|trace30|pdl|moe" >&2; exit 2 ;;
 esac
 OUT=${OUT:-/tmp/h200_out}
 mkdir -p "$OUT"
@@ -91,6 +93,13 @@ case "${1:-tests}" in
     run gpu_pdl_tests.log 200 python3 -m pytest -m gpu tests/kernels/test_cuda_graphs.py \
       tests/model/test_cuda_model.py -k "graphs or (exact_decode and Q4_K_M) or batched_decode_equals" \
       -q -p no:cacheprovider ;;
+  moe)  # session 15: the combining down GEMV, on chained launches
+    run gpu_moe.log 260 python3 -m pytest -m gpu tests/model/test_cuda_model.py \
+      -k "moe and (exact_decode or batched_decode or q8_top1 or greedy_ids)" -q -p no:cacheprovider
+    run trace30.log 150 python3 bench/cuda_kernel_profile.py qwen3-30b-a3b "$OUT/trace30.json" \
+      --steps 10 --trace
+    run bench30.log 150 python3 -m sparkinfer_cli bench --synthetic qwen3-30b-a3b --device cuda \
+      --ctx 512 --concurrency 1 --out "$OUT/bench" ;;
   trace30)
     run trace30.log 200 python3 bench/cuda_kernel_profile.py qwen3-30b-a3b "$OUT/trace30.json" \
       --steps 10 --trace
