@@ -9,6 +9,8 @@ through NVVM (cuda.compile_ptx; no driver needed: the device-function compiles a
 then, where `ptxas` is on PATH, to sm_90 machine code. It prints per kernel the NVVM compile time,
 registers, stack frame and spills, and fails on any compile error: a check, before a device run,
 that a change to the kernels (or to how numba compiles them) still builds and what it costs.
+It also fails a chained kernel (jit.kernel) whose PTX touches global memory before its
+griddepcontrol.wait: such an access would race with the kernel launched before it.
 
 With `cuobjdump` on PATH (or in $CUOBJDUMP; the `triton` wheel carries one under
 triton/backends/nvidia/bin: `pip download --no-deps triton` and unzip it), each kernel's line also
@@ -149,12 +151,26 @@ def compile_all(launches: list[dict], out_dir: Path) -> int:
             print(f"FAILED {label}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
             continue
         seconds = time.perf_counter() - start
+        if _touches_memory_before_the_wait(kernel.py_func, ptx):
+            failures += 1
+            print(f"FAILED {label}: a global access before griddepcontrol.wait", flush=True)
         path = out_dir / f"k{i}.ptx"
         report = _ptxas(ptx, path, has_ptxas)
         if cuobjdump and has_ptxas and Path(f"{path}.cubin").exists():
             report += _sass_summary(cuobjdump, Path(f"{path}.cubin"))
         print(f"{label:60s} {seconds:6.1f} s  {report}", flush=True)
     return failures
+
+
+def _touches_memory_before_the_wait(py_func, ptx: str) -> bool:
+    from sparkinfer_cli.kernels.cuda import jit
+
+    if not getattr(py_func, jit._CHAINED, False):
+        return False
+    body = ptx[ptx.find(".entry"):]
+    wait = body.find("griddepcontrol.wait")
+    first = re.search(r"\b(ld|st|atom|red|cp\.async)\.(global|shared::cluster)", body)
+    return wait < 0 or (first is not None and first.start() < wait)
 
 
 _SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);")

@@ -352,12 +352,14 @@ def _slot_combine(n_acc: int, slot_groups: int):
     """Device fn: each lane's reduced row sums times its slot's weight, added over the
     slot_groups groups of lanes_per_row lanes that hold the same row (butterfly: a fixed order)."""
 
+    rounds = slot_groups.bit_length() - 1  # log2
+
     @device_function
     def combine(acc, weight, lanes_per_row):
         for c in range(n_acc):
             acc[c] *= weight
             offset = lanes_per_row
-            for _ in range(slot_groups.bit_length() - 1):
+            for _ in range(rounds):
                 acc[c] += shfl_xor(acc[c], offset)
                 offset *= 2
     return combine
