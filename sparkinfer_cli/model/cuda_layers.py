@@ -64,9 +64,7 @@ class CudaMoE:
     the slots by expert and run tensor-core GEMMs per expert tile.
 
     The weighted combine of the experts (and the gated shared expert) is left to `add_norm`, which
-    folds it into the next pre-norm's residual add: one launch instead of three. At decode the
-    down GEMV adds up each token's experts itself (quant_gemv's combine), so that pre-norm reads
-    one row a token instead of k."""
+    folds it into the next pre-norm's residual add: one launch instead of three."""
 
     def __init__(self, up: Uploader, ffn: MoE, config: ModelConfig):
         self.gate = DeviceLinear(up.matrix(ffn.ffn_gate_exps.weight))
@@ -103,19 +101,13 @@ class CudaMoE:
         self._experts(ws, route, ws.x.as_rows(), hidden.f, ws.iota(rows * k, k), stream)
         if not self._on_tensor_cores(route, self.down):  # the GEMV takes q8 activations
             hidden.quantize(stream)
-        if self._combines(ws):
-            qg.gemv(self.down.matrix, hidden.for_matrix(self.down.matrix), self._combined(ws),
-                    slot_mat=ids.reshape(rows * k), slot_x=ws.iota(rows * k),
-                    combine=(weights.reshape(rows * k), k), stream=stream)
-        else:
-            self._expert_gemv(ws, route, self.down, hidden, self._down(ws), ws.iota(rows * k),
-                              stream)
+        self._expert_gemv(ws, route, self.down, hidden, self._down(ws), ws.iota(rows * k), stream)
 
     def _route(self, ws: Workspace, stream) -> ExpertRoute | None:
         """Prefills: this pass's slots sorted by expert into tensor-core GEMM tiles. None for
         decode: per-slot GEMVs measured faster than GEMVs per expert tile at 64 sequences
         (bench/cuda_gemv_bench.py: a slot's expert re-read comes from L2)."""
-        if not self._routes(ws):
+        if not ws.uses_mma(ws.n_rows, self.gate.matrix, experts=True):
             return None
         n_slots = ws.n_rows * self.k
         route = ws.expert_route(self.n_expert, n_slots, mma_gemm.TOKEN_TILES[0])
@@ -129,12 +121,9 @@ class CudaMoE:
         if self.shared is not None:
             shared = {"shared": self._shared_out(ws).reshape(rows, -1),
                       "shared_gate": ws.buf("shexp.gate", ws.groups, ws.cols, 1).reshape(rows)}
-        if self._combines(ws):
-            experts, weights = self._combined(ws).reshape(rows, -1), None
-        else:
-            experts, weights = self._down(ws).reshape(rows * self.k, -1), self._picks(ws)[1]
-        norm.moe_add_rms_norm(experts, weights, ws.h.reshape(rows, -1), norm_w,
-                              ws.x.f.reshape(rows, -1), eps, stream=stream, act=act, **shared)
+        norm.moe_add_rms_norm(self._down(ws).reshape(rows * self.k, -1), self._picks(ws)[1],
+                              ws.h.reshape(rows, -1), norm_w, ws.x.f.reshape(rows, -1), eps,
+                              stream=stream, act=act, **shared)
 
     def _picks(self, ws: Workspace):
         """The step's expert ids (rows, k) int32 and their renormalised weights (rows, k)."""
@@ -143,17 +132,6 @@ class CudaMoE:
 
     def _down(self, ws: Workspace):
         return ws.buf("moe.down", ws.n_rows * self.k, 1, self.down.n_rows)
-
-    def _combined(self, ws: Workspace):
-        return ws.buf("moe.combined", ws.n_rows, 1, self.down.n_rows)
-
-    def _routes(self, ws: Workspace) -> bool:
-        """Whether this pass's slots are sorted by expert for tensor-core GEMMs (see _route)."""
-        return ws.uses_mma(ws.n_rows, self.gate.matrix, experts=True)
-
-    def _combines(self, ws: Workspace) -> bool:
-        """Whether the down GEMV adds up each token's experts (decode: slots not routed)."""
-        return not self._routes(ws) and self.k <= qg.MAX_COMBINE
 
     @staticmethod
     def _shared_out(ws: Workspace):

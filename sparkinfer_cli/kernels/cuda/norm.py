@@ -28,9 +28,8 @@ PLAIN, ADD, SILU_GATE, MOE, MOE_SHARED = 0, 1, 2, 3, 4
 
 @device_function
 def _moe_sum(x, moe_w, k, shared, gate, row, i, d, with_shared):
-    """Σ_r moe_w[row, r]·x[row·k + r, i] (k = 0: x[row, i], experts the down GEMV combined)
-    (+ sigmoid(gate[row])·shared[row, i])."""
-    acc = x[row * d + i] if k == 0 else float32(0.0)
+    """Σ_r moe_w[row, r]·x[row·k + r, i] (+ sigmoid(gate[row])·shared[row, i])."""
+    acc = float32(0.0)
     for r in range(k):
         acc += moe_w[row * k + r] * x[(row * k + r) * d + i]
     if with_shared:
@@ -98,8 +97,7 @@ def _norm_kernel(per_thread: int, k: int, mode: int):
 
 
 def _launch(x, residual, w, out, eps: float, mode: int, stream, act=None, moe=None) -> None:
-    """moe: (weights (rows, k) or None (x combined), shared or None, shared gate logits or None)
-    for the MOE modes."""
+    """moe: (weights (rows, k), shared or None, shared gate logits or None) for the MOE modes."""
     d = w.shape[0]
     check_array("w", w, np.float32)
     check_array("x", x, np.float32, None if moe else out.shape)
@@ -110,9 +108,8 @@ def _launch(x, residual, w, out, eps: float, mode: int, stream, act=None, moe=No
     if act is not None and (d % 32 or int(np.prod(act.shape)) != out.size):
         raise ValueError(f"fused quantization needs rows of 32·n and {out.size} activations")
     q = (act.xq, act.xd, act.xs) if act is not None else (out.reshape(out.size),) * 3
-    moe_w, shared, gate = moe if moe is not None else (None, None, None)
-    k = moe_w.size // (out.size // d) if moe_w is not None else 0
-    moe_w = w if moe_w is None else moe_w
+    moe_w, shared, gate = moe if moe is not None else (w, None, None)
+    k = moe_w.size // (out.size // d) if moe is not None else 0
     threads = min(MAX_THREADS, cdiv(d, 32) * 32)
     _norm_kernel(cdiv(d, threads), k, mode)[out.size // d, threads, stream](
         x.reshape(x.size), residual.reshape(residual.size), w, out.reshape(out.size), d,
@@ -137,13 +134,10 @@ def add_rms_norm(x, residual, w, out, eps: float, stream=0, act=None) -> None:
 def moe_add_rms_norm(expert_out, weights, residual, w, out, eps: float, stream=0, act=None,
                      shared=None, shared_gate=None) -> None:
     """residual (rows, d) += Σ_r weights[t, r]·expert_out[t·k + r] (+ sigmoid(shared_gate[t]) ·
-    shared[t]), then out = rms_norm(residual)·w: the MoE combine fused into the next pre-norm.
-    weights None: expert_out (rows, d) holds the experts' weighted sum already."""
-    n = out.size if weights is None else weights.size * w.shape[0]
-    if weights is not None:
-        check_array("weights", weights, np.float32)
-    if expert_out.size != n:
-        raise ValueError(f"expert_out has {expert_out.size} values, expected {n}")
+    shared[t]), then out = rms_norm(residual)·w: the MoE combine fused into the next pre-norm."""
+    check_array("weights", weights, np.float32)
+    if expert_out.size != weights.size * w.shape[0]:
+        raise ValueError(f"expert_out has {expert_out.size} values, expected weights.size · d")
     if (shared is None) != (shared_gate is None):
         raise ValueError("the shared expert needs both its output and its gate logits")
     mode = MOE if shared is None else MOE_SHARED

@@ -5,9 +5,6 @@ y[slot, c, r] = Σ_k W[mat(slot)][r, k] · x[xgroup(slot), c, k] (+ bias[r])   f
 - Weights stay in GGUF bytes (a flat uint8 device buffer, rows of `row_bytes`, matrices of
   `n_rows` rows back to back: 3-D expert slabs work as-is). `slot_mat` picks the matrix of each
   grid.y slot, so a MoE layer touches only its selected experts; `slot_x` picks the activations.
-- `combine` (MoE down projections): y[t, 0, r] = Σ_j weight[t·S + j] · W[mat(t·S + j)][r, :] ·
-  x[slot_x[t·S + j]] over a token's S expert slots, summed in the warp (a row's slots sit in
-  neighbouring lanes) in a fixed order: one output row a token instead of S for the next kernel.
 - Rows may be split over up to MAX_PARTS outputs: several linears that read the same input are
   uploaded as one matrix (rows back to back) and run as one launch, each part landing in its own
   (n_slots, n_cols, part rows) array.
@@ -60,7 +57,6 @@ WARPS_PER_BLOCK = 4
 MAX_COLS = 8
 MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y
 MAX_PARTS = 4
-MAX_COMBINE = 8  # slots a token that a combining GEMV adds up (lane groups of a warp's rows)
 SPLIT_ROWS_BELOW = 1024  # rows (× slots) under which long rows are split over a block's warps
 MULTI_ROW_MIN_ROWS = 8192  # rows (× slots) from which a lane loads two rows side by side
 LANE_BUDGET = 131072  # rows × lanes a row of a GEMV that one wave of resident blocks holds
@@ -348,40 +344,18 @@ def _row_reduction(n_acc: int):
 
 
 @functools.cache
-def _slot_combine(n_acc: int, slot_groups: int):
-    """Device fn: each lane's reduced row sums times its slot's weight, added over the
-    slot_groups groups of lanes_per_row lanes that hold the same row (butterfly: a fixed order)."""
-
-    rounds = slot_groups.bit_length() - 1  # log2
-
-    @device_function
-    def combine(acc, weight, lanes_per_row):
-        for c in range(n_acc):
-            acc[c] *= weight
-            offset = lanes_per_row
-            for _ in range(rounds):
-                acc[c] += shfl_xor(acc[c], offset)
-                offset *= 2
-    return combine
-
-
-@functools.cache
-def _block_rows(ggml_type: GGMLType, n_cols: int, swiglu: bool, rows_per_lane: int,
-                slot_groups: int = 1):
+def _block_rows(ggml_type: GGMLType, n_cols: int, swiglu: bool, rows_per_lane: int):
     """The GEMV kernel's device body: this block's rows of the matrix at byte mat_base, dotted with
     n_cols activation columns; column c reads x from element xcol[c] and lands in output column
     ycol[c] (the kernel maps its grid.x slot to those columns).
 
     swiglu: also dot the same rows of a second matrix w2 (up) and write silu(W·x) · (W2·x).
     rows_per_lane: rows whose units a lane loads side by side (2: twice the loads in flight).
-    slot_groups (combine, a power of two): groups of lanes_per_row lanes holding one row of
-    different slots (each its own mat_base and x), their sums weighted and added (_slot_combine).
     """
     unit, blk_elems, blk_bytes, parts = _UNITS[ggml_type]
     n_acc = 2 * n_cols if swiglu else n_cols
     acc_len = rows_per_lane * n_acc  # a compile-time constant for the local array
     reduce_rows = _row_reduction(acc_len)
-    combine = _slot_combine(acc_len, slot_groups)
     store_rows = _row_stores(n_cols, swiglu, rows_per_lane)
 
     @device_function
@@ -398,19 +372,17 @@ def _block_rows(ggml_type: GGMLType, n_cols: int, swiglu: bool, rows_per_lane: i
 
     @device_function
     def block_rows(w, w2, row_bytes, n_rows, mat_base, k, lanes_per_row, row_warps, row_block,
-                   xcol, ycol, weight, xq, xd, xs, bias, has_bias, y0, y1, y2, y3, ends):
+                   xcol, ycol, xq, xd, xs, bias, has_bias, y0, y1, y2, y3, ends):
         # a row per `lanes_per_row` lanes (32, fewer for short rows) of `row_warps` warps (1, or
         # all WARPS_PER_BLOCK for matrices of few long rows), times rows_per_lane: the lanes of
         # row r also take rows r + rows_per_warp, ...; two units a row in flight per lane
-        # (combine: a row per lanes_per_row · slot_groups lanes)
         lane, warp = cuda.threadIdx.x % 32, cuda.threadIdx.x // 32
-        row_lanes = lanes_per_row * slot_groups
-        rows_per_warp = 32 // row_lanes
+        rows_per_warp = 32 // lanes_per_row
         first = (row_block * (WARPS_PER_BLOCK // row_warps) + warp // row_warps) \
             * rows_per_warp * rows_per_lane
         if first >= n_rows:
             return
-        row = first + lane // row_lanes
+        row = first + lane // lanes_per_row
         sub = lane % lanes_per_row + (warp % row_warps) * lanes_per_row
         stride = lanes_per_row * row_warps
         acc = cuda.local.array(acc_len, float32)  # (rows, n_cols or gate + up)
@@ -429,9 +401,7 @@ def _block_rows(ggml_type: GGMLType, n_cols: int, swiglu: bool, rows_per_lane: i
             if u < n_units:
                 accumulate(acc, bases, w, w2, u, xcol, xq, xd, xs)
         reduce_rows(acc, lanes_per_row, row_warps)
-        if slot_groups > 1:
-            combine(acc, weight, lanes_per_row)
-        if sub == 0 and lane % row_lanes < lanes_per_row:
+        if sub == 0:
             store_rows(acc, row, rows_per_warp, n_rows, ycol, bias, has_bias, y0, y1, y2, y3, ends)
     return block_rows
 
@@ -460,34 +430,30 @@ def _row_stores(n_cols: int, swiglu: bool, rows_per_lane: int):
 
 @functools.cache
 def _gemv_kernel(ggml_type: GGMLType, n_cols: int, swiglu: bool = False,
-                 rows_per_lane: int = 1, slots: int = 1):
+                 rows_per_lane: int = 1):
     """grid.x = slot: matrix slot_mat[slot], the n_cols columns of activation group slot_x[slot];
-    grid.y: row blocks (grid-stride over n_row_blocks). combine (slots S > 1): grid.x = token,
-    whose S slots t·S + j a warp's lane groups take side by side (groups past S: weight 0).
+    grid.y: row blocks (grid-stride over n_row_blocks).
 
     The slot is the fastest grid index so that the slots reading the same rows run together: the
     groups of a batched linear, or the tokens that picked the same expert, share one DRAM read
     of those rows through L2 (with row blocks fastest, a slot's re-read came after the whole
     matrix had passed through L2)."""
-    slot_groups = next_pow2(slots)
-    block_rows = _block_rows(ggml_type, n_cols, swiglu, rows_per_lane, slot_groups)
+    block_rows = _block_rows(ggml_type, n_cols, swiglu, rows_per_lane)
 
     @kernel(fastmath=True)
     def gemv(w, w2, row_bytes, n_rows, mat_bytes, k, lanes_per_row, row_warps, n_row_blocks,
-             slot_mat, slot_x, combine_w, xq, xd, xs, bias, has_bias, y0, y1, y2, y3, ends):
+             slot_mat, slot_x, xq, xd, xs, bias, has_bias, y0, y1, y2, y3, ends):
         chain_start()
-        group = cuda.threadIdx.x % 32 // lanes_per_row % slot_groups  # 0 unless combining
-        slot = cuda.blockIdx.x * slots + min(group, slots - 1)
-        weight = float32(combine_w[slot]) if slots > 1 and group < slots else float32(0.0)
+        slot = cuda.blockIdx.x
         xcol = cuda.local.array(n_cols, int32)  # (n_cols,) element offsets into x
         ycol = cuda.local.array(n_cols, int32)  # (n_cols,) output columns
         for c in range(n_cols):
             xcol[c] = (slot_x[slot] * n_cols + c) * k
-            ycol[c] = cuda.blockIdx.x * n_cols + c
+            ycol[c] = slot * n_cols + c
         for row_block in range(cuda.blockIdx.y, n_row_blocks, cuda.gridDim.y):
             block_rows(w, w2, row_bytes, n_rows, slot_mat[slot] * mat_bytes, k, lanes_per_row,
-                       row_warps, row_block, xcol, ycol, weight, xq, xd, xs, bias, has_bias, y0,
-                       y1, y2, y3, ends)
+                       row_warps, row_block, xcol, ycol, xq, xd, xs, bias, has_bias, y0, y1, y2,
+                       y3, ends)
             if row_warps > 1:
                 cuda.syncthreads()  # reduce_rows' shared partials are rewritten next round
     return gemv
@@ -628,7 +594,7 @@ def _default_slots():
 
 
 def gemv(w: DeviceQuantMatrix, x, y, *, slot_mat=None, slot_x=None,
-         up: DeviceQuantMatrix | None = None, bias=None, combine=None, stream=0) -> None:
+         up: DeviceQuantMatrix | None = None, bias=None, stream=0) -> None:
     """y (n_slots, n_cols, n_rows) f32 ← W[slot_mat[s]] · x[slot_x[s]] (+ bias (n_rows,) f32).
 
     x is a QuantizedActivations for quantized weights, a float32 (n_groups, n_cols, k) device array
@@ -636,40 +602,26 @@ def gemv(w: DeviceQuantMatrix, x, y, *, slot_mat=None, slot_x=None,
     up: a second matrix of the same type and shape; then y = silu(W·x) ⊙ (up·x) (fused SwiGLU).
     y may be a sequence of up to MAX_PARTS arrays (n_slots, n_cols, rows_p) with Σ rows_p = n_rows:
     the stacked matrix's rows in order, one part per array.
-    combine: (weights, S): float32 (n_slots,) device weights of slots that come S a token (S ≤
-    MAX_COMBINE, one column, no up/bias); y (n_slots / S, 1, n_rows) = each token's weighted sum.
     """
     _check_up(w, up)
     slot_mat = _default_slots() if slot_mat is None else slot_mat
     slot_x = _default_slots() if slot_x is None else slot_x
     n_slots = slot_mat.size
     xq, xd, xs, n_cols = _activation_args(w, x)
-    weights, slots = combine if combine is not None else (slot_mat, 1)
-    if combine is not None:
-        _check_combine(weights, slots, n_slots, n_cols, up, bias)
-    parts, ends = output_parts(y, n_slots // slots, n_cols, w.n_rows)
+    parts, ends = output_parts(y, n_slots, n_cols, w.n_rows)
     if bias is not None:
         check_array("bias", bias, np.float32, (w.n_rows,))
-    groups = next_pow2(slots)
-    lanes = min(lanes_per_row(w.ggml_type, w.k, w.n_rows * n_slots), 32 // groups)
-    warps = 1 if slots > 1 else row_warps(w.ggml_type, w.k, w.n_rows * n_slots)
+    lanes = lanes_per_row(w.ggml_type, w.k, w.n_rows * n_slots)
+    warps = row_warps(w.ggml_type, w.k, w.n_rows * n_slots)
     units_a_lane = cdiv(units_per_row(w.ggml_type, w.k), lanes)
     lane_rows = rows_per_lane(n_cols, w.n_rows * n_slots, warps, units_a_lane)
-    n_row_blocks = cdiv(w.n_rows, WARPS_PER_BLOCK // warps * (32 // (lanes * groups)) * lane_rows)
-    grid = (n_slots // slots, min(n_row_blocks, MAX_GRID_Y))
-    kernel = _gemv_kernel(w.ggml_type, n_cols, up is not None, lane_rows, slots)
+    n_row_blocks = cdiv(w.n_rows, WARPS_PER_BLOCK // warps * (32 // lanes) * lane_rows)
+    grid = (n_slots, min(n_row_blocks, MAX_GRID_Y))
+    kernel = _gemv_kernel(w.ggml_type, n_cols, up is not None, lane_rows)
     kernel[grid, 32 * WARPS_PER_BLOCK, stream](
         w.data, w.data if up is None else up.data, w.row_bytes, w.n_rows, w.n_rows * w.row_bytes,
-        w.k, lanes, warps, n_row_blocks, slot_mat, slot_x, weights, xq, xd, xs,
+        w.k, lanes, warps, n_row_blocks, slot_mat, slot_x, xq, xd, xs,
         parts[0] if bias is None else bias, bias is not None, *parts, ends)
-
-
-def _check_combine(weights, slots: int, n_slots: int, n_cols: int, up, bias) -> None:
-    check_array("combine weights", weights, np.float32, (n_slots,))
-    if not 1 < slots <= MAX_COMBINE or n_slots % slots:
-        raise ValueError(f"combine: {n_slots} slots do not come {slots} (2..{MAX_COMBINE}) a token")
-    if n_cols != 1 or up is not None or bias is not None:
-        raise ValueError("combine takes one activation column, no up matrix and no bias")
 
 
 def _check_up(w: DeviceQuantMatrix, up: DeviceQuantMatrix | None) -> None:
