@@ -18,9 +18,7 @@ fastmath=False.
 
 from __future__ import annotations
 
-import ast
-import inspect
-import textwrap
+import dis
 
 from numba import cuda
 
@@ -64,13 +62,15 @@ def kernel(fn=None, **options):
 
 
 def _begins_with_chain_start(f) -> bool:
-    tree = ast.parse(textwrap.dedent(inspect.getsource(f)))
-    body = tree.body[0].body
-    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
-        body = body[1:]  # the docstring
-    first = body[0] if body else None
-    return (isinstance(first, ast.Expr) and isinstance(first.value, ast.Call)
-            and isinstance(first.value.func, ast.Name) and first.value.func.id == "chain_start")
+    """Whether f's bytecode begins with a call of the global chain_start without arguments (the
+    bytecode, not the source: that may have changed on disk since the module was imported)."""
+    ops = [i for i in dis.get_instructions(f) if i.opname not in _PROLOGUE_OPS]
+    return (len(ops) >= 2 and ops[0].opname == "LOAD_GLOBAL" and ops[0].argval == "chain_start"
+            and ops[1].opname in ("CALL", "CALL_FUNCTION") and ops[1].arg == 0)
+
+
+_PROLOGUE_OPS = frozenset({"RESUME", "NOP", "PUSH_NULL", "PRECALL", "COPY_FREE_VARS", "MAKE_CELL",
+                           "EXTENDED_ARG", "CACHE"})
 
 
 def _install_chained_launch() -> None:

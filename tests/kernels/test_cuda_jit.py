@@ -1,0 +1,54 @@
+"""jit.kernel: chained kernels must begin with chain_start() (else they would race with the
+kernel before them once launched as its programmatic dependent)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from sparkinfer_cli.kernels.cuda import jit
+from sparkinfer_cli.kernels.cuda.intrinsics import chain_start
+
+KERNELS = Path(jit.__file__).parent
+
+
+def test_a_chained_kernel_waits_before_its_first_statement_and_runs():
+    @jit.kernel
+    def double(x, out):
+        """A docstring may come first."""
+        chain_start()
+        i = cuda.grid(1)
+        if i < x.size:
+            out[i] = 2 * x[i]
+
+    x = np.arange(40, dtype=np.float32)
+    out = cuda.device_array_like(x)
+    double[2, 32](cuda.to_device(x), out)
+    np.testing.assert_array_equal(out.copy_to_host(), 2 * x)
+
+
+def test_a_kernel_that_touches_anything_before_chain_start_is_refused():
+    def reads_first(x, out):
+        i = cuda.grid(1)
+        chain_start()
+        out[i] = x[i]
+
+    def no_wait(x, out):
+        out[0] = x[0]
+
+    for body in (reads_first, no_wait):
+        with pytest.raises(TypeError, match="must begin with chain_start"):
+            jit.kernel(fastmath=True)(body)
+
+
+def test_every_kernel_of_the_package_is_chained():
+    # a plain cuda.jit kernel is correct but puts a launch gap back into the decode chain
+    # (device functions are not launched)
+    for path in sorted(KERNELS.glob("*.py")):
+        for line in path.read_text().splitlines():
+            if re.match(r"\s*@cuda\.jit\b", line):
+                assert "device=True" in line or "**options" in line, f"{path.name}: {line}"
