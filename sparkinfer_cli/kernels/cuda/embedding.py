@@ -2,10 +2,11 @@
 
 With the lookup on the device a pass's only per-token input is its token ids, so a decode step can
 take the previous step's argmax ids straight from device memory (CudaModel.decode_greedy).
-Quantized rows are dequantized 16 elements a thread by the tensor-core GEMM's staging functions
-(mma_gemm.dequant_piece), whose values are rounded to f16: the table's d·q + m to ~5e-4 relative,
-below the q8 activations' error. F32 / F16 / BF16 rows are read exactly. A row id < 0 (a
-padding row) gives a zero row.
+Quantized rows are dequantized 16 elements a thread from the tensor-core GEMM's block decoders
+(mma_gemm.dequant_codes) in float32, the values gguf's dequantize (and llama.cpp's get_rows)
+gives: rounded to f16 they moved ~4 % of the first layer's q8 activations by a step against
+llama.cpp's. F32 / F16 / BF16 rows are read exactly. A row id < 0 (a padding row) gives a zero
+row.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def supports(ggml_type: int, k: int) -> bool:
     whole 16 bytes, as DeviceQuantMatrix takes them), or one the tensor-core GEMM stages."""
     if ggml_type in qg.FLOAT_TYPES:
         return k % 8 == 0
-    return mma_gemm.dequant_piece(ggml_type) is not None and k % PIECE == 0
+    return mma_gemm.dequant_codes(ggml_type) is not None and k % PIECE == 0
 
 
 @functools.cache
@@ -67,7 +68,7 @@ def _float_kernel(ggml_type: GGMLType):
 
 @functools.cache
 def _quant_kernel(ggml_type: GGMLType):
-    piece = mma_gemm.dequant_piece(ggml_type)
+    codes = mma_gemm.dequant_codes(ggml_type)
 
     @kernel
     def embed_quant(w, row_bytes, k, ids, out):
@@ -80,10 +81,10 @@ def _quant_kernel(ggml_type: GGMLType):
                 for e in range(PIECE):
                     out[at + e] = float32(0.0)
             else:
-                words = piece(w, token * row_bytes, e0)  # 8 f16x2 words, in element order
-                for i in range(8):
-                    out[at + 2 * i] = f16_bits_to_f32(words[i] & 0xFFFF)
-                    out[at + 2 * i + 1] = f16_bits_to_f32(words[i] >> 16)
+                q, scale, shift = codes(w, token * row_bytes, e0)  # 16 byte codes, in order
+                for i in range(4):
+                    for b in range(4):
+                        out[at + 4 * i + b] = scale * float32((q[i] >> (8 * b)) & 0xFF) + shift
     return embed_quant
 
 

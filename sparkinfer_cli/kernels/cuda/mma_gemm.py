@@ -109,22 +109,24 @@ def _pack4(v):
             pack_f16x2(bits_to_f32(v[2]), bits_to_f32(v[3])))
 
 
-# Each piece function: (weight bytes, byte offset of the row, element kk of the row, kk % 16 == 0)
-# → the row's elements kk..kk+15 as 8 f16x2 words.
+# Each codes function: (weight bytes, byte offset of the row, element kk of the row, kk % 16 == 0)
+# → the row's elements kk..kk+15 as (q: 16 unsigned byte codes in 4 words, scale, shift), element
+# e = scale·q_e + shift in float32 (one fma: the value gguf's dequantize computes); a piece
+# function gives them as 8 f16x2 words (the tensor-core GEMM's staging).
 @device_function(numba_inline=True)
-def _piece_q4_0(w, off, kk):
+def _codes_q4_0(w, off, kk):
     bo = off + (kk >> 5) * 18
     d = f16(ld_u16(w, bo))
     q = _nibbles(words4_unaligned(w, bo + 2), 4 * ((kk >> 4) & 1))
-    return _affine16(q, d, float32(-8.0) * d)
+    return q, d, float32(-8.0) * d
 
 
 @device_function(numba_inline=True)
-def _piece_q4_1(w, off, kk):
+def _codes_q4_1(w, off, kk):
     bo = off + (kk >> 5) * 20
     dm = ld_u32(w, bo)
     q = _nibbles(words4_aligned(w, bo + 4), 4 * ((kk >> 4) & 1))
-    return _affine16(q, f16(dm), f16(dm >> 16))
+    return q, f16(dm), f16(dm >> 16)
 
 
 @device_function(numba_inline=True)
@@ -138,28 +140,28 @@ def _q5_legacy(qs, qh, h):
 
 
 @device_function(numba_inline=True)
-def _piece_q5_0(w, off, kk):
+def _codes_q5_0(w, off, kk):
     bo = off + (kk >> 5) * 22
     d = f16(ld_u16(w, bo))
     q = _q5_legacy(words4_unaligned(w, bo + 6), u32_from_u16s(w, bo + 2), (kk >> 4) & 1)
-    return _affine16(q, d, float32(-16.0) * d)
+    return q, d, float32(-16.0) * d
 
 
 @device_function(numba_inline=True)
-def _piece_q5_1(w, off, kk):
+def _codes_q5_1(w, off, kk):
     bo = off + (kk >> 5) * 24
     dm = ld_u32(w, bo)
     q = _q5_legacy(words4_aligned(w, bo + 8), ld_u32(w, bo + 4), (kk >> 4) & 1)
-    return _affine16(q, f16(dm), f16(dm >> 16))
+    return q, f16(dm), f16(dm >> 16)
 
 
 @device_function(numba_inline=True)
-def _piece_q8_0(w, off, kk):
+def _codes_q8_0(w, off, kk):
     bo = off + (kk >> 5) * 34
     q = words4_unaligned(w, bo + 2 + 16 * ((kk >> 4) & 1))
     flipped = (q[0] ^ 0x80808080, q[1] ^ 0x80808080, q[2] ^ 0x80808080, q[3] ^ 0x80808080)
     d = f16(ld_u16(w, bo))
-    return _affine16(flipped, d, float32(-128.0) * d)  # int8 b = (b ^ 0x80) − 128
+    return flipped, d, float32(-128.0) * d  # int8 b = (b ^ 0x80) − 128
 
 
 @device_function(numba_inline=True)
@@ -171,13 +173,13 @@ def _k4_scales(w, bo, j):
 
 
 @device_function(numba_inline=True)
-def _piece_q4_k(w, off, kk):
+def _codes_q4_k(w, off, kk):
     # sub-block j = elements 32j..32j+31: nibble j&1 of qs bytes 32(j//2)..+31
     bo = off + (kk >> 8) * 144
     j = (kk >> 5) & 7
     q = _nibbles(ld_v4_u32(w, bo + 16 + 32 * (j >> 1) + 16 * ((kk >> 4) & 1)), 4 * (j & 1))
     scale, mn = _k4_scales(w, bo, j)
-    return _affine16(q, scale, -mn)
+    return q, scale, -mn
 
 
 @device_function(numba_inline=True)
@@ -189,7 +191,7 @@ def _with_high_bits(lo, qh, shift, mask):
 
 
 @device_function(numba_inline=True)
-def _piece_q5_k(w, off, kk):
+def _codes_q5_k(w, off, kk):
     # as Q4_K, plus the 5th bit of element i of sub-block j = bit j of qh byte i
     bo = off + (kk >> 8) * 176
     j = (kk >> 5) & 7
@@ -198,11 +200,11 @@ def _piece_q5_k(w, off, kk):
     qh = ld_v4_u32(w, bo + 16 + 16 * h)
     q = _with_high_bits(lo, qh, j, M1)
     scale, mn = _k4_scales(w, bo, j)
-    return _affine16(q, scale, -mn)
+    return q, scale, -mn
 
 
 @device_function(numba_inline=True)
-def _piece_q6_k(w, off, kk):
+def _codes_q6_k(w, off, kk):
     # element 128n + 32g + l (l < 32): nibble g//2 of ql[64n + 32(g&1) + l], bits 2g of qh[32n + l],
     # minus 32, scale sc[8n + 2g + l//16]; a 16-element piece has l = 16h..16h+15.
     bo = off + (kk >> 8) * 210
@@ -214,7 +216,7 @@ def _piece_q6_k(w, off, kk):
     q = _with_high_bits(ql, qh, 2 * g, M2)
     sc = int32((ld_u16(w, bo + 192 + 8 * n + 2 * g) >> (8 * h)) & 0xFF)  # signed int8 scale
     scale = f16(ld_u16(w, bo + 208)) * float32(sc - 256 if sc > 127 else sc)
-    return _affine16(q, scale, float32(-32.0) * scale)
+    return q, scale, float32(-32.0) * scale
 
 
 @device_function(numba_inline=True)
@@ -246,12 +248,21 @@ def _piece_f32(w, off, kk):
     return (p0[0], p0[1], p1[0], p1[1], p2[0], p2[1], p3[0], p3[1])
 
 
-_PIECES = {
-    GGMLType.Q4_0: _piece_q4_0, GGMLType.Q4_1: _piece_q4_1, GGMLType.Q5_0: _piece_q5_0,
-    GGMLType.Q5_1: _piece_q5_1, GGMLType.Q8_0: _piece_q8_0, GGMLType.Q4_K: _piece_q4_k,
-    GGMLType.Q5_K: _piece_q5_k, GGMLType.Q6_K: _piece_q6_k, GGMLType.F16: _piece_f16,
-    GGMLType.BF16: _piece_bf16, GGMLType.F32: _piece_f32,
+def _piece_of(codes):
+    @device_function(numba_inline=True)
+    def piece(w, off, kk):
+        q, scale, shift = codes(w, off, kk)
+        return _affine16(q, scale, shift)
+    return piece
+
+
+_CODES = {
+    GGMLType.Q4_0: _codes_q4_0, GGMLType.Q4_1: _codes_q4_1, GGMLType.Q5_0: _codes_q5_0,
+    GGMLType.Q5_1: _codes_q5_1, GGMLType.Q8_0: _codes_q8_0, GGMLType.Q4_K: _codes_q4_k,
+    GGMLType.Q5_K: _codes_q5_k, GGMLType.Q6_K: _codes_q6_k,
 }
+_PIECES = {**{t: _piece_of(codes) for t, codes in _CODES.items()},
+           GGMLType.F16: _piece_f16, GGMLType.BF16: _piece_bf16, GGMLType.F32: _piece_f32}
 SUPPORTED_TYPES = frozenset(_PIECES)
 
 
@@ -259,6 +270,13 @@ def dequant_piece(ggml_type: int):
     """The device function (row bytes, row's byte offset, kk) → elements kk..kk+15 of the row as
     8 f16x2 words, for a type this GEMM stages; None for others."""
     return _PIECES.get(GGMLType(ggml_type))
+
+
+def dequant_codes(ggml_type: int):
+    """The device function (row bytes, row's byte offset, kk) → elements kk..kk+15 of the row as
+    (4 words of unsigned byte codes q, scale, shift): float32 scale·q + shift; for the quantized
+    types this GEMM stages, None for others."""
+    return _CODES.get(GGMLType(ggml_type))
 
 
 def supports(w: DeviceQuantMatrix) -> bool:
