@@ -4,8 +4,9 @@ With the lookup on the device a pass's only per-token input is its token ids, so
 take the previous step's argmax ids straight from device memory (CudaModel.decode_greedy).
 Quantized rows are dequantized 16 elements a thread from the tensor-core GEMM's block decoders
 (mma_gemm.dequant_codes) in float32, the values gguf's dequantize (and llama.cpp's get_rows)
-gives: rounded to f16 they moved ~4 % of the first layer's q8 activations by a step against
-llama.cpp's. F32 / F16 / BF16 rows are read exactly. A row id < 0 (a padding row) gives a zero
+gives: rounded to f16 (~5e-4 relative) they moved the first layer's q8 activations a step
+against llama.cpp's wherever a value sat that close to a rounding boundary. F32 / F16 / BF16 rows
+are read exactly. A row id < 0 (a padding row) gives a zero
 row.
 """
 
