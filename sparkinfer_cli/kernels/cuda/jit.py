@@ -78,11 +78,12 @@ def _install_chained_launch() -> None:
     """numba-cuda launches through cuda.core (`launch(stream, LaunchConfig, kernel, *args)` in
     _Kernel.launch); chained kernels get the same launch with programmatic stream serialization.
     NOTE: wraps a private method of numba-cuda 0.30; other versions keep plain launches."""
+    from importlib.metadata import version
+
     from numba.cuda import dispatcher
 
     plain = dispatcher._Kernel.launch
-    if not (all(hasattr(dispatcher, name) for name in ("launch", "LaunchConfig"))
-            and hasattr(dispatcher._Kernel, "_prepare_args")):
+    if not version("numba-cuda").startswith("0.30."):
         return
 
     def launch(self, args, griddim, blockdim, stream=0, sharedmem=0):
