@@ -169,7 +169,7 @@ def _touches_memory_before_the_wait(py_func, ptx: str) -> bool:
         return False
     body = ptx[ptx.find(".entry"):]
     wait = body.find("griddepcontrol.wait")
-    first = re.search(r"\b(ld|st|atom|red|cp\.async)\.(global|shared::cluster)", body)
+    first = re.search(r"\b(ld|st|atom|red)\.global|\bcp\.async", body)
     return wait < 0 or (first is not None and first.start() < wait)
 
 

@@ -93,7 +93,7 @@ case "${1:-tests}" in
     run gpu_pdl_tests.log 200 python3 -m pytest -m gpu tests/kernels/test_cuda_graphs.py \
       tests/model/test_cuda_model.py -k "graphs or (exact_decode and Q4_K_M) or batched_decode_equals" \
       -q -p no:cacheprovider ;;
-  moe)  # session 15: the combining down GEMV, on chained launches
+  moe)  # session 15: the MoE models on chained launches
     run gpu_moe.log 260 python3 -m pytest -m gpu tests/model/test_cuda_model.py \
       -k "moe and (exact_decode or batched_decode or q8_top1 or greedy_ids)" -q -p no:cacheprovider
     run trace30.log 150 python3 bench/cuda_kernel_profile.py qwen3-30b-a3b "$OUT/trace30.json" \

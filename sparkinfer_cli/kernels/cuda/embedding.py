@@ -6,8 +6,7 @@ Quantized rows are dequantized 16 elements a thread from the tensor-core GEMM's 
 (mma_gemm.dequant_codes) in float32, the values gguf's dequantize (and llama.cpp's get_rows)
 gives: rounded to f16 (~5e-4 relative) they moved the first layer's q8 activations a step
 against llama.cpp's wherever a value sat that close to a rounding boundary. F32 / F16 / BF16 rows
-are read exactly. A row id < 0 (a padding row) gives a zero
-row.
+are read exactly. A row id < 0 (a padding row) gives a zero row.
 """
 
 from __future__ import annotations

@@ -111,7 +111,7 @@ def _pack4(v):
 
 # Each codes function: (weight bytes, byte offset of the row, element kk of the row, kk % 16 == 0)
 # → the row's elements kk..kk+15 as (q: 16 unsigned byte codes in 4 words, scale, shift), element
-# e = scale·q_e + shift in float32 (one fma: the value gguf's dequantize computes); a piece
+# e = scale·q_e + shift in float32 (gguf's dequantize value, up to its last rounding); a piece
 # function gives them as 8 f16x2 words (the tensor-core GEMM's staging).
 @device_function(numba_inline=True)
 def _codes_q4_0(w, off, kk):
