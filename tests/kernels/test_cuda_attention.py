@@ -238,3 +238,60 @@ def test_output_also_lands_as_q8_activations():
     np.testing.assert_array_equal(act.xq.copy_to_host(), xq.reshape(-1))
     np.testing.assert_allclose(act.xd.copy_to_host(), xd.reshape(-1), rtol=1e-6)
     np.testing.assert_allclose(act.xs.copy_to_host(), xs.reshape(-1), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("n_heads, n_kv, head_dim, n_rot, style, with_norm, lens, dtype", [
+    # Qwen3-30B's kv heads: 8 query heads on tensor cores, whole heads rotated (NEOX), q/k
+    # norms; the new key beside 99 cached keys in its split, alone in its split (129 = 2 splits
+    # of 64, + 1), and a row's only key
+    (8, 1, 128, 128, "neox", True, (100, 129, 1), np.float16),
+    # Qwen3.6's: 2 kv heads of 4 query heads, head_dim 256 (K staged in halves), a quarter of
+    # each head rotated, normal pairs, no norms
+    (8, 2, 256, 64, "normal", False, (70,), np.float16),
+    # the float kernel (a float32 cache): attention_input's kernel prepares q and stores k, v
+    (2, 1, 64, 32, "neox", True, (40, 3), np.float32),
+    pytest.param(32, 4, 128, 128, "neox", True, (512, 33), np.float16,
+                 marks=pytest.mark.gpu),  # Qwen3-30B
+    pytest.param(16, 2, 256, 64, "neox", True, (3000, 700), np.float16,
+                 marks=pytest.mark.gpu),  # Qwen3.6
+])
+def test_new_tokens_are_normed_rotated_and_stored_by_the_decode_launch(
+        n_heads, n_kv, head_dim, n_rot, style, with_norm, lens, dtype):
+    """q, k, v as the projection leaves them (NewTokens): the output is attention of
+    rope(rms_norm(q)) over the cached keys and the new token's rope(rms_norm(k)), v; the caches
+    hold those at the new slots, whose old contents (large values) are never read."""
+    from sparkinfer_cli.kernels.cpu import ops
+    from sparkinfer_cli.kernels.cuda.attention_input import NewTokens
+    from sparkinfer_cli.kernels.cuda.norm import rms_norm_reference
+
+    rng, eps, base, block_size = np.random.default_rng(12), 1e-6, 1e6, 16
+    kv = PagedKV(rng, lens, block_size, n_kv, head_dim, dtype)
+    rows = len(lens)
+    q = rng.standard_normal((rows, n_heads, head_dim)).astype(np.float32)
+    k, v = (rng.standard_normal((rows, n_kv, head_dim)).astype(np.float32) for _ in range(2))
+    wq, wk = (rng.uniform(0.5, 1.5, head_dim).astype(np.float32) for _ in range(2))
+    pos = np.array(lens, np.int32) - 1
+    slots = (kv.block_table[np.arange(rows), pos // block_size] * block_size
+             + pos % block_size).astype(np.int32)
+    q_ref, k_ref = (ops.rope(rms_norm_reference(x, w, eps) if with_norm else x, pos, n_rot, base,
+                             style) for x, w in ((q, wq), (k, wk)))
+    k_cache, v_cache = (c.reshape(-1, n_kv, head_dim) for c in (kv.k, kv.v))
+    k_cache[slots], v_cache[slots] = k_ref, v  # what the cache holds after the launch
+    stale = [c.copy() for c in (k_cache, v_cache)]
+    for c in stale:
+        c[slots] = 300.0
+    d_k, d_v = (cuda.to_device(c.reshape(kv.k.shape)) for c in stale)
+    norms = (cuda.to_device(wq), cuda.to_device(wk)) if with_norm else (None, None)
+    new = NewTokens(cuda.to_device(k), cuda.to_device(v), *norms, eps, cuda.to_device(pos),
+                    n_rot, base, cuda.to_device(slots), style == "neox")
+    out = cuda.device_array(q.shape, np.float32)
+    ws = attention.DecodeWorkspace(rows, n_heads, head_dim, max(lens))
+    attention.paged_decode_attention(cuda.to_device(q), d_k, d_v, cuda.to_device(kv.block_table),
+                                     cuda.to_device(np.asarray(lens, np.int32)), out, ws,
+                                     new_tokens=new)
+    np.testing.assert_allclose(out.copy_to_host(), kv.reference(q_ref, lens), rtol=1e-3,
+                               atol=1e-4)
+    tol = 1e-3 if dtype == np.float16 else 1e-5
+    for got, want in zip((d_k, d_v), (k_cache, v_cache)):
+        np.testing.assert_allclose(got.copy_to_host().reshape(want.shape), want, rtol=tol,
+                                   atol=tol)

@@ -6,7 +6,8 @@ On the H200 (`pytest -m gpu tests/model/test_cuda_model.py`):
   and llama.cpp's greedy picks;
 - default mode (GGUF bytes, q8 activations like llama.cpp's CUDA path, F16 KV): top-1 agrees
   with llama.cpp's native logits wherever its margin is clear, with the linears as GEMVs and as
-  tensor-core GEMMs (the latter is what passes of ≥ LINEAR_MMA_MIN_ROWS tokens run);
+  tensor-core GEMMs (the latter is what passes of ≥ LINEAR_MMA_MIN_ROWS tokens run), and with
+  the prompt decoded a token a pass;
 - a batch of sequences decoded together (one graph, padded bucket) equals each decoded alone;
 - the real demo models: greedy continuations on the GPU equal the CPU model's.
 Without a GPU, one small case runs in numba's simulator (every kernel of a qwen35moe pass).
@@ -164,13 +165,35 @@ def test_q8_top1_matches_native_llama_cpp_where_clear(family: str, variant: str,
         monkeypatch.setattr(cuda_workspace, name, 1 if tensor_cores else 1 << 30)
     g, model = _goldens(family), _tiny(family, variant, exact=False)
     for prompt in ("short", "long"):
-        native = g[f"lc_{variant}_logits_{prompt}"].astype(np.float32)
-        flips = native.argmax(1) != g[f"lc_{_float_key(variant)}_logits_{prompt}"].argmax(1)
-        bar = max(NATIVE_MARGIN, float(_top1_margin(native)[flips].max(initial=0.0)))
-        ours = _prefill(model, g[f"prompt_{prompt}"])
-        wrong = np.flatnonzero((_top1_margin(native) > bar) & (ours.argmax(1) != native.argmax(1)))
-        assert wrong.size == 0, (f"{family} {variant} {prompt}: top-1 differs at {wrong}; "
-                                 f"max |Δ| {np.abs(ours - native).max():.3g}")
+        _assert_native_top1_where_clear(family, variant, prompt,
+                                        _prefill(model, g[f"prompt_{prompt}"]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family,variant", CASES)
+def test_q8_decode_top1_matches_native_llama_cpp_where_clear(family: str, variant: str) -> None:
+    """The short prompt fed one token a pass (decode graphs over the F16 cache: the tensor-core
+    decode kernel norms, rotates and stores each new token itself) against llama.cpp's native
+    logits of the whole prompt, as the prefill above."""
+    g, model = _goldens(family), _tiny(family, variant, exact=False)
+    ids = g["prompt_short"]
+    cache = model.create_cache(-(-len(ids) // BLOCK_SIZE), BLOCK_SIZE, 1)
+    table = np.arange(cache.num_blocks)
+    ours = np.stack([model.forward(SequenceBatch.single([t], i, table), cache)[0]
+                     for i, t in enumerate(ids)])  # (T, V)
+    _assert_native_top1_where_clear(family, variant, "short", ours)
+
+
+def _assert_native_top1_where_clear(family: str, variant: str, prompt: str, ours) -> None:
+    """ours (T, V) picks llama.cpp's native top-1 wherever its margin clears the bar (NATIVE_MARGIN
+    or the largest margin at which llama.cpp's own native and dequantized-f32 picks differ)."""
+    g = _goldens(family)
+    native = g[f"lc_{variant}_logits_{prompt}"].astype(np.float32)
+    flips = native.argmax(1) != g[f"lc_{_float_key(variant)}_logits_{prompt}"].argmax(1)
+    bar = max(NATIVE_MARGIN, float(_top1_margin(native)[flips].max(initial=0.0)))
+    wrong = np.flatnonzero((_top1_margin(native) > bar) & (ours.argmax(1) != native.argmax(1)))
+    assert wrong.size == 0, (f"{family} {variant} {prompt}: top-1 differs at {wrong}; "
+                             f"max |Δ| {np.abs(ours - native).max():.3g}")
 
 
 def _decode_group(model, prompts: list[np.ndarray], group: list[int], n_steps: int):
