@@ -16,12 +16,14 @@ if not os.path.exists("/dev/nvidiactl"):
 
 
 def serialize_simulated_shared_arrays() -> None:
-    """One shared array per call site and block again in numba-cuda's simulator.
+    """One shared array per call site and block again in numba-cuda's simulator, its floats NaN.
 
     Its FakeCUDAShared.array creates a call site's array on first request with a check-then-insert
     that races between the simulated threads of a block: two threads can get different arrays, and
     one then reads memory nobody wrote (seen as rare NaN / overflow results of mma_gemm under a
-    short thread switch interval). The same creation, under a lock."""
+    short thread switch interval). The same creation, under a lock. A GPU's shared memory starts
+    undefined while numpy's fresh pages read as zeros: float arrays start as NaN here, so a kernel
+    that uses what no thread wrote (even times a zero weight) fails in the simulator too."""
     import sys
     import threading
     import traceback
@@ -40,7 +42,10 @@ def serialize_simulated_shared_arrays() -> None:
         with lock:
             if caller not in self._allocations:
                 dt = numpy_support.as_dtype(dtype) if isinstance(dtype, types.Type) else dtype
-                self._allocations[caller] = np.empty(shape, dt)
+                fresh = np.empty(shape, dt)
+                if np.issubdtype(dt, np.floating):
+                    fresh.fill(np.nan)
+                self._allocations[caller] = fresh
             return self._allocations[caller]
 
     kernelapi.FakeCUDAShared.array = array

@@ -142,7 +142,8 @@ def _new_key(new_v, kv_row, slot, n_kv, kv_head, group, head_dim, heads_sh, cs_s
     """The row's new token, the split's last key (its scan leaves it out: the cache does not
     hold it yet): its rotated k and its v, rounded to f16, → the caches at `slot` (v also to
     new_v_sh); each head's score q·k (q_sh's f16 q·scale) → the new key's softmax source in
-    ml_sh (max = the score, sum 1), which _merge_warps adds to the warps'."""
+    ml_sh (max = the score, sum 1: source WARPS of WARPS + 1), which _merge_warps adds to the
+    warps'."""
     tid, warp, lane = cuda.threadIdx.x, cuda.threadIdx.x // 32, cuda.threadIdx.x % 32
     normed, key = group * head_dim, (group + 1) * head_dim  # heads_sh rows: k normed, rotated
     dst = (slot * n_kv + kv_head) * head_dim
@@ -293,16 +294,18 @@ def _add_pv(acc, v, v_cache, row_sh, rbase, p_sh, pbase, dim0, per_lane, group):
 
 @device_function
 def _merge_warps(acc, m_run, l_run, ml_sh, acc_sh, row0, split, n_splits, group, head_dim,
-                 per_lane, part_m, part_l, part_acc, n_src, new_v_sh):
-    """The softmax states of the 4 warps (and, n_src = WARPS + 1, of the row's new key: its
-    score, sum 1 and V in new_v_sh, _new_key's) → the split's partial per head: max M over the
-    sources, sum Σ_w e^(m_w - M)·l_w, accumulator Σ_w e^(m_w - M)·acc_w. Each warp rescales its
-    own accumulators, then a two-round tree adds them in registers, (w0 + w2) + (w1 + w3) (a fixed
-    order: the same sums every run), through acc_sh (2 warps' accumulators); warp 0 adds the new
-    key's and stores. ml_sh: (max, sum) × n_src sources × MAX_GROUP heads."""
+                 per_lane, part_m, part_l, part_acc, slots, new_key, new_v_sh):
+    """The softmax states of the 4 warps (and with new_key of the row's new key, source WARPS:
+    its score, sum 1 and V in new_v_sh, _new_key's) → the split's partial per head: max M over
+    the sources, sum Σ_w e^(m_w - M)·l_w, accumulator Σ_w e^(m_w - M)·acc_w. Each warp rescales
+    its own accumulators, then a two-round tree adds them in registers, (w0 + w2) + (w1 + w3) (a
+    fixed order: the same sums every run), through acc_sh (2 warps' accumulators); warp 0 adds
+    the new key's and stores. ml_sh: the maxima of `slots` sources × MAX_GROUP heads, then their
+    sums (only what a block's sources wrote is read: shared memory starts undefined)."""
     tid, warp, lane = cuda.threadIdx.x, cuda.threadIdx.x // 32, cuda.threadIdx.x % 32
     t = lane % 4
-    l0 = n_src * MAX_GROUP  # the sums' offset in ml_sh
+    l0 = slots * MAX_GROUP  # the sums' offset in ml_sh
+    n_src = WARPS + 1 if new_key else WARPS
     if lane < 4:  # lanes 0..3 hold head columns 2t, 2t + 1
         for i in range(2):
             ml_sh[warp * MAX_GROUP + 2 * t + i] = m_run[i]
@@ -329,7 +332,7 @@ def _merge_warps(acc, m_run, l_run, ml_sh, acc_sh, row0, split, n_splits, group,
         cuda.syncthreads()  # read before the next round rewrites acc_sh
     if warp == 0:
         for h in range(group):
-            if n_src > WARPS:
+            if new_key:
                 f = math.exp(ml_sh[WARPS * MAX_GROUP + h] - _top(ml_sh, h, n_src))
                 for e in range(per_lane):
                     acc[h * per_lane + e] += f * new_v_sh[dims + e]
@@ -402,11 +405,11 @@ def gqa_kernel(head_dim: int, group: int, fresh: bool = False):
     per_lane = head_dim // 32
     q_words, k_words = head_dim // 2 + 4, STAGE_DIMS // 2 + 4  # padded rows: ldmatrix, no conflicts
     acc_len = MAX_GROUP * per_lane
-    n_src = WARPS + 1 if fresh else WARPS  # softmax states a split merges: the warps' (+ new key)
+    slots = WARPS + 1 if fresh else WARPS  # softmax states a split merges: the warps' (+ new key)
     # shared / local array sizes must be compile-time constants
     q_len, k_len, rows_len = 16 * q_words, ROUND_KEYS * k_words, ROUND_KEYS
     p_len, corr_len = ROUND_KEYS * MAX_GROUP, WARPS * MAX_GROUP
-    ml_len = 2 * n_src * MAX_GROUP
+    ml_len = 2 * slots * MAX_GROUP
     # the merge tree's first round; before the scan (fresh) the heads' f32 rows, ≥ group + 2
     acc_sh_len = WARPS // 2 * group * head_dim
     new_v_len = head_dim if fresh else 1
@@ -444,9 +447,6 @@ def gqa_kernel(head_dim: int, group: int, fresh: bool = False):
                     _new_key(new_v, seq * n_kv + kv_head, slot_mapping[seq], n_kv, kv_head, group,
                              head_dim, acc_sh, p_sh, n_rot, neox, k_cache, v_cache, q_sh, q_words,
                              new_v_sh, ml_sh)
-                elif cuda.threadIdx.x < MAX_GROUP:  # no new key in this split
-                    ml_sh[WARPS * MAX_GROUP + cuda.threadIdx.x] = _NEG
-                    ml_sh[(2 * WARPS + 1) * MAX_GROUP + cuda.threadIdx.x] = 0.0
             else:
                 _stage_q(q, row0, group, scale, head_dim, q_sh, q_words)
             for e in range(acc_len):
@@ -458,7 +458,7 @@ def gqa_kernel(head_dim: int, group: int, fresh: bool = False):
                         end - 1 if new_key else end, row_sh, k_sh, k_words, p_sh, corr_sh, acc,
                         m_run, l_run)
             _merge_warps(acc, m_run, l_run, ml_sh, acc_sh, row0, split, n_splits, group,
-                         head_dim, per_lane, part_m, part_l, part_acc, n_src, new_v_sh)
+                         head_dim, per_lane, part_m, part_l, part_acc, slots, new_key, new_v_sh)
     return decode_gqa
 
 
