@@ -19,9 +19,6 @@
 #                                      # (CUPTI, in order), then its host side       (~2 min)
 #   bash bench/h200_check.sh moe       # MoE-model GPU tests (exact decode, batched, q8 top-1), a
 #                                      # Qwen3-30B step's trace, `sparkinfer bench` after 512 (~7 min)
-#   bash bench/h200_check.sh newtok    # decode attention taking the raw projections: attention
-#                                      # kernel tests, F16-cache decode model tests against
-#                                      # llama.cpp, `sparkinfer bench` Qwen3-30B after 512 (~7 min)
 #   bash bench/h200_check.sh pdl       # `sparkinfer bench`, Qwen3-30B after 512 tokens, chained
 #                                      # launches off then on; graph and exact-decode GPU tests
 #                                      # (~7 min)
@@ -29,8 +26,8 @@
 # Everything is logged under $OUT (the device tool brings that folder back).
 set -u
 case "${1:-tests}" in
-  tests|queued|oracle|kernels|gemm|profile|bench36|bench30|trace30|pdl|moe|newtok) ;;
-  *) echo "usage: $0 tests|queued|oracle|kernels|gemm|profile|bench36|bench30|trace30|pdl|moe|newtok" >&2; exit 2 ;;
+  tests|queued|oracle|kernels|gemm|profile|bench36|bench30|trace30|pdl|moe) ;;
+  *) echo "usage: $0 tests|queued|oracle|kernels|gemm|profile|bench36|bench30|trace30|pdl|moe" >&2; exit 2 ;;
 esac
 OUT=${OUT:-/tmp/h200_out}
 mkdir -p "$OUT"
@@ -101,13 +98,6 @@ case "${1:-tests}" in
       -k "moe and (exact_decode or batched_decode or q8_top1 or greedy_ids)" -q -p no:cacheprovider
     run trace30.log 150 python3 bench/cuda_kernel_profile.py qwen3-30b-a3b "$OUT/trace30.json" \
       --steps 10 --trace
-    run bench30.log 150 python3 -m sparkinfer_cli bench --synthetic qwen3-30b-a3b --device cuda \
-      --ctx 512 --concurrency 1 --out "$OUT/bench" ;;
-  newtok)  # session 16: the tensor-core decode kernel norms, rotates and stores new tokens
-    run gpu_newtok_kernels.log 200 python3 -m pytest -m "gpu or not gpu" -q -p no:cacheprovider \
-      tests/kernels/test_cuda_attention.py tests/kernels/test_cuda_attention_input.py
-    run gpu_newtok_model.log 220 python3 -m pytest -m gpu tests/model/test_cuda_model.py \
-      -k "q8_decode_top1 or greedy_ids or int8_kv" -q -p no:cacheprovider
     run bench30.log 150 python3 -m sparkinfer_cli bench --synthetic qwen3-30b-a3b --device cuda \
       --ctx 512 --concurrency 1 --out "$OUT/bench" ;;
   trace30)

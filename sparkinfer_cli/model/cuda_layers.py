@@ -20,7 +20,7 @@ from sparkinfer_cli.kernels.cuda import (
     norm,
 )
 from sparkinfer_cli.kernels.cuda import quant_gemv as qg
-from sparkinfer_cli.kernels.cuda.attention_input import NewTokens
+from sparkinfer_cli.kernels.cuda.attention_input import prepare_attention_input
 from sparkinfer_cli.kernels.cuda.expert_route import ExpertRoute, route_experts
 from sparkinfer_cli.model.config import ROPE_NEOX, ModelConfig
 from sparkinfer_cli.model.cuda_cache import CudaModelCache
@@ -185,20 +185,19 @@ class CudaAttention:
                                     stream)
         q, k, v = q.reshape(rows, H, D), k.reshape(rows, H_kv, D), v.reshape(rows, H_kv, D)
         li = cache.attn_index[self.layer]
-        new = NewTokens(k, v, self.q_norm, self.k_norm, cfg.rms_eps, ws.positions, cfg.n_rot,
-                        cfg.rope_base, ws.slot_mapping, cfg.rope_style == ROPE_NEOX)
+        prepare_attention_input(q, k, v, self.q_norm, self.k_norm, cfg.rms_eps, ws.positions,
+                                cfg.n_rot, cfg.rope_base, cache.k[li], cache.v[li],
+                                ws.slot_mapping, neox=cfg.rope_style == ROPE_NEOX,
+                                scales=cache.kv_scales(li), stream=stream)
         out = ws.act("attn.out", H * D)
         args = (q, cache.k[li], cache.v[li], ws.block_tables, ws.seq_lens, out.f.reshape(rows, H, D))
         options = {"stream": stream, "row_seq": ws.row_seq, "scales": cache.kv_scales(li)}
         fused_q8 = None  # the q8 activations the attention kernel fills itself
-        if ws.multi_token:  # the pass's keys all stored before any query attends
-            new.prepare(q, cache.k[li], cache.v[li], cache.kv_scales(li), stream)
         if ws.multi_token and attention_prefill.supports(H, H_kv, D):  # queries share K/V tiles
             attention_prefill.prefill_attention(*args, **options)
         else:  # one query per sequence: keys split over blocks
             fused_q8 = None if self.gated else out.q
-            attention.paged_decode_attention(*args, ws.attn, act=fused_q8,
-                                             new_tokens=None if ws.multi_token else new, **options)
+            attention.paged_decode_attention(*args, ws.attn, act=fused_q8, **options)
         if self.gated:
             activation.sigmoid_mul(out.f, gate[0], out.f, stream=stream, act=out.q)
         elif fused_q8 is None:

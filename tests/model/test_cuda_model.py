@@ -172,9 +172,9 @@ def test_q8_top1_matches_native_llama_cpp_where_clear(family: str, variant: str,
 @pytest.mark.gpu
 @pytest.mark.parametrize("family,variant", CASES)
 def test_q8_decode_top1_matches_native_llama_cpp_where_clear(family: str, variant: str) -> None:
-    """The short prompt fed one token a pass (decode graphs over the F16 cache: the tensor-core
-    decode kernel norms, rotates and stores each new token itself) against llama.cpp's native
-    logits of the whole prompt, as the prefill above."""
+    """The short prompt fed one token a pass (decode graphs: each token's K/V stored in the F16
+    cache, the split-K decode kernel over it, the GEMVs on q8 activations) against llama.cpp's
+    native logits of the whole prompt (its batched pass), as the prefill above."""
     g, model = _goldens(family), _tiny(family, variant, exact=False)
     ids = g["prompt_short"]
     cache = model.create_cache(-(-len(ids) // BLOCK_SIZE), BLOCK_SIZE, 1)

@@ -564,7 +564,7 @@ class DecodeWorkspace:
 
 def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, out, ws: DecodeWorkspace,
                            scale: float | None = None, stream=0, row_seq=None,
-                           scales=None, act=None, new_tokens=None) -> None:
+                           scales=None, act=None) -> None:
     """q (n_rows, n_heads, head_dim) f32 attends to the first seq_lens[r] cached tokens → out.
 
     row_seq: int32 (n_rows,) block-table row of each query row (default: row r uses row r), so the
@@ -572,9 +572,6 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, out, ws: 
     scales: (k_scales, v_scales) f32, one per 32 cached values, for int8 caches.
     act: a quant_gemv.QuantizedActivations of out's size, filled with out's q8 form in the same
     launch (saves the quantize launch before the output projection).
-    new_tokens: an attention_input.NewTokens when q comes straight from the projection (one query
-    row a sequence, at its last position): its norm, RoPE and K/V store first — inside the
-    tensor-core kernel where that serves, else attention_input's kernel before this one's.
     """
     n_seqs, n_heads, head_dim = q.shape
     _, block_size, n_kv, _ = k_cache.shape
@@ -585,11 +582,6 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, out, ws: 
     from sparkinfer_cli.kernels.cuda import attention_mma
 
     packed = attention_mma.tensor_core_group(n_heads, n_kv, kind, head_dim)
-    if new_tokens is not None:
-        new_tokens.check(q, k_cache)
-        if not packed:
-            new_tokens.prepare(q, k_cache, v_cache, scales, stream)
-            new_tokens = None
     heads = n_heads // n_kv if packed else heads_per_block(n_heads, n_kv, kind)
     # each kernel's split cap and block target
     cap, target = (MAX_SPLITS, attention_mma.SPLIT_BLOCKS) if packed else \
@@ -616,7 +608,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, out, ws: 
     if packed:
         attention_mma.paged_decode(q, k_flat, v_flat, table, block_table.shape[1], row_seq,
                                    seq_lens, n_kv, block_size, float32(scale), ws, n_splits, out,
-                                   act is not None, q8, stream, new_tokens)
+                                   act is not None, q8, stream)
         return
     _split_kernel(head_dim, kind, act is not None, heads)[(n_heads // heads, n_seqs, n_splits),
                                                           CHUNK, stream](

@@ -6,18 +6,12 @@ q heads are normed and rotated in place; k heads too, then stored in the cache; 
 stored. RoPE rotates the first n_rot dims of each head: pair i < n_rot/2 is (i, i + n_rot/2) (NEOX)
 or (2i, 2i + 1) (normal), by θ = pos · base^(-2i/n_rot), formed in float64 so positions up to 256k
 keep full float32 accuracy in cos/sin.
-
-A decode pass (one query row a sequence) leaves this to the tensor-core decode kernel instead
-(attention_mma.py, given the raw projections as NewTokens): its blocks norm and rotate their own
-query heads with the device functions below (rope_table, norm_head, rotated), and the block that
-holds a row's last key stores that key's K/V: one launch fewer per attention layer.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 
 import numpy as np
 from numba import cuda, float32, float64
@@ -26,7 +20,7 @@ from sparkinfer_cli.kernels.cuda.attention import flat_scales, kv_kind, store_kv
 from sparkinfer_cli.kernels.cuda.intrinsics import chain_start
 from sparkinfer_cli.kernels.cuda.jit import device_function, kernel
 from sparkinfer_cli.kernels.cuda.launch import check_array
-from sparkinfer_cli.kernels.cuda.warp import block_sum, warp_sum
+from sparkinfer_cli.kernels.cuda.warp import block_sum
 
 
 @device_function
@@ -34,46 +28,6 @@ def rope_cos_sin(pos, i, n_rot, log_base):
     """cos and sin of pair i's angle θ = pos · base^(-2i/n_rot)."""
     theta = float64(pos) * math.exp(-2.0 * i / n_rot * log_base)
     return float32(math.cos(theta)), float32(math.sin(theta))
-
-
-@device_function
-def rope_table(cs, pos, n_rot, log_base):
-    """cs[2i], cs[2i + 1] = cos, sin of pair i's angle at pos, i < n_rot / 2 (the block's
-    threads a pair each: the angles every head of a token shares)."""
-    for i in range(cuda.threadIdx.x, n_rot // 2, cuda.blockDim.x):
-        cs[2 * i], cs[2 * i + 1] = rope_cos_sin(pos, i, n_rot, log_base)
-
-
-@device_function
-def norm_head(x, at, head_dim, norm_w, has_norm, eps, out, out_at):
-    """Called by the 32 lanes of a warp: out[out_at + d] = x[at + d]·rms⁻¹·norm_w[d] for the
-    head's head_dim (≤ 256) elements (just the copy without a norm); lane l takes d = l + 32e."""
-    lane = cuda.threadIdx.x % 32
-    vals = cuda.local.array(8, float32)
-    squares = float32(0.0)
-    for e in range(head_dim // 32):
-        vals[e] = x[at + lane + 32 * e]
-        squares += vals[e] * vals[e]
-    inv = float32(1.0)
-    if has_norm:  # warp-uniform
-        inv = float32(1.0) / math.sqrt(warp_sum(squares) / float32(head_dim) + eps)
-    for e in range(head_dim // 32):
-        d = lane + 32 * e
-        out[out_at + d] = vals[e] * inv * norm_w[d] if has_norm else vals[e]
-
-
-@device_function
-def rotated(vals, base, d, n_rot, neox, cs):
-    """Element d of the head in vals[base:] after RoPE (cs: its token's rope_table)."""
-    y = vals[base + d]
-    if d >= n_rot:
-        return y
-    half = n_rot // 2
-    pair = (d % half) if neox else d // 2
-    first = d < half if neox else d % 2 == 0
-    other = vals[base + (d + half) % n_rot] if neox else vals[base + (d ^ 1)]
-    c, s = cs[2 * pair], cs[2 * pair + 1]
-    return y * c - other * s if first else other * s + y * c
 
 
 @functools.cache
@@ -118,21 +72,6 @@ def _prepare_kernel(head_dim: int, kind: int):
     return prepare
 
 
-def check_input(q, k, v, positions, slot_mapping, n_rot: int, k_cache) -> None:
-    """The checks every consumer of (q, k, v) as the projection leaves them makes."""
-    n_tokens, _, head_dim = q.shape
-    n_kv = k.shape[1]
-    check_array("q", q, np.float32)
-    for name, arr in (("k", k), ("v", v)):
-        check_array(name, arr, np.float32, (n_tokens, n_kv, head_dim))
-    check_array("positions", positions, np.int32, (n_tokens,))
-    check_array("slot_mapping", slot_mapping, np.int32, (n_tokens,))
-    if head_dim % 32 or n_rot % 2 or n_rot > head_dim:
-        raise ValueError(f"head_dim {head_dim} (32·n) and n_rot {n_rot} (even, ≤ head_dim)")
-    if k_cache.shape[2:] != (n_kv, head_dim):
-        raise ValueError(f"cache {k_cache.shape} cannot hold ({n_kv}, {head_dim})")
-
-
 def prepare_attention_input(q, k, v, q_norm, k_norm, eps: float, positions, n_rot: int,
                             base: float, k_cache, v_cache, slot_mapping, *, neox: bool = True,
                             scales=None, stream=0) -> None:
@@ -141,10 +80,16 @@ def prepare_attention_input(q, k, v, q_norm, k_norm, eps: float, positions, n_ro
     scales = (k_scales, v_scales), one float32 per 32 values)."""
     n_tokens, n_heads, head_dim = q.shape
     n_kv = k.shape[1]
-    check_input(q, k, v, positions, slot_mapping, n_rot, k_cache)
-    if head_dim > 1024:
-        raise ValueError(f"head_dim {head_dim} > 1024")
+    check_array("q", q, np.float32)
+    for name, arr in (("k", k), ("v", v)):
+        check_array(name, arr, np.float32, (n_tokens, n_kv, head_dim))
+    check_array("positions", positions, np.int32, (n_tokens,))
+    check_array("slot_mapping", slot_mapping, np.int32, (n_tokens,))
+    if head_dim % 32 or head_dim > 1024 or n_rot % 2 or n_rot > head_dim:
+        raise ValueError(f"head_dim {head_dim} (32·n ≤ 1024) and n_rot {n_rot} (even, ≤ head_dim)")
     kind = kv_kind(k_cache)
+    if k_cache.shape[2:] != (n_kv, head_dim):
+        raise ValueError(f"cache {k_cache.shape} cannot hold ({n_kv}, {head_dim})")
     has_norm = q_norm is not None
     q_norm, k_norm = (q_norm, k_norm) if has_norm else (q.reshape(q.size),) * 2
     _prepare_kernel(head_dim, kind)[(n_tokens, n_heads + 2 * n_kv), head_dim, stream](
@@ -152,38 +97,3 @@ def prepare_attention_input(q, k, v, q_norm, k_norm, eps: float, positions, n_ro
         float32(eps), positions, n_rot, math.log(base), neox, k_cache.reshape(k_cache.size),
         v_cache.reshape(v_cache.size), *flat_scales(kind, scales, k_cache.size), slot_mapping,
         n_heads, n_kv)
-
-
-@dataclass(frozen=True)
-class NewTokens:
-    """The attention input as the QKV projection leaves it, beside its q: k and v (n_rows, n_kv,
-    head_dim) f32, the q/k norm weights (None: no norm), RoPE and each row's cache slot."""
-
-    k: object
-    v: object
-    q_norm: object
-    k_norm: object
-    eps: float
-    positions: object
-    n_rot: int
-    base: float
-    slot_mapping: object
-    neox: bool
-
-    def prepare(self, q, k_cache, v_cache, scales, stream) -> None:
-        """prepare_attention_input: q and k normed and rotated in place, k and v stored."""
-        prepare_attention_input(q, self.k, self.v, self.q_norm, self.k_norm, self.eps,
-                                self.positions, self.n_rot, self.base, k_cache, v_cache,
-                                self.slot_mapping, neox=self.neox, scales=scales, stream=stream)
-
-    def check(self, q, k_cache) -> None:
-        check_input(q, self.k, self.v, self.positions, self.slot_mapping, self.n_rot, k_cache)
-
-    def kernel_args(self) -> tuple:
-        """(k, v, q_norm, k_norm, has_norm, eps, positions, n_rot, log_base, neox, slot_mapping)
-        as a kernel takes them (flat arrays; without norms the weights are placeholders)."""
-        has_norm = self.q_norm is not None
-        k, v = self.k.reshape(self.k.size), self.v.reshape(self.v.size)
-        q_norm, k_norm = (self.q_norm, self.k_norm) if has_norm else (k, k)
-        return (k, v, q_norm, k_norm, has_norm, float32(self.eps), self.positions, self.n_rot,
-                math.log(self.base), self.neox, self.slot_mapping)

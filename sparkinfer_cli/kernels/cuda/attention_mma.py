@@ -26,18 +26,14 @@ import functools
 import math
 
 from numba import cuda, float32, int64, uint32
-from numba.cuda.types import float16
 
 from sparkinfer_cli.kernels.cuda.attention import (
     CHUNK,
     KV_F16,
     WARPS,
-    _identity_rows,
-    _placeholder,
     _split_weights,
     _store_out,
 )
-from sparkinfer_cli.kernels.cuda.attention_input import norm_head, rope_table, rotated
 from sparkinfer_cli.kernels.cuda.intrinsics import (
     LDMATRIX_ALIGN,
     bits_to_f32,
@@ -51,7 +47,7 @@ from sparkinfer_cli.kernels.cuda.intrinsics import (
     pack_f16x2,
 )
 from sparkinfer_cli.kernels.cuda.jit import device_function, kernel
-from sparkinfer_cli.kernels.cuda.warp import shfl_xor, warp_sum
+from sparkinfer_cli.kernels.cuda.warp import shfl_xor
 
 MAX_GROUP = 8  # query heads a kv head may serve here (one n8 tile)
 TILE_KEYS = 16  # keys a warp scores at once (the mma's m)
@@ -103,65 +99,6 @@ def _stage_q(q, row0, group, scale, head_dim, q_sh, q_words):
         at = uint32(r * q_words + 2 * c)
         q_sh[at] = pack_f16x2(x[0], x[1])
         q_sh[at + U1] = pack_f16x2(x[2], x[3])
-
-
-@device_function
-def _stage_new_q(q, new_k, q_norm, k_norm, has_norm, eps, pos, n_rot, log_base, neox, row0,
-                 kv_row, group, scale, head_dim, q_sh, q_words, heads_sh, cs_sh, new_key):
-    """_stage_q from the projection's raw q: each head rms-normed (has_norm) and rotated on the
-    way, through heads_sh (f32 rows: the block's heads, then with new_key the row's new k, normed
-    for _new_key). cs_sh: the token's rope_table."""
-    warp, tid = cuda.threadIdx.x // 32, cuda.threadIdx.x
-    rope_table(cs_sh, pos, n_rot, log_base)
-    for j in range(warp, group + 1, WARPS):  # warp-uniform: a warp a head
-        if j < group:
-            norm_head(q, (row0 + j) * head_dim, head_dim, q_norm, has_norm, eps, heads_sh,
-                      j * head_dim)
-        elif new_key:
-            norm_head(new_k, kv_row * head_dim, head_dim, k_norm, has_norm, eps, heads_sh,
-                      group * head_dim)
-    cuda.syncthreads()
-    quads = head_dim // 4
-    x = cuda.local.array(4, float32)
-    for it in range(16 * quads // CHUNK):
-        i = it * CHUNK + tid
-        r, c = i // quads, i % quads
-        live = r < group
-        base = min(r, group - 1) * head_dim
-        for e in range(4):
-            y = rotated(heads_sh, base, 4 * c + e, n_rot, neox, cs_sh)
-            x[e] = y * scale if live else float32(0.0)
-        at = uint32(r * q_words + 2 * c)
-        q_sh[at] = pack_f16x2(x[0], x[1])
-        q_sh[at + U1] = pack_f16x2(x[2], x[3])
-
-
-@device_function
-def _new_key(new_v, kv_row, slot, n_kv, kv_head, group, head_dim, heads_sh, cs_sh, n_rot, neox,
-             k_cache, v_cache, q_sh, q_words, new_v_sh, ml_sh):
-    """The row's new token, the split's last key (its scan leaves it out: the cache does not
-    hold it yet): its rotated k and its v, rounded to f16, → the caches at `slot` (v also to
-    new_v_sh); each head's score q·k (q_sh's f16 q·scale) → the new key's softmax source in
-    ml_sh (max = the score, sum 1: source WARPS of WARPS + 1), which _merge_warps adds to the
-    warps'."""
-    tid, warp, lane = cuda.threadIdx.x, cuda.threadIdx.x // 32, cuda.threadIdx.x % 32
-    normed, key = group * head_dim, (group + 1) * head_dim  # heads_sh rows: k normed, rotated
-    dst = (slot * n_kv + kv_head) * head_dim
-    for d in range(tid, head_dim, CHUNK):
-        k16 = float16(rotated(heads_sh, normed, d, n_rot, neox, cs_sh))
-        v16 = float16(new_v[kv_row * head_dim + d])
-        k_cache[dst + d], v_cache[dst + d] = k16, v16
-        heads_sh[key + d], new_v_sh[d] = float32(k16), float32(v16)
-    cuda.syncthreads()
-    for h in range(warp, group, WARPS):  # warp-uniform
-        part = float32(0.0)
-        for d in range(lane, head_dim, 32):
-            w = q_sh[uint32(h * q_words + d // 2)]
-            part += f16_bits_to_f32((w >> 16) if d % 2 else w) * heads_sh[key + d]
-        score = warp_sum(part)
-        if lane == 0:
-            ml_sh[WARPS * MAX_GROUP + h] = score
-            ml_sh[(2 * WARPS + 1) * MAX_GROUP + h] = 1.0
 
 
 @device_function
@@ -294,25 +231,22 @@ def _add_pv(acc, v, v_cache, row_sh, rbase, p_sh, pbase, dim0, per_lane, group):
 
 @device_function
 def _merge_warps(acc, m_run, l_run, ml_sh, acc_sh, row0, split, n_splits, group, head_dim,
-                 per_lane, part_m, part_l, part_acc, slots, new_key, new_v_sh):
-    """The softmax states of the 4 warps (and with new_key of the row's new key, source WARPS:
-    its score, sum 1 and V in new_v_sh, _new_key's) → the split's partial per head: max M over
-    the sources, sum Σ_w e^(m_w - M)·l_w, accumulator Σ_w e^(m_w - M)·acc_w. Each warp rescales
-    its own accumulators, then a two-round tree adds them in registers, (w0 + w2) + (w1 + w3) (a
-    fixed order: the same sums every run), through acc_sh (2 warps' accumulators); warp 0 adds
-    the new key's and stores. ml_sh: the maxima of `slots` sources × MAX_GROUP heads, then their
-    sums (only what a block's sources wrote is read: shared memory starts undefined)."""
+                 per_lane, part_m, part_l, part_acc):
+    """The 4 warps' softmax states → the split's partial per head: max M over the warps, sum
+    Σ_w e^(m_w - M)·l_w, accumulator Σ_w e^(m_w - M)·acc_w. Each warp rescales its own
+    accumulators, then a two-round tree adds them in registers, (w0 + w2) + (w1 + w3) (a fixed
+    order: the same sums every run), through acc_sh (2 warps' accumulators); warp 0 stores."""
     tid, warp, lane = cuda.threadIdx.x, cuda.threadIdx.x // 32, cuda.threadIdx.x % 32
     t = lane % 4
-    l0 = slots * MAX_GROUP  # the sums' offset in ml_sh
-    n_src = WARPS + 1 if new_key else WARPS
     if lane < 4:  # lanes 0..3 hold head columns 2t, 2t + 1
         for i in range(2):
             ml_sh[warp * MAX_GROUP + 2 * t + i] = m_run[i]
-            ml_sh[l0 + warp * MAX_GROUP + 2 * t + i] = l_run[i]
+            ml_sh[(WARPS + warp) * MAX_GROUP + 2 * t + i] = l_run[i]
     cuda.syncthreads()
     for h in range(group):
-        top = _top(ml_sh, h, n_src)
+        top = _NEG
+        for o in range(WARPS):
+            top = max(top, ml_sh[o * MAX_GROUP + h])
         f = math.exp(ml_sh[warp * MAX_GROUP + h] - top)
         for e in range(per_lane):
             acc[h * per_lane + e] *= f
@@ -332,29 +266,19 @@ def _merge_warps(acc, m_run, l_run, ml_sh, acc_sh, row0, split, n_splits, group,
         cuda.syncthreads()  # read before the next round rewrites acc_sh
     if warp == 0:
         for h in range(group):
-            if new_key:
-                f = math.exp(ml_sh[WARPS * MAX_GROUP + h] - _top(ml_sh, h, n_src))
-                for e in range(per_lane):
-                    acc[h * per_lane + e] += f * new_v_sh[dims + e]
             for e in range(per_lane):
                 part_acc[((row0 + h) * n_splits + split) * head_dim + dims + e] = \
                     acc[h * per_lane + e]
     if tid < group:
-        top = _top(ml_sh, tid, n_src)
+        top = _NEG
+        for o in range(WARPS):
+            top = max(top, ml_sh[o * MAX_GROUP + tid])
         total = float32(0.0)
-        for o in range(n_src):
-            total += math.exp(ml_sh[o * MAX_GROUP + tid] - top) * ml_sh[l0 + o * MAX_GROUP + tid]
+        for o in range(WARPS):
+            total += math.exp(ml_sh[o * MAX_GROUP + tid] - top) * ml_sh[(WARPS + o) * MAX_GROUP
+                                                                         + tid]
         part_m[(row0 + tid) * n_splits + split] = top
         part_l[(row0 + tid) * n_splits + split] = total
-
-
-@device_function
-def _top(ml_sh, h, n_src):
-    """Head h's max over the n_src sources' running maxima."""
-    top = _NEG
-    for o in range(n_src):
-        top = max(top, ml_sh[o * MAX_GROUP + h])
-    return top
 
 
 @device_function
@@ -399,25 +323,19 @@ def _scan_tiles(q_sh, q_words, k_cache, v_cache, block_table, table, block_size,
 
 
 @functools.cache
-def gqa_kernel(head_dim: int, group: int, fresh: bool = False):
-    """fresh: q, new_k, new_v are the projection's raw output (NewTokens.kernel_args): the blocks
-    norm and rotate their q heads, the split holding a row's last key stores it (_new_key)."""
+def gqa_kernel(head_dim: int, group: int):
     per_lane = head_dim // 32
     q_words, k_words = head_dim // 2 + 4, STAGE_DIMS // 2 + 4  # padded rows: ldmatrix, no conflicts
     acc_len = MAX_GROUP * per_lane
-    slots = WARPS + 1 if fresh else WARPS  # softmax states a split merges: the warps' (+ new key)
     # shared / local array sizes must be compile-time constants
     q_len, k_len, rows_len = 16 * q_words, ROUND_KEYS * k_words, ROUND_KEYS
     p_len, corr_len = ROUND_KEYS * MAX_GROUP, WARPS * MAX_GROUP
-    ml_len = 2 * slots * MAX_GROUP
-    # the merge tree's first round; before the scan (fresh) the heads' f32 rows, ≥ group + 2
-    acc_sh_len = WARPS // 2 * group * head_dim
-    new_v_len = head_dim if fresh else 1
+    ml_len = 2 * corr_len
+    acc_sh_len = WARPS // 2 * group * head_dim  # the merge tree's first round
 
     @kernel(fastmath=True)
     def decode_gqa(q, k_cache, v_cache, block_table, max_blocks, row_seq, seq_lens, n_kv,
-                   block_size, scale, part_m, part_l, part_acc, new_k, new_v, q_norm, k_norm,
-                   has_norm, eps, positions, n_rot, log_base, neox, slot_mapping):
+                   block_size, scale, part_m, part_l, part_acc):
         chain_start()
         # One block per (kv head, query row, split), as attention.py's decode_split with `group`
         # heads a block: it stores the split's partials (merge_kernel adds them up).
@@ -427,38 +345,26 @@ def gqa_kernel(head_dim: int, group: int, fresh: bool = False):
         q_sh = cuda.shared.array(q_len, uint32, alignment=LDMATRIX_ALIGN)
         k_sh = cuda.shared.array(k_len, uint32, alignment=LDMATRIX_ALIGN)
         row_sh = cuda.shared.array(rows_len, int64)
-        p_sh = cuda.shared.array(p_len, float32)  # before the scan (fresh): the rope table
-        ml_sh = cuda.shared.array(ml_len, float32)  # the sources' (max, sum)
+        p_sh = cuda.shared.array(p_len, float32)
+        ml_sh = cuda.shared.array(ml_len, float32)  # the warps' (max, sum)
         corr_sh = cuda.shared.array(corr_len, float32)
         acc_sh = cuda.shared.array(acc_sh_len, float32)
-        new_v_sh = cuda.shared.array(new_v_len, float32)
         acc = cuda.local.array(acc_len, float32)
         m_run, l_run = cuda.local.array(2, float32), cuda.local.array(2, float32)
         seq_len = seq_lens[seq]
         split_len = _split_len(seq_len, n_splits)
         if split * split_len < seq_len:  # block-uniform: the split holds keys
-            end = min(seq_len, (split + 1) * split_len)
-            new_key = fresh and end == seq_len  # the row's new token: not in the cache yet
-            if fresh:
-                _stage_new_q(q, new_k, q_norm, k_norm, has_norm, eps, positions[seq], n_rot,
-                             log_base, neox, row0, seq * n_kv + kv_head, group, scale, head_dim,
-                             q_sh, q_words, acc_sh, p_sh, new_key)
-                if new_key:
-                    _new_key(new_v, seq * n_kv + kv_head, slot_mapping[seq], n_kv, kv_head, group,
-                             head_dim, acc_sh, p_sh, n_rot, neox, k_cache, v_cache, q_sh, q_words,
-                             new_v_sh, ml_sh)
-            else:
-                _stage_q(q, row0, group, scale, head_dim, q_sh, q_words)
+            _stage_q(q, row0, group, scale, head_dim, q_sh, q_words)
             for e in range(acc_len):
                 acc[e] = 0.0
             for i in range(2):
                 m_run[i], l_run[i] = _NEG, 0.0
             _scan_tiles(q_sh, q_words, k_cache, v_cache, block_table, row_seq[seq] * max_blocks,
                         block_size, n_kv, kv_head, head_dim, group, split * split_len,
-                        end - 1 if new_key else end, row_sh, k_sh, k_words, p_sh, corr_sh, acc,
-                        m_run, l_run)
+                        min(seq_len, (split + 1) * split_len), row_sh, k_sh, k_words, p_sh,
+                        corr_sh, acc, m_run, l_run)
             _merge_warps(acc, m_run, l_run, ml_sh, acc_sh, row0, split, n_splits, group,
-                         head_dim, per_lane, part_m, part_l, part_acc, slots, new_key, new_v_sh)
+                         head_dim, per_lane, part_m, part_l, part_acc)
     return decode_gqa
 
 
@@ -508,25 +414,15 @@ def merge_kernel(head_dim: int, quantize: bool):
 
 def paged_decode(q, k_cache, v_cache, block_table, max_blocks, row_seq, seq_lens, n_kv,
                  block_size, scale, ws, n_splits: int, out, quantize: bool, q8: tuple,
-                 stream, new_tokens=None) -> None:
+                 stream) -> None:
     """attention.paged_decode_attention on tensor cores (flat caches and table as it passes
     them): the scan's partials in ws, then their merge into out (and its q8 form q8 = (xq, xd,
-    xs) when quantize). new_tokens: q is the projection's raw output, its NewTokens (their norm,
-    RoPE and K/V store happen in the scan's kernel)."""
+    xs) when quantize)."""
     n_seqs, n_heads, head_dim = q.shape
     group = n_heads // n_kv
-    fresh = new_tokens is not None
-    new = new_tokens.kernel_args() if fresh else _no_new_tokens()
-    gqa_kernel(head_dim, group, fresh)[(n_kv, n_seqs, n_splits), CHUNK, stream](
+    gqa_kernel(head_dim, group)[(n_kv, n_seqs, n_splits), CHUNK, stream](
         q.reshape(q.size), k_cache, v_cache, block_table, max_blocks, row_seq, seq_lens, n_kv,
-        block_size, scale, ws.part_m, ws.part_l, ws.part_acc, *new)
+        block_size, scale, ws.part_m, ws.part_l, ws.part_acc)
     merge_kernel(head_dim, quantize)[
         (n_heads, n_seqs, head_dim // MERGE_DIMS), CHUNK, stream](
         seq_lens, ws.part_m, ws.part_l, ws.part_acc, n_splits, out.reshape(out.size), *q8)
-
-
-def _no_new_tokens() -> tuple:
-    """NewTokens.kernel_args' placeholders for a launch whose q is ready (normed, rotated, its
-    keys stored)."""
-    f, i = _placeholder(), _identity_rows(1)
-    return f, f, f, f, False, float32(0.0), i, 0, 0.0, False, i
