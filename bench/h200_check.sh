@@ -19,6 +19,13 @@
 #                                      # (CUPTI, in order), then its host side       (~2 min)
 #   bash bench/h200_check.sh moe       # MoE-model GPU tests (exact decode, batched, q8 top-1), a
 #                                      # Qwen3-30B step's trace, `sparkinfer bench` after 512 (~7 min)
+#   BASE=oldtree bash bench/h200_check.sh ab30
+#                                      # `sparkinfer bench`, Qwen3-30B after 512 tokens, for the
+#                                      # tree in $BASE, then this one, on the same machine: lent
+#                                      # H200s differ by up to 14 % in batch-1 decode. Make BASE
+#                                      # here first (an untracked folder travels with the
+#                                      # checkout): mkdir oldtree && git archive <commit>
+#                                      # sparkinfer_cli | tar -x -C oldtree        (~3.5 min)
 #   bash bench/h200_check.sh pdl       # `sparkinfer bench`, Qwen3-30B after 512 tokens, chained
 #                                      # launches off then on; graph and exact-decode GPU tests
 #                                      # (~7 min)
@@ -26,8 +33,8 @@
 # Everything is logged under $OUT (the device tool brings that folder back).
 set -u
 case "${1:-tests}" in
-  tests|queued|oracle|kernels|gemm|profile|bench36|bench30|trace30|pdl|moe) ;;
-  *) echo "usage: $0 tests|queued|oracle|kernels|gemm|profile|bench36|bench30|trace30|pdl|moe" >&2; exit 2 ;;
+  tests|queued|oracle|kernels|gemm|profile|bench36|bench30|trace30|pdl|moe|ab30) ;;
+  *) echo "usage: $0 tests|queued|oracle|kernels|gemm|profile|bench36|bench30|trace30|pdl|moe|ab30" >&2; exit 2 ;;
 esac
 OUT=${OUT:-/tmp/h200_out}
 mkdir -p "$OUT"
@@ -100,6 +107,14 @@ case "${1:-tests}" in
       --steps 10 --trace
     run bench30.log 150 python3 -m sparkinfer_cli bench --synthetic qwen3-30b-a3b --device cuda \
       --ctx 512 --concurrency 1 --out "$OUT/bench" ;;
+  ab30)  # session 16: a baseline tree and this one in one call
+    [ -d "${BASE:-}/sparkinfer_cli" ] || { echo "BASE=<folder holding sparkinfer_cli>" >&2; exit 2; }
+    for tree in "$BASE" .; do
+      name=$(basename "$(cd "$tree" && pwd)")
+      PYTHONPATH=$S:$(cd "$tree" && pwd) run "bench30_$name.log" 150 python3 -m sparkinfer_cli \
+        bench --synthetic qwen3-30b-a3b --device cuda --ctx 512 --concurrency 1 \
+        --out "$OUT/bench_$name"
+    done ;;
   trace30)
     run trace30.log 200 python3 bench/cuda_kernel_profile.py qwen3-30b-a3b "$OUT/trace30.json" \
       --steps 10 --trace
