@@ -23,9 +23,9 @@
 #                                      # `sparkinfer bench`, Qwen3-30B after 512 tokens, for the
 #                                      # tree in $BASE, then this one, on the same machine: lent
 #                                      # H200s differ by up to 14 % in batch-1 decode. Make BASE
-#                                      # here first (an untracked folder travels with the
-#                                      # checkout): mkdir oldtree && git archive <commit>
-#                                      # sparkinfer_cli | tar -x -C oldtree        (~3.5 min)
+#                                      # here first, then carry it (ignored: /oldtree/): mkdir
+#                                      # oldtree && git archive <commit> sparkinfer_cli | tar -x
+#                                      # -C oldtree; carry [".whl", "oldtree"]       (~3.5 min)
 #   bash bench/h200_check.sh pdl       # `sparkinfer bench`, Qwen3-30B after 512 tokens, chained
 #                                      # launches off then on; graph and exact-decode GPU tests
 #                                      # (~7 min)
