@@ -109,11 +109,13 @@ case "${1:-tests}" in
       --ctx 512 --concurrency 1 --out "$OUT/bench" ;;
   ab30)  # session 16: a baseline tree and this one in one call
     [ -d "${BASE:-}/sparkinfer_cli" ] || { echo "BASE=<folder holding sparkinfer_cli>" >&2; exit 2; }
+    # each from inside its tree: `python3 -m` imports the current directory's package first,
+    # whatever PYTHONPATH says (session 16's first baselines ran this tree twice so)
     for tree in "$BASE" .; do
-      name=$(basename "$(cd "$tree" && pwd)")
-      PYTHONPATH=$S:$(cd "$tree" && pwd) run "bench30_$name.log" 150 python3 -m sparkinfer_cli \
-        bench --synthetic qwen3-30b-a3b --device cuda --ctx 512 --concurrency 1 \
-        --out "$OUT/bench_$name"
+      (cd "$tree" && name=$(basename "$PWD") && PYTHONPATH=$S:$PWD && \
+        python3 -c "import sparkinfer_cli; print('imported', sparkinfer_cli.__file__)" && \
+        run "bench30_$name.log" 150 python3 -m sparkinfer_cli bench --synthetic qwen3-30b-a3b \
+          --device cuda --ctx 512 --concurrency 1 --out "$OUT/bench_$name")
     done ;;
   trace30)
     run trace30.log 200 python3 bench/cuda_kernel_profile.py qwen3-30b-a3b "$OUT/trace30.json" \
