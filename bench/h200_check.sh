@@ -21,9 +21,9 @@
 #                                      # Qwen3-30B step's trace, `sparkinfer bench` after 512 (~7 min)
 #   BASE=oldtree bash bench/h200_check.sh ab30
 #                                      # `sparkinfer bench`, Qwen3-30B after 512 tokens, for the
-#                                      # tree in $BASE, then this one, on the same machine: lent
-#                                      # H200s differ by up to 14 % in batch-1 decode. Make BASE
-#                                      # here first, then carry it (ignored: /oldtree/): mkdir
+#                                      # tree in $BASE, then this one, on the same machine (a
+#                                      # baseline beside each candidate). Make BASE here
+#                                      # first, then carry it (ignored: /oldtree/): mkdir
 #                                      # oldtree && git archive <commit> sparkinfer_cli | tar -x
 #                                      # -C oldtree; carry [".whl", "oldtree"]       (~3.5 min)
 #   bash bench/h200_check.sh pdl       # `sparkinfer bench`, Qwen3-30B after 512 tokens, chained
