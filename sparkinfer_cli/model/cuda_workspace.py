@@ -233,7 +233,7 @@ class Workspace:
             return
         qg.gemv(lin.matrix, x.for_matrix(lin.matrix), y, slot_mat=self.zeros_i32(groups),
                 slot_x=self.iota(groups), up=None if up is None else up.matrix, bias=lin.bias,
-                one_matrix=True, stream=stream)
+                stream=stream)
 
     def linears(self, stacked: StackedLinears, x: Act, names: tuple[str, ...], stream,
                 beside: bool = True) -> list:

@@ -88,10 +88,6 @@ if IS_SIMULATOR:
     def chain_start():
         pass
 
-    def prefetch_l2(arr, off):
-        if not 0 <= int(off) < _bytes(arr).size:  # the GPU would fetch another buffer's line
-            raise IndexError(f"prefetch of byte {int(off)} of a {_bytes(arr).size}-byte array")
-
     def pack_f16x2(lo, hi):
         with np.errstate(over="ignore"):  # out of range → ±inf, as cvt.rn does
             halves = np.array([lo, hi], np.float32).astype(np.float16)  # round to nearest even
@@ -260,20 +256,6 @@ else:
             bits = context.cast(builder, args[0], sig.args[0], types.uint32)
             return builder.bitcast(bits, ir.FloatType())
         return types.float32(u), codegen
-
-    @intrinsic
-    def prefetch_l2(typingctx, arr, off):
-        """Ask L2 for the 128-byte line holding byte `off` of arr (a hint: no value, no fault)."""
-        if not isinstance(arr, types.Array) or not isinstance(off, types.Integer):
-            return None
-
-        def codegen(context, builder, sig, args):
-            addr = _address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
-            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [_I64]),
-                               "prefetch.global.L2 [$0];", "l", side_effect=True)
-            builder.call(asm, [addr])
-            return context.get_dummy_value()
-        return types.none(arr, off), codegen
 
     @intrinsic
     def chain_start(typingctx):

@@ -23,7 +23,7 @@ import dis
 from numba import cuda
 
 from sparkinfer_cli import env
-from sparkinfer_cli.kernels.cuda.intrinsics import IS_SIMULATOR, chain_start, prefetch_l2
+from sparkinfer_cli.kernels.cuda.intrinsics import IS_SIMULATOR
 
 _CHAINED = "_sparkinfer_chained"  # set on the Python function of every jit.kernel
 
@@ -52,46 +52,26 @@ def kernel(fn=None, **options):
     kernel is launched while its predecessor still runs, its blocks wait on the SMs, and go the
     moment the predecessor's writes are visible (H200, Qwen3-30B decode: 278 → 310 tok/s). For
     that the body must begin with `chain_start()` (intrinsics), checked here: a chained kernel
-    that touched memory before it would race with its predecessor (chain_start_prefetching may
-    begin it instead). SPARKINFER_CUDA_PDL=0 launches every kernel plainly."""
+    that touched memory before it would race with its predecessor. SPARKINFER_CUDA_PDL=0
+    launches every kernel plainly."""
     def wrap(f):
         if not _begins_with_chain_start(f):
-            raise TypeError(f"kernel {f.__qualname__}: the body must begin with chain_start() "
-                            "or chain_start_prefetching(...)")
+            raise TypeError(f"kernel {f.__qualname__}: the body must begin with chain_start()")
         setattr(f, _CHAINED, True)
         return cuda.jit(**options)(f)
     return wrap if fn is None else wrap(fn)
 
 
 def _begins_with_chain_start(f) -> bool:
-    """Whether f's bytecode begins with a call of the global chain_start without arguments, or
-    of chain_start_prefetching (the bytecode, not the source: that may have changed on disk
-    since the module was imported). The latter's arguments are computed before its wait: that
-    they read no memory is bench/cuda_compile_check.py's to check, in the PTX."""
+    """Whether f's bytecode begins with a call of the global chain_start without arguments (the
+    bytecode, not the source: that may have changed on disk since the module was imported)."""
     ops = [i for i in dis.get_instructions(f) if i.opname not in _PROLOGUE_OPS]
-    if len(ops) < 2 or ops[0].opname != "LOAD_GLOBAL":
-        return False
-    return ops[0].argval == "chain_start_prefetching" or (
-        ops[0].argval == "chain_start" and ops[1].opname in ("CALL", "CALL_FUNCTION")
-        and ops[1].arg == 0)
+    return (len(ops) >= 2 and ops[0].opname == "LOAD_GLOBAL" and ops[0].argval == "chain_start"
+            and ops[1].opname in ("CALL", "CALL_FUNCTION") and ops[1].arg == 0)
 
 
 _PROLOGUE_OPS = frozenset({"RESUME", "NOP", "PUSH_NULL", "PRECALL", "COPY_FREE_VARS", "MAKE_CELL",
                            "EXTENDED_ARG", "CACHE"})
-
-
-L2_LINE = 128  # bytes a prefetch brings into L2
-
-
-@device_function
-def chain_start_prefetching(a, b, lo, n_bytes):
-    """chain_start(), after asking L2 for bytes [lo, lo + n_bytes) of arrays a and b (a line a
-    thread; pass one array twice for one). For buffers no kernel of the step writes (weights):
-    the block's first DRAM reads then overlap its predecessor, not follow it."""
-    for off in range(lo + cuda.threadIdx.x * L2_LINE, lo + n_bytes, cuda.blockDim.x * L2_LINE):
-        prefetch_l2(a, off)
-        prefetch_l2(b, off)
-    chain_start()
 
 
 def _install_chained_launch() -> None:

@@ -48,7 +48,7 @@ from sparkinfer_cli.kernels.cuda.intrinsics import (
     ld_u32,
     ld_v4_u32,
 )
-from sparkinfer_cli.kernels.cuda.jit import chain_start_prefetching, device_function, kernel
+from sparkinfer_cli.kernels.cuda.jit import device_function, kernel
 from sparkinfer_cli.kernels.cuda.launch import cdiv, check_array, next_pow2
 from sparkinfer_cli.kernels.cuda.warp import shfl_xor, warp_max, warp_sum
 
@@ -442,12 +442,8 @@ def _gemv_kernel(ggml_type: GGMLType, n_cols: int, swiglu: bool = False,
 
     @kernel(fastmath=True)
     def gemv(w, w2, row_bytes, n_rows, mat_bytes, k, lanes_per_row, row_warps, n_row_blocks,
-             slot_mat, slot_x, xq, xd, xs, bias, has_bias, y0, y1, y2, y3, ends, prefetch_rows):
-        # prefetch_rows > 0 (every slot reads matrix 0): this block's first rows of W (and W2)
-        # head for L2 while the kernel before still runs
-        chain_start_prefetching(w, w2, cuda.blockIdx.y * prefetch_rows * row_bytes,
-                                min(prefetch_rows, n_rows - cuda.blockIdx.y * prefetch_rows)
-                                * row_bytes)
+             slot_mat, slot_x, xq, xd, xs, bias, has_bias, y0, y1, y2, y3, ends):
+        chain_start()
         slot = cuda.blockIdx.x
         xcol = cuda.local.array(n_cols, int32)  # (n_cols,) element offsets into x
         ycol = cuda.local.array(n_cols, int32)  # (n_cols,) output columns
@@ -598,8 +594,7 @@ def _default_slots():
 
 
 def gemv(w: DeviceQuantMatrix, x, y, *, slot_mat=None, slot_x=None,
-         up: DeviceQuantMatrix | None = None, bias=None, one_matrix: bool = False,
-         stream=0) -> None:
+         up: DeviceQuantMatrix | None = None, bias=None, stream=0) -> None:
     """y (n_slots, n_cols, n_rows) f32 ← W[slot_mat[s]] · x[slot_x[s]] (+ bias (n_rows,) f32).
 
     x is a QuantizedActivations for quantized weights, a float32 (n_groups, n_cols, k) device array
@@ -607,11 +602,8 @@ def gemv(w: DeviceQuantMatrix, x, y, *, slot_mat=None, slot_x=None,
     up: a second matrix of the same type and shape; then y = silu(W·x) ⊙ (up·x) (fused SwiGLU).
     y may be a sequence of up to MAX_PARTS arrays (n_slots, n_cols, rows_p) with Σ rows_p = n_rows:
     the stacked matrix's rows in order, one part per array.
-    one_matrix: every slot_mat entry is 0 (a dense linear over groups of columns); then, as with
-    the default slot_mat, each block prefetches its first rows before waiting on its predecessor.
     """
     _check_up(w, up)
-    prefetch = slot_mat is None or one_matrix
     slot_mat = _default_slots() if slot_mat is None else slot_mat
     slot_x = _default_slots() if slot_x is None else slot_x
     n_slots = slot_mat.size
@@ -623,15 +615,13 @@ def gemv(w: DeviceQuantMatrix, x, y, *, slot_mat=None, slot_x=None,
     warps = row_warps(w.ggml_type, w.k, w.n_rows * n_slots)
     units_a_lane = cdiv(units_per_row(w.ggml_type, w.k), lanes)
     lane_rows = rows_per_lane(n_cols, w.n_rows * n_slots, warps, units_a_lane)
-    rows_a_block = WARPS_PER_BLOCK // warps * (32 // lanes) * lane_rows
-    n_row_blocks = cdiv(w.n_rows, rows_a_block)
+    n_row_blocks = cdiv(w.n_rows, WARPS_PER_BLOCK // warps * (32 // lanes) * lane_rows)
     grid = (n_slots, min(n_row_blocks, MAX_GRID_Y))
     kernel = _gemv_kernel(w.ggml_type, n_cols, up is not None, lane_rows)
     kernel[grid, 32 * WARPS_PER_BLOCK, stream](
         w.data, w.data if up is None else up.data, w.row_bytes, w.n_rows, w.n_rows * w.row_bytes,
         w.k, lanes, warps, n_row_blocks, slot_mat, slot_x, xq, xd, xs,
-        parts[0] if bias is None else bias, bias is not None, *parts, ends,
-        rows_a_block if prefetch else 0)
+        parts[0] if bias is None else bias, bias is not None, *parts, ends)
 
 
 def _check_up(w: DeviceQuantMatrix, up: DeviceQuantMatrix | None) -> None:
