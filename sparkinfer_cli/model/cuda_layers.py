@@ -197,7 +197,8 @@ class CudaAttention:
             attention_prefill.prefill_attention(*args, **options)
         else:  # one query per sequence: keys split over blocks
             fused_q8 = None if self.gated else out.q
-            attention.paged_decode_attention(*args, ws.attn, act=fused_q8, **options)
+            attention.paged_decode_attention(*args, ws.attn, act=fused_q8,
+                                             tensor_cores=ws.attention_tensor_cores, **options)
         if self.gated:
             activation.sigmoid_mul(out.f, gate[0], out.f, stream=stream, act=out.q)
         elif fused_q8 is None:
