@@ -21,8 +21,8 @@
 #                                      # Qwen3-30B step's trace, `sparkinfer bench` after 512 (~7 min)
 #   BASE=oldtree bash bench/h200_check.sh ab30
 #                                      # `sparkinfer bench`, Qwen3-30B after 512 tokens, for the
-#                                      # tree in $BASE, then this one, on the same machine (a
-#                                      # baseline beside each candidate). Make BASE here
+#                                      # trees in $BASE (space-separated), then this one, on the
+#                                      # same machine (a baseline beside each candidate). Make them here
 #                                      # first, then carry it (ignored: /oldtree/): mkdir
 #                                      # oldtree && git archive <commit> sparkinfer_cli | tar -x
 #                                      # -C oldtree; carry [".whl", "oldtree"]       (~3.5 min)
@@ -108,10 +108,12 @@ case "${1:-tests}" in
     run bench30.log 150 python3 -m sparkinfer_cli bench --synthetic qwen3-30b-a3b --device cuda \
       --ctx 512 --concurrency 1 --out "$OUT/bench" ;;
   ab30)  # session 16: a baseline tree and this one in one call
-    [ -d "${BASE:-}/sparkinfer_cli" ] || { echo "BASE=<folder holding sparkinfer_cli>" >&2; exit 2; }
+    for tree in ${BASE:-}; do  # BASE: one or more folders, each holding a sparkinfer_cli
+      [ -d "$tree/sparkinfer_cli" ] || { echo "BASE=<folders holding sparkinfer_cli>" >&2; exit 2; }
+    done
     # each from inside its tree: `python3 -m` imports the current directory's package first,
     # whatever PYTHONPATH says (session 16's first baselines ran this tree twice so)
-    for tree in "$BASE" .; do
+    for tree in ${BASE:-} .; do
       (cd "$tree" && name=$(basename "$PWD") && PYTHONPATH=$S:$PWD && \
         python3 -c "import sparkinfer_cli; print('imported', sparkinfer_cli.__file__)" && \
         run "bench30_$name.log" 150 python3 -m sparkinfer_cli bench --synthetic qwen3-30b-a3b \
