@@ -28,6 +28,7 @@ import numpy as np
 from numba import cuda, float32, int32, int64, uint32
 
 from sparkinfer_cli.ggml_types import BLOCK_GEOMETRY, GGMLType, row_bytes
+from sparkinfer_cli.kernels.cuda import moe
 from sparkinfer_cli.kernels.cuda.ggml_blocks import (
     M1,
     M2,
@@ -48,7 +49,6 @@ from sparkinfer_cli.kernels.cuda.intrinsics import (
     ld_u32,
     ld_v4_u32,
 )
-from sparkinfer_cli.kernels.cuda import moe
 from sparkinfer_cli.kernels.cuda.jit import device_function, kernel
 from sparkinfer_cli.kernels.cuda.launch import cdiv, check_array, next_pow2
 from sparkinfer_cli.kernels.cuda.warp import shfl_xor, warp_max, warp_sum
