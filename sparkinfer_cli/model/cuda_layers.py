@@ -58,11 +58,6 @@ class CudaSwiGLU:
         norm.add_rms_norm(ws.delta, ws.h, norm_w, ws.x.f, eps, stream=stream, act=act)
 
 
-# Decode passes of up to this many tokens pick their experts inside the first expert GEMV
-# (every block of a slot runs its token's top-k: fine for one token, 96 blocks a slot)
-TOPK_IN_GEMV_MAX_ROWS = 1
-
-
 class CudaMoE:
     """Router top-k on the device; decode passes run one GEMV per (token, expert) slot reading
     only the selected experts (slot_mat = ids), prefills of ≥ EXPERTS_MMA_MIN_ROWS tokens sort
@@ -99,17 +94,11 @@ class CudaMoE:
         rows, k = ws.n_rows, self.k
         logits = ws.linears(self.routers, ws.x, ("router", "shexp.gate"), stream,
                             beside=False)[0]  # the side stream runs the shared expert
-        logits = logits.reshape(rows, self.n_expert)
         ids, weights = self._picks(ws)
-        # one decode token: its first expert GEMV picks the experts (a launch fewer)
-        in_gemv = rows <= TOPK_IN_GEMV_MAX_ROWS and not ws.uses_mma(rows, self.gate.matrix,
-                                                                    experts=True)
-        if not in_gemv:
-            moe.router_topk(logits, k, ids, weights, stream=stream)
+        moe.router_topk(logits.reshape(rows, self.n_expert), k, ids, weights, stream=stream)
         route = self._route(ws, stream)
         hidden = ws.act("moe.hidden", self.gate.n_rows, rows * k, 1)  # (slots, 1, ff)
-        self._experts(ws, route, ws.x.as_rows(), hidden.f, ws.iota(rows * k, k), stream,
-                      (logits, k, weights) if in_gemv else None)
+        self._experts(ws, route, ws.x.as_rows(), hidden.f, ws.iota(rows * k, k), stream)
         if not self._on_tensor_cores(route, self.down):  # the GEMV takes q8 activations
             hidden.quantize(stream)
         self._expert_gemv(ws, route, self.down, hidden, self._down(ws), ws.iota(rows * k), stream)
@@ -148,15 +137,13 @@ class CudaMoE:
     def _shared_out(ws: Workspace):
         return ws.buf("shexp.out", *ws.delta.shape)
 
-    def _experts(self, ws, route, x, hidden, token_of_slot, stream, topk=None) -> None:
-        """hidden (slots, 1, ff) = silu(gate_e·x) ⊙ (up_e·x) for each slot's expert e; topk:
-        the first GEMV's route (quant_gemv.gemv) when it picks the experts itself."""
+    def _experts(self, ws, route, x, hidden, token_of_slot, stream) -> None:
+        """hidden (slots, 1, ff) = silu(gate_e·x) ⊙ (up_e·x) for each slot's expert e."""
         if self.fused:
-            self._expert_gemv(ws, route, self.gate, x, hidden, token_of_slot, stream, up=self.up,
-                              topk=topk)
+            self._expert_gemv(ws, route, self.gate, x, hidden, token_of_slot, stream, up=self.up)
             return
         up = ws.buf("moe.up", *hidden.shape)
-        self._expert_gemv(ws, route, self.gate, x, hidden, token_of_slot, stream, topk=topk)
+        self._expert_gemv(ws, route, self.gate, x, hidden, token_of_slot, stream)
         self._expert_gemv(ws, route, self.up, x, up, token_of_slot, stream)
         activation.swiglu(hidden, up, hidden, stream=stream)
 
@@ -164,11 +151,9 @@ class CudaMoE:
     def _on_tensor_cores(route: ExpertRoute | None, w: DeviceLinear) -> bool:
         return route is not None and mma_gemm.supports(w.matrix)
 
-    def _expert_gemv(self, ws, route, w: DeviceLinear, x, y, slot_x, stream, up=None,
-                     topk=None) -> None:
+    def _expert_gemv(self, ws, route, w: DeviceLinear, x, y, slot_x, stream, up=None) -> None:
         """y[slot] = W[expert(slot)]·x[slot_x[slot]]: tensor-core GEMMs per expert tile when
-        routed, else one GEMV per slot reading only the selected experts (slot_mat = ids,
-        which it picks itself given topk)."""
+        routed, else one GEMV per slot reading only the selected experts (slot_mat = ids)."""
         up_matrix = None if up is None else up.matrix
         n_slots = y.shape[0]
         if self._on_tensor_cores(route, w):
@@ -177,7 +162,7 @@ class CudaMoE:
                                     stream=stream)
         else:
             qg.gemv(w.matrix, x.for_matrix(w.matrix), y, slot_x=slot_x, up=up_matrix,
-                    slot_mat=self._picks(ws)[0].reshape(n_slots), route=topk, stream=stream)
+                    slot_mat=self._picks(ws)[0].reshape(n_slots), stream=stream)
 
 
 class CudaAttention:
@@ -212,8 +197,7 @@ class CudaAttention:
             attention_prefill.prefill_attention(*args, **options)
         else:  # one query per sequence: keys split over blocks
             fused_q8 = None if self.gated else out.q
-            attention.paged_decode_attention(*args, ws.attn, act=fused_q8,
-                                             tensor_cores=ws.attention_tensor_cores, **options)
+            attention.paged_decode_attention(*args, ws.attn, act=fused_q8, **options)
         if self.gated:
             activation.sigmoid_mul(out.f, gate[0], out.f, stream=stream, act=out.q)
         elif fused_q8 is None:

@@ -6,8 +6,7 @@
 
 A pass of N tokens runs on a workspace of the next power of two rows (cuda_workspace.py). Every
 pass replays a CUDA graph captured the first time its kind is seen (row bucket; one or several
-tokens a sequence; decode attention's kernel: one sequence past 2k tokens takes the tensor-core
-one; logit rows; greedy ids or logits), after one eager run: all a pass varies is
+tokens a sequence; logit rows; greedy ids or logits), after one eager run: all a pass varies is
 in device buffers, and a 512-token prefill's ~680 eager launches cost more host time than its
 kernels take. Decode graphs of up to MAX_GRAPH_ROWS sequences are captured at load; passes with
 several tokens a sequence run attention as the tiled prefill kernel. Passes of ≥
@@ -38,7 +37,7 @@ from rich.console import Console
 
 from sparkinfer_cli.ggml_types import GGMLType
 from sparkinfer_cli.gguf_file import GGUFFile
-from sparkinfer_cli.kernels.cuda import attention, embedding, graphs, norm, sampling
+from sparkinfer_cli.kernels.cuda import embedding, graphs, norm, sampling
 from sparkinfer_cli.kernels.cuda.driver_calls import (
     StreamMark,
     copy_device_async,
@@ -251,9 +250,6 @@ class CudaModel:
         on_host = self.token_embd is None
         ws.fill(batch, self.embedding(batch.token_ids) if on_host else None, step)
         ws.multi_token = max(batch.num_new_tokens) > 1
-        longest = max(s + n for s, n in zip(batch.start_positions, batch.num_new_tokens))
-        ws.attention_tensor_cores = ws.multi_token or attention.tensor_cores_pay(
-            len(batch.token_ids), longest)
         ws.upload(self.stream, step)
         if device_tokens is not None:
             n = len(batch.token_ids)
@@ -262,7 +258,7 @@ class CudaModel:
         logit_rows = row_bucket(n_logits)
         if greedy:
             ws.sampling(logit_rows, self.output.n_rows).stage(sampling_rows, self.stream)
-        key = (ws.multi_token, ws.attention_tensor_cores, logit_rows, greedy)
+        key = (ws.multi_token, logit_rows, greedy)
         replay = self.use_graphs and key in ws.graphs
         if replay:
             ws.graphs[key].replay()

@@ -143,8 +143,6 @@ class Workspace:
         # (several tokens a sequence, logit rows, greedy ids too) → the pass's captured graph
         self.graphs: dict[tuple[bool, int, bool], CapturedGraph] = {}
         self.multi_token = False  # set per pass: some sequence brings several new tokens
-        # set per pass: decode attention on tensor cores (attention.tensor_cores_pay)
-        self.attention_tensor_cores = True
         self.host_embeddings = True  # set per pass: h comes from the host, not the device lookup
 
     # ---- lazily created buffers (all exist after one eager pass, before any capture) ----------

@@ -51,21 +51,20 @@ class PagedKV:
         q8, d, _ = quantize_q8_reference(x)
         return q8, d, (q8.reshape(*d.shape, 32) * d[..., None]).reshape(x.shape)
 
-    def reference(self, q, seq_lens, row_seq=None, tensor_cores=True) -> np.ndarray:
+    def reference(self, q, seq_lens, row_seq=None) -> np.ndarray:
         """float64 attention of query row r over the first seq_lens[r] tokens of row_seq[r]; q as
         the kernel sees it (attention_mma scores q·scale rounded to f16)."""
         rows = np.arange(len(q)) if row_seq is None else row_seq
         n_kv, head_dim = self.k_stored.shape[2:]
-        if tensor_cores and attention_mma.tensor_core_group(
-                q.shape[1], n_kv, attention.kv_kind(self.k_stored), head_dim):
+        if attention_mma.tensor_core_group(q.shape[1], n_kv, attention.kv_kind(self.k_stored),
+                                           head_dim):
             scale = np.float32(1 / np.sqrt(head_dim))
             q = (q * scale).astype(np.float16).astype(np.float64) / scale
         return attention.paged_decode_attention_reference(q, self.k, self.v,
                                                           self.block_table[rows], seq_lens)
 
 
-def run(kv: PagedKV, q, seq_lens, ws, out=None, row_seq=None, act=None,
-        tensor_cores=True) -> np.ndarray:
+def run(kv: PagedKV, q, seq_lens, ws, out=None, row_seq=None, act=None) -> np.ndarray:
     out = cuda.device_array(q.shape, np.float32) if out is None else out
     scales = None if kv.scales is None else [cuda.to_device(s) for s in kv.scales]
     row_seq = None if row_seq is None else cuda.to_device(np.asarray(row_seq, np.int32))
@@ -73,8 +72,7 @@ def run(kv: PagedKV, q, seq_lens, ws, out=None, row_seq=None, act=None,
                                      cuda.to_device(kv.v_stored),
                                      cuda.to_device(kv.block_table),
                                      cuda.to_device(np.asarray(seq_lens, np.int32)), out, ws,
-                                     row_seq=row_seq, scales=scales, act=act,
-                                     tensor_cores=tensor_cores)
+                                     row_seq=row_seq, scales=scales, act=act)
     return out.copy_to_host()
 
 
@@ -120,25 +118,6 @@ def test_query_heads_of_a_kv_head_on_tensor_cores(n_heads, n_kv, head_dim, lens,
     q = rng.standard_normal((len(lens), n_heads, head_dim)).astype(np.float32)
     ws = attention.DecodeWorkspace(len(lens), n_heads, head_dim, max_context)
     np.testing.assert_allclose(run(kv, q, lens, ws), kv.reference(q, lens), rtol=1e-4, atol=1e-5)
-
-
-@pytest.mark.parametrize("n_heads, n_kv, head_dim, lens", [
-    (8, 1, 128, (150,)),
-    pytest.param(32, 4, 128, (512,), marks=pytest.mark.gpu),  # Qwen3-30B after 512 tokens
-    pytest.param(16, 2, 256, (2048,), marks=pytest.mark.gpu),  # Qwen3.6 at the crossover
-])
-def test_one_short_sequence_of_a_tensor_core_shape_takes_the_cuda_core_kernel(n_heads, n_kv,
-                                                                              head_dim, lens):
-    # the float32 kernel matches the unrounded reference to 1e-4, which the tensor-core one
-    # (q·scale rounded to f16) does not: the assertion tells which kernel ran
-    assert not attention.tensor_cores_pay(1, lens[0])
-    assert attention.tensor_cores_pay(2, lens[0]) and attention.tensor_cores_pay(1, 2049)
-    rng = np.random.default_rng(5)
-    kv = PagedKV(rng, lens, 16, n_kv, head_dim)
-    q = rng.standard_normal((len(lens), n_heads, head_dim)).astype(np.float32)
-    ws = attention.DecodeWorkspace(len(lens), n_heads, head_dim, 32768)
-    np.testing.assert_allclose(run(kv, q, lens, ws, tensor_cores=False),
-                               kv.reference(q, lens, tensor_cores=False), rtol=1e-4, atol=1e-5)
 
 
 def test_tensor_core_kernel_rows_of_some_splits_and_none_with_q8_output():

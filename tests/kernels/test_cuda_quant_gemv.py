@@ -8,7 +8,6 @@ from gguf.quants import dequantize, quantize
 from numba import cuda
 
 from sparkinfer_cli.ggml_types import COMPUTE_TYPES, GGMLType, row_bytes
-from sparkinfer_cli.kernels.cuda import moe
 from sparkinfer_cli.kernels.cuda import quant_gemv as qg
 from sparkinfer_cli.kernels.cuda.launch import to_device_bytes
 
@@ -189,13 +188,8 @@ def check_expert_slots(ggml_type, k, n_rows, slot_mat, slot_x, swiglu, rng):
     y = cuda.device_array((len(slot_mat), 1, n_rows), np.float32)  # (slots, 1, rows)
     qg.gemv(gate, upload_activations(x, gate), y, slot_mat=dev_i32(slot_mat),
             slot_x=dev_i32(slot_x), up=up if swiglu else None)
-    check_slots(y.copy_to_host(), gate_bytes, up_bytes, n_mats, slot_mat, slot_x, ggml_type, k,
-                x, swiglu)
-
-
-def check_slots(y, gate_bytes, up_bytes, n_mats, slot_mat, slot_x, ggml_type, k, x, swiglu):
-    """Each slot s of y (slots, 1, rows) against numpy: matrix slot_mat[s], group slot_x[s]."""
-    per_mat = [b.reshape(n_mats, y.shape[2], -1) for b in (gate_bytes, up_bytes)]
+    y = y.copy_to_host()
+    per_mat = [b.reshape(n_mats, n_rows, -1) for b in (gate_bytes, up_bytes)]
     for s, (m, g) in enumerate(zip(slot_mat, slot_x)):
         if swiglu:
             ref = swiglu_reference(per_mat[0][m], per_mat[1][m], ggml_type, k, x[g])
@@ -207,49 +201,6 @@ def check_slots(y, gate_bytes, up_bytes, n_mats, slot_mat, slot_x, ggml_type, k,
 def test_fused_swiglu_gemv_over_expert_slots():
     check_expert_slots(GGMLType.Q4_K, 256, 3, [2, 0, 2], [0, 0, 1], True,
                        np.random.default_rng(13))
-
-
-@pytest.mark.parametrize("n_tokens, n_experts, top_k, swiglu", [
-    (1, 40, 4, True),  # 2 logits a lane
-    (2, 70, 3, False),  # 4 a lane
-    pytest.param(1, 128, 8, True, marks=pytest.mark.gpu),  # Qwen3-30B's router
-])
-def test_a_routing_gemv_takes_the_experts_router_topk_would_pick(n_tokens, n_experts, top_k,
-                                                                 swiglu):
-    rng = np.random.default_rng(21)
-    ggml_type, k, n_rows = GGMLType.Q4_K, 256, 40  # 32 rows a block: 2 row blocks a slot
-    gate_bytes, up_bytes = (random_weights(ggml_type, n_experts * n_rows, k, rng)
-                            for _ in range(2))
-    gate, up = (qg.DeviceQuantMatrix(to_device_bytes(b), ggml_type, k, n_rows, n_experts)
-                for b in (gate_bytes, up_bytes))
-    logits = rng.standard_normal((n_tokens, n_experts)).astype(np.float32)
-    logits[0, 3] = logits[0, 35] = 4.0  # a tie across lanes: expert 3 is the first pick
-    x = rng.standard_normal((n_tokens, 1, k)).astype(np.float32)
-    n_slots = n_tokens * top_k
-    slot_x = np.arange(n_slots) // top_k
-    ids = cuda.to_device(np.full(n_slots, -1, np.int32))
-    weights = cuda.device_array((n_tokens, top_k), np.float32)
-    y = cuda.device_array((n_slots, 1, n_rows), np.float32)
-    qg.gemv(gate, upload_activations(x, gate), y, slot_mat=ids, slot_x=dev_i32(slot_x),
-            up=up if swiglu else None, route=(cuda.to_device(logits), top_k, weights))
-    want_ids, want_w = moe.router_topk_reference(logits, top_k)
-    assert want_ids[0, 0] == 3
-    np.testing.assert_array_equal(ids.copy_to_host(), want_ids.reshape(-1))
-    np.testing.assert_allclose(weights.copy_to_host(), want_w, rtol=1e-5)
-    check_slots(y.copy_to_host(), gate_bytes, up_bytes, n_experts, want_ids.reshape(-1), slot_x,
-                ggml_type, k, x, swiglu)
-
-
-def test_a_routing_gemv_needs_a_slot_for_each_pick_of_each_token():
-    w = qg.DeviceQuantMatrix(to_device_bytes(random_weights(GGMLType.Q8_0, 8, 32,
-                                                            np.random.default_rng(0))),
-                             GGMLType.Q8_0, 32, 2, 4)
-    x = upload_activations(np.ones((1, 1, 32), np.float32), w)
-    logits = cuda.to_device(np.zeros((1, 4), np.float32))
-    with pytest.raises(ValueError, match="1·2 slots over 4 experts, got 3 slots"):
-        qg.gemv(w, x, cuda.device_array((3, 1, 2), np.float32),
-                slot_mat=cuda.device_array(3, np.int32), slot_x=dev_i32([0, 0, 0]),
-                route=(logits, 2, cuda.device_array((1, 2), np.float32)))
 
 
 @pytest.mark.parametrize("ggml_type, k, n_rows, swiglu", [

@@ -24,9 +24,7 @@ to spread one long sequence, few for many rows.
 
 F16 caches whose kv heads serve 2-8 query heads (GQA, head_dim 128 or 256) take
 attention_mma.py's kernels instead: one block a kv head, its query heads on tensor cores, the
-same partials, merged by a second kernel spread over (row, head, 64 dims); except one sequence of
-at most FLOAT_KERNEL_MAX_TOKENS (the caller asks: tensor_cores_pay), where this module's single
-launch is the faster.
+same partials, merged by a second kernel spread over (row, head, 64 dims).
 """
 
 from __future__ import annotations
@@ -532,16 +530,6 @@ FLOAT_KERNEL_SPLITS = 64
 # over FLOAT_KERNEL_SPLITS splits, many rows take few (every split past a row's end still
 # launches). attention_mma has its own (its SPLIT_BLOCKS).
 SPLIT_BLOCKS = 1024
-# One sequence of up to this many cached tokens: this module's kernel (one launch) beat the
-# tensor-core kernel and its merge (bench/cuda_decode_attention_bench.py --crossover, H200:
-# crossover near 2k tokens; batches of 8 and more: tensor cores at every length).
-FLOAT_KERNEL_MAX_TOKENS = 2048
-
-
-def tensor_cores_pay(n_rows: int, max_seq_len: int) -> bool:
-    """Whether a decode pass of n_rows query rows, its longest row attending to max_seq_len
-    tokens, should take attention_mma's kernels (where they serve the cache at all)."""
-    return n_rows > 1 or max_seq_len > FLOAT_KERNEL_MAX_TOKENS
 
 
 class DecodeWorkspace:
@@ -576,7 +564,7 @@ class DecodeWorkspace:
 
 def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, out, ws: DecodeWorkspace,
                            scale: float | None = None, stream=0, row_seq=None,
-                           scales=None, act=None, tensor_cores: bool = True) -> None:
+                           scales=None, act=None) -> None:
     """q (n_rows, n_heads, head_dim) f32 attends to the first seq_lens[r] cached tokens → out.
 
     row_seq: int32 (n_rows,) block-table row of each query row (default: row r uses row r), so the
@@ -584,8 +572,6 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, out, ws: 
     scales: (k_scales, v_scales) f32, one per 32 cached values, for int8 caches.
     act: a quant_gemv.QuantizedActivations of out's size, filled with out's q8 form in the same
     launch (saves the quantize launch before the output projection).
-    tensor_cores: False keeps this module's kernel where attention_mma's would serve (see
-    tensor_cores_pay; the choice holds for every replay of a graph captured with it).
     """
     n_seqs, n_heads, head_dim = q.shape
     _, block_size, n_kv, _ = k_cache.shape
@@ -595,7 +581,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, out, ws: 
     # attention_mma builds on this module's device functions: imported here, not at the top
     from sparkinfer_cli.kernels.cuda import attention_mma
 
-    packed = tensor_cores and attention_mma.tensor_core_group(n_heads, n_kv, kind, head_dim)
+    packed = attention_mma.tensor_core_group(n_heads, n_kv, kind, head_dim)
     heads = n_heads // n_kv if packed else heads_per_block(n_heads, n_kv, kind)
     # each kernel's split cap and block target
     cap, target = (MAX_SPLITS, attention_mma.SPLIT_BLOCKS) if packed else \

@@ -2,9 +2,7 @@
 
 Expert GEMVs themselves are quant_gemv.gemv with slot_mat = the selected expert ids (flattened
 (n_tokens, k)) and slot_x = the token of each slot, so only the chosen experts' rows are read; the
-weighted combine of their outputs is fused into the next RMSNorm (norm.moe_add_rms_norm). A
-decode token's top-k can also run inside its first expert GEMV (quant_gemv.gemv's route: each
-block picks its slot's expert itself, topk_picks), one launch fewer.
+weighted combine of their outputs is fused into the next RMSNorm (norm.moe_add_rms_norm).
 """
 
 from __future__ import annotations
@@ -27,16 +25,20 @@ _DEAD = float32(-3.0e38)  # a logit past n_experts or already picked (finite: fa
 
 
 @functools.cache
-def topk_picks(per_lane: int):
-    """Device fn picks(logits, tok, n_experts, k) → (expert, weight) for one warp: token tok's
-    softmax over all experts (max and sum by shuffles), then k rounds of a warp argmax (larger
-    logit, ties → lower id), each pick's logit dropped after its round; lane r < k gets pick r,
-    its weight renormalised over the picks: p / Σ_picks p. per_lane: logits a lane holds
-    (experts l, l + 32, ...), a compile-time constant so they stay in registers."""
+def _router_topk_kernel(per_lane: int):
+    """per_lane: logits a lane holds (experts l, l + 32, ...), a compile-time constant so they stay
+    in registers."""
 
-    @device_function
-    def picks(logits, tok, n_experts, k):
+    @kernel(fastmath=True)
+    def router_topk(logits, n_tokens, n_experts, k, ids, weights):
+        chain_start()
+        # a warp per token: softmax over all experts (max and sum by shuffles), then k rounds of
+        # a warp argmax (larger logit, ties → lower id), each pick's logit dropped after its
+        # round; lane r keeps pick r and writes it renormalised: p / Σ_picks p
         lane = cuda.threadIdx.x % WARP_SIZE
+        tok = cuda.blockIdx.x * TOKENS_A_BLOCK + cuda.threadIdx.x // WARP_SIZE
+        if tok >= n_tokens:
+            return
         vals = cuda.local.array(per_lane, float32)
         for i in range(per_lane):
             e = lane + WARP_SIZE * i
@@ -61,31 +63,10 @@ def topk_picks(per_lane: int):
             for i in range(per_lane):  # drop the pick (static indices: vals stays in registers)
                 if lane + WARP_SIZE * i == best_e:
                     vals[i] = _DEAD
-        return mine_e, (mine_p / denom) / max(total / denom, float32(MIN_WEIGHT_SUM))
-    return picks
-
-
-def lanes_share(n_experts: int) -> int:
-    """per_lane of topk_picks for n_experts: a power of two (few distinct kernels)."""
-    return next_pow2(cdiv(n_experts, WARP_SIZE))
-
-
-@functools.cache
-def _router_topk_kernel(per_lane: int):
-    picks = topk_picks(per_lane)
-
-    @kernel(fastmath=True)
-    def router_topk(logits, n_tokens, n_experts, k, ids, weights):
-        chain_start()
-        # a warp per token; lane r writes pick r
-        lane = cuda.threadIdx.x % WARP_SIZE
-        tok = cuda.blockIdx.x * TOKENS_A_BLOCK + cuda.threadIdx.x // WARP_SIZE
-        if tok >= n_tokens:
-            return
-        expert, weight = picks(logits, tok, n_experts, k)
         if lane < k:
-            ids[tok * k + lane] = expert
-            weights[tok * k + lane] = weight
+            ids[tok * k + lane] = mine_e
+            weights[tok * k + lane] = (mine_p / denom) / max(total / denom,
+                                                             float32(MIN_WEIGHT_SUM))
     return router_topk
 
 
@@ -104,8 +85,8 @@ def _warp_argmax(vals, lane, per_lane):
     return best_v, best_e
 
 
-def check_route(logits, k: int, ids, weights) -> None:
-    """What a top-k launch checks of logits (n_tokens, n_experts) f32, k and its outputs."""
+def router_topk(logits, k: int, ids, weights, stream=0) -> None:
+    """logits (n_tokens, n_experts) f32 → ids int32 (n_tokens, k), renormalised weights f32."""
     n_tokens, n_experts = logits.shape
     if not 1 <= k <= min(WARP_SIZE, n_experts):
         raise ValueError(f"top-k {k} must be in 1..min(32, n_experts={n_experts})")
@@ -114,16 +95,10 @@ def check_route(logits, k: int, ids, weights) -> None:
     check_array("logits", logits, np.float32)
     check_array("ids", ids, np.int32, (n_tokens, k))
     check_array("weights", weights, np.float32, (n_tokens, k))
-
-
-def router_topk(logits, k: int, ids, weights, stream=0) -> None:
-    """logits (n_tokens, n_experts) f32 → ids int32 (n_tokens, k), renormalised weights f32."""
-    check_route(logits, k, ids, weights)
-    n_tokens, n_experts = logits.shape
-    kernel = _router_topk_kernel(lanes_share(n_experts))
-    kernel[cdiv(n_tokens, TOKENS_A_BLOCK), TOKENS_A_BLOCK * WARP_SIZE, stream](
-        logits.reshape(logits.size), n_tokens, n_experts, k, ids.reshape(ids.size),
-        weights.reshape(ids.size))
+    per_lane = next_pow2(cdiv(n_experts, WARP_SIZE))  # powers of two: few distinct kernels
+    _router_topk_kernel(per_lane)[cdiv(n_tokens, TOKENS_A_BLOCK), TOKENS_A_BLOCK * WARP_SIZE,
+                                  stream](logits.reshape(logits.size), n_tokens, n_experts, k,
+                                          ids.reshape(ids.size), weights.reshape(ids.size))
 
 
 def router_topk_reference(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

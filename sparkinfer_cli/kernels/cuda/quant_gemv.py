@@ -28,7 +28,6 @@ import numpy as np
 from numba import cuda, float32, int32, int64, uint32
 
 from sparkinfer_cli.ggml_types import BLOCK_GEOMETRY, GGMLType, row_bytes
-from sparkinfer_cli.kernels.cuda import moe
 from sparkinfer_cli.kernels.cuda.ggml_blocks import (
     M1,
     M2,
@@ -430,48 +429,20 @@ def _row_stores(n_cols: int, swiglu: bool, rows_per_lane: int):
 
 
 @functools.cache
-def _slot_expert(per_lane: int):
-    """Device fn: the expert of this block's slot when the GEMV routes (gemv's route): pick
-    slot % k of token slot // k, found by warp 0 (moe.topk_picks) and shared with the block; the
-    slot's row block 0 also stores it in ids / weights for the launches after."""
-    picks = moe.topk_picks(per_lane)
-
-    @device_function
-    def slot_expert(logits, n_experts, k, ids, weights):
-        pick = cuda.shared.array(1, int32)
-        slot = cuda.blockIdx.x
-        if cuda.threadIdx.x < 32:
-            expert, weight = picks(logits, slot // k, n_experts, k)
-            if cuda.threadIdx.x == slot % k:
-                pick[0] = expert
-                if cuda.blockIdx.y == 0:
-                    ids[slot] = expert
-                    weights[slot] = weight
-        cuda.syncthreads()
-        return pick[0]
-    return slot_expert
-
-
-@functools.cache
 def _gemv_kernel(ggml_type: GGMLType, n_cols: int, swiglu: bool = False,
-                 rows_per_lane: int = 1, route_per_lane: int = 0):
+                 rows_per_lane: int = 1):
     """grid.x = slot: matrix slot_mat[slot], the n_cols columns of activation group slot_x[slot];
     grid.y: row blocks (grid-stride over n_row_blocks).
 
     The slot is the fastest grid index so that the slots reading the same rows run together: the
     groups of a batched linear, or the tokens that picked the same expert, share one DRAM read
     of those rows through L2 (with row blocks fastest, a slot's re-read came after the whole
-    matrix had passed through L2).
-
-    route_per_lane > 0: the slots are (token, pick) pairs whose experts this launch picks itself
-    from router logits (_slot_expert, moe.topk_picks' per_lane) and writes to slot_mat."""
+    matrix had passed through L2)."""
     block_rows = _block_rows(ggml_type, n_cols, swiglu, rows_per_lane)
-    slot_expert = _slot_expert(max(route_per_lane, 1))
 
     @kernel(fastmath=True)
     def gemv(w, w2, row_bytes, n_rows, mat_bytes, k, lanes_per_row, row_warps, n_row_blocks,
-             slot_mat, slot_x, xq, xd, xs, bias, has_bias, y0, y1, y2, y3, ends, route_logits,
-             n_experts, top_k, route_weights):
+             slot_mat, slot_x, xq, xd, xs, bias, has_bias, y0, y1, y2, y3, ends):
         chain_start()
         slot = cuda.blockIdx.x
         xcol = cuda.local.array(n_cols, int32)  # (n_cols,) element offsets into x
@@ -479,12 +450,8 @@ def _gemv_kernel(ggml_type: GGMLType, n_cols: int, swiglu: bool = False,
         for c in range(n_cols):
             xcol[c] = (slot_x[slot] * n_cols + c) * k
             ycol[c] = slot * n_cols + c
-        if route_per_lane:
-            mat = slot_expert(route_logits, n_experts, top_k, slot_mat, route_weights)
-        else:
-            mat = slot_mat[slot]
         for row_block in range(cuda.blockIdx.y, n_row_blocks, cuda.gridDim.y):
-            block_rows(w, w2, row_bytes, n_rows, mat * mat_bytes, k, lanes_per_row,
+            block_rows(w, w2, row_bytes, n_rows, slot_mat[slot] * mat_bytes, k, lanes_per_row,
                        row_warps, row_block, xcol, ycol, xq, xd, xs, bias, has_bias, y0, y1, y2,
                        y3, ends)
             if row_warps > 1:
@@ -627,7 +594,7 @@ def _default_slots():
 
 
 def gemv(w: DeviceQuantMatrix, x, y, *, slot_mat=None, slot_x=None,
-         up: DeviceQuantMatrix | None = None, bias=None, route=None, stream=0) -> None:
+         up: DeviceQuantMatrix | None = None, bias=None, stream=0) -> None:
     """y (n_slots, n_cols, n_rows) f32 ← W[slot_mat[s]] · x[slot_x[s]] (+ bias (n_rows,) f32).
 
     x is a QuantizedActivations for quantized weights, a float32 (n_groups, n_cols, k) device array
@@ -635,15 +602,11 @@ def gemv(w: DeviceQuantMatrix, x, y, *, slot_mat=None, slot_x=None,
     up: a second matrix of the same type and shape; then y = silu(W·x) ⊙ (up·x) (fused SwiGLU).
     y may be a sequence of up to MAX_PARTS arrays (n_slots, n_cols, rows_p) with Σ rows_p = n_rows:
     the stacked matrix's rows in order, one part per array.
-    route: (logits (n_tokens, n_experts) f32, k, weights (n_tokens, k) f32): the launch routes
-    itself, slot s = (token s // k, pick s % k) taking that pick's expert of W's n_mats; the
-    picks land in slot_mat (then an output, n_tokens·k ids) and weights as moe.router_topk's.
     """
     _check_up(w, up)
     slot_mat = _default_slots() if slot_mat is None else slot_mat
     slot_x = _default_slots() if slot_x is None else slot_x
     n_slots = slot_mat.size
-    route_args, route_lanes = _route_args(w, route, slot_mat)
     xq, xd, xs, n_cols = _activation_args(w, x)
     parts, ends = output_parts(y, n_slots, n_cols, w.n_rows)
     if bias is not None:
@@ -654,27 +617,11 @@ def gemv(w: DeviceQuantMatrix, x, y, *, slot_mat=None, slot_x=None,
     lane_rows = rows_per_lane(n_cols, w.n_rows * n_slots, warps, units_a_lane)
     n_row_blocks = cdiv(w.n_rows, WARPS_PER_BLOCK // warps * (32 // lanes) * lane_rows)
     grid = (n_slots, min(n_row_blocks, MAX_GRID_Y))
-    kernel = _gemv_kernel(w.ggml_type, n_cols, up is not None, lane_rows, route_lanes)
+    kernel = _gemv_kernel(w.ggml_type, n_cols, up is not None, lane_rows)
     kernel[grid, 32 * WARPS_PER_BLOCK, stream](
         w.data, w.data if up is None else up.data, w.row_bytes, w.n_rows, w.n_rows * w.row_bytes,
         w.k, lanes, warps, n_row_blocks, slot_mat, slot_x, xq, xd, xs,
-        parts[0] if bias is None else bias, bias is not None, *parts, ends,
-        *(route_args or (parts[0], 0, 0, parts[0])))
-
-
-def _route_args(w: DeviceQuantMatrix, route, ids) -> tuple[tuple | None, int]:
-    """The kernel's (logits, n_experts, k, weights) of a routing GEMV and its route_per_lane;
-    (None, 0) without a route."""
-    if route is None:
-        return None, 0
-    logits, k, weights = route
-    n_tokens, n_experts = logits.shape
-    if ids.size != n_tokens * k or n_experts != w.n_mats:
-        raise ValueError(f"a routing GEMV takes {n_tokens}·{k} slots over {w.n_mats} experts, "
-                         f"got {ids.size} slots and {n_experts} router logits")
-    moe.check_route(logits, k, ids.reshape(n_tokens, k), weights)
-    return ((logits.reshape(logits.size), n_experts, k, weights.reshape(weights.size)),
-            moe.lanes_share(n_experts))
+        parts[0] if bias is None else bias, bias is not None, *parts, ends)
 
 
 def _check_up(w: DeviceQuantMatrix, up: DeviceQuantMatrix | None) -> None:
