@@ -121,7 +121,7 @@ def test_query_heads_of_a_kv_head_on_tensor_cores(n_heads, n_kv, head_dim, lens,
 
 
 def test_tensor_core_kernel_rows_of_some_splits_and_none_with_q8_output():
-    """A row of 200 keys (4 of its 8 splits hold 64-key rounds: the others exit, the merge weighs
+    """A row of 200 keys (4 of its 16 splits hold 64-key rounds: the others exit, the merge weighs
     4) beside a row of none (0, and 0 in q8), the output also as q8; then the same rows at 70
     keys: the merge takes 2 splits and ignores the partials the first launch left in splits 2-3."""
     from sparkinfer_cli.kernels.cuda import quant_gemv as qg
@@ -132,7 +132,7 @@ def test_tensor_core_kernel_rows_of_some_splits_and_none_with_q8_output():
     q = rng.standard_normal((len(lens), n_heads, head_dim)).astype(np.float32)
     ws = attention.DecodeWorkspace(len(lens), n_heads, head_dim, 1000)
     assert ws.splits(len(lens), n_heads, n_kv, attention.MAX_SPLITS,
-                     attention_mma.SPLIT_BLOCKS) == 8
+                     attention_mma.SPLIT_BLOCKS) == 16
     act = qg.QuantizedActivations(len(lens), 1, n_heads * head_dim)
     out = run(kv, q, lens, ws, act=act)
     np.testing.assert_allclose(out[:1], kv.reference(q[:1], lens[:1]), rtol=1e-4, atol=1e-5)
@@ -156,11 +156,26 @@ def test_a_block_serves_query_heads_of_one_kv_head(n_heads, n_kv, max_heads, hea
     assert attention.heads_per_block(n_heads, n_kv, attention.KV_I8) == 1
 
 
-def test_workspace_splits_cover_max_context_in_chunks():
+def test_workspace_splits_cover_max_context_in_rounds():
     assert attention.DecodeWorkspace(1, 1, 32, 32768).max_splits == attention.MAX_SPLITS
-    assert attention.DecodeWorkspace(1, 1, 32, 390).max_splits == 4  # ⌈390 / CHUNK⌉
+    assert attention.DecodeWorkspace(1, 1, 32, 390).max_splits == 7  # ⌈390 / MIN_SPLIT_KEYS⌉
     assert attention.DecodeWorkspace(1, 1, 32, 390, split_len=130).max_splits == 3
     assert attention.DecodeWorkspace(1, 1, 32, 8, split_len=4).max_splits == 1
+
+
+def test_a_small_cache_still_plans_a_split_for_each_round_of_the_tensor_core_kernel():
+    # a workspace for 548 tokens (the bench's after 512) plans 9 splits, so 512 keys run as 8
+    # splits of one round (attention_mma's ROUND_KEYS) as with a 32k cache, not 4 of two: each
+    # split that holds keys stores a partial max per head (the rest stay NaN)
+    assert attention.MIN_SPLIT_KEYS == attention_mma.ROUND_KEYS
+    n_heads, lens = 8, (512,)
+    rng = np.random.default_rng(8)
+    kv = PagedKV(rng, lens, 16, 1, 128)
+    q = rng.standard_normal((1, n_heads, 128)).astype(np.float32)
+    ws = attention.DecodeWorkspace(1, n_heads, 128, 548)
+    ws.part_m.copy_to_device(np.full(ws.part_m.size, np.nan, np.float32))
+    np.testing.assert_allclose(run(kv, q, lens, ws), kv.reference(q, lens), rtol=1e-4, atol=1e-5)
+    assert np.isfinite(ws.part_m.copy_to_host()).sum() == 8 * n_heads
 
 
 def test_a_launch_takes_fewer_splits_when_its_rows_fill_the_gpu():

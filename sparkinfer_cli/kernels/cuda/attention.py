@@ -530,6 +530,11 @@ FLOAT_KERNEL_SPLITS = 64
 # over FLOAT_KERNEL_SPLITS splits, many rows take few (every split past a row's end still
 # launches). attention_mma has its own (its SPLIT_BLOCKS).
 SPLIT_BLOCKS = 1024
+# The fewest keys a workspace plans a split for: attention_mma's ROUND_KEYS (one round of its
+# warps' tiles; this module's kernel rounds its splits up to CHUNKs itself). Planned in CHUNKs, a
+# cache of 548 tokens held 5 splits: after 512 tokens the tensor-core kernel took 4 splits of 2
+# rounds, not 8 of 1 (Qwen3-30B decode 312 against 328 tok/s with a 32k cache, H200).
+MIN_SPLIT_KEYS = 64
 
 
 class DecodeWorkspace:
@@ -539,15 +544,16 @@ class DecodeWorkspace:
     resets it; attention_mma's merge kernel needs none).
 
     max_splits = min(MAX_SPLITS, ⌈max_context / split_len⌉) bounds the splits per row (split_len:
-    the fewest keys a split gets at max_context, at least CHUNK, a split's unit); a launch takes
+    the fewest keys a split gets at max_context, at least MIN_SPLIT_KEYS); a launch takes
     fewer when its rows × head groups fill the GPU anyway (`splits`), and sizes them to each row's
     own context (_split_len). Partials are kept for n_seqs rows at ≤ ⌈SPLIT_BLOCKS / n_seqs⌉
     splits: what such a launch uses.
     """
 
     def __init__(self, n_seqs: int, n_heads: int, head_dim: int, max_context: int,
-                 split_len: int = CHUNK):
-        self.max_splits = max(1, min(MAX_SPLITS, cdiv(max_context, max(split_len, CHUNK))))
+                 split_len: int = MIN_SPLIT_KEYS):
+        self.max_splits = max(1, min(MAX_SPLITS, cdiv(max_context, max(split_len,
+                                                                       MIN_SPLIT_KEYS))))
         n_parts = n_seqs * n_heads * min(self.max_splits, cdiv(SPLIT_BLOCKS, n_seqs))
         self.part_m = cuda.device_array(n_parts, np.float32)  # (seqs, heads, splits)
         self.part_l = cuda.device_array(n_parts, np.float32)
