@@ -22,10 +22,11 @@
 #   BASE=oldtree bash bench/h200_check.sh ab30
 #                                      # `sparkinfer bench`, Qwen3-30B after 512 tokens, for the
 #                                      # trees in $BASE (space-separated), then this one, on the
-#                                      # same machine (a baseline beside each candidate). Make them here
-#                                      # first, then carry it (ignored: /oldtree/): mkdir
-#                                      # oldtree && git archive <commit> sparkinfer_cli | tar -x
-#                                      # -C oldtree; carry [".whl", "oldtree"]       (~3.5 min)
+#                                      # same machine (a baseline beside each candidate). Make
+#                                      # them here first, then carry them (ignored: /oldtree/):
+#                                      # mkdir oldtree && git archive <commit> sparkinfer_cli |
+#                                      # tar -x -C oldtree (more trees: oldtree/<name>); carry
+#                                      # [".whl", "oldtree"]                 (~1.5 min a tree)
 #   bash bench/h200_check.sh pdl       # `sparkinfer bench`, Qwen3-30B after 512 tokens, chained
 #                                      # launches off then on; graph and exact-decode GPU tests
 #                                      # (~7 min)

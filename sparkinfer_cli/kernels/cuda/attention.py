@@ -531,9 +531,9 @@ FLOAT_KERNEL_SPLITS = 64
 # launches). attention_mma has its own (its SPLIT_BLOCKS).
 SPLIT_BLOCKS = 1024
 # The fewest keys a workspace plans a split for: attention_mma's ROUND_KEYS (one round of its
-# warps' tiles; this module's kernel rounds its splits up to CHUNKs itself). Planned in CHUNKs, a
-# cache of 548 tokens held 5 splits: after 512 tokens the tensor-core kernel took 4 splits of 2
-# rounds, not 8 of 1 (Qwen3-30B decode 312 against 328 tok/s with a 32k cache, H200).
+# warps' tiles; not imported: it imports this module), so a small cache still gives that kernel
+# one-round splits (in CHUNKs, 548 tokens planned 5 splits: 512 keys ran as 4 of two rounds).
+# This module's kernel rounds its splits up to CHUNKs itself.
 MIN_SPLIT_KEYS = 64
 
 
@@ -552,8 +552,8 @@ class DecodeWorkspace:
 
     def __init__(self, n_seqs: int, n_heads: int, head_dim: int, max_context: int,
                  split_len: int = MIN_SPLIT_KEYS):
-        self.max_splits = max(1, min(MAX_SPLITS, cdiv(max_context, max(split_len,
-                                                                       MIN_SPLIT_KEYS))))
+        split_len = max(split_len, MIN_SPLIT_KEYS)
+        self.max_splits = max(1, min(MAX_SPLITS, cdiv(max_context, split_len)))
         n_parts = n_seqs * n_heads * min(self.max_splits, cdiv(SPLIT_BLOCKS, n_seqs))
         self.part_m = cuda.device_array(n_parts, np.float32)  # (seqs, heads, splits)
         self.part_l = cuda.device_array(n_parts, np.float32)
