@@ -13,9 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Generic, TypeVar
 
+from sparkinfer_cli.engine.config import SCHED_POLICIES
+
 T = TypeVar("T")
 
-SCHED_POLICIES = ("continuous", "chunked", "priority")
 
 
 class EnvError(ValueError):
@@ -102,9 +103,15 @@ SPARKINFER_ROOT: EnvVar[str] = EnvVar(
 SPARKINFER_API_KEY: EnvVar[str | None] = EnvVar(
     "SPARKINFER_API_KEY", str, None, "Bearer key required on every /v1/* route (same as --api-key)")
 SPARKINFER_BATCH_TOKENS: EnvVar[int] = EnvVar(
-    "SPARKINFER_BATCH_TOKENS", parse_positive_int, 64, "scheduler token budget per step")
+    "SPARKINFER_BATCH_TOKENS", parse_positive_int, 64,
+    "decode tokens packed per step before prompts may join")
+SPARKINFER_STEP_TOKENS: EnvVar[int | None] = EnvVar(
+    "SPARKINFER_STEP_TOKENS", parse_positive_int, None,
+    "batched policy: tokens one step carries at most, decodes and prompt pieces together "
+    "(unset: 2048 on a GPU, 256 on the CPU)")
 SPARKINFER_SCHED_POLICY: EnvVar[str] = EnvVar(
-    "SPARKINFER_SCHED_POLICY", parse_sched_policy, "continuous", "continuous | chunked | priority")
+    "SPARKINFER_SCHED_POLICY", parse_sched_policy, "batched",
+    "batched | continuous (the seed's: one prefill a step) | chunked | priority")
 SPARKINFER_PREFILL_CHUNK_TOKENS: EnvVar[int] = EnvVar(
     "SPARKINFER_PREFILL_CHUNK_TOKENS", parse_non_negative_int, 512,
     "prefill chunk size when batched prefill is unavailable (0 = unlimited)")
@@ -150,7 +157,7 @@ SPARKINFER_TOKENIZER_URL: EnvVar[str | None] = EnvVar(
 
 ALL_VARS: tuple[EnvVar, ...] = (
     CTX, HOST, PORT, SPARKINFER_ROOT, SPARKINFER_API_KEY, SPARKINFER_BATCH_TOKENS,
-    SPARKINFER_SCHED_POLICY, SPARKINFER_PREFILL_CHUNK_TOKENS, SPARKINFER_PREFILL_MIX_MAX,
+    SPARKINFER_STEP_TOKENS, SPARKINFER_SCHED_POLICY, SPARKINFER_PREFILL_CHUNK_TOKENS, SPARKINFER_PREFILL_MIX_MAX,
     SPARKINFER_PREFILL_BATCHED, SPARKINFER_MAX_OUTPUT_TOKENS, SPARKINFER_DECODE_STEPS,
     SPARKINFER_MAX_QUEUE_DEPTH, SPARKINFER_REQUEST_TIMEOUT_S, SPARKINFER_SHUTDOWN_GRACE_S,
     SPARKINFER_READ_TIMEOUT_S, SPARKINFER_WRITE_TIMEOUT_S, SPARKINFER_SERVER_PREFIX_TOKEN_FILE,

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SCHED_POLICIES = ("continuous", "chunked", "priority")
+SCHED_POLICIES = ("batched", "continuous", "chunked", "priority")
+# the batched policy's step budget where the environment sets none: a GPU prefills a 2,048-token
+# piece in tens of ms; a CPU runs ~100 prompt tokens a second, so a smaller piece keeps the
+# running streams' inter-token gap near a second
+DEFAULT_STEP_TOKENS = {"cuda": 2048, "cpu": 256}
 
 
 class QueueFullError(Exception):
@@ -24,7 +28,10 @@ class EngineConfig:
     ctx: int = 4096  # KV pool size in tokens over all sequences (CTX / --ctx)
     block_size: int = 16
     max_batch_tokens: int = 64  # decode tokens packed per step before a prefill may join
-    sched_policy: str = "continuous"  # continuous | chunked | priority
+    sched_policy: str = "batched"  # batched | continuous | chunked | priority
+    # batched policy: tokens one step carries at most, decodes and prompt pieces together
+    # (vLLM's max_num_batched_tokens); bounds how long a step with prefills stalls the decodes
+    step_tokens: int = 2048
     prefill_chunk_tokens: int = 512  # 0 = unlimited
     prefill_mix_max: int = 2048  # longest prefill piece run alongside decodes (0 = always mix)
     prefill_batched: bool = True  # False: prefills always advance in prefill_chunk_tokens pieces
@@ -44,6 +51,7 @@ class EngineConfig:
             (self.block_size >= 1, "block_size must be at least 1"),
             (self.ctx >= self.block_size, "ctx must hold at least one KV block"),
             (self.max_batch_tokens >= 1, "max_batch_tokens must be at least 1"),
+            (self.step_tokens >= 1, "step_tokens must be at least 1"),
             (self.sched_policy in SCHED_POLICIES,
              f"sched_policy must be one of {', '.join(SCHED_POLICIES)}, not {self.sched_policy!r}"),
             (self.prefill_chunk_tokens >= 0, "prefill_chunk_tokens must be >= 0"),

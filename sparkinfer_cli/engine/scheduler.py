@@ -66,8 +66,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         # Progress model: a request chases num_computed_tokens toward num_tokens. A decode has one
         # token to go, a prefill more. Decodes are packed first (least recently run first) up to
-        # max_batch_tokens; then at most one prefill piece joins (a running partial prefill first,
-        # else the next admission in policy order).
+        # max_batch_tokens; then prefill pieces join in queue order (running partial prefills
+        # first, then admissions in policy order) as far as the policy and the step's room allow.
         output = SchedulerOutput()
         decodes = self._pick_decodes()
         prefills = self._pick_prefills(len(decodes), output.cache_ops)
@@ -121,22 +121,29 @@ class Scheduler:
         return decodes[:self.config.max_batch_tokens]
 
     def _pick_prefills(self, num_decodes: int, ops: CacheOps) -> list[tuple[Request, int]]:
-        """The step's prefill piece, [(request, prompt tokens)] or []: at most one per step, as
-        the seed server schedules."""
+        """The step's prefill pieces, [(request, prompt tokens)], in queue order: as many as the
+        policy lets share a step and the step's token room holds. No request jumps the queue: the
+        first one that cannot run now (KV, a sequence slot, the mix limit) ends the list."""
         exclusive = self.policy.is_exclusive_prefill
         if num_decodes >= self.config.max_batch_tokens and not exclusive:
             return []
-        room = (self.max_step_tokens - (0 if exclusive else num_decodes)
-                if self.max_step_tokens else sys.maxsize)  # tokens the forward pass still takes
-        queue = self._prefill_queue()
-        if not queue:
-            return []
-        request = queue[0]  # no later request jumps the queue
-        piece = self.policy.prefill_piece(self._num_uncomputed(request))
-        piece = 0 if self._must_wait(piece, num_decodes) else min(piece, room)
-        if piece <= 0 or (request.kv is None and not self._admit(request, ops)):
-            return []
-        return [(request, piece)]
+        room = self._step_room(0 if exclusive else num_decodes)
+        pieces: list[tuple[Request, int]] = []
+        for request in self._prefill_queue()[:self.policy.max_prefills_per_step]:
+            piece = self.policy.prefill_piece(self._num_uncomputed(request))
+            if self._must_wait(piece, num_decodes) or min(piece, room) <= 0 or \
+                    (request.kv is None and not self._admit(request, ops)):
+                break
+            piece = min(piece, room)
+            pieces.append((request, piece))
+            room -= piece
+        return pieces
+
+    def _step_room(self, num_decodes: int) -> int:
+        """Prompt tokens the step may still take beside num_decodes decode tokens: the policy's
+        step budget and the model's pass limit, whichever is smaller."""
+        limits = [n for n in (self.policy.step_tokens, self.max_step_tokens) if n]
+        return min(limits, default=sys.maxsize) - num_decodes
 
     def _num_uncomputed(self, request: Request) -> int:
         """Tokens still to compute; a request not yet admitted skips a shared-prefix hit."""
@@ -151,7 +158,7 @@ class Scheduler:
 
     def _must_wait(self, piece: int, num_decodes: int) -> bool:
         # NOTE: a long prefill waits for the decodes to drain (ITL spike otherwise)
-        mix_max = self.config.prefill_mix_max
+        mix_max = self.policy.mix_max
         return bool(num_decodes and not self.policy.is_exclusive_prefill and mix_max and
                     piece > mix_max)
 

@@ -157,7 +157,7 @@ def run_server(model_path: str | Path, host: str | None = None, port: int | None
     tokenizer = load_tokenizer(gguf, environ)
     server_config = ServerConfig.from_env(environ, host=host, port=port, api_key=api_key,
                                           model_name=model_name or default_model_name(gguf))
-    engine_config = build_engine_config(ctx, model.config.context_length, environ)
+    engine_config = build_engine_config(ctx, model.config.context_length, environ, device=device)
     engine = ContinuousBatchEngine(model, tokenizer, engine_config)
     engine.start()
     if not warm_up(engine):

@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from sparkinfer_cli import env
-from sparkinfer_cli.engine.config import EngineConfig
+from sparkinfer_cli.engine.config import DEFAULT_STEP_TOKENS, EngineConfig
 
 
 @dataclass(frozen=True)
@@ -65,9 +65,11 @@ class ServerConfig:
 
 
 def build_engine_config(ctx: int | None, trained_context_length: int,
-                        environ: Mapping[str, str] | None = None, **overrides: Any) -> EngineConfig:
+                        environ: Mapping[str, str] | None = None, *, device: str = "cpu",
+                        **overrides: Any) -> EngineConfig:
     """EngineConfig from --ctx (else CTX; unset or 0 = the model's trained context length, as the
-    README and the seed's CTX=0 say) and the scheduler/admission variables of the environment.
+    README and the seed's CTX=0 say) and the scheduler/admission variables of the environment;
+    device picks the step budget's default.
 
     NOTE: a request reserves KV for prompt + max_tokens, and an omitted max_tokens is as many as
     fit (up to SPARKINFER_MAX_OUTPUT_TOKENS): a pool barely larger than that cap serves such
@@ -77,6 +79,7 @@ def build_engine_config(ctx: int | None, trained_context_length: int,
     values: dict[str, Any] = {
         "ctx": ctx,
         "max_batch_tokens": env.SPARKINFER_BATCH_TOKENS.get(environ),
+        "step_tokens": env.SPARKINFER_STEP_TOKENS.get(environ) or DEFAULT_STEP_TOKENS[device],
         "sched_policy": env.SPARKINFER_SCHED_POLICY.get(environ),
         "prefill_chunk_tokens": env.SPARKINFER_PREFILL_CHUNK_TOKENS.get(environ),
         "prefill_mix_max": env.SPARKINFER_PREFILL_MIX_MAX.get(environ),

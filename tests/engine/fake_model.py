@@ -234,9 +234,11 @@ class SchedulerHarness:
         requests = [sched.requests[s.request_id] for s in output.sequences]
         is_prefill = [r.is_prefilling for r in requests]
         prefill_tokens = [len(s.token_ids) for s, p in zip(output.sequences, is_prefill) if p]
-        assert len(prefill_tokens) <= 1, "more than one prefill in a step"
+        assert len(prefill_tokens) <= sched.policy.max_prefills_per_step, "too many prefills"
         if self.max_step_tokens:
             assert output.num_tokens <= self.max_step_tokens, "the step exceeds the model's pass"
+        if sched.policy.step_tokens and prefill_tokens:
+            assert output.num_tokens <= sched.policy.step_tokens, "the step exceeds its budget"
         assert is_prefill == sorted(is_prefill), "a prefill was packed before a decode"
         assert len(is_prefill) - sum(is_prefill) <= self.config.max_batch_tokens
         assert len(sched.running) <= self.config.max_num_seqs

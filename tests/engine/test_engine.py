@@ -182,6 +182,47 @@ def test_end_of_generation_token_stops_unless_ignored(engines):
     assert sink.final(ignored).finish_reason == "length" and sink.tokens(ignored) == [EOS_ID] * 10
 
 
+def eos_first(model_class: type[FakeModel]) -> FakeModel:
+    """A model_class whose every row has EOS as its argmax and the fake model's own pick second."""
+    class EosFirst(model_class):
+        def forward(self, batch, cache):
+            logits = super().forward(batch, cache)  # (num_seqs, n_vocab)
+            logits[:, EOS_ID] = 2.0
+            return logits
+
+    return EosFirst()
+
+
+@pytest.mark.parametrize("model_class", [FakeModel, FakeDeviceModel])
+def test_min_tokens_holds_back_the_end_of_generation_token(engines, model_class):
+    """FakeModel: the host's GreedyBatch picks the argmax once the ban is over; FakeDeviceModel:
+    the device does, and must not while the ban lasts."""
+    engine, sink = engines(eos_first(model_class)), Collector()
+    prompt = [1, 2]
+    plain = engine.submit(prompt, greedy(20), sink)
+    assert sink.final(plain).finish_reason == "stop" and sink.tokens(plain) == [EOS_ID]
+    held = engine.submit(prompt, greedy(20, min_tokens=5), sink)
+    assert sink.final(held).finish_reason == "stop"
+    assert sink.tokens(held) == expected_greedy(prompt, 5) + [EOS_ID]
+    full = engine.submit(prompt, greedy(20, ignore_eos=True, min_tokens=5), sink)
+    assert sink.final(full).finish_reason == "length" and sink.tokens(full) == [EOS_ID] * 20
+    capped = engine.submit(prompt, greedy(3, min_tokens=5), sink)
+    assert sink.final(capped).finish_reason == "length"
+    assert sink.tokens(capped) == expected_greedy(prompt, 3)
+
+
+def test_min_tokens_ignores_stop_strings_completed_within_them(engines):
+    engine, sink = engines(), Collector()
+    prompt = [3, 30, 4]
+    output = expected_greedy(prompt, 12)
+    stop = TOKENIZER.decode(output[1:3])  # " il": only in the text of tokens 2 and 3
+    stopped = engine.submit(prompt, greedy(12, stop=(stop,)), sink)
+    assert sink.final(stopped).finish_reason == "stop"
+    held = engine.submit(prompt, greedy(12, stop=(stop,), min_tokens=4), sink)
+    assert sink.final(held).finish_reason == "length" and sink.tokens(held) == output
+    assert sink.text(held) == TOKENIZER.decode(output)
+
+
 @pytest.mark.parametrize("model_class", [FakeModel, FakeDeviceModel])
 def test_stop_token_ids_and_stop_strings(engines, model_class):
     """FakeDeviceModel: the stops fall inside a run of decode passes; the later passes' tokens
@@ -621,10 +662,10 @@ def test_decode_passes_run_while_waiting_requests_have_no_free_slot(engines):
     for request_id, prompt in zip(ids, prompts):
         assert sink.final(request_id).finish_reason == "length"
         assert sink.tokens(request_id) == expected_greedy(prompt, 9)
-    # each pair decodes 7 of its 9 tokens in runs of 4 + 3 passes (the first token comes with
-    # its prefill, one more from the step where the next prefill joined): the first pair while
-    # the other two wait
-    assert model.decode_steps == [4, 3, 4, 3]
+    # both prompts of a pair prefill in one step (the batched policy), which gives each its
+    # first token; the other 8 come in two runs of 4 passes: the first pair while the other two
+    # wait
+    assert model.decode_steps == [4, 4, 4, 4]
     assert model.num_forward_tokens == sum(len(p) + 9 - 1 for p in prompts)
 
 
@@ -656,14 +697,15 @@ def test_sampled_requests_pick_on_the_device_what_the_host_would(engines):
     (FakeDeviceModel.forward_sampled: the host's rules, u from the request's own generator):
     identical outputs. A top_k within the device's candidates samples there; top_k 0 (the whole
     vocabulary) and logprobs stay on the host."""
-    def sampled(**kwargs) -> SamplingParams:
-        return SamplingParams(max_tokens=16, ignore_eos=True, **kwargs)
+    def sampled(max_tokens: int = 16, **kwargs) -> SamplingParams:
+        return SamplingParams(max_tokens=max_tokens, ignore_eos=True, **kwargs)
 
+    # the host-only requests end first, so that the later steps sample on the device
     params = [sampled(temperature=0.8, top_k=5, top_p=0.9, min_p=0.05, seed=7),
               sampled(temperature=1.3, top_k=3, seed=8),
               sampled(temperature=0.0),
-              sampled(temperature=0.8, seed=9),  # top_k 0: the host
-              sampled(temperature=0.8, top_k=5, seed=10, logprobs=True)]  # the host
+              sampled(4, temperature=0.8, seed=9),  # top_k 0: the host
+              sampled(4, temperature=0.8, top_k=5, seed=10, logprobs=True)]  # the host
     prompts = _prompts(len(params))
     outputs = {}
     for model in (FakeModel(), FakeDeviceModel()):
@@ -673,7 +715,7 @@ def test_sampled_requests_pick_on_the_device_what_the_host_would(engines):
         outputs[type(model)] = [(sink.final(i).finish_reason, sink.tokens(i)) for i in ids]
         engine.shutdown()
     assert outputs[FakeModel] == outputs[FakeDeviceModel]
-    assert all(len(tokens) == 16 for _, tokens in outputs[FakeModel])
+    assert [len(tokens) for _, tokens in outputs[FakeModel]] == [q.max_tokens for q in params]
     rows = np.concatenate(model.sampled_rows)  # the device's rows, over both device-only phases
     assert set(rows[rows[:, 0] > 0][:, 1]) == {5.0, 3.0}  # only the two narrow top-k requests
     assert len({tuple(t) for _, t in outputs[FakeModel][:2]}) == 2

@@ -7,6 +7,7 @@ from fake_model import SchedulerHarness, expected_greedy
 
 from sparkinfer_cli.engine.config import EngineConfig
 from sparkinfer_cli.engine.policy import (
+    BatchedPolicy,
     ChunkedPolicy,
     ContinuousPolicy,
     PriorityPolicy,
@@ -35,10 +36,43 @@ def _with_decoder(sched_policy: str, prefill_chunk_tokens: int = 16, **kwargs) -
     return harness
 
 
-@pytest.mark.parametrize("name, cls", [("continuous", ContinuousPolicy),
+@pytest.mark.parametrize("name, cls", [("batched", BatchedPolicy), ("continuous", ContinuousPolicy),
                                        ("chunked", ChunkedPolicy), ("priority", PriorityPolicy)])
 def test_create_policy(name, cls):
     assert type(create_policy(EngineConfig(sched_policy=name))) is cls
+
+
+def test_default_policy_is_batched():
+    assert EngineConfig().sched_policy == "batched"
+
+
+def test_batched_prompts_share_a_step_up_to_its_token_budget():
+    harness = _with_decoder("batched", step_tokens=30)
+    a, b, c = harness.add([3] * 12, 4), harness.add([4] * 12, 4), harness.add([5] * 12, 4)
+    output = harness.step()  # 1 decode + 12 + 12 + the first 5 of c
+    assert [(s.request_id, len(s.token_ids)) for s in output.sequences[1:]] == \
+        [(a.request_id, 12), (b.request_id, 12), (c.request_id, 5)]
+    assert not a.is_prefilling and not b.is_prefilling and c.is_prefilling
+
+
+def test_batched_long_prompt_advances_in_budget_pieces_while_decodes_stream():
+    harness = _with_decoder("batched", step_tokens=16)
+    assert _prefill_pieces(harness, harness.add([3] * 40, 4)) == [(15, 1), (15, 1), (10, 1)]
+
+
+def test_batched_ignores_the_mix_limit():
+    harness = _with_decoder("batched", step_tokens=64, prefill_mix_max=8)
+    assert _prefill_pieces(harness, harness.add([3] * 40, 4)) == [(40, 1)]
+
+
+def test_batched_admits_no_request_out_of_order_when_kv_runs_out():
+    harness = SchedulerHarness(ctx=128, block_size=8, sched_policy="batched")  # 16 blocks
+    first, big, small = harness.add([1] * 20, 20), harness.add([2] * 90, 10), harness.add([3], 2)
+    harness.step()  # big needs 13 blocks of the 11 left: it waits, and small waits behind it
+    assert first.status is RequestStatus.RUNNING
+    assert big.status is small.status is RequestStatus.WAITING
+    harness.run_to_completion()
+    assert small.output_ids == expected_greedy([3], 2)
 
 
 def test_continuous_batched_prefill_runs_whole_beside_decodes():
@@ -87,7 +121,7 @@ def test_fifo_policies_ignore_priority():
     assert first.is_finished and second.status is RequestStatus.WAITING
 
 
-@pytest.mark.parametrize("policy", ["continuous", "chunked", "priority"])
+@pytest.mark.parametrize("policy", ["batched", "continuous", "chunked", "priority"])
 @pytest.mark.parametrize("batched", [True, False])
 def test_every_policy_completes_a_mixed_load(policy, batched):
     harness = SchedulerHarness(ctx=1024, block_size=8, sched_policy=policy, max_batch_tokens=4,

@@ -31,8 +31,8 @@ def test_many_requests_complete_and_every_block_returns():
     assert harness.kv.num_free_blocks == harness.initial_free_blocks == 64
 
 
-def test_decodes_are_packed_first_then_one_prefill_joins():
-    harness = SchedulerHarness(ctx=1024)
+def test_continuous_packs_decodes_first_then_one_prefill_joins():
+    harness = SchedulerHarness(ctx=1024, sched_policy="continuous")
     decoders = _decoding(harness, [[1, 2], [3, 4, 5], [6]])
     waiting = [harness.add([7] * 10, 5), harness.add([8] * 10, 5)]
     output = harness.step()
@@ -42,8 +42,9 @@ def test_decodes_are_packed_first_then_one_prefill_joins():
     assert waiting[1].status is RequestStatus.WAITING
 
 
-def test_unbatched_prefills_join_one_per_step():
-    harness = SchedulerHarness(ctx=1024, prefill_batched=False, prefill_chunk_tokens=0)
+def test_continuous_unbatched_prefills_join_one_per_step():
+    harness = SchedulerHarness(ctx=1024, sched_policy="continuous", prefill_batched=False,
+                               prefill_chunk_tokens=0)
     decoders = _decoding(harness, [[1, 2], [3, 4, 5]])
     waiting = [harness.add([7] * 10, 5), harness.add([8] * 10, 5)]
     output = harness.step()
@@ -52,9 +53,9 @@ def test_unbatched_prefills_join_one_per_step():
     assert waiting[1].status is RequestStatus.WAITING
 
 
-def test_requests_arriving_together_are_admitted_one_per_step_in_order():
+def test_continuous_admits_requests_arriving_together_one_per_step_in_order():
     rng = random.Random(1)
-    harness = SchedulerHarness(ctx=8192, max_num_seqs=64)
+    harness = SchedulerHarness(ctx=8192, max_num_seqs=64, sched_policy="continuous")
     requests = [harness.add([rng.randrange(50) for _ in range(rng.randint(5, 40))], 40)
                 for _ in range(32)]
     for k in range(32):  # step k: the k running requests decode, request k is prefilled
@@ -67,7 +68,7 @@ def test_requests_arriving_together_are_admitted_one_per_step_in_order():
 
 
 def test_a_prefill_over_the_mix_limit_runs_when_no_decode_waits():
-    harness = SchedulerHarness(ctx=2048, prefill_mix_max=30)
+    harness = SchedulerHarness(ctx=2048, sched_policy="continuous", prefill_mix_max=30)
     long_request, short = harness.add([3] * 50, 3), harness.add([4] * 5, 3)
     assert [len(s.token_ids) for s in harness.step().sequences] == [50]
     assert short.status is RequestStatus.WAITING and not long_request.is_prefilling
@@ -159,8 +160,8 @@ def test_max_num_seqs_bounds_running_requests():
     assert all(r.is_finished for r in requests)
 
 
-def test_long_prefill_waits_for_decodes_to_drain():
-    harness = SchedulerHarness(ctx=1024, prefill_mix_max=8)
+def test_continuous_long_prefill_waits_for_decodes_to_drain():
+    harness = SchedulerHarness(ctx=1024, sched_policy="continuous", prefill_mix_max=8)
     (decoder,) = _decoding(harness, [[1, 2]], max_tokens=4)
     long_request = harness.add([3] * 9, 2)
     while not decoder.is_finished:
