@@ -168,7 +168,7 @@ class ContinuousBatchEngine:
         output = OutputStream(IncrementalDetokenizer(self.tokenizer, skip_special=True),
                               StopStringMatcher(params.stop), stop_ids)
         request = Request(request_id, list(prompt_ids), params, on_event, priority, arrival, output,
-                          Sampler(params, self.n_vocab))
+                          Sampler(params, self.n_vocab, stop_ids))
         if self.config.request_timeout_s:
             request.deadline = request.submitted_at + self.config.request_timeout_s
         return request

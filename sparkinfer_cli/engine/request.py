@@ -59,23 +59,28 @@ class OutputStream:
         self.text = ""
         self.logprobs: list[TokenLogprob] = []
 
-    def push(self, result: SampleResult, is_last: bool) -> str | None:
-        """Adds one token; returns the finish reason if it ends the generation."""
+    def push(self, result: SampleResult, is_last: bool, may_stop: bool = True) -> str | None:
+        """Adds one token; returns the finish reason if it ends the generation. Unless may_stop
+        (within min_tokens), stop tokens and stop strings do not end it."""
         self.token_ids.append(result.token_id)
         if result.logprob is not None:
             self.logprobs.append(result.logprob)
-        if result.token_id in self.stop_token_ids:
-            self._flush()
+        if may_stop and result.token_id in self.stop_token_ids:
+            self._flush(may_stop)
             return "stop"
-        text, stopped = self.stop_matcher.push(self.detokenizer.push(result.token_id))
+        text, stopped = self._match(self.detokenizer.push(result.token_id), may_stop)
         self.text += text
         if stopped:
             return "stop"
-        return ("stop" if self._flush() else "length") if is_last else None
+        return ("stop" if self._flush(may_stop) else "length") if is_last else None
 
-    def _flush(self) -> bool:
+    def _match(self, text: str, may_stop: bool) -> tuple[str, bool]:
+        """(text to emit, stopped?); stop strings are looked for only in text that may stop."""
+        return self.stop_matcher.push(text) if may_stop else (text, False)
+
+    def _flush(self, may_stop: bool) -> bool:
         """Emits held-back text at the end; True if that text completed a stop string."""
-        text, stopped = self.stop_matcher.push(self.detokenizer.flush())
+        text, stopped = self._match(self.detokenizer.flush(), may_stop)
         self.text += text if stopped else text + self.stop_matcher.flush()
         return stopped
 
@@ -149,7 +154,7 @@ class Request:
         is_last = self.num_output_tokens >= self.params.max_tokens
         if self.output is None:
             return "length" if is_last else None
-        return self.output.push(result, is_last)
+        return self.output.push(result, is_last, self.num_output_tokens > self.params.min_tokens)
 
     def take_event(self) -> RequestEvent:
         token_ids, text, logprobs = self.output.take() if self.output else ([], "", [])

@@ -6,7 +6,8 @@ Order of operations (each step sees the result of the one before):
    distinct token there has a positive logit divided by the penalty, a negative one multiplied;
 2. presence and frequency penalties — OpenAI semantics over the generated tokens only:
    ``logit -= frequency_penalty * count + presence_penalty * (count > 0)``;
-3. logit bias — ``logit += bias``; a bias of -100 or less bans the token outright (-inf);
+3. logit bias — ``logit += bias``; a bias of -100 or less bans the token outright (-inf); until
+   min_tokens tokens are out, the request's stop tokens (end-of-generation included) carry that ban;
 4. top-k — keep the k largest logits (0: off);
 5. top-p — keep the smallest set of most likely tokens whose probability (softmax at
    temperature 1 over what top-k kept) reaches top_p; the token that crosses top_p is kept;
@@ -31,7 +32,7 @@ the same seed over the same logits gives the same token sequence.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -79,13 +80,23 @@ NOTHING_TOUCHED = TouchedLogits(NO_IDS, np.empty(0, dtype=np.float32))
 
 
 class Sampler:
-    def __init__(self, params: SamplingParams, n_vocab: int):
+    def __init__(self, params: SamplingParams, n_vocab: int, stop_token_ids: Iterable[int] = ()):
         self.params = params
         self.n_vocab = n_vocab
         self._rng = np.random.default_rng(params.seed)
-        self._bias_ids, self._bias_values = logit_bias_arrays(params.logit_bias, n_vocab)
-        self.may_touch_logits = bool(params.repetition_penalty != 1.0 or params.presence_penalty
-                                     or params.frequency_penalty or params.logit_bias)
+        self._bias = logit_bias_arrays(params.logit_bias, n_vocab)
+        stop_bans = {t: BAN_BIAS for t in stop_token_ids if 0 <= t < n_vocab} \
+            if params.min_tokens else {}  # an id outside the vocabulary is never sampled anyway
+        self._early_bias = logit_bias_arrays({**params.logit_bias, **stop_bans}, n_vocab)
+        self._penalises = bool(params.repetition_penalty != 1.0 or params.presence_penalty
+                               or params.frequency_penalty)
+        # NOTE: exact while the min_tokens ban lasts: every token goes through sample() then
+        self._num_output_tokens = 0
+
+    @property
+    def may_touch_logits(self) -> bool:
+        """Whether steps 1–3 may change the next token's logits."""
+        return self._penalises or self._bias_for(self._num_output_tokens)[0].size > 0
 
     @property
     def is_plain_greedy(self) -> bool:
@@ -111,6 +122,7 @@ class Sampler:
                output_ids: Sequence[int]) -> SampleResult:
         if logits.shape != (self.n_vocab,):
             raise ValueError(f"logits have shape {logits.shape}, expected ({self.n_vocab},)")
+        self._num_output_tokens = len(output_ids) + 1  # with the one picked now
         ws = thread_workspace(self.n_vocab)
         touched = self.touched_logits(logits, prompt_ids, output_ids)
         if logits.dtype != np.float32:  # NOTE: ties and argmax are decided in float32
@@ -134,13 +146,14 @@ class Sampler:
                        output_ids: Sequence[int]) -> TouchedLogits:
         """Steps 1–3, computed on the few ids they touch."""
         p = self.params
-        if not self.may_touch_logits:
+        bias_ids, bias_values = self._bias_for(len(output_ids))
+        if not (self._penalises or bias_ids.size):
             return NOTHING_TOUCHED
         penalised = np.unique(recent_tokens(prompt_ids, output_ids)) \
             if p.repetition_penalty != 1.0 else NO_IDS  # each distinct token penalised once
         counted, counts = np.unique(np.asarray(output_ids, dtype=np.int64), return_counts=True) \
             if (p.presence_penalty or p.frequency_penalty) and len(output_ids) else (NO_IDS, NO_IDS)
-        ids = np.union1d(np.union1d(penalised, counted), self._bias_ids)  # (num_touched,)
+        ids = np.union1d(np.union1d(penalised, counted), bias_ids)  # (num_touched,)
         if not ids.size:
             return NOTHING_TOUCHED
         values = logits[ids].astype(np.float32)  # (num_touched,)
@@ -149,8 +162,12 @@ class Sampler:
         if counted.size:
             values[np.searchsorted(ids, counted)] -= \
                 (p.frequency_penalty * counts + p.presence_penalty).astype(np.float32)
-        values[np.searchsorted(ids, self._bias_ids)] += self._bias_values
+        values[np.searchsorted(ids, bias_ids)] += bias_values
         return TouchedLogits(ids, values)
+
+    def _bias_for(self, num_output_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, values) of the logit bias for the token after num_output_tokens."""
+        return self._early_bias if num_output_tokens < self.params.min_tokens else self._bias
 
     def _choose(self, logits: np.ndarray, ws: Workspace) -> int:
         p = self.params
@@ -202,7 +219,8 @@ def greedy_token(logits: np.ndarray, touched: TouchedLogits, ws: Workspace) -> i
 
 def check_finite(token_id: int, logit: float) -> int:
     if not math.isfinite(logit):
-        raise ValueError("every token is banned (logit_bias) or the logits are not finite")
+        raise ValueError("every token is banned (logit_bias, min_tokens) or the logits are not "
+                         "finite")
     return token_id
 
 

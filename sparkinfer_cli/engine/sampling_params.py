@@ -19,13 +19,17 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
+    ignore_eos: bool = False  # end-of-generation tokens do not stop the request
+    # vLLM: stop tokens are banned from, and stop strings ignored in, the first min_tokens tokens;
+    # NOTE: not checked against max_tokens, which the engine may lower (the API checks it)
+    min_tokens: int = 0
     logprobs: bool = False
     top_logprobs: int = 0
 
     def __post_init__(self) -> None:
         checks = [
             (self.max_tokens >= 1, "max_tokens must be at least 1"),
+            (self.min_tokens >= 0, "min_tokens must be >= 0"),
             (self.temperature >= 0, "temperature must be >= 0"),
             (self.top_k >= 0, "top_k must be >= 0"),
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),

@@ -194,6 +194,35 @@ def test_everything_banned_is_a_clear_error():
         sampler.sample(np.zeros(2, dtype=np.float32), [], [])
 
 
+def test_min_tokens_bans_the_stop_tokens_until_then():
+    """Stop tokens 2 (the argmax, with a user bias too) and 3 are banned from two tokens."""
+    logits = np.array([0.0, 0.5, 50.0, 40.0], dtype=np.float32)
+    for params in (SamplingParams(temperature=0.0, min_tokens=2, logit_bias={2: 5.0}),
+                   SamplingParams(temperature=0.5, min_tokens=2, seed=1)):
+        sampler, out = Sampler(params, 4, stop_token_ids=(2, 3, 99)), []
+        for _ in range(3):
+            out.append(sampler.sample(logits, [0], out).token_id)
+        assert set(out[:2]) <= {0, 1} and out[2] == 2
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.0, min_tokens=2),
+                                    SamplingParams(temperature=0.7, top_k=4, min_tokens=2)])
+def test_min_tokens_keeps_the_sampler_off_the_fast_paths_while_it_bans(params):
+    """Neither plain greedy (GreedyBatch, forward_greedy) nor device sampling applies the ban."""
+    logits = np.zeros(4, dtype=np.float32)
+    sampler, out = Sampler(params, 4, stop_token_ids=(2,)), []
+    for _ in range(2):
+        assert not sampler.can_sample_on_device(64) and not sampler.is_plain_greedy
+        out.append(sampler.sample(logits, [0], out).token_id)
+    assert sampler.can_sample_on_device(64)
+    assert sampler.is_plain_greedy == params.is_greedy
+
+
+def test_min_tokens_without_stop_tokens_stays_plain_greedy():
+    sampler = Sampler(SamplingParams(temperature=0.0, min_tokens=5), 4)
+    assert sampler.is_plain_greedy and not sampler.may_touch_logits
+
+
 def test_wrong_logits_shape_is_rejected():
     with pytest.raises(ValueError, match="shape"):
         Sampler(SamplingParams(), 4).sample(np.zeros(5, dtype=np.float32), [], [])
