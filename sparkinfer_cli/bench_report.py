@@ -74,12 +74,17 @@ class BenchReport:
 
     @property
     def stem(self) -> str:
-        label = re.sub(r"[^A-Za-z0-9._-]+", "_", self.model)
-        return f"{self.date[:10]}-{label}-{self.device_kind}"
+        return result_stem(self.date, self.model, self.device_kind)
 
     def anchors(self) -> list[tuple[Anchor, ResultRow]]:
         _, figures = LLAMA_CPP_ANCHORS.get((self.model, self.device_kind), ("", ()))
         return [(a, r) for a in figures for r in self.results if (r.kind, r.ctx) == (a.kind, a.ctx)]
+
+
+def result_stem(date: str, model: str, device_kind: str) -> str:
+    """<date>-<model>-<device>: the name every bench result file starts with."""
+    label = re.sub(r"[^A-Za-z0-9._-]+", "_", model)
+    return f"{date[:10]}-{label}-{device_kind}"
 
 
 def write_report(report: BenchReport, out_dir: Path) -> list[Path]:

@@ -95,13 +95,35 @@ def bench(model: Optional[str] = typer.Option(None, "-m", "--model", help=MODEL_
                                          help="Prefill sizes / decode depths (repeatable)."),
           concurrency: list[int] = typer.Option([], "--concurrency", help="Concurrent sequences."),
           out_dir: Path = typer.Option(Path("bench/results"), "--out", help="Results directory."),
-          device: str = typer.Option("auto", "--device", help="auto | cpu | cuda")):
-    """Measure prefill and decode speed; write results (md + json + png) under bench/results/."""
+          device: str = typer.Option("auto", "--device", help="auto | cpu | cuda"),
+          serve: bool = typer.Option(False, "--serve",
+                                     help="Through the HTTP server: --concurrency streaming "
+                                          "clients at once (CPU 1 4 8, CUDA 1 8 32 64)."),
+          url: Optional[str] = typer.Option(None, "--url",
+                                            help="--serve against this running server."),
+          prompt_tokens: int = typer.Option(128, "--prompt-tokens", help="--serve: prompt size."),
+          max_tokens: int = typer.Option(128, "--max-tokens", help="--serve: tokens out."),
+          requests_per_client: int = typer.Option(2, "--requests-per-client",
+                                                  help="--serve: measured requests in a row."),
+          rate: Optional[float] = typer.Option(None, "--rate",
+                                               help="--serve: Poisson arrivals a second."),
+          duration: float = typer.Option(60.0, "--duration",
+                                         help="--serve: seconds of Poisson arrivals.")):
+    """Measure prefill and decode speed, or (--serve) the server's; write results (md + json +
+    png) under bench/results/."""
     from sparkinfer_cli.bench import BenchRequest, run_bench
+    from sparkinfer_cli.bench_serve import ServeBenchRequest, run_serve_bench
+    command = " ".join(["sparkinfer"] + sys.argv[1:])
     try:
-        request = BenchRequest(model, synthetic, pick_device(device), tuple(ctx),
-                               tuple(concurrency), out_dir, " ".join(["sparkinfer"] + sys.argv[1:]))
-        run_bench(request, err)
+        if serve or url:
+            if ctx:
+                _fail("--ctx sets the engine bench's depths; --serve sizes the server itself")
+            run_serve_bench(ServeBenchRequest(
+                model, synthetic, pick_device(device), tuple(concurrency), prompt_tokens,
+                max_tokens, requests_per_client, rate, duration, url, out_dir, command), err)
+        else:
+            run_bench(BenchRequest(model, synthetic, pick_device(device), tuple(ctx),
+                                   tuple(concurrency), out_dir, command), err)
     except (ValueError, RuntimeError) as exc:
         _fail(str(exc))
 
