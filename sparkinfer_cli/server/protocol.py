@@ -123,6 +123,8 @@ class SamplingFields:
     seed: int | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False  # vLLM's extensions, which load generators use for full-length outputs
+    min_tokens: int = 0
 
     def to_params(self, max_tokens: int, choice_index: int,
                   top_logprobs: int | None) -> SamplingParams:
@@ -133,14 +135,16 @@ class SamplingFields:
                 max_tokens=max_tokens, temperature=self.temperature, top_k=self.top_k,
                 top_p=self.top_p, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                logit_bias=self.logit_bias, seed=seed, stop=self.stop,
-                logprobs=top_logprobs is not None, top_logprobs=top_logprobs or 0)
+                logit_bias=self.logit_bias, seed=seed, stop=self.stop, ignore_eos=self.ignore_eos,
+                min_tokens=self.min_tokens, logprobs=top_logprobs is not None,
+                top_logprobs=top_logprobs or 0)
         except ValueError as exc:
             raise invalid(str(exc)) from None
 
 
-def parse_sampling(body: Mapping[str, Any], default_temperature: float,
-                   vocab_size: int) -> SamplingFields:
+def parse_sampling(body: Mapping[str, Any], default_temperature: float, vocab_size: int,
+                   max_tokens: int | None) -> SamplingFields:
+    """max_tokens: the requested one (None: not given), which min_tokens may not exceed."""
     top_k = _field(body, "top_k", _is_int, 0)
     return SamplingFields(
         temperature=_field(body, "temperature", _is_number, default_temperature),
@@ -153,6 +157,8 @@ def parse_sampling(body: Mapping[str, Any], default_temperature: float,
         seed=_field(body, "seed", _is_int),
         logit_bias=_parse_logit_bias(body.get("logit_bias"), vocab_size),
         stop=_parse_stop(body.get("stop")),
+        ignore_eos=_field(body, "ignore_eos", _is_bool, False),
+        min_tokens=_int_in(body, "min_tokens", 0, 0, max_tokens) or 0,
     )
 
 
@@ -224,14 +230,15 @@ def parse_chat_request(body: dict[str, Any], *, default_temperature: float, voca
                       "missing_required_parameter" if messages is None else "invalid_type")
     tools, tool_choice, forced_tool = _parse_tools(body)
     _check_response_format(body.get("response_format"))
+    max_tokens = _parse_max_tokens(body)
     return ChatCompletionRequest(
         model=_field(body, "model", _is_str),
         messages=[_parse_message(i, m) for i, m in enumerate(messages)],
         stream=_field(body, "stream", _is_bool, False),
         include_usage=_parse_include_usage(body),
         n=_int_in(body, "n", 1, 1, max_n) or 1,
-        max_tokens=_parse_max_tokens(body),
-        sampling=parse_sampling(body, default_temperature, vocab_size),
+        max_tokens=max_tokens,
+        sampling=parse_sampling(body, default_temperature, vocab_size, max_tokens),
         top_logprobs=_parse_chat_logprobs(body),
         tools=tools, tool_choice=tool_choice, forced_tool=forced_tool,
         parallel_tool_calls=_field(body, "parallel_tool_calls", _is_bool, True),
@@ -415,11 +422,12 @@ def parse_completion_request(body: dict[str, Any], *, default_temperature: float
         raise invalid("'best_of' other than n is not supported", "best_of", "unsupported_value")
     if body.get("suffix") is not None:
         raise invalid("'suffix' is not supported", "suffix", "unsupported_value")
+    max_tokens = _int_in(body, "max_tokens", 16, 1) or 16
     return CompletionRequest(
         model=_field(body, "model", _is_str), prompts=prompts,
         stream=_field(body, "stream", _is_bool, False), include_usage=_parse_include_usage(body),
-        n=n, max_tokens=_int_in(body, "max_tokens", 16, 1) or 16,
-        sampling=parse_sampling(body, default_temperature, vocab_size),
+        n=n, max_tokens=max_tokens,
+        sampling=parse_sampling(body, default_temperature, vocab_size, max_tokens),
         top_logprobs=_int_in(body, "logprobs", None, 0, MAX_TOP_LOGPROBS),
         echo=_field(body, "echo", _is_bool, False),
     )

@@ -161,6 +161,17 @@ class FakeDeviceModel(FakeModel):
         return iter(passes)
 
 
+def eos_first(model_class: type[FakeModel]) -> FakeModel:
+    """A model_class whose every row has EOS as its argmax and the fake model's own pick second."""
+    class EosFirst(model_class):
+        def forward(self, batch: SequenceBatch, cache: FakeCache) -> np.ndarray:
+            logits = super().forward(batch, cache)  # (num_seqs, n_vocab)
+            logits[:, EOS_ID] = 2.0
+            return logits
+
+    return EosFirst()
+
+
 def _pick(logits: np.ndarray, temperature: float, top_k: float, top_p: float, min_p: float,
           u: float) -> int:
     from sparkinfer_cli.engine.truncation import choose, thread_workspace

@@ -17,6 +17,7 @@ from fake_model import (
     N_VOCAB,
     FakeDeviceModel,
     FakeModel,
+    eos_first,
     expected_greedy,
     make_tokenizer,
 )
@@ -180,17 +181,6 @@ def test_end_of_generation_token_stops_unless_ignored(engines):
     assert sink.text(stopped) == ""  # the end-of-generation token has no text
     ignored = engine.submit([1, 2], greedy(10, logit_bias={EOS_ID: 50.0}, ignore_eos=True), sink)
     assert sink.final(ignored).finish_reason == "length" and sink.tokens(ignored) == [EOS_ID] * 10
-
-
-def eos_first(model_class: type[FakeModel]) -> FakeModel:
-    """A model_class whose every row has EOS as its argmax and the fake model's own pick second."""
-    class EosFirst(model_class):
-        def forward(self, batch, cache):
-            logits = super().forward(batch, cache)  # (num_seqs, n_vocab)
-            logits[:, EOS_ID] = 2.0
-            return logits
-
-    return EosFirst()
 
 
 @pytest.mark.parametrize("model_class", [FakeModel, FakeDeviceModel])

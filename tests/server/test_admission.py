@@ -193,7 +193,8 @@ KNOWN_KEYS = ["model", "messages", "stream", "stream_options", "n", "max_tokens"
               "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "logit_bias",
               "stop", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
               "enable_thinking", "chat_template_kwargs", "reasoning_effort", "response_format",
-              "prompt", "echo", "best_of", "suffix", "content", "user"]
+              "prompt", "echo", "best_of", "suffix", "content", "user", "ignore_eos",
+              "min_tokens"]
 scalars = (st.none() | st.booleans() | st.integers(-2**70, 2**70) |
            st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=12))
 json_values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) |
