@@ -13,11 +13,12 @@ and make routing degenerate). Norms ≈ 1, ssm_a < 0, routers N(0, 1/n_embd) so 
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import re
 import struct
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -431,7 +432,7 @@ def tensor_data(preset: str | SyntheticSpec, name: str, seed: int = 0) -> np.nda
 
 
 # ---- tokenizer (GGUF.md §5) ----------------------------------------------------------------------
-TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 1, 3, 4, 5
+TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED = 1, 3, 4
 _PRETOKENIZE = re.compile(r"'(?:[sdmt]|ll|ve|re)| ?[^\W\d_]+| ?\d| ?[^\s\w]+|\s+(?!\S)|\s+")
 _ENGLISH = ("The quick brown fox jumps over the lazy dog. A tokenizer splits text into pieces; "
             "the model reads numbers like 12345 and words in many languages: naïve café, "
@@ -483,15 +484,29 @@ def _merge_pair(word: tuple[str, ...], pair: tuple[str, str]) -> tuple[str, ...]
 
 
 def vocabulary(spec: SyntheticSpec) -> tuple[list[str], list[int], tuple[str, ...]]:
-    """(tokens, token types, merges): BPE tokens, [PADn] fillers, Qwen specials at their base."""
+    """(tokens, token types, merges): BPE tokens, then made-up words to fill n_vocab, with the
+    Qwen specials at their base.
+
+    NOTE: a random model samples every id alike, so no filler may print nothing (as a real file's
+    [PADn] entries do): streamed text then arrives token by token, like a real model's."""
     bpe_tokens, merges = bpe_vocab(min(N_MERGES, spec.special_token_base - 256))
-    base = spec.special_token_base
-    tokens = [*bpe_tokens, *(f"[PAD{i}]" for i in range(len(bpe_tokens), base)), *SPECIAL_TOKENS]
-    tokens += [f"[PAD{i}]" for i in range(len(tokens), spec.n_vocab)]
-    types = [TOKEN_NORMAL] * len(bpe_tokens) + [TOKEN_UNUSED] * (base - len(bpe_tokens))
-    types += [TOKEN_CONTROL if t.startswith("<|") else TOKEN_USER_DEFINED for t in SPECIAL_TOKENS]
-    types += [TOKEN_UNUSED] * (spec.n_vocab - len(types))
+    base, num_special = spec.special_token_base, len(SPECIAL_TOKENS)
+    normal = [*bpe_tokens, *made_up_words(spec.n_vocab - num_special - len(bpe_tokens),
+                                          set(bpe_tokens))]
+    tokens = [*normal[:base], *SPECIAL_TOKENS, *normal[base:]]
+    types = [TOKEN_NORMAL] * spec.n_vocab
+    types[base:base + num_special] = [TOKEN_CONTROL if t.startswith("<|") else TOKEN_USER_DEFINED
+                                      for t in SPECIAL_TOKENS]
     return tokens, types, merges
+
+
+def made_up_words(n: int, taken: Collection[str]) -> list[str]:
+    """n distinct pronounceable words with a leading space (" ka", " kabe", …), in byte-level
+    form ("Ġka"), shortest first and none in `taken` (75 syllables: 3 make 427k words)."""
+    syllables = [c + v for c in "bdfghklmnprstvz" for v in "aeiou"]
+    words = ("Ġ" + "".join(parts) for length in itertools.count(1)
+             for parts in itertools.product(syllables, repeat=length))
+    return list(itertools.islice((w for w in words if w not in taken), n))
 
 
 # ---- metadata and the GGUF header (GGUF.md §1) ---------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import random
 from pathlib import Path
 
 import gguf
@@ -17,6 +18,9 @@ from sparkinfer_cli.ggml_types import COMPUTE_TYPES, GGMLType
 from sparkinfer_cli.gguf_file import GGUFFile
 from sparkinfer_cli.kernels.cpu.moe_routing import route
 from sparkinfer_cli.model.config import ModelConfig
+from sparkinfer_cli.tokenizer.detokenizer import IncrementalDetokenizer
+from sparkinfer_cli.tokenizer.tokenizer import Tokenizer as GGUFTokenizer
+from sparkinfer_cli.tokenizer.tokenizer import TokenType
 
 FAMILIES = ("qwen3", "qwen3moe", "qwen35", "qwen35moe", "qwen3next")  # with oracle fixtures
 TINY = (*FAMILIES, "qwen2", "llama")
@@ -163,6 +167,54 @@ def test_vocabulary_is_a_valid_byte_level_bpe(preset, eos_id):
     text = "{%- if messages %}\n    naïve café 42 — 日本\t<x>"
     ids = tok.encode(text).ids
     assert tok.decode(ids) == text and len(ids) < len(text.encode())  # merges apply
+
+
+def starts_a_character(piece: bytes) -> bool:
+    """A lone UTF-8 lead byte (a byte token): every streaming detokenizer holds it back until the
+    token after it."""
+    return len(piece) == 1 and 0xC2 <= piece[0] <= 0xF4
+
+
+def check_normal_tokens_print(tokenizer: GGUFTokenizer, ids: list[int]) -> None:
+    """Each id decodes to text and streams it as soon as it is pushed; the made-up words (past
+    the byte tokens and merges) are visible text."""
+    num_bpe = len(S.bpe_vocab()[0])
+    stream = IncrementalDetokenizer(tokenizer, skip_special=True)
+    for token_id in ids:
+        text, piece = tokenizer.decode([token_id]), tokenizer.token_bytes(token_id)
+        assert tokenizer.token_types[token_id] == TokenType.NORMAL and text, token_id
+        if starts_a_character(piece):
+            assert stream.push(token_id) == "" and stream.flush() == text
+            continue
+        assert stream.push(token_id) == text, token_id
+        if token_id >= num_bpe:
+            assert text.startswith(" ") and text[1:].isalpha() and text.isprintable(), text
+
+
+def test_every_normal_token_of_a_written_file_prints_as_it_streams(tmp_path):
+    """A tiny model with room for made-up words between the merges and the specials: every
+    normal id, read back through GGUFFile (and the gguf package)."""
+    spec = dataclasses.replace(S.PRESETS["tiny-qwen3"], name="wide-vocab", n_vocab=2048,
+                               special_token_base=1024)
+    path = S.write_synthetic(tmp_path / "wide.gguf", spec)
+    field = gguf.GGUFReader(path).fields["tokenizer.ggml.tokens"]
+    assert len(field.data) == spec.n_vocab
+    tokenizer = GGUFTokenizer.from_gguf(GGUFFile(path))
+    special = range(spec.special_token_base, spec.special_token_base + len(S.SPECIAL_TOKENS))
+    normal = [i for i in range(spec.n_vocab) if i not in special]
+    check_normal_tokens_print(tokenizer, normal)
+    assert sum(starts_a_character(tokenizer.token_bytes(i)) for i in normal) == 0xF4 - 0xC2 + 1
+    assert tokenizer.decode(tokenizer.encode("naïve café ba")) == "naïve café ba"
+
+
+@pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "qwen3.6-35b-a3b"])
+def test_full_size_vocabulary_prints_a_sample_of_its_normal_tokens(preset):
+    spec = S.PRESETS[preset]
+    tokens, types, merges = S.vocabulary(spec)
+    tokenizer = GGUFTokenizer(tokens, types, merges, spec.tokenizer_pre)
+    normal = [i for i, t in enumerate(types) if t == TokenType.NORMAL]
+    assert len(normal) == spec.n_vocab - len(S.SPECIAL_TOKENS)
+    check_normal_tokens_print(tokenizer, random.Random(0).sample(normal, 3000) + normal[-300:])
 
 
 def test_chat_template_is_qwen3s():
