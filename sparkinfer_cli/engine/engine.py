@@ -352,9 +352,11 @@ class ContinuousBatchEngine:
                 self._finish(request, "timeout", "the request exceeded its time limit")
 
     def _prepare_model(self) -> None:
-        """Captures every decode graph now, not mid-run, then warms the shared prefix."""
-        if hasattr(self.model, "capture_decode_graphs"):
-            self.model.capture_decode_graphs(self.runner.cache, self.config.max_num_seqs)
+        """Compiles and captures every pass the scheduler can form now, not mid-run (models with
+        graphs), then warms the shared prefix."""
+        if hasattr(self.model, "capture_graphs"):
+            self.model.capture_graphs(self.runner.cache, self.config.max_num_seqs,
+                                      self.scheduler.max_pass_tokens)
         self._warm_prefix()
 
     def _warm_prefix(self) -> None:

@@ -140,10 +140,14 @@ class Scheduler:
         return pieces
 
     def _step_room(self, num_decodes: int) -> int:
-        """Prompt tokens the step may still take beside num_decodes decode tokens: the policy's
-        step budget and the model's pass limit, whichever is smaller."""
-        limits = [n for n in (self.policy.step_tokens, self.max_step_tokens) if n]
-        return min(limits, default=sys.maxsize) - num_decodes
+        """Prompt tokens the step may still take beside num_decodes decode tokens."""
+        return (self.max_pass_tokens or sys.maxsize) - num_decodes
+
+    @property
+    def max_pass_tokens(self) -> int:
+        """The most tokens a step carries: the policy's step budget or the model's pass limit,
+        whichever is smaller (0 = no limit)."""
+        return min((n for n in (self.policy.step_tokens, self.max_step_tokens) if n), default=0)
 
     def _num_uncomputed(self, request: Request) -> int:
         """Tokens still to compute; a request not yet admitted skips a shared-prefix hit."""

@@ -51,13 +51,14 @@ from sparkinfer_cli.model.config import ModelConfig
 from sparkinfer_cli.model.cuda_cache import CudaModelCache
 from sparkinfer_cli.model.cuda_layers import CudaAttention, CudaGatedDeltaNet, CudaMoE, CudaSwiGLU
 from sparkinfer_cli.model.cuda_weights import Uploader, upload_progress
-from sparkinfer_cli.model.cuda_workspace import MAX_QUEUED_STEPS, Workspace, row_bucket
+from sparkinfer_cli.model.cuda_workspace import MAX_COLS, MAX_QUEUED_STEPS, Workspace, row_bucket
 from sparkinfer_cli.model.gated_delta_net import GatedDeltaNet
 from sparkinfer_cli.model.layers import Attention, SwiGLU
 from sparkinfer_cli.model.moe import MoE
 
 MAX_GRAPH_ROWS = 64  # decode graphs of batches up to this many sequences are captured at load
 MAX_PASS_TOKENS = 4096  # tokens a forward pass takes at most (workspace buffers are sized by it)
+MIN_PROMPT_LOGIT_ROWS = MAX_COLS  # the fewest logit rows of a pass with prompt tokens
 
 
 @dataclass
@@ -255,7 +256,7 @@ class CudaModel:
             n = len(batch.token_ids)
             copy_device_async(ws.token_ids[:n], device_tokens[:n], self.stream)
         n_logits = len(batch.logit_rows())
-        logit_rows = row_bucket(n_logits)
+        logit_rows = logit_bucket(n_logits, ws.multi_token)
         if greedy:
             ws.sampling(logit_rows, self.output.n_rows).stage(sampling_rows, self.stream)
         key = (ws.multi_token, logit_rows, greedy)
@@ -317,17 +318,58 @@ class CudaModel:
         workspace = sum(ws.memory_bytes() for ws in cache.steps.values())
         return {"weights": self.weight_bytes, **cache.memory_bytes(), "workspace": workspace}
 
-    def capture_decode_graphs(self, cache: CudaModelCache, max_seqs: int) -> None:
-        """Capture the decode graphs of every bucket up to max_seqs now (dummy passes: one with
-        the logits back, one with greedy ids back)."""
-        n = 1
-        while n <= min(max_seqs, MAX_GRAPH_ROWS):
-            batch = SequenceBatch(np.zeros(n, np.int32), [0] * n, [1] * n,
-                                  [np.array([cache.scratch_block], np.int32)] * n,
-                                  [cache.scratch_slot] * n if self.config.is_hybrid else [])
-            self.forward(batch, cache)
-            self.forward_greedy(batch, cache)
-            n *= 2
+    def capture_graphs(self, cache: CudaModelCache, max_seqs: int, max_pass_tokens: int) -> None:
+        """Compile and capture now, before serving, every pass the engine can run with at most
+        max_seqs sequences and max_pass_tokens tokens (graph_shapes), with logits back and with
+        ids back. Uses the pool's blocks as scratch: call it before any request holds KV."""
+        for n_tokens, n_seqs in graph_shapes(max_seqs, min(max_pass_tokens, MAX_PASS_TOKENS)):
+            self._capture(self._dummy_batch(cache, n_tokens, n_seqs), cache)
+
+    def _capture(self, batch: SequenceBatch, cache: CudaModelCache) -> None:
+        self.forward(batch, cache)
+        self.forward_greedy(batch, cache)
+
+    def _dummy_batch(self, cache: CudaModelCache, n_tokens: int, n_seqs: int) -> SequenceBatch:
+        """n_seqs sequences from position 0: the first brings n_tokens − n_seqs + 1 tokens (in the
+        pool's first blocks), every other one token (in the scratch block)."""
+        first = n_tokens - n_seqs + 1
+        tables = [np.arange(-(-first // cache.block_size), dtype=np.int32)] + \
+            [np.array([cache.scratch_block], np.int32)] * (n_seqs - 1)
+        if len(tables[0]) > cache.num_blocks:
+            raise ValueError(f"a KV pool of {cache.num_blocks} blocks cannot hold a pass of "
+                             f"{n_tokens} tokens")
+        token_ids = np.arange(n_tokens, dtype=np.int32) % self.config.n_vocab  # (n_tokens,)
+        slots = [cache.scratch_slot] * n_seqs if self.config.is_hybrid else []
+        return SequenceBatch(token_ids, [0] * n_seqs, [first] + [1] * (n_seqs - 1), tables,
+                             slots)
+
+
+def graph_shapes(max_seqs: int, max_pass_tokens: int) -> list[tuple[int, int]]:
+    """(tokens, sequences) of one pass of each graph key a pass of at most max_seqs sequences
+    and max_pass_tokens tokens can have: decode passes (one token a sequence) of each row
+    bucket, and passes with prompt tokens of each row bucket and logit bucket."""
+    decode_rows = _pow2_range(1, row_bucket(min(max_seqs, MAX_GRAPH_ROWS)))
+    shapes = [(min(n, max_seqs),) * 2 for n in decode_rows]
+    for n_rows in _pow2_range(2, row_bucket(max_pass_tokens)):
+        for n_logits in _pow2_range(MIN_PROMPT_LOGIT_ROWS, logit_bucket(max_seqs, True)):
+            # the fewest sequences whose logit rows fill the bucket n_logits
+            n_seqs = 1 if n_logits == MIN_PROMPT_LOGIT_ROWS else n_logits // 2 + 1
+            if n_seqs < n_rows:  # else no sequence brings two tokens
+                shapes.append((n_rows, n_seqs))
+    return shapes
+
+
+def logit_bucket(n_logits: int, multi_token: bool) -> int:
+    """Logit rows a pass with n_logits of them computes. A pass with prompt tokens rounds up to
+    at least MIN_PROMPT_LOGIT_ROWS: the output GEMV reads its matrix once for up to that many
+    rows, so the smaller buckets cost as much and would only add graphs to capture."""
+    n = row_bucket(n_logits)
+    return max(n, MIN_PROMPT_LOGIT_ROWS) if multi_token else n
+
+
+def _pow2_range(lo: int, hi: int) -> list[int]:
+    """The powers of two from lo to hi, both included (lo a power of two)."""
+    return [1 << i for i in range(lo.bit_length() - 1, hi.bit_length())] if lo <= hi else []
 
 
 def load_cuda_model(gguf: GGUFFile, config: ModelConfig, *, exact: bool = False,

@@ -129,6 +129,7 @@ class Workspace:
         # pinned staging of the int inputs (fields·rows + rows·width,), one per queued decode
         # pass, made on first use (a prefill bucket needs one: its tables take rows · width)
         self._ints_host: list[np.ndarray] = []
+        self._ints_used: list[int] = []  # per staging row: the leading ints its pass reads
         self.ints = cuda.device_array(n_ints, np.int32)
         views = [self.ints[i * n_rows:(i + 1) * n_rows] for i in range(len(INT_FIELDS))]
         self.token_ids, self.positions, self.seq_lens, self.slot_mapping, self.row_seq, \
@@ -261,7 +262,11 @@ class Workspace:
         ints = self._staging(step)
         f = {name: ints[i * n_rows:(i + 1) * n_rows] for i, name in enumerate(INT_FIELDS)}
         tables = ints[len(INT_FIELDS) * n_rows:].reshape(n_rows, self.table_width)
-        tables[:] = cache.scratch_block
+        # NOTE: only the tables of the S sequences and of the padding rows' sequence S are read;
+        # a pool of 16k blocks makes every row 64 kB, so the rest is neither filled nor copied
+        num_tables = min(S + 1, n_rows)
+        tables[:num_tables] = cache.scratch_block
+        self._ints_used[step] = len(INT_FIELDS) * n_rows + num_tables * self.table_width
         pos = batch.positions()  # (N,)
         seq_of_row = np.repeat(np.arange(S), batch.num_new_tokens)  # (N,)
         blocks = np.empty(N, np.int64)
@@ -290,10 +295,12 @@ class Workspace:
     def _staging(self, step: int) -> np.ndarray:
         while len(self._ints_host) <= step:
             self._ints_host.append(cuda.pinned_array(self.ints.size, np.int32))
+            self._ints_used.append(self.ints.size)
         return self._ints_host[step]
 
     def upload(self, stream, step: int = 0) -> None:
         """Queue the copies of staging row `step` (and of the host's embeddings) to the device."""
-        copy_to_device_async(self.ints, self._ints_host[step], stream)
+        n = self._ints_used[step]
+        copy_to_device_async(self.ints[:n], self._ints_host[step][:n], stream)
         if self.host_embeddings:
             copy_to_device_async(self.h, self._h_host, stream)

@@ -500,8 +500,8 @@ class GraphModel(FakeModel):
         super().__init__()
         self.calls: list[tuple[str, object]] = []
 
-    def capture_decode_graphs(self, cache, max_seqs: int) -> None:
-        self.calls.append(("capture", (cache, max_seqs)))
+    def capture_graphs(self, cache, max_seqs: int, max_pass_tokens: int) -> None:
+        self.calls.append(("capture", (cache, max_seqs, max_pass_tokens)))
 
     def forward(self, batch, cache):
         self.calls.append(("forward", batch.num_seqs))
@@ -509,12 +509,13 @@ class GraphModel(FakeModel):
         return super().forward(batch, cache)
 
 
-def test_decode_graphs_are_captured_once_before_serving(engines):
+def test_graphs_are_captured_once_before_serving(engines):
     model = GraphModel()
     engine = engines(model, start=False, max_num_seqs=24, prefix_token_ids=PREFIX)
     assert model.calls == []  # nothing runs before start()
     engine.start()
-    assert model.calls[0] == ("capture", (engine.runner.cache, 24))  # before the prefix warm-up
+    # before the prefix warm-up, up to the largest pass the scheduler forms (the model's limit)
+    assert model.calls[0] == ("capture", (engine.runner.cache, 24, GraphModel.max_pass_tokens))
     sink, prompts = Collector(), _prompts(16)
     ids = [engine.submit(p, greedy(5), sink) for p in prompts]
     for request_id, prompt in zip(ids, prompts):
@@ -525,7 +526,7 @@ def test_decode_graphs_are_captured_once_before_serving(engines):
 
 def test_models_without_graphs_start_as_before(engines):
     model = FakeModel()
-    assert not hasattr(model, "capture_decode_graphs")
+    assert not hasattr(model, "capture_graphs")
     engine, sink = engines(model), Collector()
     assert sink.final(engine.submit([1, 2], greedy(3), sink)).finish_reason == "length"
 

@@ -93,3 +93,24 @@ def test_device_sampling_stages_a_pass_rows_then_argmax_again():
                         [np.float32(0.05), 0, 0, 0], [0.25, 0, 0, 0]]
     sampling.stage(None, 0)
     assert params() == greedy
+
+
+def test_a_pass_uploads_the_tables_of_its_sequences_and_a_scratch_row_after_them():
+    """Block tables: row i holds sequence i's blocks then the scratch block, row S (the padding
+    rows' sequence) only the scratch block, after a pass with more sequences too."""
+    from sparkinfer_cli.model.batch import SequenceBatch
+
+    cache = SimpleNamespace(num_blocks=9, block_size=4, scratch_block=9, scratch_slot=3)
+    ws = Workspace(8, cache, 32, True, 0, 0)
+    three = SequenceBatch(np.array([1, 2, 3], np.int32), [0, 0, 0], [1, 1, 1],
+                          [np.array([4]), np.array([5]), np.array([6])], [0, 1, 2])
+    ws.fill(three, None)
+    ws.upload(0)
+    one = SequenceBatch(np.arange(6, dtype=np.int32), [2], [6], [np.array([7, 3])], [0])
+    ws.fill(one, None)
+    ws.upload(0)
+    tables = ws.block_tables.copy_to_host()  # (8, 10)
+    assert tables[0].tolist() == [7, 3] + [9] * 8
+    assert tables[1].tolist() == [9] * 10
+    assert ws.slot_mapping.copy_to_host()[:6].tolist() == [7 * 4 + 2, 7 * 4 + 3] + \
+        [3 * 4 + i for i in range(4)]
