@@ -66,6 +66,10 @@ class Endpoint:
     url: str
     model: str = "sparkinfer"
 
+    def target(self, path: str) -> str:
+        """path under the URL's own path (a server mounted at /api gets /api/v1/...)."""
+        return urlsplit(self.url).path.rstrip("/") + path
+
     def connection(self, timeout_s: float) -> http.client.HTTPConnection:
         parts = urlsplit(self.url)
         https = parts.scheme == "https"
@@ -81,7 +85,7 @@ class Endpoint:
     def _call(self, method: str, path: str, body: dict | None, timeout_s: float) -> dict:
         conn = self.connection(timeout_s)
         try:
-            conn.request(method, path, None if body is None else json.dumps(body),
+            conn.request(method, self.target(path), None if body is None else json.dumps(body),
                          {"Content-Type": "application/json"})
             response = conn.getresponse()
             data = response.read()
@@ -118,7 +122,7 @@ def stream_completion(endpoint: Endpoint, prompt: list[int], max_tokens: int,
     conn = endpoint.connection(timeout_s)
     timing = RequestTiming(time.perf_counter())
     try:
-        conn.request("POST", "/v1/completions",
+        conn.request("POST", endpoint.target("/v1/completions"),
                      json.dumps(completion_body(endpoint, prompt, max_tokens)),
                      {"Content-Type": "application/json", "Accept": "text/event-stream"})
         response = conn.getresponse()

@@ -1,0 +1,258 @@
+"""`sparkinfer bench --serve`: the SSE client's timing (TTFT and ITL from the chunks that carry
+token text, output tokens from usage), the percentile folding, the loads and the written files
+against the real app over a FakeEngine, and one end-to-end run on the tiny qwen3 GGUF."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+import threading
+import time
+from datetime import datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+from typer.testing import CliRunner
+
+from sparkinfer_cli.bench_serve import ServeBenchRequest, run_serve_bench
+from sparkinfer_cli.bench_serve_client import (
+    Endpoint,
+    PromptSource,
+    RequestTiming,
+    add_chunk,
+    connect,
+    poisson_arrivals,
+    run_arrivals,
+    run_together,
+    stream_completion,
+)
+from sparkinfer_cli.bench_serve_report import percentile, summarize
+from sparkinfer_cli.cli import app
+
+sys.path.insert(0, str(Path(__file__).parent / "server"))
+from server_fakes import LONG_REPLY, CharTokenizer, FakeEngine, QwenLikeTemplate  # noqa: E402
+from server_harness import ThreadServer  # noqa: E402
+
+from sparkinfer_cli.server.app import create_app  # noqa: E402
+
+TINY_MODEL = Path(__file__).parent / "fixtures" / "tiny" / "qwen3" / "qwen3-Q8_0.gguf"
+
+
+def text_chunk(text: str, finish_reason: str | None = None) -> dict:
+    return {"choices": [{"index": 0, "text": text, "finish_reason": finish_reason}], "usage": None}
+
+
+def usage_chunk(completion_tokens: int) -> dict:
+    return {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": completion_tokens,
+                                     "ttft_ms": 12.5}}
+
+
+# ---- timing of one stream ------------------------------------------------------------------------
+def test_ttft_and_itl_come_from_chunks_that_carry_token_text():
+    timing = RequestTiming(sent_at=10.0)
+    for now, chunk in [(10.1, text_chunk("")), (10.3, text_chunk("Hel")), (10.35, text_chunk("")),
+                       (10.5, text_chunk("lo")), (10.9, text_chunk("!", "length")),
+                       (11.0, usage_chunk(9))]:
+        add_chunk(timing, chunk, now)
+    assert timing.token_times == [10.3, 10.5, 10.9]
+    assert timing.ttft_s == pytest.approx(0.3)
+    assert timing.itl_s == pytest.approx([0.2, 0.4])
+    assert timing.output_tokens == 9  # the usage block's count, not the 3 chunks
+    assert timing.finish_reason == "length" and timing.server_ttft_ms == 12.5
+    assert timing.stream_tok_s == pytest.approx(8 / 0.6)
+
+
+def test_an_error_event_in_the_stream_is_recorded():
+    timing = RequestTiming(sent_at=0.0)
+    add_chunk(timing, text_chunk("a"), 0.1)
+    add_chunk(timing, {"error": {"message": "engine stopped", "type": "server_error"}}, 0.2)
+    assert timing.error == "in-stream error: engine stopped"
+
+
+class ScriptedSSE(BaseHTTPRequestHandler):
+    """/v1/completions answers a fixed stream: an empty chunk at once, token text after delays."""
+
+    script = [(0.0, text_chunk("")), (0.15, text_chunk("a")), (0.05, text_chunk("b", "length")),
+              (0.0, usage_chunk(5))]
+
+    def do_POST(self):  # noqa: N802 (http.server's name)
+        self.rfile.read(int(self.headers["Content-Length"]))
+        if self.path != "/v1/completions":  # e.g. /busy/v1/completions
+            self.send_error(503)
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        for delay, chunk in self.script:
+            time.sleep(delay)
+            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            self.wfile.flush()
+        self.wfile.write(b"data: [DONE]\n\n")
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def scripted_url():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), ScriptedSSE)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_stream_completion_stamps_chunks_as_they_arrive(scripted_url):
+    timing = stream_completion(Endpoint(scripted_url), [1, 2, 3, 4], 5)
+    assert timing.error is None
+    assert len(timing.token_times) == 2 and timing.output_tokens == 5
+    assert timing.ttft_s >= 0.15  # the empty chunk sent at once does not count
+    assert timing.itl_s[0] >= 0.05
+    assert timing.e2e_s >= timing.ttft_s + timing.itl_s[0]
+
+
+def test_http_errors_are_recorded_not_raised(scripted_url):
+    timing = stream_completion(Endpoint(scripted_url + "/busy"), [1], 2)
+    assert timing.error.startswith("HTTP 503") and not timing.token_times
+
+
+# ---- folding into figures ------------------------------------------------------------------------
+def test_percentiles_interpolate_between_ranks():
+    assert percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5
+    assert percentile(list(range(101)), 99) == 99.0
+    assert percentile([1.0, 2.0], 99) == pytest.approx(1.99)
+    assert percentile([], 50) is None
+
+
+def timing(sent: float, tokens: list[float], end: float, n: int, error: str | None = None):
+    return RequestTiming(sent, tokens, end, n, "length", None, error)
+
+
+def test_summarize_counts_and_rates():
+    timings = [timing(0.0, [0.1, 0.2, 0.3], 0.4, 3),  # ttft 100 ms, gaps 100 100
+               timing(0.0, [0.3, 0.7], 1.0, 4),  # ttft 300 ms, gap 400
+               timing(0.5, [0.6], 0.6, 1),  # stopped early (1 < 4)
+               timing(0.2, [], 0.3, 0, "HTTP 429: busy")]
+    figures = summarize(timings, 4, "3 clients × 1", 3, None)
+    assert (figures.num_requests, figures.num_failed, figures.num_stopped_early) == (4, 1, 2)
+    assert figures.output_tokens == 8 and figures.span_s == 1.0 and figures.output_tok_s == 8.0
+    assert figures.ttft_ms["p50"] == pytest.approx(100.0)  # of 100, 300, 100
+    assert figures.itl_ms["p50"] == pytest.approx(100.0)  # of 100, 100, 400
+    assert figures.itl_ms["p99"] == pytest.approx(100 + 0.98 * 300)
+    assert figures.stream_tok_s["min"] == pytest.approx(3 / 0.4)  # the second: 3 tokens in 0.4 s
+    assert figures.mean_in_flight == pytest.approx(0.4 + 1.0 + 0.1 + 0.1)
+    assert figures.first_error == "HTTP 429: busy"
+
+
+def test_poisson_arrivals_are_seeded_and_inside_the_duration():
+    arrivals = poisson_arrivals(50.0, 10.0, seed=3)
+    assert arrivals == poisson_arrivals(50.0, 10.0, seed=3) != poisson_arrivals(50.0, 10.0, 4)
+    assert arrivals == sorted(arrivals) and 0 < arrivals[0] and arrivals[-1] < 10.0
+    assert 400 < len(arrivals) < 600  # 500 expected; a seeded draw, so no flakiness
+
+
+# ---- against the real app over a FakeEngine ------------------------------------------------------
+@pytest.fixture(scope="module")
+def fake_server():
+    engine = FakeEngine(lambda prompt, params: LONG_REPLY, token_delay_s=0.001)
+    engine.start()
+    try:
+        with ThreadServer(create_app(engine, CharTokenizer(), QwenLikeTemplate())) as server:
+            yield server.url, engine
+    finally:
+        engine.shutdown(wait=False)
+
+
+def test_prompts_have_exactly_n_tokens_and_all_differ(fake_server):
+    prompts = PromptSource(connect(fake_server[0]))
+    batch = [prompts.next(32) for _ in range(50)]
+    assert all(len(p) == 32 for p in batch)
+    assert len({tuple(p[:16]) for p in batch}) == 50  # no two share a first KV block
+
+
+def test_clients_together_each_send_their_requests_in_a_row(fake_server):
+    url, engine = fake_server
+    endpoint, prompts = connect(url), PromptSource(connect(url))
+    before = len(engine.submitted)
+    one = lambda: stream_completion(endpoint, prompts.next(8), 6)  # noqa: E731
+    timings = run_together([[one, one]] * 3)
+    assert len(timings) == 6 and len(engine.submitted) - before == 6
+    assert all(t.error is None and t.output_tokens == 6 and len(t.token_times) == 6
+               for t in timings)
+    assert all(len(ids) == 8 and params.max_tokens == 6 and params.temperature == 0
+               and params.ignore_eos for _, ids, params in engine.submitted[before:])
+    for first, second in zip(timings[0::2], timings[1::2]):  # one client's requests in a row
+        assert second.sent_at >= first.ended_at
+
+
+def test_arrivals_start_each_request_at_its_time(fake_server):
+    endpoint = connect(fake_server[0])
+    sends = [lambda: stream_completion(endpoint, [65, 66, 67], 2)] * 3
+    start = time.perf_counter()
+    timings = run_arrivals(sends, [0.0, 0.1, 0.2])
+    assert [t.output_tokens for t in timings] == [2, 2, 2]
+    assert timings[2].sent_at - start >= 0.2
+
+
+def test_bench_of_a_running_server_writes_the_serve_json(fake_server, tmp_path):
+    request = ServeBenchRequest(None, None, "cpu", (1, 3), prompt_tokens=12, max_tokens=5,
+                                requests_per_client=2, rate=20.0, duration_s=0.3,
+                                url=fake_server[0], out_dir=tmp_path, command="sparkinfer bench")
+    console = Console(file=io.StringIO(), width=200)
+    files = run_serve_bench(request, console)
+    stem = f"{datetime.now().date().isoformat()}-sparkinfer-cpu-serve"
+    assert sorted(f.name for f in files) == [f"{stem}.json", f"{stem}.md"]
+    result = json.loads((tmp_path / f"{stem}.json").read_text())
+    assert result["kind"] == "serve" and result["server"]["started"] is False
+    assert {"date", "commit", "machine", "command", "parameters", "cold", "warm_idle",
+            "load_average", "notes"} <= result.keys()
+    together, poisson = result["runs"][:2], result["runs"][2]
+    assert [r["num_requests"] for r in together] == [2, 6]
+    assert [r["output_tokens"] for r in together] == [10, 30]
+    assert poisson["clients"] is None and poisson["rate"] == 20.0
+    assert all(r["num_failed"] == 0 and r["ttft_ms"]["p99"] >= r["ttft_ms"]["p50"] > 0
+               and r["engine_tok_s"] is None for r in result["runs"])
+    assert result["cold"]["output_tokens"] == 5 and len(result["warm_idle"]["ttft_ms"]) == 3
+    assert "no engine-only figure" in " ".join(result["notes"])
+    assert "1 client × 2" in console.file.getvalue()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"rate": 0.0}, "--rate"), ({"max_tokens": 0}, "--max-tokens"),
+    ({"clients": (0,)}, "--concurrency"), ({"device": "tpu"}, "tpu")])
+def test_bad_requests_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ServeBenchRequest(**{"model": None, "synthetic": None, "device": "cpu", **kwargs})
+
+
+def test_cli_refuses_ctx_with_serve():
+    result = CliRunner().invoke(app, ["bench", "--serve", "--ctx", "64", "--device", "cpu"])
+    assert result.exit_code == 1 and "--ctx" in result.output
+
+
+# ---- end to end ----------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_bench_serve_on_the_tiny_model_starts_measures_and_stops_the_server(tmp_path):
+    result = CliRunner().invoke(app, [
+        "bench", "--serve", "-m", str(TINY_MODEL), "--device", "cpu", "--concurrency", "1",
+        "--concurrency", "2", "--prompt-tokens", "8", "--max-tokens", "4",
+        "--requests-per-client", "1", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    (path,) = tmp_path.glob("*-qwen3-Q8_0-cpu-serve.json")
+    report = json.loads(path.read_text())
+    assert report["server"]["started"] is True
+    assert [r["output_tokens"] for r in report["runs"]] == [4, 8]
+    assert all(r["num_failed"] == 0 and r["engine_tok_s"] > 0 and r["engine_ratio"] > 0
+               for r in report["runs"])
+    assert report["cold"]["ttft_ms"] > 0
+    assert not is_listening(report["server"]["url"])
+
+
+def is_listening(url: str) -> bool:
+    from sparkinfer_cli.bench_serve_server import is_ready
+
+    return is_ready(url)
