@@ -179,8 +179,9 @@ def _header_lines(report: ServeReport) -> list[str]:
             f"- model: {report.model} (`{report.model_file}`); machine: {report.machine}",
             f"- server: {server['url']}, {started}",
             f"- requests: {p['prompt_tokens']}-token prompts, {p['max_tokens']} tokens out, "
-            f"greedy, ignore_eos; {p['requests_per_client']} requests per client in a row after "
-            f"a warm-up round",
+            f"greedy, ignore_eos; clients sent together: a warm-up round, then "
+            f"{p['requests_per_client']} requests each in a row; Poisson loads: a warm-up round "
+            f"of as many requests as arrive in a second",
             f"- load average (1/5/15 min) before: {_loads(report, 'before')}, after: "
             f"{_loads(report, 'after')} (the client threads share the machine with the server)"]
 
@@ -199,5 +200,6 @@ METHOD = (
     "one done, so it includes prefill and the ramp. engine tok/s: bench_measure's throughput "
     "figure (the same model and device, the same concurrency and lengths, no HTTP) in its own "
     "process: output tokens/s while all sequences decode together; ratio = output / engine. "
-    "Poisson loads set the engine figure at their mean number of requests in flight. short: "
+    "Poisson loads set the engine figure at their mean number of requests in flight; below "
+    "saturation their output tok/s is the offered rate × max_tokens, not a capacity. short: "
     "requests that ended before max_tokens.")
