@@ -180,8 +180,9 @@ def _header_lines(report: ServeReport) -> list[str]:
             f"- server: {server['url']}, {started}",
             f"- requests: {p['prompt_tokens']}-token prompts, {p['max_tokens']} tokens out, "
             f"greedy, ignore_eos; clients sent together: a warm-up round, then "
-            f"{p['requests_per_client']} requests each in a row; Poisson loads: a warm-up round "
-            f"of as many requests as arrive in a second",
+            f"{p['requests_per_client']} requests each in a row" + (
+                "; Poisson arrivals: after a warm-up round of as many requests as arrive in a "
+                "second" if p["rate"] else ""),
             f"- load average (1/5/15 min) before: {_loads(report, 'before')}, after: "
             f"{_loads(report, 'after')} (the client threads share the machine with the server)"]
 
