@@ -142,6 +142,8 @@ def read_stream(lines: Iterator[bytes], timing: RequestTiming) -> None:
     """Folds an SSE body into timing, each data line stamped when it arrives."""
     for data in sse_data(lines):
         if data == "[DONE]":
+            if timing.output_tokens == 0:  # NOTE: tokens are counted from usage, never chunks
+                timing.error = "the stream carried no usage block (stream_options.include_usage)"
             return
         add_chunk(timing, json.loads(data), time.perf_counter())
     if timing.error is None:
@@ -157,7 +159,9 @@ def sse_data(lines: Iterator[bytes]) -> Iterator[str]:
 
 def add_chunk(timing: RequestTiming, chunk: dict, now: float) -> None:
     if "error" in chunk:
-        timing.error = f"in-stream error: {chunk['error'].get('message', chunk['error'])}"
+        error = chunk["error"]
+        message = error.get("message", error) if isinstance(error, dict) else error
+        timing.error = f"in-stream error: {message}"
         return
     for choice in chunk.get("choices") or ():
         if choice.get("text"):
@@ -165,7 +169,7 @@ def add_chunk(timing: RequestTiming, chunk: dict, now: float) -> None:
         timing.finish_reason = choice.get("finish_reason") or timing.finish_reason
     usage = chunk.get("usage")
     if usage:
-        timing.output_tokens = usage["completion_tokens"]
+        timing.output_tokens = usage.get("completion_tokens", 0)
         timing.server_ttft_ms = usage.get("ttft_ms")
 
 

@@ -72,21 +72,25 @@ def test_an_error_event_in_the_stream_is_recorded():
     assert timing.error == "in-stream error: engine stopped"
 
 
-class ScriptedSSE(BaseHTTPRequestHandler):
-    """/v1/completions answers a fixed stream: an empty chunk at once, token text after delays."""
+STREAM = [(0.0, text_chunk("")), (0.15, text_chunk("a")), (0.05, text_chunk("b", "length")),
+          (0.0, usage_chunk(5))]
 
-    script = [(0.0, text_chunk("")), (0.15, text_chunk("a")), (0.05, text_chunk("b", "length")),
-              (0.0, usage_chunk(5))]
+
+class ScriptedSSE(BaseHTTPRequestHandler):
+    """Fixed streams, chosen by path: an empty chunk at once, then token text after delays (and,
+    under /nousage, no usage block); other paths get a 503."""
+
+    scripts = {"/v1/completions": STREAM, "/nousage/v1/completions": STREAM[:-1]}
 
     def do_POST(self):  # noqa: N802 (http.server's name)
         self.rfile.read(int(self.headers["Content-Length"]))
-        if self.path != "/v1/completions":  # e.g. /busy/v1/completions
+        if self.path not in self.scripts:
             self.send_error(503)
             return
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
-        for delay, chunk in self.script:
+        for delay, chunk in self.scripts[self.path]:
             time.sleep(delay)
             self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
             self.wfile.flush()
@@ -118,6 +122,11 @@ def test_stream_completion_stamps_chunks_as_they_arrive(scripted_url):
 def test_http_errors_are_recorded_not_raised(scripted_url):
     timing = stream_completion(Endpoint(scripted_url + "/busy"), [1], 2)
     assert timing.error.startswith("HTTP 503") and not timing.token_times
+
+
+def test_a_stream_without_usage_is_an_error_not_a_count_of_chunks(scripted_url):
+    timing = stream_completion(Endpoint(scripted_url + "/nousage"), [1, 2], 5)
+    assert "usage" in timing.error and len(timing.token_times) == 2
 
 
 # ---- folding into figures ------------------------------------------------------------------------
