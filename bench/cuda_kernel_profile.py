@@ -41,6 +41,19 @@ def _kernel_name(event_name: str) -> str:
     return ".".join(parts[-3:])[:100]
 
 
+def kernel_rows(prof, steps: int) -> list[tuple[str, float, float]]:
+    """(kernel name, launches a step, GPU µs a step) of a profile over `steps` steps, slowest
+    first."""
+    per_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for ev in prof.events():
+        if ev.device_type.name == "CUDA" and ev.device_time_total > 0:
+            entry = per_name[_kernel_name(ev.name)]
+            entry[0] += 1
+            entry[1] += ev.device_time_total
+    return sorted(((n, c / steps, t / steps) for n, (c, t) in per_name.items()),
+                  key=lambda r: -r[2])
+
+
 def _decode_step(model, args) -> Callable[[], None]:
     """A step: one new token for each of args.batch sequences that hold args.ctx tokens."""
     n_blocks = -(-(args.ctx + 4 * args.steps + 16) // 16)
@@ -119,14 +132,7 @@ def main() -> None:
         for _ in range(args.steps):
             step()
     wall_us = (time.perf_counter() - t0) / args.steps * 1e6
-    per_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    for ev in prof.events():
-        if ev.device_type.name == "CUDA" and ev.device_time_total > 0:
-            entry = per_name[_kernel_name(ev.name)]
-            entry[0] += 1
-            entry[1] += ev.device_time_total
-    rows = sorted(((n, c / args.steps, t / args.steps) for n, (c, t) in per_name.items()),
-                  key=lambda r: -r[2])
+    rows = kernel_rows(prof, args.steps)
     kernels_us = sum(r[2] for r in rows)
     result = {"preset": args.preset, "ctx": args.ctx, "batch": args.batch, "prefill": args.prefill,
               "wall_us_per_step": wall_us,

@@ -15,14 +15,13 @@ import json
 import statistics
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
 from rich.console import Console
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cuda_kernel_profile import _kernel_name  # noqa: E402
+from cuda_kernel_profile import kernel_rows  # noqa: E402
 
 from sparkinfer_cli.bench import ensure_synthetic  # noqa: E402
 from sparkinfer_cli.model.batch import SequenceBatch  # noqa: E402
@@ -77,15 +76,8 @@ def kernel_table(model, passes: MixedPasses, decodes: int, prompt: int) -> list[
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(REPEATS):
             model.forward_greedy(passes.batch(decodes, prompt), passes.cache)
-    per_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    for ev in prof.events():
-        if ev.device_type.name == "CUDA" and ev.device_time_total > 0:
-            entry = per_name[_kernel_name(ev.name)]
-            entry[0] += 1
-            entry[1] += ev.device_time_total
-    rows = [{"name": n, "per_step": c / REPEATS, "us_per_step": t / REPEATS}
-            for n, (c, t) in per_name.items()]
-    return sorted(rows, key=lambda r: -r["us_per_step"])
+    return [{"name": n, "per_step": c, "us_per_step": t}
+            for n, c, t in kernel_rows(prof, REPEATS)]
 
 
 def main() -> None:
