@@ -84,10 +84,12 @@ class CudaModelCache:
         for pool in self.conv_state + self.delta_state:
             pool[dst_slot].copy_to_device(pool[src_slot])
 
-    def reset_state(self, slot: int) -> None:
+    def reset_state(self, slot: int, stream=0) -> None:
+        """Zeroes the slot's recurrent state in every layer; on a stream, queued there (a memset
+        on the default stream would wait for the model's stream and block the host each time)."""
         for pool in self.conv_state + self.delta_state:
             view = pool[slot]
             if IS_SIMULATOR:
                 view[...] = 0
             else:
-                device_memset(view, 0, view.nbytes)
+                device_memset(view, 0, view.nbytes, stream=stream)

@@ -246,7 +246,7 @@ class CudaModel:
         if self.config.is_hybrid:  # a sequence at position 0 has no history, whatever its slot held
             for start, slot in zip(batch.start_positions, batch.state_slots or [0]):
                 if start == 0:
-                    cache.reset_state(slot)
+                    cache.reset_state(slot, self.stream)
         ws = self._workspace(cache, row_bucket(len(batch.token_ids)))
         on_host = self.token_embd is None
         ws.fill(batch, self.embedding(batch.token_ids) if on_host else None, step)
