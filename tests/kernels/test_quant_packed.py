@@ -1,7 +1,9 @@
 """Packed decode weights and their AVX2 matvec: the packed blocks decoded by this file's own numpy
 reading of the documented layout equal gguf.quants.dequantize bit for bit, and the kernel (alone
-and fused over several weights, on one or two threads) matches a float64 oracle built from
-gguf.quants.dequantize(W) and x quantized by this file's own numpy code."""
+and fused over several weights, on one or two threads, for one or several x rows) matches a
+float64 oracle built from gguf.quants.dequantize(W) and x quantized by this file's own numpy code.
+Rows of x multiplied in one call equal each row multiplied alone, bit for bit, with AVX2's integer
+dot and with VNNI's."""
 
 from __future__ import annotations
 
@@ -11,10 +13,16 @@ import pytest
 from quant_samples import N_ROWS, NE0, random_weight
 
 from sparkinfer_cli.ggml_types import GGMLType
-from sparkinfer_cli.kernels.cpu import quant
-from sparkinfer_cli.kernels.cpu.llvm_jit import has_avx2
+from sparkinfer_cli.kernels.cpu import llvm_jit, quant
+from sparkinfer_cli.kernels.cpu.llvm_jit import has_avx2, has_vnni
 from sparkinfer_cli.kernels.cpu.packed_matvec import PackedMatvec
-from sparkinfer_cli.kernels.cpu.quant_packed import PACKED_TYPES, RecordLayout, can_pack, pack
+from sparkinfer_cli.kernels.cpu.quant_packed import (
+    MAX_ROWS,
+    PACKED_TYPES,
+    RecordLayout,
+    can_pack,
+    pack,
+)
 
 TYPES = sorted(GGMLType(t) for t in PACKED_TYPES)
 needs_avx2 = pytest.mark.skipif(not has_avx2(), reason="the packed kernel is AVX2 code")
@@ -102,15 +110,46 @@ def test_fused_matvec_of_mixed_types_with_bias(threads: int, rng: np.random.Gene
     biases = [rng.standard_normal(N_ROWS).astype(np.float32), None,
               rng.standard_normal(N_ROWS).astype(np.float32)]
     matvec = PackedMatvec([pack(r, t, NE0) for r, t in raws], biases)
-    x = rng.standard_normal((1, NE0)).astype(np.float32)
+    x = rng.standard_normal((3, NE0)).astype(np.float32)
     got = matvec(x)
     want, scale = oracle(raws, x)
     want += np.concatenate([b if b is not None else np.zeros(N_ROWS) for b in biases])
-    assert got.shape == (1, 3 * N_ROWS)
+    assert got.shape == (3, 3 * N_ROWS)
     assert np.all(np.abs(got - want) <= 1e-5 * scale + 1e-6), np.max(np.abs(got - want) / scale)
     parts = matvec.split(got)
-    assert [p.shape for p in parts] == [(1, N_ROWS)] * 3
+    assert [p.shape for p in parts] == [(3, N_ROWS)] * 3
     np.testing.assert_array_equal(parts[2], got[:, 2 * N_ROWS:])
+
+
+@needs_avx2
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_rows_of_one_call_equal_each_row_alone(t: GGMLType, rng: np.random.Generator) -> None:
+    """A decode step's tokens in one call (up to MAX_ROWS per pass over the weights, then the next
+    MAX_ROWS): each row of the result is that row's call alone, bit for bit."""
+    raw = random_weight(t, rng)
+    matvec = PackedMatvec([pack(raw, t, NE0)], [None])
+    x = (rng.standard_normal((MAX_ROWS + 3, NE0)) * rng.uniform(0.01, 10, (MAX_ROWS + 3, 1)))
+    x[1, 64:128] = 0  # one row with zero activation blocks (d = 0) among nonzero ones
+    x = x.astype(np.float32)
+    got = matvec(x)
+    want, scale = oracle([(raw, t)], x)
+    assert got.shape == (MAX_ROWS + 3, N_ROWS)
+    assert np.all(np.abs(got - want) <= 1e-5 * scale), np.max(np.abs(got - want) / scale)
+    alone = np.concatenate([matvec(x[i:i + 1]) for i in range(len(x))])
+    np.testing.assert_array_equal(got, alone)
+    np.testing.assert_array_equal(matvec(x[2:5]), got[2:5])
+
+
+@needs_avx2
+@pytest.mark.skipif(not has_vnni(), reason="this CPU has no VNNI dot to compare with")
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_vnni_and_avx2_dots_agree(t: GGMLType, rng: np.random.Generator,
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    w = pack(random_weight(t, rng), t, NE0)
+    x = rng.standard_normal((5, NE0)).astype(np.float32)
+    with_vnni = PackedMatvec([w], [None])(x)
+    monkeypatch.setattr(llvm_jit, "has_vnni", lambda: False)
+    np.testing.assert_array_equal(PackedMatvec([w], [None])(x), with_vnni)
 
 
 def test_rejects_bad_input(rng: np.random.Generator) -> None:
@@ -129,3 +168,5 @@ def test_rejects_bad_input(rng: np.random.Generator) -> None:
     if has_avx2():
         with pytest.raises(ValueError, match="x must be"):
             PackedMatvec([w], [None])(np.zeros((1, NE0 - 32), np.float32))
+        with pytest.raises(ValueError, match="x must be"):
+            PackedMatvec([w], [None])(np.zeros(NE0, np.float32))

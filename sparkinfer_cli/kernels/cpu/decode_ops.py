@@ -1,4 +1,5 @@
-"""The small ops of a decode step (one new token) as numba kernels; ops.py is their reference.
+"""The small ops of a decode step (one new token per sequence) as numba kernels; ops.py is their
+reference.
 
 At T = 1 the numpy versions cost 15-45 µs each in call overhead and temporaries (a decode token
 of Qwen2.5-0.5B runs about 150 of them), and attention gathered each sequence's whole K/V out of
@@ -25,11 +26,19 @@ def _rms_norm_row(x, w, eps, out):
         out[i] = (x[i] * scale) * w[i]
 
 
+@njit(cache=True, nogil=True)
+def _rms_norm_rows(x, w, eps, out):
+    for r in range(x.shape[0]):
+        _rms_norm_row(x[r], w, eps, out[r])
+
+
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    """ops.rms_norm of x (1, n) float32."""
-    out = np.empty_like(x)  # (1, n)
-    _rms_norm_row(x[0], weight, eps, out[0])
-    return out
+    """ops.rms_norm of x (..., n) float32, row by row: a row's result does not depend on the
+    others."""
+    rows = x.reshape(-1, x.shape[-1])  # (rows, n)
+    out = np.empty(rows.shape, np.float32)  # (rows, n)
+    _rms_norm_rows(rows, weight, eps, out)
+    return out.reshape(x.shape)
 
 
 @njit(cache=True, nogil=True)
@@ -49,10 +58,17 @@ def _rope_heads(x, position, inv_freq, neox, out):
             out[h, d] = x[h, d]
 
 
-def rope(x: np.ndarray, position: int, n_rot: int, base: float, style: str) -> np.ndarray:
-    """ops.rope of x (1, H, D) at one position."""
-    out = np.empty_like(x)  # (1, H, D)
-    _rope_heads(x[0], float(position), _inv_freq(n_rot, base), style == ROPE_NEOX, out[0])
+@njit(cache=True, nogil=True)
+def _rope_rows(x, positions, inv_freq, neox, out):
+    for t in range(x.shape[0]):
+        _rope_heads(x[t], np.float64(positions[t]), inv_freq, neox, out[t])
+
+
+def rope(x: np.ndarray, positions: np.ndarray, n_rot: int, base: float,
+         style: str) -> np.ndarray:
+    """ops.rope of x (T, H, D), token t at positions[t]."""
+    out = np.empty(x.shape, np.float32)  # (T, H, D)
+    _rope_rows(x, positions, _inv_freq(n_rot, base), style == ROPE_NEOX, out)
     return out
 
 
@@ -67,29 +83,27 @@ def _attend_paged(q, k_new, v_new, k, v, block_table, position, out):
     k[block_table[position // block_size], position % block_size] = k_new
     v[block_table[position // block_size], position % block_size] = v_new
     scale = _f32(1.0 / np.sqrt(D))
-    p = np.empty((group, length), np.float32)  # (group, length)
-    for kv in range(H_kv):
-        heads = q[kv * group:(kv + 1) * group]  # (group, D): the heads that read this KV head
+    # NOTE: positions outermost: the cache is read in its own order, each slot's heads at once
+    p = np.empty((H, length), np.float32)  # (H, length)
+    for t in range(length):
+        kt = k[block_table[t // block_size], t % block_size]  # (H_kv, D)
+        for h in range(H):
+            acc = _f32(0)
+            for d in range(D):
+                acc += q[h, d] * kt[h // group, d]
+            p[h, t] = acc * scale
+    for h in range(H):
+        p_max, total = p[h].max(), _f32(0)
         for t in range(length):
-            kt = k[block_table[t // block_size], t % block_size, kv]  # (D,)
-            for g in range(group):
-                acc = _f32(0)
-                for d in range(D):
-                    acc += heads[g, d] * kt[d]
-                p[g, t] = acc * scale
-        for g in range(group):
-            p_max, total = p[g].max(), _f32(0)
-            for t in range(length):
-                p[g, t] = np.exp(p[g, t] - p_max)
-                total += p[g, t]
-            p[g] /= total
-        o = out[kv * group:(kv + 1) * group]  # (group, D)
-        o[:] = 0
-        for t in range(length):
-            vt = v[block_table[t // block_size], t % block_size, kv]  # (D,)
-            for g in range(group):
-                for d in range(D):
-                    o[g, d] += p[g, t] * vt[d]
+            p[h, t] = np.exp(p[h, t] - p_max)
+            total += p[h, t]
+        p[h] /= total
+    out[:] = 0
+    for t in range(length):
+        vt = v[block_table[t // block_size], t % block_size]  # (H_kv, D)
+        for h in range(H):
+            for d in range(D):
+                out[h, d] += p[h, t] * vt[h // group, d]
 
 
 def attend_paged(q: np.ndarray, k_new: np.ndarray, v_new: np.ndarray, k: np.ndarray,

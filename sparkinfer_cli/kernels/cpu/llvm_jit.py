@@ -25,6 +25,13 @@ def has_avx2() -> bool:
 
 
 @functools.cache
+def has_vnni() -> bool:
+    """vpdpbusd on 256-bit vectors: AVX512-VNNI with AVX512VL, or AVX-VNNI."""
+    features = host_features().split(",")
+    return ("+avx512vnni" in features and "+avx512vl" in features) or "+avxvnni" in features
+
+
+@functools.cache
 def _target_machine() -> llvm.TargetMachine:
     llvm.initialize_native_target()
     llvm.initialize_native_asmprinter()

@@ -198,16 +198,22 @@ def _num_threads() -> int:
 
 
 def _parallel_rows(fn: Callable, n_rows: int, row_size: int) -> None:
-    """fn(r0, r1) over row ranges, one per thread; the caller's thread takes the first."""
+    """fn(r0, r1) over row ranges, one per thread, enough weights (row_size each) for each."""
+    parallel_ranges(fn, n_rows, n_rows * row_size // _MIN_WEIGHTS_PER_THREAD)
+
+
+def parallel_ranges(fn: Callable, n: int, n_parts: int) -> None:
+    """fn(a, b) over ranges that cover 0..n, n_parts of them but at least 1 and at most one per
+    thread, in parallel on a shared pool; the caller's thread takes the first."""
     global _POOL
-    n = max(1, min(_num_threads(), n_rows * row_size // _MIN_WEIGHTS_PER_THREAD))
-    bounds = [n_rows * k // n for k in range(n + 1)]
-    if n == 1:
-        fn(0, n_rows)
+    n_parts = max(1, min(_num_threads(), n_parts))
+    bounds = [n * k // n_parts for k in range(n_parts + 1)]
+    if n_parts == 1:
+        fn(0, n)
         return
     if _POOL is None:
         _POOL = ThreadPoolExecutor(_num_threads() - 1, thread_name_prefix="sparkinfer-quant")
-    futures = [_POOL.submit(fn, bounds[k], bounds[k + 1]) for k in range(1, n)]
+    futures = [_POOL.submit(fn, bounds[k], bounds[k + 1]) for k in range(1, n_parts)]
     fn(bounds[0], bounds[1])
     for f in futures:
         f.result()

@@ -1,6 +1,6 @@
-"""Decode matvec (T = 1, int8 activations) on weights repacked at load into compact records.
+"""Decode matmul (a few tokens, int8 activations) on weights repacked at load into compact records.
 
-Decode streams every weight once per token, so the packed weights stay about as small as
+Decode streams every weight once per step, so the packed weights stay about as small as
 ggml's, but are laid out so that the AVX2 kernel unpacks them in few instructions (on one core
 the kernel is compute-bound at ggml's own layouts). Q8_0 keeps its GGUF rows (zero-copy, read two
 blocks at a time). Every other type is unpacked losslessly (quant_repack's unpackers) to unsigned
@@ -16,15 +16,18 @@ a 1-bit plane (uint32) holds q & 1 at bit 8b + k, a 2-bit plane (uint64) holds q
 32·(k & 1) + 8b + 2·(k >> 1), so that one variable shift per 32-bit lane k lines them up
 (legacy types: ggml's own bytes; K-quants 0.75-1.0 bytes per weight against ggml's 0.56-0.82).
 
-The row kernel (LLVM IR, llvm_jit) multiplies the unsigned quants with x's int8 quants
-(quant_q8's rounding, blocks of 32) by vpmaddubsw + vpmaddwd into 8 int32 lanes, lane k summing
-elements 4k..4k+3, subtracts bias·Σxq per lane (exact integers), and scales and accumulates in
-float32 lanes; offsets add m·xd·Σxq. Q8_0 uses llama.cpp's sign trick instead.
+The row kernel (LLVM IR, llvm_jit) multiplies a record's unsigned quants with up to MAX_ROWS
+rows of x's int8 quants (quant_q8's rounding, blocks of 32): per row and block, vpmaddubsw +
+vpmaddwd (or one VNNI vpdpbusd) into 8 int32 lanes of 4 elements each, then vphaddd pairs the
+lanes of A and B into 8 lanes of 8 elements, so that one bias subtraction (bias·Σxq, exact
+integers), one conversion and one multiply-add by the lanes' scales d·xd serve both blocks.
+Offsets add m·xs for all rows at once. Q8_0 uses llama.cpp's sign trick for its signed quants.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -145,20 +148,35 @@ def _bytes(a: np.ndarray, dtype: str, per_record: int) -> np.ndarray:
 
 
 # ---- activations -------------------------------------------------------------------------------
+# The kernel sums a record's two blocks A and B into 8 int32 lanes, each over 8 elements, in the
+# order [A 0-7, A 8-15, B 0-7, B 8-15, A 16-23, A 24-31, B 16-23, B 24-31] (vphaddd's).
 
 @njit(cache=True, nogil=True)
-def quantize_with_lane_sums(x, xq, xd, xs, xl):
-    """quant_q8's quantization of x (1, ne0) into xq, xd, xs (1, n_blocks), plus the lane sums
-    the row kernel subtracts the bias with: xl (n_blocks, 8) int32, Σ of xq over each 4."""
-    quantize_rows(x, xq, xd, xs)
-    for b in range(xl.shape[0]):
-        for k in range(8):
-            e = 32 * b + 4 * k
-            xl[b, k] = (np.int32(xq[0, e]) + np.int32(xq[0, e + 1]) + np.int32(xq[0, e + 2])
-                        + np.int32(xq[0, e + 3]))
+def quantize_x(x, xq, xd, xs, xl, xd_rows):
+    """quant_q8's quantization of x (n, ne0) into xq (n, ne0) and, per lane of each record, its
+    block's scale xd and Σ xq over the lane's 8 elements xl (n, n_records, 8); xs (n_blocks, n)
+    for the offsets of all n rows at once. xd_rows (n, n_blocks): scratch."""
+    quantize_rows(x, xq, xd_rows, xs.T)
+    for t in range(xl.shape[0]):
+        for r in range(xl.shape[1]):
+            for lane in range(8):
+                block = 2 * r + (lane & 2) // 2
+                e = 32 * block + 16 * (lane // 4) + 8 * (lane & 1)
+                xd[t, r, lane] = xd_rows[t, block]
+                total = np.int32(0)
+                for i in range(8):
+                    total += np.int32(xq[t, e + i])
+                xl[t, r, lane] = total
 
 
 # ---- kernel -----------------------------------------------------------------------------------
+# One call multiplies each weight row with n x rows (a decode step's sequences): a record is
+# unpacked, and its scales loaded, once for all n rows, so the weights are read once per step.
+# Per row the float ops are those of n = 1, in the same order: every row's result is the same
+# bit for bit whatever n it was computed with.
+
+MAX_ROWS = 8  # x rows of one kernel call: 8 float accumulators, plus quants and temporaries
+
 
 def _vec(ty: str, values: list[int]) -> str:
     return "<" + ", ".join(f"{ty} {v}" for v in values) + ">"
@@ -174,9 +192,10 @@ def _at(name: str, offset: int | str) -> str:
 
 
 def _quants(lay: RecordLayout, j: int) -> str:
-    """IR: <32 x i8> %q{j}: block j's unsigned quants (Q8_0: signed)."""
+    """IR: <32 x i8> %q{j}: block j's unsigned quants (Q8_0: |q|, and the signed %qs{j})."""
     if lay.is_q8:
-        return _at(f"qp{j}", 34 * j + 2) + f"  %q{j} = load <32 x i8>, ptr %qp{j}, align 1\n"
+        return (_at(f"qp{j}", 34 * j + 2) + f"  %qs{j} = load <32 x i8>, ptr %qp{j}, align 1\n"
+                f"  %q{j} = call <32 x i8> @llvm.abs.v32i8(<32 x i8> %qs{j}, i1 false)\n")
     lb, mask = lay.low_bits, _i8s(15 << lay.low_bits)
     shift = f"shl <32 x i8> %nib, {_i8s(lb)}" if j == 0 else f"lshr <32 x i8> %nib, {_i8s(4 - lb)}"
     ir = f"  %n{j}s = {shift}\n  %n{j} = and <32 x i8> %n{j}s, {mask}\n"
@@ -197,26 +216,70 @@ def _quants(lay: RecordLayout, j: int) -> str:
     return ir + f"  %q{j} = or <32 x i8> %n{j}, %l{j}m\n"
 
 
-def _int_dot(lay: RecordLayout, j: int) -> str:
-    """IR: <8 x i32> %s{j}; lane k = Σ (q - bias)·xq over elements 4k..4k+3 of block j."""
-    ir, qa, xa = "", f"%q{j}", f"%xv{j}"
-    if lay.is_q8:  # llama.cpp's sign trick: |q| (≤ 128, unsigned) · (x with q's sign)
-        qa, xa = f"%qa{j}", f"%xa{j}"
-        ir = (f"  %qa{j} = call <32 x i8> @llvm.abs.v32i8(<32 x i8> %q{j}, i1 false)\n"
-              f"  %xa{j} = call <32 x i8> @llvm.x86.avx2.psign.b(<32 x i8> %xv{j}, "
-              f"<32 x i8> %q{j})\n")
+def _record_scales(lay: RecordLayout) -> str:
+    """IR: <8 x float> %dv, each pair-sum lane's weight scale (Q6_K: A's and B's first
+    half-block scales in lanes 0-3, second in 4-7)."""
+    if lay.is_q8:
+        ir = "".join(_at(f"d{j}p", 34 * j) + f"  %d{j}h = load half, ptr %d{j}p, align 1\n"
+                     for j in range(2))
+        ir += ("  %dpi = insertelement <2 x half> poison, half %d0h, i32 0\n"
+               "  %dph = insertelement <2 x half> %dpi, half %d1h, i32 1\n"
+               "  %dp = fpext <2 x half> %dph to <2 x float>\n")
+    else:
+        k, half = 2 * lay.n_scales, lay.scale == "half"
+        ir = f"  %dp{'h' * half} = load <{k} x {lay.scale}>, ptr %rp, align 1\n"
+        ir += f"  %dp = fpext <{k} x half> %dph to <{k} x float>\n" if half else ""
+    lanes = [0, 0, 1, 1] * 2 if lay.n_scales == 1 else [0, 0, 2, 2, 1, 1, 3, 3]
+    return ir + (f"  %dv = shufflevector <{2 * lay.n_scales} x float> %dp, <{2 * lay.n_scales} "
+                 f"x float> poison, <8 x i32> {_vec('i32', lanes)}\n")
+
+
+def _unsigned_dot(out: str, q: str, x: str, vnni: bool) -> str:
+    """IR: <8 x i32> {out}, lane k = Σ q·x over bytes 4k..4k+3 (q unsigned, x signed)."""
+    if vnni:  # one instruction, and no int16 intermediate
+        return (f"  {out}q = bitcast <32 x i8> {q} to <8 x i32>\n"
+                f"  {out}x = bitcast <32 x i8> {x} to <8 x i32>\n"
+                f"  {out} = call <8 x i32> @llvm.x86.avx512.vpdpbusd.256(<8 x i32> "
+                f"zeroinitializer, <8 x i32> {out}q, <8 x i32> {out}x)\n")
     # i16 pair sums stay below 2·128·127; vpmaddwd with ones widens them to int32
-    ir += (f"  %p{j} = call <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8> {qa}, "
-           f"<32 x i8> {xa})\n"
-           f"  %u{j} = call <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16> %p{j}, <16 x i16> "
-           + _vec("i16", [1] * 16) + ")\n")
-    if not lay.bias:
-        return ir.replace(f"%u{j} =", f"%s{j} =")
-    log2_bias = _vec("i32", [lay.bias.bit_length() - 1] * 8)
-    return ir + (f"  %xlp{j} = getelementptr <8 x i32>, ptr %xl, i64 %b{j}\n"
-                 f"  %xl{j} = load <8 x i32>, ptr %xlp{j}, align 4\n"
-                 f"  %xb{j} = shl <8 x i32> %xl{j}, {log2_bias}\n"
-                 f"  %s{j} = sub <8 x i32> %u{j}, %xb{j}\n")
+    return (f"  {out}p = call <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8> {q}, <32 x i8> {x})\n"
+            f"  {out} = call <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16> {out}p, <16 x i16> "
+            + _vec("i16", [1] * 16) + ")\n")
+
+
+def _block_dot(lay: RecordLayout, j: int, t: int, vnni: bool) -> str:
+    """IR: <8 x i32> %u{j}_{t}; lane k = Σ q·xq over elements 4k..4k+3 of block j, x row t."""
+    ir = (f"  %xo{j}_{t} = add i64 %xe, {32 * j}\n"
+          f"  %xp{j}_{t} = getelementptr i8, ptr %xqr{t}, i64 %xo{j}_{t}\n"
+          f"  %xv{j}_{t} = load <32 x i8>, ptr %xp{j}_{t}, align 1\n")
+    x = f"%xv{j}_{t}"
+    if lay.is_q8:  # llama.cpp's sign trick: |q| (≤ 128, unsigned) · (x with q's sign)
+        ir += (f"  %xa{j}_{t} = call <32 x i8> @llvm.x86.avx2.psign.b(<32 x i8> {x}, "
+               f"<32 x i8> %qs{j})\n")
+        x = f"%xa{j}_{t}"
+    return ir + _unsigned_dot(f"%u{j}_{t}", f"%q{j}", x, vnni)
+
+
+def _x_lanes(name: str, ty: str, t: int) -> str:
+    """IR: <8 x ty> %{name}{t}, this record's lanes of x row t's (n_records, 8) array."""
+    return (f"  %{name}p{t} = getelementptr <8 x {ty}>, ptr %{name}r{t}, i64 %i\n"
+            f"  %{name}{t} = load <8 x {ty}>, ptr %{name}p{t}, align 4\n")
+
+
+def _row_dot(lay: RecordLayout, t: int, vnni: bool) -> str:
+    """IR: %acc1_{t} = %acc0_{t} + the record's dot with x row t, in pair-sum lanes."""
+    ir = _block_dot(lay, 0, t, vnni) + _block_dot(lay, 1, t, vnni)
+    ir += f"  %h{t} = call <8 x i32> @llvm.x86.avx2.phadd.d(<8 x i32> %u0_{t}, <8 x i32> %u1_{t})\n"
+    if lay.bias:  # Σ (q - bias)·xq = Σ q·xq - bias·Σ xq, in exact integers
+        log2_bias = _vec("i32", [lay.bias.bit_length() - 1] * 8)
+        ir += (_x_lanes("xl", "i32", t) + f"  %xb{t} = shl <8 x i32> %xl{t}, {log2_bias}\n"
+               f"  %s{t} = sub <8 x i32> %h{t}, %xb{t}\n")
+    else:
+        ir = ir.replace(f"%h{t} =", f"%s{t} =")
+    return ir + (_x_lanes("xd", "float", t) + f"  %sc{t} = fmul <8 x float> %dv, %xd{t}\n"
+                 f"  %f{t} = sitofp <8 x i32> %s{t} to <8 x float>\n"
+                 f"  %acc1_{t} = call <8 x float> @llvm.fma.v8f32(<8 x float> %f{t}, "
+                 f"<8 x float> %sc{t}, <8 x float> %acc0_{t})\n")
 
 
 def _load_scale(name: str, offset: int, scale: str) -> str:
@@ -227,43 +290,58 @@ def _load_scale(name: str, offset: int, scale: str) -> str:
     return ir + f"  %{name} = fadd float %{name}r, -0.0\n"
 
 
-def _scale_lanes(lay: RecordLayout, j: int) -> str:
-    """IR: <8 x float> %sv{j}: d·xd per lane (lanes 0-3 are elements 0..15, 4-7 are 16..31)."""
-    if lay.is_q8:
-        ir = _load_scale(f"d{j}", 34 * j, "half")
-    else:
-        ir = "".join(_load_scale(f"d{j}{'' if h == 0 else h}",
-                                 lay.scale_bytes * (lay.n_scales * j + h), lay.scale)
-                     for h in range(lay.n_scales))
-    ir += f"  %sc{j} = fmul float %d{j}, %xd{j}\n"
-    ir += f"  %si{j} = insertelement <8 x float> poison, float %sc{j}, i32 0\n"
-    if lay.n_scales == 1:
-        return ir + (f"  %sv{j} = shufflevector <8 x float> %si{j}, <8 x float> poison, "
-                     "<8 x i32> zeroinitializer\n")
-    return ir + (f"  %sc{j}1 = fmul float %d{j}1, %xd{j}\n"
-                 f"  %sj{j} = insertelement <8 x float> %si{j}, float %sc{j}1, i32 1\n"
-                 f"  %sv{j} = shufflevector <8 x float> %sj{j}, <8 x float> poison, <8 x i32> "
-                 + _vec("i32", [0, 0, 0, 0, 1, 1, 1, 1]) + "\n")
+def _offsets(lay: RecordLayout, n: int) -> str:
+    """IR: <n x float> %accm2 = %accm0 + m·xs of both blocks, for all n rows at once."""
+    ir = ""
+    for j in range(2):
+        ir += (_load_scale(f"m{j}", lay.m_offset + lay.scale_bytes * j, lay.scale)
+               + f"  %mi{j} = insertelement <{n} x float> poison, float %m{j}, i32 0\n"
+               f"  %mv{j} = shufflevector <{n} x float> %mi{j}, <{n} x float> poison, "
+               f"<{n} x i32> zeroinitializer\n"
+               f"  %xso{j} = mul i64 %b{j}, {n}\n"
+               f"  %xsp{j} = getelementptr float, ptr %xs, i64 %xso{j}\n"
+               f"  %xsv{j} = load <{n} x float>, ptr %xsp{j}, align 4\n"
+               f"  %accm{j + 1} = call <{n} x float> @llvm.fma.v{n}f32(<{n} x float> %mv{j}, "
+               f"<{n} x float> %xsv{j}, <{n} x float> %accm{j})\n")
+    return "  %b0 = mul i64 %i, 2\n  %b1 = add i64 %b0, 1\n" + ir
 
 
-def _block(lay: RecordLayout, j: int) -> str:
-    """IR of block j of the record: %acc{j+1}, %accm{j+1} from %acc{j}, %accm{j}."""
-    ir = (f"  %b{j} = add i64 %b, {j}\n  %e{j} = shl i64 %b{j}, 5\n"
-          f"  %xp{j} = getelementptr i8, ptr %xq, i64 %e{j}\n"
-          f"  %xv{j} = load <32 x i8>, ptr %xp{j}, align 1\n"
-          f"  %xdp{j} = getelementptr float, ptr %xd, i64 %b{j}\n"
-          f"  %xd{j} = load float, ptr %xdp{j}\n")
-    ir += _quants(lay, j) + _int_dot(lay, j) + _scale_lanes(lay, j)
-    ir += (f"  %f{j} = sitofp <8 x i32> %s{j} to <8 x float>\n"
-           f"  %acc{j + 1} = call <8 x float> @llvm.fma.v8f32(<8 x float> %f{j}, "
-           f"<8 x float> %sv{j}, <8 x float> %acc{j})\n")
-    if not lay.has_m:
-        return ir + f"  %accm{j + 1} = fadd float %accm{j}, -0.0\n"
-    return ir + (_load_scale(f"m{j}", lay.m_offset + lay.scale_bytes * j, lay.scale)
-                 + f"  %xsp{j} = getelementptr float, ptr %xs, i64 %b{j}\n"
-                 f"  %xs{j} = load float, ptr %xsp{j}\n"
-                 f"  %accm{j + 1} = call float @llvm.fma.f32(float %m{j}, float %xs{j}, "
-                 f"float %accm{j})\n")
+def _x_rows(n: int) -> str:
+    """IR (entry block): per x row t, its pointers into xq, xd, xl and out."""
+    ir = "  %ne0 = shl i64 %nrec, 6\n  %xrb = shl i64 %nrec, 5\n"  # row bytes of xq, of xd / xl
+    for t in range(n):
+        ir += (f"  %xqo{t} = mul i64 %ne0, {t}\n"
+               f"  %xqr{t} = getelementptr i8, ptr %xq, i64 %xqo{t}\n"
+               f"  %xo{t} = mul i64 %xrb, {t}\n"
+               f"  %xdr{t} = getelementptr i8, ptr %xd, i64 %xo{t}\n"
+               f"  %xlr{t} = getelementptr i8, ptr %xl, i64 %xo{t}\n"
+               f"  %oo{t} = mul i64 %os, {t}\n"
+               f"  %outr{t} = getelementptr float, ptr %out, i64 %oo{t}\n")
+    return ir
+
+
+def _accumulators(lay: RecordLayout, n: int) -> str:
+    """IR (record loop head): the phis of every row's accumulators."""
+    ir = "".join(f"  %acc0_{t} = phi <8 x float> [zeroinitializer, %row], [%acc1_{t}, %rec]\n"
+                 for t in range(n))
+    if lay.has_m:
+        ir += f"  %accm0 = phi <{n} x float> [zeroinitializer, %row], [%accm2, %rec]\n"
+    return ir
+
+
+def _store_rows(lay: RecordLayout, n: int) -> str:
+    """IR (row end): out[t·out_stride + r] = Σ lanes of row t's accumulator (+ its offsets')."""
+    ir = ""
+    for t in range(n):
+        ir += (f"  %sum{t} = call float @llvm.vector.reduce.fadd.v8f32(float -0.0, "
+               f"<8 x float> %acc1_{t})\n")
+        if lay.has_m:
+            ir += (f"  %am{t} = extractelement <{n} x float> %accm2, i64 {t}\n"
+                   f"  %tot{t} = fadd float %sum{t}, %am{t}\n")
+        total = f"%tot{t}" if lay.has_m else f"%sum{t}"
+        ir += (f"  %op{t} = getelementptr float, ptr %outr{t}, i64 %r\n"
+               f"  store float {total}, ptr %op{t}\n")
+    return ir
 
 
 # Software prefetch this far ahead in the row (one per record): measured per core on this
@@ -271,24 +349,31 @@ def _block(lay: RecordLayout, j: int) -> str:
 _PREFETCH_BYTES = 4096
 
 
-def _row_kernel_ir(lay: RecordLayout) -> str:
-    """void dots(w, row_bytes, xq, xd, xs, xl, n_records, r0, r1, out): out[r], r0 <= r < r1."""
-    R = RECORD_ELEMENTS // 32
-    nib = "" if lay.is_q8 else (_at("nibp", lay.nibble_offset)
-                                + "  %nib = load <32 x i8>, ptr %nibp, align 1\n")
-    return f"""
-declare <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16>, <16 x i16>)
+def _declarations(n: int) -> str:
+    fma_n = "" if n == 8 else \
+        f"declare <{n} x float> @llvm.fma.v{n}f32(<{n} x float>, <{n} x float>, <{n} x float>)\n"
+    return fma_n + """declare <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16>, <16 x i16>)
 declare <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8>, <32 x i8>)
+declare <8 x i32> @llvm.x86.avx512.vpdpbusd.256(<8 x i32>, <8 x i32>, <8 x i32>)
+declare <8 x i32> @llvm.x86.avx2.phadd.d(<8 x i32>, <8 x i32>)
 declare <32 x i8> @llvm.x86.avx2.psign.b(<32 x i8>, <32 x i8>)
 declare <32 x i8> @llvm.abs.v32i8(<32 x i8>, i1)
 declare <8 x float> @llvm.fma.v8f32(<8 x float>, <8 x float>, <8 x float>)
-declare float @llvm.fma.f32(float, float, float)
 declare void @llvm.prefetch.p0(ptr, i32, i32, i32)
 declare float @llvm.vector.reduce.fadd.v8f32(float, <8 x float>)
+"""
+
+
+def _row_kernel_ir(lay: RecordLayout, n: int, vnni: bool) -> str:
+    """void dots(w, row_bytes, xq, xd, xs, xl, n_records, r0, r1, out, out_stride):
+    out[t·out_stride + r] = W row r · x row t for r0 <= r < r1, t < n."""
+    nib = "" if lay.is_q8 else (_at("nibp", lay.nibble_offset)
+                                + "  %nib = load <32 x i8>, ptr %nibp, align 1\n")
+    return f"""{_declarations(n)}
 define void @dots(ptr %w, i64 %rb, ptr %xq, ptr %xd, ptr %xs, ptr %xl, i64 %nrec, i64 %r0,
-                  i64 %r1, ptr %out) {{
+                  i64 %r1, ptr %out, i64 %os) {{
 entry:
-  br label %row
+{_x_rows(n)}  br label %row
 row:
   %r = phi i64 [%r0, %entry], [%rn, %rowend]
   %ro = mul i64 %r, %rb
@@ -296,22 +381,17 @@ row:
   br label %rec
 rec:
   %i = phi i64 [0, %row], [%in, %rec]
-  %acc0 = phi <8 x float> [zeroinitializer, %row], [%acc{R}, %rec]
-  %accm0 = phi float [0.0, %row], [%accm{R}, %rec]
-  %b = mul i64 %i, {R}
+{_accumulators(lay, n)}  %xe = shl i64 %i, 6
   %rpo = mul i64 %i, {lay.size}
   %rp = getelementptr i8, ptr %rowp, i64 %rpo
 {_at("pfp", _PREFETCH_BYTES)}  call void @llvm.prefetch.p0(ptr %pfp, i32 0, i32 3, i32 1)
-{nib}{"".join(_block(lay, j) for j in range(R))}
+{nib}{_quants(lay, 0)}{_quants(lay, 1)}{_record_scales(lay)}\
+{"".join(_row_dot(lay, t, vnni) for t in range(n))}{_offsets(lay, n) if lay.has_m else ""}
   %in = add i64 %i, 1
   %ic = icmp ult i64 %in, %nrec
   br i1 %ic, label %rec, label %rowend
 rowend:
-  %sum = call float @llvm.vector.reduce.fadd.v8f32(float -0.0, <8 x float> %acc{R})
-  %tot = fadd float %sum, %accm{R}
-  %op = getelementptr float, ptr %out, i64 %r
-  store float %tot, ptr %op
-  %rn = add i64 %r, 1
+{_store_rows(lay, n)}  %rn = add i64 %r, 1
   %rc = icmp slt i64 %rn, %r1
   br i1 %rc, label %row, label %done
 done:
@@ -321,9 +401,17 @@ done:
 
 
 _ARGS = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 \
-    + [ctypes.c_void_p]
+    + [ctypes.c_void_p, ctypes.c_int64]
 
 
-def row_kernel(layout: RecordLayout) -> Callable:
-    """ctypes fn(w, row_bytes, xq, xd, xs, xl, n_records, r0, r1, out) for this CPU (AVX2)."""
-    return llvm_jit.compile_function(_row_kernel_ir(layout), "dots", _ARGS)
+def row_kernel(layout: RecordLayout, n: int) -> Callable:
+    """ctypes fn(w, row_bytes, xq, xd, xs, xl, n_records, r0, r1, out, out_stride) for n x rows
+    on this CPU (AVX2; AVX512-VNNI's integer dot where the CPU has it)."""
+    if not 1 <= n <= MAX_ROWS:
+        raise ValueError(f"a kernel takes 1 to {MAX_ROWS} x rows, got {n}")
+    return _row_kernel(layout, n, llvm_jit.has_vnni())
+
+
+@functools.cache
+def _row_kernel(layout: RecordLayout, n: int, vnni: bool) -> Callable:
+    return llvm_jit.compile_function(_row_kernel_ir(layout, n, vnni), "dots", _ARGS)
