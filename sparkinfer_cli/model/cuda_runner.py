@@ -8,7 +8,7 @@ A pass of N tokens runs on a workspace of the next power of two rows (cuda_works
 pass replays a CUDA graph captured the first time its kind is seen (row bucket; one or several
 tokens a sequence; logit rows; greedy ids or logits), after one eager run: all a pass varies is
 in device buffers, and a 512-token prefill's ~680 eager launches cost more host time than its
-kernels take. Decode graphs of up to MAX_GRAPH_ROWS sequences are captured at load; passes with
+kernels take. capture_graphs runs every kind the engine can meet before it serves; passes with
 several tokens a sequence run attention as the tiled prefill kernel. Passes of ≥
 LINEAR_MMA_MIN_ROWS tokens (a 32-sequence decode included) run every dense linear as a
 tensor-core GEMM (f16 activations), from EXPERTS_MMA_MIN_ROWS on the MoE experts too.
@@ -256,7 +256,7 @@ class CudaModel:
             n = len(batch.token_ids)
             copy_device_async(ws.token_ids[:n], device_tokens[:n], self.stream)
         n_logits = len(batch.logit_rows())
-        logit_rows = logit_bucket(n_logits, ws.multi_token)
+        logit_rows = logit_bucket(n_logits, ws.n_rows, ws.multi_token)
         if greedy:
             ws.sampling(logit_rows, self.output.n_rows).stage(sampling_rows, self.stream)
         key = (ws.multi_token, logit_rows, greedy)
@@ -322,7 +322,11 @@ class CudaModel:
         """Compile and capture now, before serving, every pass the engine can run with at most
         max_seqs sequences and max_pass_tokens tokens (graph_shapes), with logits back and with
         ids back. Uses the pool's blocks as scratch: call it before any request holds KV."""
-        for n_tokens, n_seqs in graph_shapes(max_seqs, min(max_pass_tokens, MAX_PASS_TOKENS)):
+        pool_tokens = cache.num_blocks * cache.block_size  # no pass computes more tokens
+        limit = min(max_pass_tokens, MAX_PASS_TOKENS, pool_tokens)
+        for n_rows, n_seqs in graph_shapes(max_seqs, limit):
+            # a bucket the pool cannot fill runs with as many tokens as it holds
+            n_tokens = n_rows if n_rows == n_seqs else min(n_rows, pool_tokens)
             self._capture(self._dummy_batch(cache, n_tokens, n_seqs), cache)
 
     def _capture(self, batch: SequenceBatch, cache: CudaModelCache) -> None:
@@ -335,9 +339,6 @@ class CudaModel:
         first = n_tokens - n_seqs + 1
         tables = [np.arange(-(-first // cache.block_size), dtype=np.int32)] + \
             [np.array([cache.scratch_block], np.int32)] * (n_seqs - 1)
-        if len(tables[0]) > cache.num_blocks:
-            raise ValueError(f"a KV pool of {cache.num_blocks} blocks cannot hold a pass of "
-                             f"{n_tokens} tokens")
         token_ids = np.arange(n_tokens, dtype=np.int32) % self.config.n_vocab  # (n_tokens,)
         slots = [cache.scratch_slot] * n_seqs if self.config.is_hybrid else []
         return SequenceBatch(token_ids, [0] * n_seqs, [first] + [1] * (n_seqs - 1), tables,
@@ -351,20 +352,22 @@ def graph_shapes(max_seqs: int, max_pass_tokens: int) -> list[tuple[int, int]]:
     decode_rows = _pow2_range(1, row_bucket(min(max_seqs, MAX_GRAPH_ROWS)))
     shapes = [(min(n, max_seqs),) * 2 for n in decode_rows]
     for n_rows in _pow2_range(2, row_bucket(max_pass_tokens)):
-        for n_logits in _pow2_range(MIN_PROMPT_LOGIT_ROWS, logit_bucket(max_seqs, True)):
-            # the fewest sequences whose logit rows fill the bucket n_logits
-            n_seqs = 1 if n_logits == MIN_PROMPT_LOGIT_ROWS else n_logits // 2 + 1
-            if n_seqs < n_rows:  # else no sequence brings two tokens
-                shapes.append((n_rows, n_seqs))
+        widest = logit_bucket(max_seqs, n_rows, True)
+        for n_logits in _pow2_range(min(MIN_PROMPT_LOGIT_ROWS, widest), widest):
+            # the fewest sequences whose logit rows fill the bucket n_logits (fewer than n_rows,
+            # so that one of them brings two tokens)
+            n_seqs = 1 if n_logits <= MIN_PROMPT_LOGIT_ROWS else n_logits // 2 + 1
+            shapes.append((n_rows, n_seqs))
     return shapes
 
 
-def logit_bucket(n_logits: int, multi_token: bool) -> int:
-    """Logit rows a pass with n_logits of them computes. A pass with prompt tokens rounds up to
-    at least MIN_PROMPT_LOGIT_ROWS: the output GEMV reads its matrix once for up to that many
-    rows, so the smaller buckets cost as much and would only add graphs to capture."""
+def logit_bucket(n_logits: int, n_rows: int, multi_token: bool) -> int:
+    """Logit rows a pass of n_rows rows with n_logits of them computes. A pass with prompt
+    tokens rounds up to at least MIN_PROMPT_LOGIT_ROWS (within its rows): the output GEMV reads
+    its matrix once for up to that many rows, so the smaller buckets cost as much and would only
+    add graphs to capture."""
     n = row_bucket(n_logits)
-    return max(n, MIN_PROMPT_LOGIT_ROWS) if multi_token else n
+    return min(max(n, MIN_PROMPT_LOGIT_ROWS), n_rows) if multi_token else n
 
 
 def _pow2_range(lo: int, hi: int) -> list[int]:

@@ -15,8 +15,8 @@ from sparkinfer_cli.model.cuda_workspace import row_bucket
 def _key(n_tokens: int, n_seqs: int) -> tuple[int, bool, int]:
     """CudaModel._pass's graph key (row bucket, several tokens a sequence, logit rows) of a pass
     of n_tokens tokens over n_seqs sequences."""
-    multi_token = n_tokens > n_seqs
-    return row_bucket(n_tokens), multi_token, logit_bucket(n_seqs, multi_token)
+    multi_token, n_rows = n_tokens > n_seqs, row_bucket(n_tokens)
+    return n_rows, multi_token, logit_bucket(n_seqs, n_rows, multi_token)
 
 
 @pytest.mark.parametrize("max_seqs, max_pass_tokens", [(64, 2048), (24, 300), (4, 4096), (1, 16)])
@@ -29,4 +29,4 @@ def test_graph_shapes_cover_every_pass_of_the_engine(max_seqs, max_pass_tokens):
     captured = [_key(*shape) for shape in shapes]
     assert len(captured) == len(set(captured))  # one pass a key
     assert set(captured) >= reachable
-    assert all(key[0] <= row_bucket(max_pass_tokens) for key in captured)
+    assert all(logits <= rows <= row_bucket(max_pass_tokens) for rows, _, logits in captured)
