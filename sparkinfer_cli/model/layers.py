@@ -13,7 +13,7 @@ import numpy as np
 from sparkinfer_cli.kernels.cpu import decode_ops, ops
 from sparkinfer_cli.kernels.cpu.llvm_jit import has_avx2
 from sparkinfer_cli.kernels.cpu.packed_matvec import PackedMatvec
-from sparkinfer_cli.kernels.cpu.quant import embedding_rows, matmul, parallel_ranges
+from sparkinfer_cli.kernels.cpu.quant import embedding_rows, matmul
 from sparkinfer_cli.kernels.cpu.quant_packed import PackedWeight, can_pack, pack
 from sparkinfer_cli.model.batch import SequenceSpan
 from sparkinfer_cli.model.cache import ModelCache
@@ -145,17 +145,10 @@ class Attention:
 
     def attend(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, fwd: Forward) -> np.ndarray:
         """Write k, v into each sequence's cache, attend, return (N, H·D)."""
-        out = np.empty_like(q)  # (N, H, D)
         cache, li = fwd.cache, fwd.cache.attn_index[self.layer]
-        decodes = [s for s in fwd.spans if s.hi - s.lo == 1]
-
-        def attend_decodes(a: int, b: int) -> None:  # one kernel stores k, v and attends in place
-            for s in decodes[a:b]:
-                out[s.lo:s.hi] = decode_ops.attend_paged(q[s.lo:s.hi], k[s.lo:s.hi], v[s.lo:s.hi],
-                                                         cache.k[li], cache.v[li], s.block_table,
-                                                         s.start)
-
-        parallel_ranges(attend_decodes, len(decodes), len(decodes))  # sequences between threads
+        decodes = [s for s in fwd.spans if s.hi - s.lo == 1]  # one kernel stores k, v and attends
+        out = decode_ops.attend_paged(q, k, v, cache.k[li], cache.v[li], [s.lo for s in decodes],
+                                      [s.block_table for s in decodes], [s.start for s in decodes])
         for s in fwd.spans:
             if s.hi - s.lo > 1:
                 cache.write_kv(self.layer, s.block_table, s.start, k[s.lo:s.hi], v[s.lo:s.hi])

@@ -13,7 +13,7 @@ import pytest
 from quant_samples import N_ROWS, NE0, random_weight
 
 from sparkinfer_cli.ggml_types import GGMLType
-from sparkinfer_cli.kernels.cpu import llvm_jit, quant
+from sparkinfer_cli.kernels.cpu import llvm_jit, packed_matvec, quant
 from sparkinfer_cli.kernels.cpu.llvm_jit import has_avx2, has_vnni
 from sparkinfer_cli.kernels.cpu.packed_matvec import PackedMatvec
 from sparkinfer_cli.kernels.cpu.quant_packed import (
@@ -103,7 +103,7 @@ def test_fused_matvec_of_mixed_types_with_bias(threads: int, rng: np.random.Gene
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """q/k/v-like fusion: three weights of different types, two with biases, split over threads
     at row boundaries that fall inside a weight."""
-    monkeypatch.setattr(quant, "_MIN_WEIGHTS_PER_THREAD", 1 if threads == 2 else 1 << 40)
+    monkeypatch.setattr(packed_matvec, "_MIN_WORK_PER_THREAD", 1 if threads == 2 else 1 << 40)
     monkeypatch.setattr(quant, "_num_threads", lambda: threads)
     types = [GGMLType.Q5_0, GGMLType.Q8_0, GGMLType.Q6_K]
     raws = [(random_weight(t, rng), t) for t in types]

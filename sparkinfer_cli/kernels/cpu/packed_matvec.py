@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from sparkinfer_cli.kernels.cpu.quant import _parallel_rows
+from sparkinfer_cli.kernels.cpu.quant import parallel_ranges
 from sparkinfer_cli.kernels.cpu.quant_packed import (
     MAX_ROWS,
     RECORD_ELEMENTS,
@@ -25,6 +25,11 @@ from sparkinfer_cli.kernels.cpu.quant_packed import (
     row_kernel,
 )
 from sparkinfer_cli.kernels.cpu.quant_q8 import Q8_BLOCK
+
+# A call costs about weights·(n + 2) units of ~17 ps on one core (Qwen2.5-0.5B's Q6_K ffn_down:
+# 0.24 ms for 1 row, 0.76 ms for 8), and handing rows to a second thread ~0.1 ms on the 2-vCPU VM we
+# measured on (its idle vCPU halts): split when each thread gets about that much more.
+_MIN_WORK_PER_THREAD = 6 << 20
 
 
 class PackedMatvec:
@@ -45,7 +50,7 @@ class PackedMatvec:
                                     for w, b in zip(weights, biases)]) if has_bias else None
         nb = self.ne0 // Q8_BLOCK
         # scratch for up to MAX_ROWS quantized x rows, shaped per row count (_plan)
-        self._xq = np.empty(MAX_ROWS * self.ne0, np.int8)  # (n, ne0)
+        self._xq, self._xq_rows = np.empty((2, MAX_ROWS * self.ne0), np.int8)  # (n, ne0)
         self._xd = np.empty(MAX_ROWS * self.ne0 // 8, np.float32)  # (n, n_records, lanes)
         self._xl = np.empty(MAX_ROWS * self.ne0 // 8, np.int32)  # (n, n_records, lanes)
         self._xs, self._xd_rows = np.empty((2, MAX_ROWS * nb), np.float32)  # (n_blocks, n)
@@ -83,6 +88,7 @@ class PackedMatvec:
             scratch = (self._xq[:n * self.ne0].reshape(n, self.ne0),
                        self._xd[:n * nr * 8].reshape(n, nr, 8), self._xs[:nb * n].reshape(nb, n),
                        self._xl[:n * nr * 8].reshape(n, nr, 8),
+                       self._xq_rows[:n * self.ne0].reshape(n, self.ne0),
                        self._xd_rows[:n * nb].reshape(n, nb))
             self._plans[n] = scratch, [(row_kernel(layout, n), w, row_bytes)
                                        for layout, w, row_bytes in self._members]
@@ -100,7 +106,7 @@ class PackedMatvec:
                     o = starts[i]
                     kernel(w, row_bytes, *x_ptrs, n_records, a - o, b - o, out + 4 * o, stride)
 
-        _parallel_rows(rows, self.rows, self.ne0 * n)
+        parallel_ranges(rows, self.rows, self.rows * self.ne0 * (n + 2) // _MIN_WORK_PER_THREAD)
 
     def split(self, y: np.ndarray) -> list[np.ndarray]:
         """y (n, Σ rows) → each weight's (n, rows_i) view."""

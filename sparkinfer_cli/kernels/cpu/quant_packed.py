@@ -17,11 +17,11 @@ a 1-bit plane (uint32) holds q & 1 at bit 8b + k, a 2-bit plane (uint64) holds q
 (legacy types: ggml's own bytes; K-quants 0.75-1.0 bytes per weight against ggml's 0.56-0.82).
 
 The row kernel (LLVM IR, llvm_jit) multiplies a record's unsigned quants with up to MAX_ROWS
-rows of x's int8 quants (quant_q8's rounding, blocks of 32): per row and block, vpmaddubsw +
-vpmaddwd (or one VNNI vpdpbusd) into 8 int32 lanes of 4 elements each, then vphaddd pairs the
-lanes of A and B into 8 lanes of 8 elements, so that one bias subtraction (bias·Σxq, exact
-integers), one conversion and one multiply-add by the lanes' scales d·xd serve both blocks.
-Offsets add m·xs for all rows at once. Q8_0 uses llama.cpp's sign trick for its signed quants.
+rows of x's int8 quants (quant_q8's rounding, blocks of 32; x stored in the kernel's order, see
+_interleaved): per x row, vpmaddubsw + vpmaddwd (or VNNI's vpdpbusd) sum the record into 8 int32
+lanes of 8 elements of one block each, so that one bias subtraction (bias·Σxq, exact integers),
+one conversion and one multiply-add by the lanes' scales d·xd serve both blocks. Offsets add
+m·xs for all rows at once. Q8_0 uses llama.cpp's sign trick for its signed quants.
 """
 
 from __future__ import annotations
@@ -148,25 +148,39 @@ def _bytes(a: np.ndarray, dtype: str, per_record: int) -> np.ndarray:
 
 
 # ---- activations -------------------------------------------------------------------------------
-# The kernel sums a record's two blocks A and B into 8 int32 lanes, each over 8 elements, in the
-# order [A 0-7, A 8-15, B 0-7, B 8-15, A 16-23, A 24-31, B 16-23, B 24-31] (vphaddd's).
+# The kernel multiplies a record in two 32-byte halves h = 0, 1 whose 4-byte groups alternate
+# between its blocks A and B (vpunpckldq / vpunpckhdq of the two): group g of half h holds block
+# g % 2, elements 16·(g // 4) + 8·h + 4·(g % 4 // 2) + 0..3. Int32 lane g sums group g of both
+# halves, 8 elements of one block, so one conversion and one multiply-add by the lanes' scales
+# d·xd serve both blocks. x is stored in this order.
+
+def _interleaved(h: int, k: int) -> int:
+    """Which of the record's 64 quants (32·block + element) is byte k of half h."""
+    g, i = divmod(k, 4)
+    return 32 * (g % 2) + 16 * (g // 4) + 8 * h + 4 * (g % 4 // 2) + i
+
+
+_ORDER = np.array([_interleaved(h, k) for h in range(2) for k in range(32)])  # (64,)
+
 
 @njit(cache=True, nogil=True)
-def quantize_x(x, xq, xd, xs, xl, xd_rows):
-    """quant_q8's quantization of x (n, ne0) into xq (n, ne0) and, per lane of each record, its
-    block's scale xd and Σ xq over the lane's 8 elements xl (n, n_records, 8); xs (n_blocks, n)
-    for the offsets of all n rows at once. xd_rows (n, n_blocks): scratch."""
-    quantize_rows(x, xq, xd_rows, xs.T)
+def quantize_x(x, xq, xd, xs, xl, xq_rows, xd_rows):
+    """quant_q8's quantization of x (n, ne0): xq (n, ne0) in the kernel's order; per lane of each
+    record its block's scale xd and Σ xq over the lane's 8 elements xl (n, n_records, 8); xs
+    (n_blocks, n) for the offsets of all n rows at once. xq_rows, xd_rows: scratch (n, ne0),
+    (n, n_blocks)."""
+    quantize_rows(x, xq_rows, xd_rows, xs.T)
     for t in range(xl.shape[0]):
         for r in range(xl.shape[1]):
-            for lane in range(8):
-                block = 2 * r + (lane & 2) // 2
-                e = 32 * block + 16 * (lane // 4) + 8 * (lane & 1)
-                xd[t, r, lane] = xd_rows[t, block]
+            e = 64 * r
+            for k in range(64):
+                xq[t, e + k] = xq_rows[t, e + _ORDER[k]]
+            for g in range(8):
+                xd[t, r, g] = xd_rows[t, 2 * r + g % 2]
                 total = np.int32(0)
-                for i in range(8):
-                    total += np.int32(xq[t, e + i])
-                xl[t, r, lane] = total
+                for i in range(4):
+                    total += np.int32(xq[t, e + 4 * g + i]) + np.int32(xq[t, e + 32 + 4 * g + i])
+                xl[t, r, g] = total
 
 
 # ---- kernel -----------------------------------------------------------------------------------
@@ -192,10 +206,9 @@ def _at(name: str, offset: int | str) -> str:
 
 
 def _quants(lay: RecordLayout, j: int) -> str:
-    """IR: <32 x i8> %q{j}: block j's unsigned quants (Q8_0: |q|, and the signed %qs{j})."""
+    """IR: <32 x i8> %q{j}: block j's quants (unsigned; Q8_0: signed)."""
     if lay.is_q8:
-        return (_at(f"qp{j}", 34 * j + 2) + f"  %qs{j} = load <32 x i8>, ptr %qp{j}, align 1\n"
-                f"  %q{j} = call <32 x i8> @llvm.abs.v32i8(<32 x i8> %qs{j}, i1 false)\n")
+        return _at(f"qp{j}", 34 * j + 2) + f"  %q{j} = load <32 x i8>, ptr %qp{j}, align 1\n"
     lb, mask = lay.low_bits, _i8s(15 << lay.low_bits)
     shift = f"shl <32 x i8> %nib, {_i8s(lb)}" if j == 0 else f"lshr <32 x i8> %nib, {_i8s(4 - lb)}"
     ir = f"  %n{j}s = {shift}\n  %n{j} = and <32 x i8> %n{j}s, {mask}\n"
@@ -217,8 +230,8 @@ def _quants(lay: RecordLayout, j: int) -> str:
 
 
 def _record_scales(lay: RecordLayout) -> str:
-    """IR: <8 x float> %dv, each pair-sum lane's weight scale (Q6_K: A's and B's first
-    half-block scales in lanes 0-3, second in 4-7)."""
+    """IR: <8 x float> %dv, each lane's weight scale (lane g: block g % 2; Q6_K: its first
+    half-block's scale in lanes 0-3, the second's in 4-7)."""
     if lay.is_q8:
         ir = "".join(_at(f"d{j}p", 34 * j) + f"  %d{j}h = load half, ptr %d{j}p, align 1\n"
                      for j in range(2))
@@ -229,35 +242,63 @@ def _record_scales(lay: RecordLayout) -> str:
         k, half = 2 * lay.n_scales, lay.scale == "half"
         ir = f"  %dp{'h' * half} = load <{k} x {lay.scale}>, ptr %rp, align 1\n"
         ir += f"  %dp = fpext <{k} x half> %dph to <{k} x float>\n" if half else ""
-    lanes = [0, 0, 1, 1] * 2 if lay.n_scales == 1 else [0, 0, 2, 2, 1, 1, 3, 3]
+    lanes = [0, 1] * 4 if lay.n_scales == 1 else [0, 2, 0, 2, 1, 3, 1, 3]
     return ir + (f"  %dv = shufflevector <{2 * lay.n_scales} x float> %dp, <{2 * lay.n_scales} "
                  f"x float> poison, <8 x i32> {_vec('i32', lanes)}\n")
 
 
-def _unsigned_dot(out: str, q: str, x: str, vnni: bool) -> str:
-    """IR: <8 x i32> {out}, lane k = Σ q·x over bytes 4k..4k+3 (q unsigned, x signed)."""
-    if vnni:  # one instruction, and no int16 intermediate
-        return (f"  {out}q = bitcast <32 x i8> {q} to <8 x i32>\n"
-                f"  {out}x = bitcast <32 x i8> {x} to <8 x i32>\n"
-                f"  {out} = call <8 x i32> @llvm.x86.avx512.vpdpbusd.256(<8 x i32> "
-                f"zeroinitializer, <8 x i32> {out}q, <8 x i32> {out}x)\n")
-    # i16 pair sums stay below 2·128·127; vpmaddwd with ones widens them to int32
-    return (f"  {out}p = call <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8> {q}, <32 x i8> {x})\n"
-            f"  {out} = call <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16> {out}p, <16 x i16> "
-            + _vec("i16", [1] * 16) + ")\n")
+def _halves(lay: RecordLayout) -> str:
+    """IR: <32 x i8> %w0, %w1, the record's unsigned quants in the kernel's order (Q8_0: |q|, and
+    the signed %ws0, %ws1)."""
+    ir = ""
+    for h in range(2):
+        mask = _vec("i32", [_interleaved(h, k) for k in range(32)])
+        w = f"%ws{h}" if lay.is_q8 else f"%w{h}"
+        ir += f"  {w} = shufflevector <32 x i8> %q0, <32 x i8> %q1, <32 x i32> {mask}\n"
+        if lay.is_q8:
+            ir += f"  %w{h} = call <32 x i8> @llvm.abs.v32i8(<32 x i8> %ws{h}, i1 false)\n"
+    return ir
 
 
-def _block_dot(lay: RecordLayout, j: int, t: int, vnni: bool) -> str:
-    """IR: <8 x i32> %u{j}_{t}; lane k = Σ q·xq over elements 4k..4k+3 of block j, x row t."""
-    ir = (f"  %xo{j}_{t} = add i64 %xe, {32 * j}\n"
-          f"  %xp{j}_{t} = getelementptr i8, ptr %xqr{t}, i64 %xo{j}_{t}\n"
-          f"  %xv{j}_{t} = load <32 x i8>, ptr %xp{j}_{t}, align 1\n")
-    x = f"%xv{j}_{t}"
-    if lay.is_q8:  # llama.cpp's sign trick: |q| (≤ 128, unsigned) · (x with q's sign)
-        ir += (f"  %xa{j}_{t} = call <32 x i8> @llvm.x86.avx2.psign.b(<32 x i8> {x}, "
-               f"<32 x i8> %qs{j})\n")
-        x = f"%xa{j}_{t}"
-    return ir + _unsigned_dot(f"%u{j}_{t}", f"%q{j}", x, vnni)
+def _x_halves(lay: RecordLayout, t: int) -> tuple[str, list[str]]:
+    """IR, and the names of x row t's two 32-byte halves of the record (Q8_0: with the signs of
+    its quants: llama.cpp's sign trick, |q| ≤ 128 unsigned · x·sign(q))."""
+    ir, x = "", []
+    for h in range(2):
+        ir += (f"  %xo{h}_{t} = add i64 %xe, {32 * h}\n"
+               f"  %xp{h}_{t} = getelementptr i8, ptr %xqr{t}, i64 %xo{h}_{t}\n"
+               f"  %xv{h}_{t} = load <32 x i8>, ptr %xp{h}_{t}, align 1\n")
+        x.append(f"%xv{h}_{t}")
+        if lay.is_q8:
+            ir += (f"  %xa{h}_{t} = call <32 x i8> @llvm.x86.avx2.psign.b(<32 x i8> {x[h]}, "
+                   f"<32 x i8> %ws{h})\n")
+            x[h] = f"%xa{h}_{t}"
+    return ir, x
+
+
+def _int_dot(lay: RecordLayout, t: int, vnni: bool) -> str:
+    """IR: <8 x i32> %u{t}, lane g = Σ q·xq over group g of both halves, x row t."""
+    ir, x = _x_halves(lay, t)
+    if vnni:  # vpdpbusd: both halves into one accumulator, no int16 intermediate
+        for h in range(2):
+            ir += (f"  %wi{h}_{t} = bitcast <32 x i8> %w{h} to <8 x i32>\n"
+                   f"  %xi{h}_{t} = bitcast <32 x i8> {x[h]} to <8 x i32>\n")
+        return ir + (f"  %v{t} = call <8 x i32> @llvm.x86.avx512.vpdpbusd.256(<8 x i32> "
+                     f"zeroinitializer, <8 x i32> %wi0_{t}, <8 x i32> %xi0_{t})\n"
+                     f"  %u{t} = call <8 x i32> @llvm.x86.avx512.vpdpbusd.256(<8 x i32> %v{t}, "
+                     f"<8 x i32> %wi1_{t}, <8 x i32> %xi1_{t})\n")
+    for h in range(2):
+        ir += (f"  %p{h}_{t} = call <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8> %w{h}, "
+               f"<32 x i8> {x[h]})\n")
+    ones = _vec("i16", [1] * 16)
+    if lay.is_q8:  # int16 pair sums reach 2·128·127: widen each half before adding
+        return ir + "".join(f"  %m{h}_{t} = call <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16> "
+                            f"%p{h}_{t}, <16 x i16> {ones})\n" for h in range(2)) + \
+            f"  %u{t} = add <8 x i32> %m0_{t}, %m1_{t}\n"
+    # quants ≤ 63: four products stay below 4·63·127 < 2^15
+    return ir + (f"  %p{t} = add <16 x i16> %p0_{t}, %p1_{t}\n"
+                 f"  %u{t} = call <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16> %p{t}, "
+                 f"<16 x i16> {ones})\n")
 
 
 def _x_lanes(name: str, ty: str, t: int) -> str:
@@ -267,15 +308,14 @@ def _x_lanes(name: str, ty: str, t: int) -> str:
 
 
 def _row_dot(lay: RecordLayout, t: int, vnni: bool) -> str:
-    """IR: %acc1_{t} = %acc0_{t} + the record's dot with x row t, in pair-sum lanes."""
-    ir = _block_dot(lay, 0, t, vnni) + _block_dot(lay, 1, t, vnni)
-    ir += f"  %h{t} = call <8 x i32> @llvm.x86.avx2.phadd.d(<8 x i32> %u0_{t}, <8 x i32> %u1_{t})\n"
+    """IR: %acc1_{t} = %acc0_{t} + the record's dot with x row t."""
+    ir = _int_dot(lay, t, vnni)
     if lay.bias:  # Σ (q - bias)·xq = Σ q·xq - bias·Σ xq, in exact integers
         log2_bias = _vec("i32", [lay.bias.bit_length() - 1] * 8)
         ir += (_x_lanes("xl", "i32", t) + f"  %xb{t} = shl <8 x i32> %xl{t}, {log2_bias}\n"
-               f"  %s{t} = sub <8 x i32> %h{t}, %xb{t}\n")
+               f"  %s{t} = sub <8 x i32> %u{t}, %xb{t}\n")
     else:
-        ir = ir.replace(f"%h{t} =", f"%s{t} =")
+        ir = ir.replace(f"%u{t} =", f"%s{t} =")
     return ir + (_x_lanes("xd", "float", t) + f"  %sc{t} = fmul <8 x float> %dv, %xd{t}\n"
                  f"  %f{t} = sitofp <8 x i32> %s{t} to <8 x float>\n"
                  f"  %acc1_{t} = call <8 x float> @llvm.fma.v8f32(<8 x float> %f{t}, "
@@ -355,7 +395,6 @@ def _declarations(n: int) -> str:
     return fma_n + """declare <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16>, <16 x i16>)
 declare <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8>, <32 x i8>)
 declare <8 x i32> @llvm.x86.avx512.vpdpbusd.256(<8 x i32>, <8 x i32>, <8 x i32>)
-declare <8 x i32> @llvm.x86.avx2.phadd.d(<8 x i32>, <8 x i32>)
 declare <32 x i8> @llvm.x86.avx2.psign.b(<32 x i8>, <32 x i8>)
 declare <32 x i8> @llvm.abs.v32i8(<32 x i8>, i1)
 declare <8 x float> @llvm.fma.v8f32(<8 x float>, <8 x float>, <8 x float>)
@@ -385,7 +424,7 @@ rec:
   %rpo = mul i64 %i, {lay.size}
   %rp = getelementptr i8, ptr %rowp, i64 %rpo
 {_at("pfp", _PREFETCH_BYTES)}  call void @llvm.prefetch.p0(ptr %pfp, i32 0, i32 3, i32 1)
-{nib}{_quants(lay, 0)}{_quants(lay, 1)}{_record_scales(lay)}\
+{nib}{_quants(lay, 0)}{_quants(lay, 1)}{_halves(lay)}{_record_scales(lay)}\
 {"".join(_row_dot(lay, t, vnni) for t in range(n))}{_offsets(lay, n) if lay.has_m else ""}
   %in = add i64 %i, 1
   %ic = icmp ult i64 %in, %nrec
@@ -406,10 +445,12 @@ _ARGS = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_in
 
 def row_kernel(layout: RecordLayout, n: int) -> Callable:
     """ctypes fn(w, row_bytes, xq, xd, xs, xl, n_records, r0, r1, out, out_stride) for n x rows
-    on this CPU (AVX2; AVX512-VNNI's integer dot where the CPU has it)."""
+    on this CPU (AVX2; AVX512-VNNI's integer dot where the CPU has it and it is faster)."""
     if not 1 <= n <= MAX_ROWS:
         raise ValueError(f"a kernel takes 1 to {MAX_ROWS} x rows, got {n}")
-    return _row_kernel(layout, n, llvm_jit.has_vnni())
+    # NOTE: Q8_0's few rows stay AVX2: after its sign trick VNNI was slower there on Zen 4 (the
+    # 145 MB output of Qwen2.5-0.5B, one core: 1 row 7.1 against 6.1 ms, 8 rows 18.8 against 22.3)
+    return _row_kernel(layout, n, llvm_jit.has_vnni() and (n >= 4 or not layout.is_q8))
 
 
 @functools.cache
