@@ -63,10 +63,12 @@ def gpu_us(fn, reps: int) -> float:
     return start.elapsed_time(stop) * 1e3 / reps
 
 
-def _report(name: str, us: float, flops: float, y) -> None:
+def _report(name: str, us: float, flops: float, y, weight_bytes: int = 0) -> None:
+    """One line: µs, effective TFLOP/s and (given the weight bytes a call must read) GB/s."""
     if not np.isfinite(y.copy_to_host()).all():
         raise SystemExit(f"{name}: non-finite outputs")
-    print(f"{name:<44} {us:9.1f} µs  {flops / us / 1e6:7.1f} TFLOP/s", flush=True)
+    gbs = f"  {weight_bytes / us / 1e3:7.0f} GB/s of weights" if weight_bytes else ""
+    print(f"{name:<44} {us:9.1f} µs  {flops / us / 1e6:7.1f} TFLOP/s{gbs}", flush=True)
 
 
 def bench_dense(types: list[GGMLType], n_tok: int, reps: int, rng) -> None:
@@ -92,21 +94,28 @@ def bench_grouped(t: GGMLType, n_tok: int, tile: int, reps: int, rng) -> None:
     slot_x = cuda.to_device(np.repeat(np.arange(n_tok, dtype=np.int32), TOP_K))  # (n_slots,)
     x = cuda.to_device(rng.standard_normal((n_tok, N_EMBD), np.float32))
     gate, up = (random_matrix(t, N_EXPERT, EXPERT_FF, N_EMBD, rng) for _ in range(2))
+    touched = len(np.unique(ids))  # experts whose weights a call reads
     h = cuda.device_array((n_slots, EXPERT_FF), np.float32)
     us = gpu_us(lambda: mg.grouped_matmul(gate, x, h, route, slot_x, up=up), reps)
     _report(f"{t.name} grouped gate+up {n_slots} slots tile {tile}", us,
-            4.0 * n_slots * N_EMBD * EXPERT_FF, h)
+            4.0 * n_slots * N_EMBD * EXPERT_FF, h, 2 * touched * gate.n_rows * gate.row_bytes)
     down = random_matrix(t, N_EXPERT, N_EMBD, EXPERT_FF, rng)
     slot_h = cuda.to_device(np.arange(n_slots, dtype=np.int32))  # (n_slots,) row s of h
     y = cuda.device_array((n_slots, N_EMBD), np.float32)
     us = gpu_us(lambda: mg.grouped_matmul(down, h, y, route, slot_h), reps)
     _report(f"{t.name} grouped down {n_slots} slots tile {tile}", us,
-            2.0 * n_slots * EXPERT_FF * N_EMBD, y)
+            2.0 * n_slots * EXPERT_FF * N_EMBD, y, touched * down.n_rows * down.row_bytes)
+    for swiglu, w in ((True, gate), (False, down)):
+        kernel = mg._gemm_kernel(t, tile, swiglu, True, mg._stages(tile, w.k // mg.BK))
+        for compiled in kernel.overloads.values():  # spills show as local memory
+            print(f"  swiglu {swiglu}: {compiled.regs_per_thread} registers, "
+                  f"{compiled.local_mem_per_thread} local bytes a thread")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--tokens", default="4096", help="comma-separated token counts")
+    ap.add_argument("--grouped-only", action="store_true", help="skip the dense GEMMs")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--types", default="Q4_K,Q5_K,Q6_K,Q8_0,Q4_0,Q5_0,F16")
     args = ap.parse_args()
@@ -115,9 +124,12 @@ def main() -> None:
     types = [GGMLType[name] for name in args.types.split(",")]
     rng = np.random.default_rng(0)
     print(f"device: {getattr(cuda.get_current_device(), 'name', '?')}; reps {args.reps}")
-    bench_dense(types, args.tokens, args.reps, rng)
-    for tile in (128, 64):
-        bench_grouped(types[0], args.tokens, tile, args.reps, rng)
+    for n_tok in (int(n) for n in args.tokens.split(",")):
+        if not args.grouped_only:
+            bench_dense(types, n_tok, args.reps, rng)
+        print(f"expert_tile picks {mg.expert_tile(n_tok * TOP_K, N_EXPERT)}")
+        for tile in mg.TOKEN_TILES:
+            bench_grouped(types[0], n_tok, tile, args.reps, rng)
 
 
 if __name__ == "__main__":

@@ -110,7 +110,8 @@ class CudaMoE:
         if not ws.uses_mma(ws.n_rows, self.gate.matrix, experts=True):
             return None
         n_slots = ws.n_rows * self.k
-        route = ws.expert_route(self.n_expert, n_slots, mma_gemm.TOKEN_TILES[0])
+        tile = mma_gemm.expert_tile(n_slots, self.n_expert)
+        route = ws.expert_route(self.n_expert, n_slots, tile)
         route_experts(self._picks(ws)[0].reshape(n_slots), n_slots, route, stream)
         return route
 

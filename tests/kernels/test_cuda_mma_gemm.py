@@ -218,22 +218,26 @@ def _run_grouped(ggml_type, n_expert, n_rows, k, slot_expert, slot_x, n_x, tile,
     return y.copy_to_host(), x.astype(np.float64), gate_ref, up_ref
 
 
-def test_grouped_matmul_routes_slots_to_their_expert(rng):
-    # expert 0: no slots, expert 1: 100 slots (two 64-slot tiles), expert 2: 30 slots
+@pytest.mark.parametrize("tile, k", [(64, 64), (16, 128), (32, 64)])
+def test_grouped_matmul_routes_slots_to_their_expert(tile, k, rng):
+    # expert 0: no slots, expert 1: 100 slots (several tiles), expert 2: 30 slots; k of 4 / 2
+    # steps: staged 4 / 2 at a time
     slot_expert = rng.permutation(np.repeat([1, 2], [100, 30]))
     slot_x = rng.integers(0, 50, slot_expert.size)
-    got, x, w_ref, _ = _run_grouped(GGMLType.Q8_0, 3, 20, 64, slot_expert, slot_x, 50, 64,
+    got, x, w_ref, _ = _run_grouped(GGMLType.Q8_0, 3, 20, k, slot_expert, slot_x, 50, tile,
                                     False, rng)
     for e in (1, 2):
         slots = np.flatnonzero(slot_expert == e)
         _check(got[slots], x[slot_x[slots]], w_ref[e])
 
 
-def test_grouped_matmul_fused_swiglu(rng):
+@pytest.mark.parametrize("tile", [16, 32, 64])
+def test_grouped_matmul_fused_swiglu(tile, rng):
+    # tiles of ≤ 32 tokens pair gate and up rows within one m16 tile
     slot_expert = rng.integers(0, 2, 40)
     slot_x = rng.integers(0, 20, slot_expert.size)
-    got, x, gate_ref, up_ref = _run_grouped(GGMLType.Q4_0, 2, 24, 64, slot_expert, slot_x, 20, 32,
-                                            True, rng)
+    got, x, gate_ref, up_ref = _run_grouped(GGMLType.Q4_0, 2, 24, 64, slot_expert, slot_x, 20,
+                                            tile, True, rng)
     for e in (0, 1):
         slots = np.flatnonzero(slot_expert == e)
         _check(got[slots], x[slot_x[slots]], gate_ref[e], up=up_ref[e])
@@ -279,15 +283,28 @@ def test_matmul_split_k_real_shapes(ggml_type, k, n_rows, swiglu, rng):
            up=None if up is None else up_ref[0][rows])
 
 
+def test_expert_tile_holds_the_mean_share_of_an_expert():
+    # Qwen3.6-35B-A3B: 256 experts, top-8; staged tiles (≤ 32) hold twice the mean share
+    assert mg.expert_tile(64 * 8, 256) == 16  # 2 slots an expert
+    assert mg.expert_tile(256 * 8, 256) == 16  # 8
+    assert mg.expert_tile(257 * 8, 256) == 32
+    assert mg.expert_tile(1024 * 8, 256) == 64  # 32
+    assert mg.expert_tile(2048 * 8, 256) == 64  # 64
+    assert mg.expert_tile(2049 * 8, 256) == 128
+    assert mg.expert_tile(8192 * 8, 256) == 128  # the largest tile
+    assert mg.expert_tile(4096 * 8, 128) == 128
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("swiglu", [False, True])
-def test_grouped_matmul_real_shapes(swiglu, rng):
-    # Qwen3.6-35B-A3B expert gate/up: 4096 tokens × top-8 over 256 experts, k 2048 → ff 512
-    n_tok, n_expert, k, n_rows = 4096, 256, 2048, 512
+@pytest.mark.parametrize("swiglu, n_tok, tile", [(False, 4096, 128), (True, 4096, 128),
+                                                 (True, 256, 16), (False, 512, 32)])
+def test_grouped_matmul_real_shapes(swiglu, n_tok, tile, rng):
+    # Qwen3.6-35B-A3B expert gate/up: n_tok tokens × top-8 over 256 experts, k 2048 → ff 512
+    n_expert, k, n_rows = 256, 2048, 512
     slot_expert = np.stack([rng.choice(n_expert, 8, replace=False) for _ in range(n_tok)]).ravel()
     slot_x = np.repeat(np.arange(n_tok), 8)
     got, x, gate_ref, up_ref = _run_grouped(GGMLType.Q4_K, n_expert, n_rows, k, slot_expert,
-                                            slot_x, n_tok, 128, swiglu, rng)
+                                            slot_x, n_tok, tile, swiglu, rng)
     for e in rng.choice(n_expert, 4, replace=False):
         slots = np.flatnonzero(slot_expert == e)
         _check(got[slots], x[slot_x[slots]], gate_ref[e], None if up_ref is None else up_ref[e])

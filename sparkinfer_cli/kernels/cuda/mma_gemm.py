@@ -4,16 +4,20 @@ y[slot, r] = Σ_k W[mat][r, k] · x[xrow(slot), k] (+ bias[r])   (mma.sync m16n8
 
 - `matmul`: dense, slot = token (x and y are (n_tok, ·)). `grouped_matmul`: MoE prefill, the token
   tiles of an ExpertRoute (each tile's slots all use one expert matrix), x rows picked by slot_x.
-- A block computes BM = 128 weight rows × BN tokens (64 or 128), stepping k by BK = 32 through two
+- A block computes BM = 128 weight rows × BN tokens, stepping k by BK = 32 through two
   shared-memory buffers (one barrier per step: each thread loads its share of step s+1, the warps
   multiply step s from one buffer while those loads are in flight, then store step s+1 into the
-  other; before, each step waited for its loads, then multiplied). Staging dequantizes each
-  weight row's 16-element piece straight from the GGUF bytes to f16 and converts the float32
-  activations to f16.
-- 8 warps as WARPS_M × WARPS_N with 32 tokens per warp: a warp owns (BM / WARPS_M) rows × 32 tokens,
-  i.e. MT m16 tiles × 4 n8 tiles of f32 accumulators.
+  other). Staging dequantizes each weight row's 16-element piece straight from the GGUF bytes to
+  f16 and converts the float32 activations to f16.
+- BN: 64 or 128 (dense); grouped tiles also 16 or 32 (`expert_tile`: a mixed serving step routes
+  a few tokens to each expert, and a 64-token tile would multiply mostly padding). A block of such
+  a tile stages 2-4 k steps between two barriers (`_stages`): its next steps' loads all go out before the
+  warps multiply the current ones, since a tile of few tokens waits on loads, not on the mma.
+- 8 warps as WARPS_M × WARPS_N, a warp owning (BM / WARPS_M) rows × min(BN, 32) tokens, i.e. MT
+  m16 tiles × NT n8 tiles of f32 accumulators.
 - Fused SwiGLU (`up=`): the 128 staged rows are 64 gate rows and the same 64 rows of `up`,
-  interleaved so that every warp holds the gate and up accumulators of the same output rows.
+  interleaved so that every warp holds the gate and up accumulators of the same output rows
+  (with one m16 tile a warp: its rows 0-7 gate, 8-15 up, paired within each lane).
 - Outputs may be split over up to MAX_PARTS arrays by row range, like quant_gemv.gemv.
 - Split-K (dense, given a `partials` buffer): a grid of too few blocks to fill the GPU (a decode
   batch of 32-64 tokens is one token tile: a 2,048-row matrix makes 16 blocks) walks k in up to
@@ -65,7 +69,11 @@ BK = 32  # k elements per pipeline step
 THREADS = 256
 ROW_WORDS = 20  # u32 per staged row: 32 f16 + 16 pad bytes, so ldmatrix's 8 rows hit distinct banks
 ROW_STRIDE = 4 * ROW_WORDS
-TOKEN_TILES = (64, 128)  # BN choices
+TOKEN_TILES = (16, 32, 64, 128)  # BN choices: grouped tiles of a few tokens, dense 64 / 128
+DENSE_TILES = TOKEN_TILES[-2:]
+STAGE_CHOICES = (4, 2)  # k steps a grouped block stages between barriers, if k and smem allow
+MAX_STAGED_TILE = 32  # larger tiles keep the double-buffered walk (staged: spills, 1.3-1.6× slower)
+MAX_STATIC_SHARED = 48 * 1024  # bytes of static shared memory a block may declare
 _MAGIC = float32(8388608.0)  # 2^23: the float with bits 0x4B000000
 # Split-K, as measured on the H200 (132 SMs; bench/cuda_gemv_bench.py --batch-only, 64 tokens):
 # 16 row blocks (2048 rows, k 4096) took 186 µs whole and 37 µs in 16 k ranges; 97 row blocks
@@ -298,72 +306,99 @@ def _mma_into(acc, i, a, b0, b1):
 class _Tiling(NamedTuple):
     """How a block of THREADS splits BM rows × bn tokens (all compile-time constants)."""
 
-    warps_n: int  # warps side by side over tokens (32 tokens each)
-    warp_rows: int  # staged rows per warp: 64 (bn 128) or 32 (bn 64)
+    warps_n: int  # warps side by side over tokens (nt · 8 tokens each)
+    nt: int  # n8 token tiles a warp: 4, or 2 in a 16-token tile
+    warp_rows: int  # staged rows per warp: 64 (bn 128), 32 (bn 64) or 16 (bn ≤ 32)
     mt: int  # m16 tiles per warp
-    mt_out: int  # ... of them holding outputs (with SwiGLU the rest hold the up rows)
+    mt_out: int  # ... of them holding outputs (with SwiGLU over several, the rest hold up rows)
+    half_tile: bool  # SwiGLU inside a warp's one m16 tile: rows 0-7 gate, 8-15 the same rows of up
     rows_block: int  # output rows per block
     tok_threads: int  # threads staging one token's BK activations
-    tok_elems: int  # floats each of them stages: 16 (bn 128) or 8 (bn 64)
+    tok_elems: int  # floats each of them stages: 16 (bn 128) or 8
+    x_threads: int  # threads that stage activations (the block's first ones; a warp multiple)
 
 
 def _tiling(bn: int, swiglu: bool) -> _Tiling:
-    warps_n = bn // 32
+    warp_tokens = min(bn, 32)
+    warps_n = bn // warp_tokens
     warp_rows = BM * warps_n // (THREADS // 32)
     mt = warp_rows // 16
-    return _Tiling(warps_n, warp_rows, mt, mt // 2 if swiglu else mt,
-                   BM // 2 if swiglu else BM, THREADS // bn, BK * bn // THREADS)
+    half_tile = swiglu and mt == 1
+    tok_elems = max(8, BK * bn // THREADS)
+    return _Tiling(warps_n, warp_tokens // 8, warp_rows, mt,
+                   mt // 2 if swiglu and not half_tile else mt, half_tile,
+                   BM // 2 if swiglu else BM, BK // tok_elems, tok_elems, bn * BK // tok_elems)
+
+
+def _stages(bn: int, n_steps: int) -> int:
+    """k steps a block stages between two barriers in the grouped GEMM: more weight loads in
+    flight a wait (a tile of a few tokens is latency-bound, not compute-bound), as many shared
+    buffers as steps; 1: the double-buffered walk of one step a barrier."""
+    if bn > MAX_STAGED_TILE:
+        return 1
+    for u in STAGE_CHOICES:
+        if n_steps % u == 0 and 4 * u * (BM + bn) * ROW_WORDS <= MAX_STATIC_SHARED:
+            return u
+    return 1
 
 
 @functools.cache
 def _stage_fns(ggml_type: GGMLType, bn: int):
     """(fetch, put): a k step's staging in two halves, so that the main loop can issue the next
-    step's global loads, multiply the current step while they are in flight, then store them."""
+    steps' global loads, multiply the current ones while they are in flight, then store them.
+    Both keep a step's words in slot u of the caller's register arrays qw (8 words) / xw."""
     piece = _PIECES[ggml_type]
     a_words, b_words = BM * ROW_WORDS, bn * ROW_WORDS
     x_words = _tiling(bn, False).tok_elems // 2
 
     @device_function(numba_inline=True)
-    def fetch(k0, w_src, w_off, x, x_off, xw):
-        """This thread's share of k0..k0+BK: its weight piece as 8 f16x2 words (returned) and its
-        activations as f16x2 words (into xw)."""
+    def fetch(k0, w_src, w_off, x, x_off, qw, xw, u, stages_x):
+        """This thread's share of k0..k0+BK: its weight piece as 8 f16x2 words and (stages_x) its
+        activations as f16x2 words."""
         q = piece(w_src, w_off, k0 + (cuda.threadIdx.x & 1) * 16)
-        for i in range(x_words // 2):
-            p = _pack4(ld_v4_u32(x, x_off + 4 * (k0 + 4 * i)))
-            xw[2 * i] = p[0]
-            xw[2 * i + 1] = p[1]
-        return q
+        for i in range(8):
+            qw[8 * u + i] = q[i]
+        if stages_x:
+            for i in range(x_words // 2):
+                p = _pack4(ld_v4_u32(x, x_off + 4 * (k0 + 4 * i)))
+                xw[x_words * u + 2 * i] = p[0]
+                xw[x_words * u + 2 * i + 1] = p[1]
 
     @device_function(numba_inline=True)
-    def put(sa, sb, buf, q, xw, a_at, b_at):
-        """fetch's words into buffer `buf` of the shared tiles."""
+    def put(sa, sb, buf, qw, xw, u, a_at, b_at, stages_x):
+        """fetch's slot u into buffer `buf` of the shared tiles."""
         base = uint32(buf * a_words + a_at)
         for i in range(8):
-            sa[base + uint32(i)] = q[i]
-        base = uint32(buf * b_words + b_at)
-        for i in range(x_words):
-            sb[base + uint32(i)] = xw[i]
+            sa[base + uint32(i)] = qw[8 * u + i]
+        if stages_x:
+            base = uint32(buf * b_words + b_at)
+            for i in range(x_words):
+                sb[base + uint32(i)] = xw[x_words * u + i]
     return fetch, put
 
 
 @functools.cache
 def _multiply_fn(bn: int):
-    a_bytes, b_bytes, mt = 4 * BM * ROW_WORDS, 4 * bn * ROW_WORDS, _tiling(bn, False).mt
+    t = _tiling(bn, False)
+    a_bytes, b_bytes, mt, nt = 4 * BM * ROW_WORDS, 4 * bn * ROW_WORDS, t.mt, t.nt
 
     @device_function(numba_inline=True)
     def multiply(sa, sb, buf, a_at, b_at, lane, acc):
-        """acc += this warp's rows × 32 tokens over the BK of buffer `buf` (two k16 steps)."""
+        """acc += this warp's rows × nt·8 tokens over the BK of buffer `buf` (two k16 steps)."""
         for kh in range(2):
             b_lo = ldmatrix_x4_pairs(sb, buf * b_bytes + b_at + 32 * kh, ROW_STRIDE, lane)
-            b_hi = ldmatrix_x4_pairs(sb, buf * b_bytes + b_at + 16 * ROW_STRIDE + 32 * kh,
-                                     ROW_STRIDE, lane)
+            b_hi = b_lo
+            if nt == 4:
+                b_hi = ldmatrix_x4_pairs(sb, buf * b_bytes + b_at + 16 * ROW_STRIDE + 32 * kh,
+                                         ROW_STRIDE, lane)
             for mi in range(mt):
                 a = ldmatrix_x4(sa, buf * a_bytes + a_at + mi * 16 * ROW_STRIDE + 32 * kh,
                                 ROW_STRIDE, lane)
-                _mma_into(acc, 16 * mi, a, b_lo[0], b_lo[1])
-                _mma_into(acc, 16 * mi + 4, a, b_lo[2], b_lo[3])
-                _mma_into(acc, 16 * mi + 8, a, b_hi[0], b_hi[1])
-                _mma_into(acc, 16 * mi + 12, a, b_hi[2], b_hi[3])
+                _mma_into(acc, 4 * nt * mi, a, b_lo[0], b_lo[1])
+                _mma_into(acc, 4 * nt * mi + 4, a, b_lo[2], b_lo[3])
+                if nt == 4:
+                    _mma_into(acc, 4 * nt * mi + 8, a, b_hi[0], b_hi[1])
+                    _mma_into(acc, 4 * nt * mi + 12, a, b_hi[2], b_hi[3])
     return multiply
 
 
@@ -371,14 +406,15 @@ def _multiply_fn(bn: int):
 def _operands_fn(bn: int, swiglu: bool, grouped: bool):
     t = _tiling(bn, swiglu)
     warp_rows, half = t.warp_rows, t.warp_rows // 2
-    tok_threads, tok_elems = t.tok_threads, t.tok_elems
+    tok_threads, tok_elems, x_threads = t.tok_threads, t.tok_elems, t.x_threads
 
     @device_function(numba_inline=True)
     def operands(row0, mat, lo, n_valid, n_rows, row_bytes, mat_bytes, k, order, slot_x):
         """What this thread stages: (is an up row, weight row byte offset, its smem word, x byte
-        offset, its smem word). Staged row r: with SwiGLU, each warp's first half of rows are
-        gate rows and its second half the same rows of up. Tokens past the tile's end repeat its
-        last token and rows past the matrix its last row (computed, never stored)."""
+        offset, its smem word, whether it stages activations). Staged row r: with SwiGLU, each
+        warp's first half of rows are gate rows and its second half the same rows of up. Tokens
+        past the tile's end repeat its last token and rows past the matrix its last row
+        (computed, never stored)."""
         tid = cuda.threadIdx.x
         r = tid >> 1
         w_row = row0 + r
@@ -392,7 +428,7 @@ def _operands_fn(bn: int, swiglu: bool, grouped: bool):
         xrow = slot_x[order[lo + j]] if grouped else lo + j
         x_off = 4 * (int64(xrow) * k + (tid % tok_threads) * tok_elems)
         b_at = tok * ROW_WORDS + (tid % tok_threads) * (tok_elems // 2)
-        return is_up, w_off, r * ROW_WORDS + (tid & 1) * 8, x_off, b_at
+        return is_up, w_off, r * ROW_WORDS + (tid & 1) * 8, x_off, b_at, tid < x_threads
     return operands
 
 
@@ -410,56 +446,65 @@ def _epilogue(v, up, swiglu, bias, has_bias, row):
 def _store_fns(bn: int, swiglu: bool, grouped: bool):
     """(store, store_sums): the C fragments → y through the epilogue, or (split k) their raw
     sums → the partials. Two loops, not one with a branch inside: ptxas gave the one loop 166
-    registers (1 block an SM) against 128."""
+    registers (1 block an SM) against 128.
+
+    A lane holds rows lane//4 (+8: elements e ≥ 2) × tokens 2·(lane%4) (+1) of each m16×n8 tile.
+    SwiGLU pairs a gate sum with the up sum of the same row: mt_out m16 tiles further on, or in a
+    half tile (mt = 1) the same tile's element e + 2 (row + 8), each warp then owning 8 rows."""
     t = _tiling(bn, swiglu)
-    warps_n, mt_out, rows_warp = t.warps_n, t.mt_out, 16 * t.mt_out
+    warps_n, mt_out, nt, half_tile = t.warps_n, t.mt_out, t.nt, t.half_tile
+    rows_warp = 8 if half_tile else 16 * mt_out
+    n_e = 2 if half_tile else 4  # elements of a tile that hold outputs
+    up_at = 2 if half_tile else 4 * nt * mt_out  # an output's up sum: this far on in acc
     staged = 2 if swiglu else 1  # partial sums a row
 
     @device_function(numba_inline=True)
     def fragment(mi, ni, e, row0):
-        """(weight row, token of the tile) of this lane's C element e of tile (mi, ni): a lane
-        holds rows lane//4 (+8) × tokens 2·(lane%4) (+1) of each tile."""
+        """(weight row, token of the tile) of this lane's C element e of tile (mi, ni)."""
         lane, warp = cuda.threadIdx.x & 31, cuda.threadIdx.x >> 5
         row = row0 + (warp // warps_n) * rows_warp + 16 * mi + (lane >> 2) + 8 * (e >> 1)
-        return row, (warp % warps_n) * 32 + 8 * ni + 2 * (lane & 3) + (e & 1)
+        return row, (warp % warps_n) * 8 * nt + 8 * ni + 2 * (lane & 3) + (e & 1)
 
     @device_function(numba_inline=True)
     def store(acc, row0, n_rows, lo, n_valid, order, bias, has_bias, y0, y1, y2, y3, ends):
         for mi in range(mt_out):
-            for ni in range(4):
-                for e in range(4):
+            for ni in range(nt):
+                for e in range(n_e):
                     row, j = fragment(mi, ni, e, row0)
                     if row < n_rows and j < n_valid:
-                        up = acc[16 * (mi + mt_out) + 4 * ni + e] if swiglu else float32(0.0)
-                        v = _epilogue(acc[16 * mi + 4 * ni + e], up, swiglu, bias, has_bias, row)
+                        at = 4 * nt * mi + 4 * ni + e
+                        up = acc[at + up_at] if swiglu else float32(0.0)
+                        v = _epilogue(acc[at], up, swiglu, bias, has_bias, row)
                         store_part(y0, y1, y2, y3, ends, order[lo + j] if grouped else lo + j,
                                    row, v)
 
     @device_function(numba_inline=True)
     def store_sums(acc, row0, n_rows, lo, n_valid, order, part, n_slots):
-        """part (splits, n_slots, rows · (2 with SwiGLU): gate sums, then up) for block z."""
+        """part (splits, n_slots, rows · (2 with SwiGLU: gate sums, then up)) for block z."""
         for mi in range(mt_out):
-            for ni in range(4):
-                for e in range(4):
+            for ni in range(nt):
+                for e in range(n_e):
                     row, j = fragment(mi, ni, e, row0)
                     if row < n_rows and j < n_valid:
                         slot = order[lo + j] if grouped else lo + j
                         at = (int64(cuda.blockIdx.z) * n_slots + slot) * (n_rows * staged) + row
-                        part[at] = acc[16 * mi + 4 * ni + e]
+                        part[at] = acc[4 * nt * mi + 4 * ni + e]
                         if swiglu:
-                            part[at + n_rows] = acc[16 * (mi + mt_out) + 4 * ni + e]
+                            part[at + n_rows] = acc[4 * nt * mi + 4 * ni + e + up_at]
     return store, store_sums
 
 
 @functools.cache
-def _gemm_kernel(ggml_type: GGMLType, bn: int, swiglu: bool, grouped: bool):
+def _gemm_kernel(ggml_type: GGMLType, bn: int, swiglu: bool, grouped: bool, n_stages: int = 1):
     t = _tiling(bn, swiglu)
     warps_n, warp_rows, rows_block = t.warps_n, t.warp_rows, t.rows_block
     (fetch, put), multiply = _stage_fns(ggml_type, bn), _multiply_fn(bn)
     operands, (store, store_sums) = _operands_fn(bn, swiglu, grouped), \
         _store_fns(bn, swiglu, grouped)
-    sa_size, sb_size, n_acc = 2 * BM * ROW_WORDS, 2 * bn * ROW_WORDS, 16 * t.mt
+    n_buf = max(2, n_stages)
+    sa_size, sb_size, n_acc = n_buf * BM * ROW_WORDS, n_buf * bn * ROW_WORDS, 4 * t.nt * t.mt
     x_words = t.tok_elems // 2
+    qw_size, xw_size = 8 * n_stages, x_words * n_stages
 
     @kernel(fastmath=True)
     def gemm(w, w2, row_bytes, n_rows, mat_bytes, k, n_tok, x, tile_expert, tile_lo, tile_hi,
@@ -476,32 +521,54 @@ def _gemm_kernel(ggml_type: GGMLType, bn: int, swiglu: bool, grouped: bool):
         if n_valid <= 0:
             return
         row0 = cuda.blockIdx.x * rows_block
-        is_up, w_off, a_at, x_off, b_at = operands(row0, mat, lo, n_valid, n_rows, row_bytes,
-                                                   mat_bytes, k, order, slot_x)
+        is_up, w_off, a_at, x_off, b_at, stages_x = operands(
+            row0, mat, lo, n_valid, n_rows, row_bytes, mat_bytes, k, order, slot_x)
         w_src = w2 if is_up else w
-        sa = cuda.shared.array(sa_size, uint32)  # (2 buffers, BM rows, ROW_WORDS)
-        sb = cuda.shared.array(sb_size, uint32)  # (2 buffers, bn tokens, ROW_WORDS)
-        acc = cuda.local.array(n_acc, float32)  # (mt, 4 n8 tiles, 4) C fragments
+        sa = cuda.shared.array(sa_size, uint32)  # (n_buf buffers, BM rows, ROW_WORDS)
+        sb = cuda.shared.array(sb_size, uint32)  # (n_buf buffers, bn tokens, ROW_WORDS)
+        acc = cuda.local.array(n_acc, float32)  # (mt, nt n8 tiles, 4) C fragments
         for i in range(n_acc):
             acc[i] = 0.0
-        warp = cuda.threadIdx.x >> 5
+        warp, lane = cuda.threadIdx.x >> 5, cuda.threadIdx.x & 31
         a_frag_at = 4 * (warp // warps_n) * warp_rows * ROW_WORDS
         b_frag_at = 4 * (warp % warps_n) * 32 * ROW_WORDS
-        xw = cuda.local.array(x_words, uint32)  # fetched activations, f16x2
+        qw = cuda.local.array(qw_size, uint32)  # fetched weight pieces, f16x2
+        xw = cuda.local.array(xw_size, uint32)  # fetched activations, f16x2
         # this block's k steps: range blockIdx.z of gridDim.z (split-K; one range otherwise)
         n_steps, n_splits = k // BK, cuda.gridDim.z
         s0 = cuda.blockIdx.z * n_steps // n_splits
         s1 = (cuda.blockIdx.z + 1) * n_steps // n_splits
-        put(sa, sb, 0, fetch(s0 * BK, w_src, w_off, x, x_off, xw), xw, a_at, b_at)
-        cuda.syncthreads()
-        for s in range(s1 - s0):
-            # step s + 1's loads go out before step s's mma and land in the other buffer after
-            # them; branch-free (the last step fetches itself again, into the idle buffer), so
-            # ptxas may schedule the mma inside the loads' latency
-            q = fetch((s0 + min(s + 1, s1 - s0 - 1)) * BK, w_src, w_off, x, x_off, xw)
-            multiply(sa, sb, s & 1, a_frag_at, b_frag_at, cuda.threadIdx.x & 31, acc)
-            put(sa, sb, (s + 1) & 1, q, xw, a_at, b_at)
+        if n_stages == 1:
+            fetch(s0 * BK, w_src, w_off, x, x_off, qw, xw, 0, stages_x)
+            put(sa, sb, 0, qw, xw, 0, a_at, b_at, stages_x)
             cuda.syncthreads()
+            for s in range(s1 - s0):
+                # step s + 1's loads go out before step s's mma and land in the other buffer
+                # after them; branch-free (the last step fetches itself again, into the idle
+                # buffer), so ptxas may schedule the mma inside the loads' latency
+                fetch((s0 + min(s + 1, s1 - s0 - 1)) * BK, w_src, w_off, x, x_off, qw, xw, 0,
+                      stages_x)
+                multiply(sa, sb, s & 1, a_frag_at, b_frag_at, lane, acc)
+                put(sa, sb, (s + 1) & 1, qw, xw, 0, a_at, b_at, stages_x)
+                cuda.syncthreads()
+        else:
+            # groups of n_stages steps (s1 - s0 is a multiple): the next group's loads go out
+            # together before this group's mma; the last group fetches clamped steps it never
+            # multiplies
+            for u in range(n_stages):
+                fetch((s0 + u) * BK, w_src, w_off, x, x_off, qw, xw, u, stages_x)
+                put(sa, sb, u, qw, xw, u, a_at, b_at, stages_x)
+            cuda.syncthreads()
+            for g in range((s1 - s0) // n_stages):
+                for u in range(n_stages):
+                    step = min(s0 + (g + 1) * n_stages + u, s1 - 1)
+                    fetch(step * BK, w_src, w_off, x, x_off, qw, xw, u, stages_x)
+                for u in range(n_stages):
+                    multiply(sa, sb, u, a_frag_at, b_frag_at, lane, acc)
+                cuda.syncthreads()
+                for u in range(n_stages):
+                    put(sa, sb, u, qw, xw, u, a_at, b_at, stages_x)
+                cuda.syncthreads()
         if n_splits > 1:
             store_sums(acc, row0, n_rows, lo, n_valid, order, part, n_tok)
         else:
@@ -543,7 +610,7 @@ def output_parts(y, n_slots: int, n_rows: int) -> tuple[list, tuple[int, ...]]:
 
 
 def _launch(w, up, x, y, n_slots, grid_y, bn, grouped, route_args, bias, stream,
-            partials=None, n_splits: int = 1) -> None:
+            partials=None, n_splits: int = 1, n_stages: int = 1) -> None:
     parts, ends = output_parts(y, n_slots, w.n_rows)
     if bias is not None:
         check_array("bias", bias, np.float32, (w.n_rows,))
@@ -551,7 +618,7 @@ def _launch(w, up, x, y, n_slots, grid_y, bn, grouped, route_args, bias, stream,
         return  # nothing to compute (and a grid of 0 blocks is a launch error)
     swiglu = up is not None
     grid = (cdiv(w.n_rows, BM // 2 if swiglu else BM), grid_y, n_splits)
-    kernel = _gemm_kernel(w.ggml_type, bn, swiglu, grouped)
+    kernel = _gemm_kernel(w.ggml_type, bn, swiglu, grouped, n_stages)
     bias_arg = parts[0] if bias is None else bias
     kernel[grid, THREADS, stream](
         w.data, w.data if up is None else up.data, w.row_bytes, w.n_rows, w.n_rows * w.row_bytes,
@@ -612,7 +679,19 @@ def partials_size(w: DeviceQuantMatrix, n_tok: int, swiglu: bool = False) -> int
 
 
 def _token_tile(n_tok: int) -> int:
-    return TOKEN_TILES[0] if n_tok <= TOKEN_TILES[0] else TOKEN_TILES[1]
+    return DENSE_TILES[0] if n_tok <= DENSE_TILES[0] else DENSE_TILES[1]
+
+
+def expert_tile(n_slots: int, n_expert: int) -> int:
+    """The route tile for grouped_matmul over n_slots slots spread on n_expert experts: the
+    smallest token tile that holds twice an expert's mean share (staged tiles) or its mean
+    share, so that most experts fit one tile (each further tile dequantizes the expert's
+    weights again) while a tile computes little padding (a few tokens an expert are what mixed
+    serving steps meet). Measured on the H200 at Qwen3.6's 256 experts (bench/cuda_mma_bench.py):
+    2 / 8 / 16 slots an expert ran fastest in tiles of 16 / 16 / 32, 64 in 64, 128 in 128."""
+    return next((t for t in TOKEN_TILES
+                 if t * n_expert >= (2 if t <= MAX_STAGED_TILE else 1) * n_slots),
+                TOKEN_TILES[-1])
 
 
 def matmul(w: DeviceQuantMatrix, x, y, *, bias=None, up: DeviceQuantMatrix | None = None,
@@ -655,6 +734,7 @@ def grouped_matmul(w: DeviceQuantMatrix, x, y, route, slot_x, *,
         raise ValueError(f"route tile {route.tile} exceeds the GEMM's {TOKEN_TILES[-1]} tokens")
     check_array("slot_x", slot_x, np.int32)
     n_slots = slot_x.shape[0]
-    bn = _token_tile(route.tile)
+    bn = next(t for t in TOKEN_TILES if t >= route.tile)
     route_args = (route.tile_expert, route.tile_lo, route.tile_hi, route.order, slot_x)
-    _launch(w, up, x, y, n_slots, route.tiles_bound(n_slots), bn, True, route_args, None, stream)
+    _launch(w, up, x, y, n_slots, route.tiles_bound(n_slots), bn, True, route_args, None, stream,
+            n_stages=_stages(bn, w.k // BK))
