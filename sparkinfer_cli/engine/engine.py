@@ -25,7 +25,7 @@ from sparkinfer_cli.engine.kv_cache import CacheOps, KVCacheManager
 from sparkinfer_cli.engine.model_runner import Model, ModelRunner
 from sparkinfer_cli.engine.policy import create_policy
 from sparkinfer_cli.engine.request import OutputStream, Request, RequestEvent
-from sparkinfer_cli.engine.sampler import Sampler, SampleResult
+from sparkinfer_cli.engine.sampler import Sampler, SampleResult, UnsatisfiableSampling
 from sparkinfer_cli.engine.sampling_params import SamplingParams
 from sparkinfer_cli.engine.scheduler import Scheduler, SchedulerOutput
 from sparkinfer_cli.engine.step_timings import StepTimings
@@ -260,6 +260,9 @@ class ContinuousBatchEngine:
             result = SampleResult(token, None) if token is not None else \
                 request.sampler.sample(logits, request.prompt_ids, request.output_ids)
             reason = request.append_sample(result)
+        except UnsatisfiableSampling as exc:  # the request's settings, not a fault: no traceback
+            self._finish(request, "rejected", str(exc))
+            return
         except Exception as exc:
             log.exception("sampling failed for %s", request.request_id)
             self._finish(request, "error", f"sampling failed: {exc}")

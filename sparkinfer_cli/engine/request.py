@@ -27,7 +27,9 @@ class RequestEvent:
     request_id: str
     token_ids: list[int]  # tokens produced since the previous event
     text: str  # text produced since the previous event (UTF-8 complete, stop strings removed)
-    finish_reason: str | None  # None while running; stop | length | abort | timeout | error
+    # None while running; stop | length | abort | timeout | error | rejected (the request's own
+    # settings leave no token to sample)
+    finish_reason: str | None
     logprobs: list[TokenLogprob]  # one per token in token_ids when requested, else []
     num_prompt_tokens: int
     num_output_tokens: int

@@ -217,10 +217,14 @@ def greedy_token(logits: np.ndarray, touched: TouchedLogits, ws: Workspace) -> i
     return check_finite(best, logits[best])
 
 
+class UnsatisfiableSampling(ValueError):
+    """No token can be sampled under the request's own settings (a client error, not a fault)."""
+
+
 def check_finite(token_id: int, logit: float) -> int:
     if not math.isfinite(logit):
-        raise ValueError("every token is banned (logit_bias, min_tokens) or the logits are not "
-                         "finite")
+        raise UnsatisfiableSampling("every token is banned (logit_bias, min_tokens) or the "
+                                    "sampling settings make the logits non-finite")
     return token_id
 
 

@@ -191,6 +191,9 @@ class Generation:
         if reason == "abort":
             raise self._owner.unavailable("the request was aborted by the server",
                                           "request_aborted")
+        if reason == "rejected":
+            raise ApiError(400, f"nothing can be sampled: {event.error}",
+                           code="unsatisfiable_sampling")
         raise ApiError(500, f"generation failed: {event.error or reason}", type="server_error",
                        code="generation_failed")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +22,7 @@ TOOL_CHOICES = ("none", "auto", "required")
 RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "add_generation_prompt", "documents")
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
+_TOKEN_ID_KEY = re.compile(r"\s*[0-9]{1,10}\s*")  # ASCII digits only: int() also takes "²", "١"
 
 
 class ApiError(Exception):
@@ -105,7 +107,19 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
         body = json.loads(raw)
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
         raise invalid(f"the request body is not valid JSON: {exc}", None, "invalid_json") from None
+    if b"\\u" in raw:  # only escapes can make a lone UTF-16 surrogate, which no tokenizer takes
+        _check_no_lone_surrogates(body)
     return _require_object(body)
+
+
+def _check_no_lone_surrogates(body: Any) -> None:
+    try:
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise invalid("the request body holds a lone UTF-16 surrogate escape (\\ud800-\\udfff "
+                      "without its pair), which is not text", None, "invalid_json") from None
+    except RecursionError:
+        raise invalid("the request body is nested too deeply", None, "invalid_json") from None
 
 
 # ---------------------------------------------------------------- sampling (chat and completions)
@@ -170,9 +184,9 @@ def _parse_logit_bias(value: Any, vocab_size: int) -> dict[int, float]:
                       "invalid_type")
     bias: dict[int, float] = {}
     for key, amount in value.items():
-        token_id = int(key) if isinstance(key, str) and key.strip().isdigit() else -1
+        token_id = int(key) if _TOKEN_ID_KEY.fullmatch(key) else -1
         if not 0 <= token_id < vocab_size:
-            raise invalid(f"logit_bias key {key!r} is not a token id in [0, {vocab_size})",
+            raise invalid(f"logit_bias key {key[:24]!r} is not a token id in [0, {vocab_size})",
                           "logit_bias")
         if not _is_number(amount) or not -100 <= amount <= 100:
             raise invalid(f"logit_bias[{key!r}] must be a number in [-100, 100]", "logit_bias")
@@ -197,9 +211,13 @@ def _parse_max_tokens(body: Mapping[str, Any]) -> int | None:
     return _int_in(body, name, None, 1)
 
 
-def _parse_include_usage(body: Mapping[str, Any]) -> bool:
-    options = _field(body, "stream_options", _is_object, {})
-    return _field(options, "include_usage", _is_bool, False, param="stream_options.include_usage")
+def _parse_include_usage(body: Mapping[str, Any], stream: bool) -> bool:
+    options = _field(body, "stream_options", _is_object)
+    if options is not None and not stream:
+        raise invalid("'stream_options' is only allowed when 'stream' is enabled",
+                      "stream_options")
+    return _field(options or {}, "include_usage", _is_bool, False,
+                  param="stream_options.include_usage")
 
 
 # ---------------------------------------------------------------- chat completions
@@ -228,14 +246,15 @@ def parse_chat_request(body: dict[str, Any], *, default_temperature: float, voca
     if not isinstance(messages, list) or not messages:
         raise invalid("'messages' must be a non-empty list of message objects", "messages",
                       "missing_required_parameter" if messages is None else "invalid_type")
-    tools, tool_choice, forced_tool = _parse_tools(body)
+    tools, tool_choice, forced_tool = _parse_tools(_with_legacy_functions(body))
     _check_response_format(body.get("response_format"))
     max_tokens = _parse_max_tokens(body)
+    stream = _field(body, "stream", _is_bool, False)
     return ChatCompletionRequest(
         model=_field(body, "model", _is_str),
         messages=[_parse_message(i, m) for i, m in enumerate(messages)],
-        stream=_field(body, "stream", _is_bool, False),
-        include_usage=_parse_include_usage(body),
+        stream=stream,
+        include_usage=_parse_include_usage(body, stream),
         n=_int_in(body, "n", 1, 1, max_n) or 1,
         max_tokens=max_tokens,
         sampling=parse_sampling(body, default_temperature, vocab_size, max_tokens),
@@ -350,6 +369,21 @@ def _parse_history_call(call: Any, where: str) -> dict[str, Any]:
     return out
 
 
+def _with_legacy_functions(body: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The body with OpenAI's deprecated `functions` / `function_call` as `tools` / `tool_choice`
+    (when the request has no `tools`): {"name": f} becomes a named function choice."""
+    functions = body.get("functions")
+    if functions is None or body.get("tools") is not None:
+        return body
+    if not isinstance(functions, list):
+        raise invalid("'functions' must be a list of function definitions", "functions",
+                      "invalid_type")
+    call = body.get("function_call")
+    choice = {"type": "function", "function": call} if isinstance(call, dict) else call
+    return {**body, "tools": [{"type": "function", "function": f} for f in functions],
+            "tool_choice": choice}
+
+
 def _parse_tools(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]] | None, str, str | None]:
     """(tools the template renders, tool_choice mode, forced function name); a named choice
     renders only that tool."""
@@ -357,7 +391,9 @@ def _parse_tools(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]] | None, 
     if tools is not None and not isinstance(tools, list):
         raise invalid("'tools' must be a list of function tools", "tools", "invalid_type")
     tools = [_check_tool(i, t) for i, t in enumerate(tools or [])]
-    choice = body.get("tool_choice", "auto" if tools else "none")
+    choice = body.get("tool_choice")
+    if choice is None:  # omitted or JSON null
+        choice = "auto" if tools else "none"
     if isinstance(choice, str) and choice in TOOL_CHOICES:
         return (tools if choice != "none" and tools else None), _check_choice(choice, tools), None
     function = choice.get("function") if isinstance(choice, dict) else None
@@ -423,9 +459,10 @@ def parse_completion_request(body: dict[str, Any], *, default_temperature: float
     if body.get("suffix") is not None:
         raise invalid("'suffix' is not supported", "suffix", "unsupported_value")
     max_tokens = _int_in(body, "max_tokens", 16, 1) or 16
+    stream = _field(body, "stream", _is_bool, False)
     return CompletionRequest(
         model=_field(body, "model", _is_str), prompts=prompts,
-        stream=_field(body, "stream", _is_bool, False), include_usage=_parse_include_usage(body),
+        stream=stream, include_usage=_parse_include_usage(body, stream),
         n=n, max_tokens=max_tokens,
         sampling=parse_sampling(body, default_temperature, vocab_size, max_tokens),
         top_logprobs=_int_in(body, "logprobs", None, 0, MAX_TOP_LOGPROBS),
@@ -439,11 +476,16 @@ def _parse_prompts(prompt: Any, vocab_size: int) -> list[str | list[int]]:
         return [prompt]
     if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
         return [_check_ids(prompt, vocab_size)]
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        return [p if isinstance(p, str) else _parse_prompts(p, vocab_size)[0] for p in prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_id_list(p)
+                                                   for p in prompt):
+        return [p if isinstance(p, str) else _check_ids(p, vocab_size) for p in prompt]
     raise invalid("'prompt' must be a string, a list of strings, a list of token ids or a list of "
                   "token-id lists (non-empty)", "prompt",
                   "missing_required_parameter" if prompt is None else "invalid_type")
+
+
+def _is_id_list(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(_is_int(t) for t in value)
 
 
 def _check_ids(ids: list[Any], vocab_size: int) -> list[int]:

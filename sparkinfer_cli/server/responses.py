@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from sparkinfer_cli import __version__
 from sparkinfer_cli.server.protocol import ChatCompletionRequest
 from sparkinfer_cli.server.stream_router import RoutedText, StreamRouter
 
@@ -14,6 +15,8 @@ if TYPE_CHECKING:
     from sparkinfer_cli.server.routes import ServerState
 
 MIN_LOGPROB = -9999.0  # OpenAI's floor; -inf is not valid JSON
+# OpenAI's backend configuration id, constant for a server build (clients log it with seeds)
+SYSTEM_FINGERPRINT = f"fp_sparkinfer_{__version__}"
 
 
 @dataclass(frozen=True)
@@ -29,11 +32,13 @@ class Usage:
     completion_tokens: int
     reasoning_tokens: int = 0
     timings: Timings | None = None
+    cached_tokens: int = 0  # prompt tokens whose KV was reused rather than computed
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
             "completion_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
         }
         if self.timings is not None:
@@ -52,19 +57,19 @@ class ResponseHeader:
     created: int = field(default_factory=lambda: int(time.time()))
 
     def chat(self, choices: list[dict[str, Any]], usage: Usage | None) -> dict[str, Any]:
-        return {"id": self.id, "object": "chat.completion", "created": self.created,
-                "model": self.model, "choices": choices,
-                "usage": usage.to_dict() if usage else None}
+        return self._object("chat.completion", choices, usage)
 
     def chat_chunk(self, choices: list[dict[str, Any]],
                    usage: Usage | None = None) -> dict[str, Any]:
-        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
-                "model": self.model, "choices": choices,
-                "usage": usage.to_dict() if usage else None}
+        return self._object("chat.completion.chunk", choices, usage)
 
     def completion(self, choices: list[dict[str, Any]], usage: Usage | None) -> dict[str, Any]:
-        return {"id": self.id, "object": "text_completion", "created": self.created,
-                "model": self.model, "choices": choices,
+        return self._object("text_completion", choices, usage)
+
+    def _object(self, kind: str, choices: list[dict[str, Any]],
+                usage: Usage | None) -> dict[str, Any]:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
+                "system_fingerprint": SYSTEM_FINGERPRINT, "choices": choices,
                 "usage": usage.to_dict() if usage else None}
 
 
@@ -124,8 +129,9 @@ class ChatChoice:
         self.num_reasoning_tokens = 0
         self.finish_reason: str | None = None
 
-    def push(self, event: Any) -> dict[str, Any] | None:
-        """The streaming choice delta for this event, or None when there is nothing to send."""
+    def push(self, event: Any) -> list[dict[str, Any]]:
+        """The streaming choice deltas for this event, as OpenAI sends them: the first one a
+        role-only delta with empty content, the finish reason alone with an empty delta."""
         is_first = self.last_event is None
         self.last_event = event
         if self.router.in_reasoning:
@@ -141,12 +147,19 @@ class ChatChoice:
         if event.finish_reason is not None:
             self.finish_reason = "tool_calls" if self.tool_calls and \
                 event.finish_reason == "stop" else event.finish_reason
-        delta = self._delta(routed, is_first)
-        if not (delta or logprobs or self.finish_reason):
-            return None
+        delta = self._delta(routed)
+        deltas = [self._choice_delta({"role": "assistant", "content": ""})] if is_first else []
+        if delta or logprobs:
+            deltas.append(self._choice_delta(delta, logprobs))
+        if self.finish_reason is not None:
+            deltas.append(self._choice_delta({}, finish_reason=self.finish_reason))
+        return deltas
+
+    def _choice_delta(self, delta: dict[str, Any], logprobs: list[dict[str, Any]] | None = None,
+                      finish_reason: str | None = None) -> dict[str, Any]:
         return {"index": self.index, "delta": delta,
                 "logprobs": {"content": logprobs} if logprobs else None,
-                "finish_reason": self.finish_reason}
+                "finish_reason": finish_reason}
 
     def _admit_calls(self, calls: list[Any]) -> list[Any]:
         if self.parallel_tool_calls:
@@ -160,8 +173,8 @@ class ChatChoice:
         self.logprobs += entries
         return entries
 
-    def _delta(self, routed: RoutedText, is_first: bool) -> dict[str, Any]:
-        delta: dict[str, Any] = {"role": "assistant"} if is_first else {}
+    def _delta(self, routed: RoutedText) -> dict[str, Any]:
+        delta: dict[str, Any] = {}
         if routed.reasoning:
             delta["reasoning_content"] = delta["reasoning"] = routed.reasoning
         if routed.content:
@@ -198,14 +211,13 @@ class ChatResponse:
         for choice in self.choices:  # the prompt already opened the forced tool call
             choice.router.push(forced_prefix)
 
-    def push(self, index: int, event: Any) -> dict[str, Any] | None:
-        delta = self.choices[index].push(event)
-        if delta is None:
-            return None
-        chunk = self.header.chat_chunk([delta])
+    def push(self, index: int, event: Any) -> list[dict[str, Any]]:
+        """The stream chunks of this event (none when it adds nothing to send)."""
+        chunks = [self.header.chat_chunk([delta]) for delta in self.choices[index].push(event)]
         if not self.include_usage:
-            del chunk["usage"]
-        return chunk
+            for chunk in chunks:
+                del chunk["usage"]
+        return chunks
 
     def usage(self) -> Usage:
         events = [c.last_event for c in self.choices if c.last_event is not None]
@@ -239,7 +251,8 @@ class CompletionResponse:
             for _ in range(count)]
         self.last_events: list[Any] = [None] * count
 
-    def push(self, index: int, event: Any) -> dict[str, Any] | None:
+    def push(self, index: int, event: Any) -> list[dict[str, Any]]:
+        """The stream chunk of this event, as a list of one (none when it adds nothing)."""
         offset = self.lengths[index]
         text = self.texts[index][0] if self.pending_echo[index] else ""
         self.pending_echo[index] = False
@@ -248,13 +261,13 @@ class CompletionResponse:
         self.last_events[index] = event
         logprobs = self._logprobs(index, event, offset)
         if not (text + event.text or logprobs or event.finish_reason):
-            return None
+            return []
         choice = {"index": index, "text": text + event.text, "logprobs": logprobs,
                   "finish_reason": event.finish_reason}
         chunk = self.header.completion([choice], None)
         if not self.include_usage:
             del chunk["usage"]
-        return chunk
+        return [chunk]
 
     def _logprobs(self, index: int, event: Any, offset: int) -> dict[str, list[Any]] | None:
         if self.top_logprobs is None:
@@ -264,13 +277,19 @@ class CompletionResponse:
             text, _ = self.texts_of.entry(lp.token_id)
             part["tokens"].append(text)
             part["token_logprobs"].append(max(lp.logprob, MIN_LOGPROB))
-            part["top_logprobs"].append({self.texts_of.entry(i)[0]: max(v, MIN_LOGPROB)
-                                         for i, v in lp.top[:self.top_logprobs]})
+            part["top_logprobs"].append(self._top_logprobs(lp, text))
             part["text_offset"].append(offset)
             offset += len(text)
         for key, values in part.items():
             self.logprobs[index][key] += values
         return part
+
+    def _top_logprobs(self, lp: Any, text: str) -> dict[str, float]:
+        """The top `logprobs` alternatives and, as OpenAI always adds it, the sampled token."""
+        top = {self.texts_of.entry(i)[0]: max(v, MIN_LOGPROB)
+               for i, v in lp.top[:self.top_logprobs]}
+        top.setdefault(text, max(lp.logprob, MIN_LOGPROB))
+        return top
 
     def usage(self) -> Usage:
         events = [e for e in self.last_events if e is not None]

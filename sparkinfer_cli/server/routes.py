@@ -300,9 +300,9 @@ async def _stream(request: Request, generation: Generation, builder: Any,
             await asyncio.wait_for(response.send(data), write_timeout_s)
 
     try:
-        await send([builder.push(index, event)])
+        await send(builder.push(index, event))
         async for index, event in events:
-            await send([builder.push(index, event)])
+            await send(builder.push(index, event))
         await send([builder.usage_chunk()])
         await response.send("data: [DONE]\n\n")
     except ApiError as exc:  # headers are out: report in-band, as an SSE error event

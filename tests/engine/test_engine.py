@@ -428,6 +428,18 @@ def test_model_failure_ends_its_requests_and_the_engine_goes_on(engines):
     assert engine.stats().free_kv_blocks == engine.stats().total_kv_blocks
 
 
+def test_a_request_that_bans_every_token_is_rejected_and_the_engine_goes_on(engines):
+    engine, sink = engines(), Collector()
+    banned = engine.submit([1, 2], greedy(5, logit_bias={t: -100.0 for t in range(N_VOCAB)}),
+                           sink)
+    final = sink.final(banned)
+    assert final.finish_reason == "rejected" and "banned" in final.error
+    fine = engine.submit([1, 2], greedy(5), sink)
+    assert sink.final(fine).finish_reason == "length"
+    _wait_idle(engine)
+    assert engine.stats().free_kv_blocks == engine.stats().total_kv_blocks
+
+
 def test_failing_callback_aborts_only_its_request(engines):
     engine, sink = engines(), Collector()
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from sparkinfer_cli.engine import truncation
-from sparkinfer_cli.engine.sampler import Sampler
+from sparkinfer_cli.engine.sampler import Sampler, UnsatisfiableSampling
 from sparkinfer_cli.engine.sampling_params import SamplingParams
 from sparkinfer_cli.engine.truncation import (
     thread_workspace,
@@ -190,7 +190,7 @@ def test_logit_bias_outside_vocabulary_is_a_clear_error():
 
 def test_everything_banned_is_a_clear_error():
     sampler = Sampler(SamplingParams(logit_bias={0: -100, 1: -100}), 2)
-    with pytest.raises(ValueError, match="banned"):
+    with pytest.raises(UnsatisfiableSampling, match="banned"):
         sampler.sample(np.zeros(2, dtype=np.float32), [], [])
 
 

@@ -136,6 +136,14 @@ def test_disconnect_mid_stream_frees_kv(real) -> None:
     wait_until(lambda: metric(real.url, cancelled) == before + 1)
 
 
+def test_sampling_settings_that_leave_no_token_are_a_400(real) -> None:
+    # 1e-300 sends the prompt tokens' positive logits to +inf: nothing finite to sample
+    response = httpx.post(f"{real.url}/v1/completions",
+                          json={"prompt": "hello", "max_tokens": 4, "temperature": 0,
+                                "repetition_penalty": 1e-300})
+    assert "banned" in assert_openai_error(response, 400, "unsatisfiable_sampling")["message"]
+
+
 def test_queue_full_and_timeout_with_the_real_engine() -> None:
     # greedy repeats one token, so it never reaches EOS; 4,000 tokens (all the tiny model's
     # context allows) took it ~6 s on CI's 2 cores but under 2.5 s on a 2-core AVX-512 host:
