@@ -13,7 +13,7 @@ import numpy as np
 from sparkinfer_cli.kernels.cpu import decode_ops, ops
 from sparkinfer_cli.kernels.cpu.llvm_jit import has_avx2
 from sparkinfer_cli.kernels.cpu.packed_matvec import PackedMatvec
-from sparkinfer_cli.kernels.cpu.quant import embedding_rows, matmul
+from sparkinfer_cli.kernels.cpu.quant import embedding_rows, matmul, matmul_row_invariant
 from sparkinfer_cli.kernels.cpu.quant_packed import PackedWeight, can_pack, pack
 from sparkinfer_cli.model.batch import SequenceSpan
 from sparkinfer_cli.model.cache import ModelCache
@@ -29,13 +29,17 @@ class Linear:
         self.bias = bias.as_f32() if bias is not None else None
         self.packed: PackedWeight | None = None  # compact copy for the int8 decode kernel
         self.decode: PackedMatvec | None = None
+        self.row_invariant = False  # every output row computed the same way whatever the rows
 
     def use_int8_decode(self) -> None:
         """Every call quantizes x to int8 blocks (llama.cpp's numerics) and runs the packed-weight
         AVX2 kernel: several times faster than the float dequant·dot at decode, and no slower
         than dequantized tiles through BLAS for prompts (2 cores, 128 and 512 tokens). One kernel
-        for every pass size keeps a sequence's numbers independent of what shares its pass."""
+        for every pass size keeps a sequence's numbers independent of what shares its pass, and
+        weights the kernel cannot pack (F32 routers, odd shapes) go through a row-invariant
+        product for the same reason."""
         w = self.weight
+        self.row_invariant = True
         if can_pack(w.ggml_type, w.ne0) and w.raw.ndim == 2 and has_avx2():
             self.packed = pack(w.raw, w.ggml_type, w.ne0)
             self.decode = PackedMatvec([self.packed], [self.bias])
@@ -48,7 +52,8 @@ class Linear:
         w, x = self.weight, np.ascontiguousarray(x, dtype=np.float32)
         if self.decode is not None:
             return self.decode(x)
-        y = matmul(w.raw, w.ggml_type, w.ne0, x)
+        product = matmul_row_invariant if self.row_invariant else matmul
+        y = product(w.raw, w.ggml_type, w.ne0, x)
         return y + self.bias if self.bias is not None else y
 
 

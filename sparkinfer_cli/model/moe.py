@@ -15,21 +15,22 @@ import numpy as np
 from sparkinfer_cli.gguf_file import GGUFError
 from sparkinfer_cli.kernels.cpu import ops
 from sparkinfer_cli.kernels.cpu.moe_routing import group_tokens_by_expert, route
-from sparkinfer_cli.kernels.cpu.quant import matmul
+from sparkinfer_cli.kernels.cpu.quant import matmul_row_invariant
 from sparkinfer_cli.model.config import ModelConfig
 from sparkinfer_cli.model.layers import Linear, SwiGLU
 from sparkinfer_cli.model.weights import QTensor, Weights
 
 
 class ExpertLinear:
-    """A stack of per-expert weights; `(e, x)` → x · W[e]ᵀ. x: (T, in) → (T, out)."""
+    """A stack of per-expert weights; `(e, x)` → x · W[e]ᵀ. x: (T, in) → (T, out); an expert's T
+    varies with what else is in the pass, so each row is computed the same way whatever T."""
 
     def __init__(self, weight: QTensor):
         self.weight = weight
 
     def __call__(self, expert: int, x: np.ndarray) -> np.ndarray:
         w = self.weight
-        return matmul(w.raw[expert], w.ggml_type, w.ne0, x)
+        return matmul_row_invariant(w.raw[expert], w.ggml_type, w.ne0, x)
 
 
 class SharedExpert:
@@ -41,7 +42,8 @@ class SharedExpert:
         self.ffn_gate_inp_shexp = _shared_gate(w, p + "gate_inp_shexp.weight", E)  # (n_embd,)
 
     def __call__(self, y: np.ndarray) -> np.ndarray:
-        gate = ops.sigmoid(y @ self.ffn_gate_inp_shexp)  # (T,)
+        # each token's dot summed along its own row (a GEMV over T rows may sum them by T)
+        gate = ops.sigmoid((y * self.ffn_gate_inp_shexp).sum(axis=-1))  # (T,)
         return self.shexp(y) * gate[:, None]
 
 

@@ -624,16 +624,19 @@ def test_tiny_qwen3_batched_outputs_equal_solo_outputs(tiny_qwen3):
 N_TINY = 8  # tokens per request: the CPU reference model takes ~10 ms a step
 
 
-@pytest.mark.parametrize("quant", ["Q8_0", "Q4_K_M"])
-def test_quantized_outputs_do_not_depend_on_what_shares_the_pass(quant):
-    """The runtime CPU model (int8 kernels): 12 prompts prefilled in one pass of ~200 rows and
-    decoded together give bit-identical logprobs to each prompt run alone (a pass of ≤ 20 rows).
-    A kernel chosen by the pass size would change a sequence's numbers with the server's load."""
+@pytest.mark.parametrize("family, quant", [("qwen3", "Q8_0"), ("qwen3", "Q4_K_M"),
+                                           ("qwen3moe", "Q8_0"), ("qwen35", "Q8_0"),
+                                           ("qwen35moe", "Q4_K_M"), ("qwen3next", "Q8_0")])
+def test_quantized_outputs_do_not_depend_on_what_shares_the_pass(family, quant):
+    """The runtime CPU model: 12 prompts prefilled in one pass of ~200 rows and decoded together
+    give bit-identical logprobs to each prompt run alone (a pass of ≤ 20 rows; an expert sees
+    a different number of rows in each). A kernel chosen by the pass size, or by the rows an
+    expert gets, would change a sequence's numbers with the server's load."""
     from sparkinfer_cli.gguf_file import GGUFFile
     from sparkinfer_cli.model.loader import load_runtime_model
     from sparkinfer_cli.tokenizer.tokenizer import Tokenizer
 
-    gguf = GGUFFile(TINY / f"qwen3-{quant}.gguf")
+    gguf = GGUFFile(TINY.parent / family / f"{family}-{quant}.gguf")
     model, tokenizer = load_runtime_model(gguf, "cpu"), Tokenizer.from_gguf(gguf)
     prompts = [[(29 * i + 13 * j) % 480 for j in range(8 + i)] for i in range(12)]
     params = SamplingParams(max_tokens=N_TINY, temperature=0.0, ignore_eos=True, logprobs=True)

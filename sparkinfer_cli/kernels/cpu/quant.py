@@ -331,14 +331,34 @@ def _matmul_fused(rows: np.ndarray, ggml_type: int, x: np.ndarray) -> np.ndarray
 def matmul(raw: np.ndarray, ggml_type: int, ne0: int, x: np.ndarray) -> np.ndarray:
     """raw: one 2-D weight (rows, row_bytes or ne0); x: float32 (T, ne0). Returns float32
     (T, rows) = x @ W.T where W = dequantize(raw). T=1 (decode) through large T (prefill)."""
+    rows, x = _operands(raw, ggml_type, ne0, x)
+    if ggml_type == F32:
+        return x @ rows.T  # (T, rows)
+    if x.shape[0] > FUSED_MAX_TOKENS:
+        return _matmul_tiled(rows, ggml_type, x)
+    return _matmul_fused(rows, ggml_type, x)
+
+
+def matmul_row_invariant(raw: np.ndarray, ggml_type: int, ne0: int, x: np.ndarray) -> np.ndarray:
+    """matmul whose output row t is computed from x[t] alone, the same way whatever T: for
+    products whose row count depends on what else shares the pass (the MoE experts' tokens), so
+    that a sequence's numbers do not."""
+    rows, x = _operands(raw, ggml_type, ne0, x)
+    if ggml_type == F32:  # one matrix-vector product a row: BLAS may sum a GEMM by its shape
+        out = np.empty((x.shape[0], rows.shape[0]), np.float32)  # (T, rows)
+        for t in range(x.shape[0]):
+            np.matmul(rows, x[t], out=out[t])
+        return out
+    return _matmul_fused(rows, ggml_type, x)
+
+
+def _operands(raw: np.ndarray, ggml_type: int, ne0: int,
+              x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(W's rows view, x as contiguous float32 (T, ne0)), or ValueError."""
     if raw.ndim != 2:
         raise ValueError(f"matmul needs a 2-D weight, got shape {raw.shape}")
     rows = _rows_view(raw, ggml_type, ne0)
     x = np.ascontiguousarray(x, dtype=np.float32)
     if x.ndim != 2 or x.shape[1] != ne0:
         raise ValueError(f"x must be (T, {ne0}), got {x.shape}")
-    if ggml_type == F32:
-        return x @ rows.T  # (T, rows)
-    if x.shape[0] > FUSED_MAX_TOKENS:
-        return _matmul_tiled(rows, ggml_type, x)
-    return _matmul_fused(rows, ggml_type, x)
+    return rows, x
