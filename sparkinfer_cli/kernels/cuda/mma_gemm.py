@@ -495,49 +495,18 @@ def _store_fns(bn: int, swiglu: bool, grouped: bool):
 
 
 @functools.cache
-def _gemm_kernel(ggml_type: GGMLType, bn: int, swiglu: bool, grouped: bool, n_stages: int = 1):
-    t = _tiling(bn, swiglu)
-    warps_n, warp_rows, rows_block = t.warps_n, t.warp_rows, t.rows_block
+def _walk_fn(ggml_type: GGMLType, bn: int, n_stages: int):
+    """walk: a block's k steps s0..s1 into its accumulators, one step a barrier through two
+    buffers (n_stages 1) or n_stages steps between two barriers."""
     (fetch, put), multiply = _stage_fns(ggml_type, bn), _multiply_fn(bn)
-    operands, (store, store_sums) = _operands_fn(bn, swiglu, grouped), \
-        _store_fns(bn, swiglu, grouped)
-    n_buf = max(2, n_stages)
-    sa_size, sb_size, n_acc = n_buf * BM * ROW_WORDS, n_buf * bn * ROW_WORDS, 4 * t.nt * t.mt
-    x_words = t.tok_elems // 2
+    x_words = _tiling(bn, False).tok_elems // 2
     qw_size, xw_size = 8 * n_stages, x_words * n_stages
 
-    @kernel(fastmath=True)
-    def gemm(w, w2, row_bytes, n_rows, mat_bytes, k, n_tok, x, tile_expert, tile_lo, tile_hi,
-             order, slot_x, bias, has_bias, y0, y1, y2, y3, ends, part):
-        chain_start()
-        if grouped:
-            lo = tile_lo[cuda.blockIdx.y]
-            n_valid = tile_hi[cuda.blockIdx.y] - lo
-            mat = tile_expert[cuda.blockIdx.y]
-        else:
-            lo = cuda.blockIdx.y * bn
-            n_valid = min(bn, n_tok - lo)
-            mat = 0
-        if n_valid <= 0:
-            return
-        row0 = cuda.blockIdx.x * rows_block
-        is_up, w_off, a_at, x_off, b_at, stages_x = operands(
-            row0, mat, lo, n_valid, n_rows, row_bytes, mat_bytes, k, order, slot_x)
-        w_src = w2 if is_up else w
-        sa = cuda.shared.array(sa_size, uint32)  # (n_buf buffers, BM rows, ROW_WORDS)
-        sb = cuda.shared.array(sb_size, uint32)  # (n_buf buffers, bn tokens, ROW_WORDS)
-        acc = cuda.local.array(n_acc, float32)  # (mt, nt n8 tiles, 4) C fragments
-        for i in range(n_acc):
-            acc[i] = 0.0
-        warp, lane = cuda.threadIdx.x >> 5, cuda.threadIdx.x & 31
-        a_frag_at = 4 * (warp // warps_n) * warp_rows * ROW_WORDS
-        b_frag_at = 4 * (warp % warps_n) * 32 * ROW_WORDS
+    @device_function(numba_inline=True)
+    def walk(s0, s1, w_src, w_off, x, x_off, a_at, b_at, stages_x, sa, sb, a_frag_at, b_frag_at,
+             lane, acc):
         qw = cuda.local.array(qw_size, uint32)  # fetched weight pieces, f16x2
         xw = cuda.local.array(xw_size, uint32)  # fetched activations, f16x2
-        # this block's k steps: range blockIdx.z of gridDim.z (split-K; one range otherwise)
-        n_steps, n_splits = k // BK, cuda.gridDim.z
-        s0 = cuda.blockIdx.z * n_steps // n_splits
-        s1 = (cuda.blockIdx.z + 1) * n_steps // n_splits
         if n_stages == 1:
             fetch(s0 * BK, w_src, w_off, x, x_off, qw, xw, 0, stages_x)
             put(sa, sb, 0, qw, xw, 0, a_at, b_at, stages_x)
@@ -569,6 +538,51 @@ def _gemm_kernel(ggml_type: GGMLType, bn: int, swiglu: bool, grouped: bool, n_st
                 for u in range(n_stages):
                     put(sa, sb, u, qw, xw, u, a_at, b_at, stages_x)
                 cuda.syncthreads()
+    return walk
+
+
+@functools.cache
+def _gemm_kernel(ggml_type: GGMLType, bn: int, swiglu: bool, grouped: bool, n_stages: int = 1):
+    t = _tiling(bn, swiglu)
+    warps_n, warp_rows, rows_block = t.warps_n, t.warp_rows, t.rows_block
+    walk = _walk_fn(ggml_type, bn, n_stages)
+    operands, (store, store_sums) = _operands_fn(bn, swiglu, grouped), \
+        _store_fns(bn, swiglu, grouped)
+    n_buf = max(2, n_stages)
+    sa_size, sb_size, n_acc = n_buf * BM * ROW_WORDS, n_buf * bn * ROW_WORDS, 4 * t.nt * t.mt
+
+    @kernel(fastmath=True)
+    def gemm(w, w2, row_bytes, n_rows, mat_bytes, k, n_tok, x, tile_expert, tile_lo, tile_hi,
+             order, slot_x, bias, has_bias, y0, y1, y2, y3, ends, part):
+        chain_start()
+        if grouped:
+            lo = tile_lo[cuda.blockIdx.y]
+            n_valid = tile_hi[cuda.blockIdx.y] - lo
+            mat = tile_expert[cuda.blockIdx.y]
+        else:
+            lo = cuda.blockIdx.y * bn
+            n_valid = min(bn, n_tok - lo)
+            mat = 0
+        if n_valid <= 0:
+            return
+        row0 = cuda.blockIdx.x * rows_block
+        is_up, w_off, a_at, x_off, b_at, stages_x = operands(
+            row0, mat, lo, n_valid, n_rows, row_bytes, mat_bytes, k, order, slot_x)
+        w_src = w2 if is_up else w
+        sa = cuda.shared.array(sa_size, uint32)  # (n_buf buffers, BM rows, ROW_WORDS)
+        sb = cuda.shared.array(sb_size, uint32)  # (n_buf buffers, bn tokens, ROW_WORDS)
+        acc = cuda.local.array(n_acc, float32)  # (mt, nt n8 tiles, 4) C fragments
+        for i in range(n_acc):
+            acc[i] = 0.0
+        warp, lane = cuda.threadIdx.x >> 5, cuda.threadIdx.x & 31
+        a_frag_at = 4 * (warp // warps_n) * warp_rows * ROW_WORDS
+        b_frag_at = 4 * (warp % warps_n) * 32 * ROW_WORDS
+        # this block's k steps: range blockIdx.z of gridDim.z (split-K; one range otherwise)
+        n_steps, n_splits = k // BK, cuda.gridDim.z
+        s0 = cuda.blockIdx.z * n_steps // n_splits
+        s1 = (cuda.blockIdx.z + 1) * n_steps // n_splits
+        walk(s0, s1, w_src, w_off, x, x_off, a_at, b_at, stages_x, sa, sb, a_frag_at, b_frag_at,
+             lane, acc)
         if n_splits > 1:
             store_sums(acc, row0, n_rows, lo, n_valid, order, part, n_tok)
         else:
