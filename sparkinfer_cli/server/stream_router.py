@@ -5,6 +5,8 @@ back any tail that could still become a marker; any split of the same text route
 
   <think> … </think>        → reasoning (only before any content; Qwen3.5+ opens it in the prompt)
   <tool_call> … </tool_call> → tool calls (only when the request has tools)
+  an answer that is one call without the tags (bare JSON or a ```json fence), naming a tool
+                             → that tool call (held back until it completes, or cannot)
   everything else            → content
 """
 
@@ -18,13 +20,16 @@ from sparkinfer_cli.server.tool_calls import (
     TOOL_CALL_CLOSE,
     TOOL_CALL_OPEN,
     ToolCall,
+    may_be_untagged_tool_call,
     parse_tool_calls,
+    parse_untagged_tool_call,
 )
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
 
 CONTENT, REASONING, TOOL_CALL = "content", "reasoning", "tool_call"
+UNTAGGED_CALL = "untagged_call"  # the answer so far may be one tool call written without tags
 
 
 @dataclass
@@ -56,6 +61,7 @@ class StreamRouter:
         self._buffer = ""
         self._strip_leading = self._state == REASONING  # drop whitespace right after a marker
         self._seen_content = False
+        self._answer_started = False  # content or a tool call came (a thought does not count)
 
     @property
     def in_reasoning(self) -> bool:
@@ -70,9 +76,18 @@ class StreamRouter:
 
     def finish(self) -> RoutedText:
         """Flush what was held back: the generation ended, so no marker can complete any more."""
-        out, rest, self._buffer = RoutedText(), self._buffer, ""
+        out = RoutedText()
+        if self._state == UNTAGGED_CALL:
+            calls = parse_untagged_tool_call(self._buffer, self._tools)
+            if calls:
+                out.tool_calls, self._buffer = calls, ""
+                return out
+            self._route_as_text()
+            while self._consume_marker(out):
+                pass
+        rest, self._buffer = self._buffer, ""
         if self._state == TOOL_CALL:
-            self._close_tool_call(out, rest, closed=False)
+            self._close_tool_call(out, rest)
         else:
             self._emit(out, rest.rstrip() if self._state == REASONING else rest)
         return out
@@ -87,6 +102,11 @@ class StreamRouter:
 
     def _consume_marker(self, out: RoutedText) -> bool:
         """Route the buffer up to the first marker and act on it; False when none is complete."""
+        if self._may_be_untagged_call():
+            self._state = UNTAGGED_CALL  # held whole: markers inside it may be JSON string text
+            return False
+        if self._state == UNTAGGED_CALL:
+            self._route_as_text()
         markers = self._markers()
         found = [(i, m) for m in markers if (i := self._buffer.find(m)) >= 0]
         if not found:
@@ -96,6 +116,16 @@ class StreamRouter:
         before, self._buffer = self._buffer[:index], self._buffer[index + len(marker):]
         self._on_marker(out, marker, before)
         return True
+
+    def _may_be_untagged_call(self) -> bool:
+        could_start = self._state == CONTENT and bool(self._tools) and \
+            not self._answer_started and bool(self._buffer.strip())
+        return (could_start or self._state == UNTAGGED_CALL) and \
+            may_be_untagged_tool_call(self._buffer, self._tools)
+
+    def _route_as_text(self) -> None:
+        """The held answer is not one untagged call after all: it is content (and markers)."""
+        self._state, self._answer_started = CONTENT, True
 
     def _emit_safe_prefix(self, out: RoutedText, markers: tuple[str, ...]) -> None:
         if self._state == TOOL_CALL:
@@ -119,19 +149,23 @@ class StreamRouter:
             self._enter(CONTENT)
         elif marker == TOOL_CALL_OPEN:
             self._emit(out, before)
+            self._answer_started = True
             self._enter(TOOL_CALL)
         else:
-            self._close_tool_call(out, before, closed=True)
+            self._close_tool_call(out, before)
             self._enter(CONTENT)
 
-    def _close_tool_call(self, out: RoutedText, body: str, *, closed: bool) -> None:
+    def _close_tool_call(self, out: RoutedText, body: str) -> None:
+        """A call closed by its tag or cut by the end of the generation (parse_tool_calls reads
+        what a cut call holds). The tags never reach the content: tool_choice 'required' or a
+        named function puts them in the prompt, and a call the model left empty is no call."""
         calls = parse_tool_calls(body, self._tools)
         self._seen_content = True
         if calls:
             out.tool_calls += calls
             return
-        self._state = CONTENT  # unparseable: hand the raw text to the client as content
-        self._emit(out, TOOL_CALL_OPEN + body + (TOOL_CALL_CLOSE if closed else ""))
+        self._state = CONTENT  # it names no function: the model wrote text, hand it over as such
+        self._emit(out, body.strip())
 
     def _enter(self, state: str) -> None:
         self._state, self._strip_leading = state, True
@@ -147,6 +181,7 @@ class StreamRouter:
         else:
             out.content += text
             self._seen_content = self._seen_content or bool(text.strip())
+            self._answer_started = self._answer_started or bool(text.strip())
 
 
 def _partial_marker_length(text: str, markers: tuple[str, ...]) -> int:

@@ -27,7 +27,8 @@ XML_CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</
             "<parameter=metric>\nTrue\n</parameter>\n<parameter=hours>\n[1, 2]\n</parameter>\n"
             "</function>\n</tool_call>")
 XML_ARGS = {"city": "New York", "days": 3, "zip": "01234", "metric": True, "hours": [1, 2]}
-JSON_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+BARE_CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+JSON_CALL = f"<tool_call>\n{BARE_CALL}\n</tool_call>"
 
 # (router options, generated text, expected content, expected reasoning, expected calls)
 CASES = {
@@ -58,16 +59,73 @@ CASES = {
     "parallel_calls": ({"reasoning": True, "tools": TOOLS}, JSON_CALL + "\n" + JSON_CALL, "", "",
                        [("get_weather", {"city": "Paris"})] * 2),
     "no_tools_means_literal": ({"reasoning": True}, JSON_CALL, JSON_CALL, "", []),
-    "unparseable_call_is_content": ({"reasoning": True, "tools": TOOLS},
-                                    "<tool_call>\n{not json}\n</tool_call>",
-                                    "<tool_call>\n{not json}\n</tool_call>", "", []),
+    # the tags are markup, the server's own when tool_choice forced the call: never content
+    "call_naming_no_function_is_content_without_tags": ({"reasoning": True, "tools": TOOLS},
+                                                        "<tool_call>\n{not json}\n</tool_call>",
+                                                        "{not json}", "", []),
+    "empty_call_is_dropped": ({"reasoning": True, "tools": TOOLS}, "<tool_call>\n", "", "", []),
+    "call_cut_before_its_name_is_content": ({"reasoning": True, "tools": TOOLS},
+                                            '<tool_call>\n{"na', '{"na', "", []),
     "unterminated_xml_call_at_eos": ({"reasoning": True, "tools": TOOLS},
                                      "<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n"
                                      "</parameter>\n</function>\n",
                                      "", "", [("get_weather", {"city": "Rome"})]),
-    "truncated_json_call_is_content": ({"reasoning": True, "tools": TOOLS},
-                                       '<tool_call>\n{"name": "get_weather", "argu',
-                                       '<tool_call>\n{"name": "get_weather", "argu', "", []),
+    # a call cut by max_tokens is still a call: its arguments are the text generated for them
+    "json_call_cut_after_its_name": ({"reasoning": True, "tools": TOOLS},
+                                     '<tool_call>\n{"name": "get_weather", "argu', "", "",
+                                     [("get_weather", "")]),
+    "json_call_cut_in_its_arguments": ({"reasoning": True, "tools": TOOLS},
+                                       '<tool_call>\n{"name": "get_weather", "arguments": '
+                                       '{"city": "Par', "", "", [("get_weather", '{"city": "Par')]),
+    "json_call_cut_before_its_closing_brace": ({"reasoning": True, "tools": TOOLS},
+                                               '<tool_call>\n{"name": "get_weather", '
+                                               '"arguments": {"city": "Paris"}', "", "",
+                                               [("get_weather", {"city": "Paris"})]),
+    "xml_call_cut_in_a_value": ({"reasoning": True, "tools": TOOLS},
+                                "<tool_call>\n<function=get_weather>\n<parameter=city>\nPar",
+                                "", "", [("get_weather", {"city": "Par"})]),
+    "malformed_json_call_keeps_its_arguments_text": ({"reasoning": True, "tools": TOOLS},
+                                                     '<tool_call>\n{"name": "get_weather", '
+                                                     '"arguments": {"city": Paris}}\n</tool_call>',
+                                                     "", "", [("get_weather", '{"city": Paris}')]),
+    # Qwen models sometimes drop the tags: a whole answer that is one call to a given tool, bare
+    # or in a ```json fence, is that call (llama.cpp and vLLM parse these too)
+    "untagged_json_call": ({"reasoning": True, "tools": TOOLS}, "\n" + BARE_CALL + "\n", "", "",
+                           [("get_weather", {"city": "Paris"})]),
+    "fenced_json_call": ({"reasoning": True, "tools": TOOLS}, f"```json\n{BARE_CALL}\n```", "",
+                         "", [("get_weather", {"city": "Paris"})]),
+    "fenced_call_without_language": ({"reasoning": True, "tools": TOOLS},
+                                     f"```\n{BARE_CALL}\n```\n", "", "",
+                                     [("get_weather", {"city": "Paris"})]),
+    "think_then_untagged_call": ({"reasoning": True, "thinking_open": True, "tools": TOOLS},
+                                 "Need weather.\n</think>\n\n" + BARE_CALL, "", "Need weather.",
+                                 [("get_weather", {"city": "Paris"})]),
+    "untagged_call_with_a_marker_in_a_value": ({"reasoning": True, "tools": TOOLS},
+                                               '{"name": "get_weather", "arguments": '
+                                               '{"city": "<tool_call>"}}', "", "",
+                                               [("get_weather", {"city": "<tool_call>"})]),
+    "untagged_json_naming_no_given_tool_is_content": ({"reasoning": True, "tools": TOOLS},
+                                                      '{"name": "launch", "arguments": {}}',
+                                                      '{"name": "launch", "arguments": {}}', "",
+                                                      []),
+    "untagged_json_without_tools_is_content": ({"reasoning": True}, BARE_CALL, BARE_CALL, "", []),
+    "json_answer_is_content": ({"reasoning": True, "tools": TOOLS}, '{"answer": 42}',
+                               '{"answer": 42}', "", []),
+    "untagged_call_then_text_is_content": ({"reasoning": True, "tools": TOOLS},
+                                           BARE_CALL + " Done.", BARE_CALL + " Done.", "", []),
+    "text_then_untagged_call_is_content": ({"reasoning": True, "tools": TOOLS},
+                                           "Call: " + BARE_CALL, "Call: " + BARE_CALL, "", []),
+    "fenced_call_then_text_is_content": ({"reasoning": True, "tools": TOOLS},
+                                         f"```json\n{BARE_CALL}\n```\nok",
+                                         f"```json\n{BARE_CALL}\n```\nok", "", []),
+    "cut_untagged_call_is_content": ({"reasoning": True, "tools": TOOLS}, BARE_CALL[:20],
+                                     BARE_CALL[:20], "", []),
+    "malformed_json_then_tagged_call": ({"reasoning": True, "tools": TOOLS},
+                                        '{"name": "get_weather" oops ' + JSON_CALL,
+                                        '{"name": "get_weather" oops ', "",
+                                        [("get_weather", {"city": "Paris"})]),
+    "backticks_are_content": ({"reasoning": True, "tools": TOOLS}, "`x` and ```py\nx\n```",
+                              "`x` and ```py\nx\n```", "", []),
     "unicode_content": ({"reasoning": True}, "<think>🤔 ü</think>日本語 ✓", "日本語 ✓", "🤔 ü", []),
 }
 
@@ -78,8 +136,17 @@ def route(options: dict, pieces: list[str]) -> tuple[str, str, list[tuple[str, d
     for routed in [router.push(p) for p in pieces] + [router.finish()]:
         content += routed.content
         reasoning += routed.reasoning
-        calls += [(c.name, json.loads(c.arguments)) for c in routed.tool_calls]
+        calls += [(c.name, decoded(c.arguments)) for c in routed.tool_calls]
     return content, reasoning, calls
+
+
+def decoded(arguments: str) -> dict | str:
+    """A call's arguments as the object they encode, or as text where they are not JSON (a call
+    cut by max_tokens, or malformed)."""
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -176,6 +243,43 @@ def test_forced_call_prefix_continues_into_one_call(xml: bool, name: str | None,
     assert (routed.content, routed.reasoning) == ("", "")
     assert [(c.name, json.loads(c.arguments)) for c in routed.tool_calls] == \
         [("get_weather", {"city": "Paris"})]
+
+
+@pytest.mark.parametrize("xml, name, generated, expected_call", [
+    (False, None, "", None),  # the model stopped at once: issue 31 saw content "<tool_call>\n"
+    (False, None, "\n</tool_call>", None),
+    (False, None, '{"name": "get_weather", "arguments": {"ci', ("get_weather", '{"ci')),
+    (False, "get_weather", "", ("get_weather", "")),
+    (False, "get_weather", '{"city": "Par', ("get_weather", '{"city": "Par')),
+    (False, "get_weather", "{city: Paris}}\n</tool_call>", ("get_weather", "{city: Paris}")),
+    (True, "get_weather", "<parameter=city>\nPar", ("get_weather", '{"city": "Par"}')),
+    (True, None, "", None),
+])
+def test_forced_call_never_leaks_its_prefix(xml: bool, name: str | None, generated: str,
+                                            expected_call: tuple[str, str] | None) -> None:
+    """tool_choice 'required' or named: whatever the model makes of the forced call (nothing, a
+    call cut by max_tokens, malformed arguments), the server's prefix is not content."""
+    router = StreamRouter(reasoning=True, tools=TOOLS)
+    routed = router.push(forced_call_prefix(xml, name))
+    routed.extend(router.push(generated))
+    routed.extend(router.finish())
+    assert (routed.content, routed.reasoning) == ("", "")
+    assert [(c.name, c.arguments) for c in routed.tool_calls] == \
+        ([expected_call] if expected_call else [])
+
+
+def test_an_answer_is_released_as_soon_as_it_cannot_be_an_untagged_call() -> None:
+    router = StreamRouter(reasoning=True, tools=TOOLS)
+    assert router.push('{"name": "get_weather", "arguments": {').content == ""  # may be a call
+    assert router.push('}} and').content == '{"name": "get_weather", "arguments": {}} and'
+    router = StreamRouter(reasoning=True, tools=TOOLS)
+    assert router.push('{"na').content == ""
+    assert router.push('me": "launch"').content == '{"name": "launch"'  # not a given tool
+    router = StreamRouter(reasoning=True, tools=TOOLS)
+    assert router.push('{"answer"').content == '{"answer"'  # a call starts with its name
+    router = StreamRouter(reasoning=True, tools=TOOLS)
+    assert router.push("```").content == ""
+    assert router.push("python\nx = 1").content == "```python\nx = 1"
 
 
 @pytest.mark.parametrize("template, xml", [("qwen3", False), ("qwen3.5", True),
