@@ -135,10 +135,23 @@ def serve(model: Optional[str] = typer.Option(None, "-m", "--model", help=MODEL_
           ctx: Optional[int] = typer.Option(None, "--ctx", help="KV pool size in tokens ($CTX)."),
           api_key: Optional[str] = typer.Option(None, "--api-key",
                                                  help="Bearer key ($SPARKINFER_API_KEY)."),
+          alias: Optional[str] = typer.Option(
+              None, "--alias", "--served-model-name",
+              help="Model id in /v1/models and responses ($SPARKINFER_SERVED_MODEL_NAME; "
+                   "default: the GGUF's general.name)."),
+          cors_origins: Optional[str] = typer.Option(
+              None, "--cors-origins",
+              help="Comma-separated browser origins allowed by CORS, or * "
+                   "($SPARKINFER_CORS_ORIGINS; default: CORS off)."),
           device: str = typer.Option("auto", "--device", help="auto | cpu | cuda")):
     """OpenAI-compatible HTTP server."""
+    from sparkinfer_cli.env import parse_origins
     from sparkinfer_cli.hub import HubError, resolve_model
     from sparkinfer_cli.server.app import run_server
+    try:
+        origins = None if cors_origins is None else parse_origins(cors_origins)
+    except ValueError as exc:
+        _fail(f"--cors-origins: {exc}")
     try:
         chosen = pick_device(device)
         path, note = resolve_model(model, prefer_gpu=chosen == "cuda")
@@ -147,7 +160,8 @@ def serve(model: Optional[str] = typer.Option(None, "-m", "--model", help=MODEL_
     if note:
         err.print(f"[yellow]{note}[/]")
     try:
-        run_server(path, host, port, ctx, api_key, device=chosen)
+        run_server(path, host, port, ctx, api_key, device=chosen, model_name=alias,
+                   cors_origins=origins)
     except (ValueError, OSError) as exc:  # bad env/flags, broken file, port in use
         _fail(str(exc))
 

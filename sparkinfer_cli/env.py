@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,8 @@ from typing import Generic, TypeVar
 from sparkinfer_cli.engine.config import SCHED_POLICIES
 
 T = TypeVar("T")
-
+# scheme://host[:port], as a browser's Origin header carries it: no path, not even a trailing /
+_ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://[^/?#\s]+")
 
 
 class EnvError(ValueError):
@@ -75,6 +77,17 @@ def parse_token_ids(text: str) -> tuple[int, ...]:
     return ids
 
 
+def parse_origins(text: str) -> tuple[str, ...]:
+    """'http://a.example, https://b.example:8443' → the origins, lowercased as browsers send
+    them; '*' = any origin; '' = none."""
+    origins = tuple(part.strip().lower() for part in text.split(",") if part.strip())
+    for origin in origins:
+        if origin != "*" and not _ORIGIN.fullmatch(origin):
+            # such an entry would never equal an Origin header: refused rather than ignored
+            raise ValueError(f"{origin!r} is not an origin: expected scheme://host[:port] or *")
+    return origins
+
+
 @dataclass(frozen=True)
 class EnvVar(Generic[T]):
     name: str
@@ -102,6 +115,12 @@ SPARKINFER_ROOT: EnvVar[str] = EnvVar(
     "SPARKINFER_SERVER_PREFIX_TOKEN_FILE")
 SPARKINFER_API_KEY: EnvVar[str | None] = EnvVar(
     "SPARKINFER_API_KEY", str, None, "Bearer key required on every /v1/* route (same as --api-key)")
+SPARKINFER_SERVED_MODEL_NAME: EnvVar[str | None] = EnvVar(
+    "SPARKINFER_SERVED_MODEL_NAME", str, None,
+    "model id /v1/models reports and responses carry (same as --alias); unset: general.name")
+SPARKINFER_CORS_ORIGINS: EnvVar[tuple[str, ...]] = EnvVar(
+    "SPARKINFER_CORS_ORIGINS", parse_origins, (),
+    "comma-separated browser origins allowed by CORS, or * (same as --cors-origins); unset: off")
 SPARKINFER_BATCH_TOKENS: EnvVar[int] = EnvVar(
     "SPARKINFER_BATCH_TOKENS", parse_positive_int, 64,
     "decode tokens packed per step before prompts may join")
@@ -156,8 +175,9 @@ SPARKINFER_TOKENIZER_URL: EnvVar[str | None] = EnvVar(
     "SPARKINFER_TOKENIZER_URL", str, None, "override where the tokenizer is downloaded from")
 
 ALL_VARS: tuple[EnvVar, ...] = (
-    CTX, HOST, PORT, SPARKINFER_ROOT, SPARKINFER_API_KEY, SPARKINFER_BATCH_TOKENS,
-    SPARKINFER_STEP_TOKENS, SPARKINFER_SCHED_POLICY, SPARKINFER_PREFILL_CHUNK_TOKENS, SPARKINFER_PREFILL_MIX_MAX,
+    CTX, HOST, PORT, SPARKINFER_ROOT, SPARKINFER_API_KEY, SPARKINFER_SERVED_MODEL_NAME,
+    SPARKINFER_CORS_ORIGINS, SPARKINFER_BATCH_TOKENS, SPARKINFER_STEP_TOKENS,
+    SPARKINFER_SCHED_POLICY, SPARKINFER_PREFILL_CHUNK_TOKENS, SPARKINFER_PREFILL_MIX_MAX,
     SPARKINFER_PREFILL_BATCHED, SPARKINFER_MAX_OUTPUT_TOKENS, SPARKINFER_DECODE_STEPS,
     SPARKINFER_MAX_QUEUE_DEPTH, SPARKINFER_REQUEST_TIMEOUT_S, SPARKINFER_SHUTDOWN_GRACE_S,
     SPARKINFER_READ_TIMEOUT_S, SPARKINFER_WRITE_TIMEOUT_S, SPARKINFER_SERVER_PREFIX_TOKEN_FILE,

@@ -1,4 +1,5 @@
-"""The Sanic app: factory, route table, error mapping, auth hook, graceful shutdown, run_server."""
+"""The Sanic app: factory, route table, error mapping, auth and CORS hooks, graceful shutdown,
+run_server."""
 
 from __future__ import annotations
 
@@ -38,9 +39,16 @@ ROUTES: tuple[tuple[Any, str, str], ...] = (
     (routes.info, "/v1/info", "GET"),
     (routes.capacity, "/v1/capacity", "GET"),
     (routes.tokenize, "/v1/tokenize", "POST"),
+    (routes.detokenize, "/v1/detokenize", "POST"),
     (routes.chat_completions, "/v1/chat/completions", "POST"),
     (routes.completions, "/v1/completions", "POST"),
 )
+V1 = "/v1"
+# also served without /v1, for clients given a base URL without it (llama-server has these too)
+UNPREFIXED_ALIASES = frozenset({"/v1/models", "/v1/chat/completions", "/v1/completions"})
+CORS_METHODS = "GET, POST, OPTIONS"
+CORS_DEFAULT_HEADERS = "Authorization, Content-Type"
+CORS_PREFLIGHT_MAX_AGE_S = 600  # how long a browser may reuse a preflight's answer
 _ERROR_CODES = {404: "unknown_url", 405: "method_not_allowed", 408: "request_timeout",
                 413: "request_too_large", 503: "service_unavailable"}
 
@@ -61,7 +69,13 @@ def create_app(engine: Any, tokenizer: Any, chat_template: Any,
     for handler, uri, method in ROUTES:
         # POST handlers read their body themselves, under the read timeout (routes.read_body)
         app.add_route(handler, uri, methods=[method], stream=method == "POST")
+        if uri in UNPREFIXED_ALIASES:
+            app.add_route(handler, uri.removeprefix(V1), methods=[method],
+                          stream=method == "POST", name=f"{handler.__name__}_unprefixed")
     app.error_handler.add(Exception, _error_response)
+    if config.cors_origins:
+        app.on_request(_answer_cors_preflight)  # first: a preflight carries no API key
+        app.on_response(_add_cors_headers)
     app.on_request(_authenticate)
     return app
 
@@ -80,8 +94,53 @@ def _configure_transport(app: Sanic, config: ServerConfig) -> None:
 
 
 async def _authenticate(request: Request) -> None:
-    check_request(request.path, request.headers.get("authorization"),
+    check_request(_guarded_path(request.path), request.headers.get("authorization"),
                   request.app.ctx.state.config.api_key)
+
+
+def _guarded_path(path: str) -> str:
+    """An un-prefixed alias (with or without a trailing slash) is guarded as the /v1 route it
+    stands for; any other path as itself."""
+    v1_path = V1 + path
+    return v1_path if v1_path.rstrip("/") in UNPREFIXED_ALIASES else path
+
+
+def _cors_allowed_origin(request: Request) -> str | None:
+    """Access-Control-Allow-Origin for this request: '*', its own Origin, or None when it has no
+    Origin or one that --cors-origins does not list."""
+    origin = request.headers.get("origin")
+    allowed = request.app.ctx.state.config.cors_origins
+    if origin is None:
+        return None
+    if "*" in allowed:
+        return "*"
+    return origin if origin.lower() in allowed else None
+
+
+async def _answer_cors_preflight(request: Request) -> HTTPResponse | None:
+    """A browser's OPTIONS preflight from an allowed origin gets 204 (its CORS headers come from
+    _add_cors_headers); other OPTIONS requests go on to routing, which has no OPTIONS route."""
+    is_preflight = request.method == "OPTIONS" and \
+        "access-control-request-method" in request.headers
+    if is_preflight and _cors_allowed_origin(request) is not None:
+        return HTTPResponse(status=204,
+                            headers={"Access-Control-Max-Age": str(CORS_PREFLIGHT_MAX_AGE_S)})
+    return None
+
+
+async def _add_cors_headers(request: Request, response: HTTPResponse) -> None:
+    """CORS headers on every response to an allowed origin, errors and streams included, so that
+    the page can read a 401 or a 400 too."""
+    allowed = _cors_allowed_origin(request)
+    if allowed is None:
+        return
+    response.headers["Access-Control-Allow-Origin"] = allowed
+    response.headers["Access-Control-Allow-Methods"] = CORS_METHODS
+    # echoed: a '*' here would not cover Authorization, and SDKs add headers of their own
+    response.headers["Access-Control-Allow-Headers"] = request.headers.get(
+        "access-control-request-headers", CORS_DEFAULT_HEADERS)
+    if allowed != "*":
+        response.headers["Vary"] = "Origin"  # caches must not serve it to another origin
 
 
 def _error_response(request: Request, exc: Exception) -> HTTPResponse:
@@ -141,9 +200,11 @@ async def _drain_and_stop(app: Sanic) -> None:
 
 def run_server(model_path: str | Path, host: str | None = None, port: int | None = None,
                ctx: int | None = None, api_key: str | None = None, *, device: str = "cpu",
-               model_name: str | None = None, environ: Mapping[str, str] | None = None) -> None:
+               model_name: str | None = None, cors_origins: tuple[str, ...] | None = None,
+               environ: Mapping[str, str] | None = None) -> None:
     """`sparkinfer serve`: load the model, start the engine, serve until SIGTERM/SIGINT.
-    Arguments left None come from the environment (HOST, PORT, CTX, SPARKINFER_*)."""
+    Arguments left None come from the environment (HOST, PORT, CTX, SPARKINFER_*); the model id
+    is model_name, else SPARKINFER_SERVED_MODEL_NAME, else the GGUF's name."""
     from sparkinfer_cli.engine.engine import ContinuousBatchEngine, warm_up
     from sparkinfer_cli.gguf_file import GGUFFile
     from sparkinfer_cli.model.loader import load_runtime_model
@@ -153,10 +214,12 @@ def run_server(model_path: str | Path, host: str | None = None, port: int | None
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     gguf = GGUFFile(model_path)
+    # before the weights load, so that a bad setting fails at once
+    server_config = ServerConfig.from_env(environ, host=host, port=port, api_key=api_key,
+                                          model_name=model_name, cors_origins=cors_origins,
+                                          fallback_model_name=default_model_name(gguf))
     model = load_runtime_model(gguf, device, environ)
     tokenizer = load_tokenizer(gguf, environ)
-    server_config = ServerConfig.from_env(environ, host=host, port=port, api_key=api_key,
-                                          model_name=model_name or default_model_name(gguf))
     engine_config = build_engine_config(ctx, model.config.context_length, environ, device=device)
     engine = ContinuousBatchEngine(model, tokenizer, engine_config)
     engine.start()

@@ -9,13 +9,16 @@ from typing import Any
 from sparkinfer_cli import env
 from sparkinfer_cli.engine.config import DEFAULT_STEP_TOKENS, EngineConfig
 
+DEFAULT_MODEL_NAME = "sparkinfer"  # when neither --alias, the environment nor a file names one
+
 
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8080
     api_key: str | None = None  # None = no auth
-    model_name: str = "sparkinfer"  # the id /v1/models reports and responses echo
+    model_name: str = DEFAULT_MODEL_NAME  # the id /v1/models reports and responses echo
+    cors_origins: tuple[str, ...] = ()  # browser origins CORS allows; () = off, ("*",) = any
     max_output_tokens: int = 4096  # SPARKINFER_MAX_OUTPUT_TOKENS: caps max_tokens
     max_request_bytes: int = 16 * 1024 * 1024  # larger bodies get 413
     read_timeout_s: float = 300.0  # reset on every byte received
@@ -31,6 +34,7 @@ class ServerConfig:
         checks = [
             (0 <= self.port <= 65535, "port must be in [0, 65535]"),
             (self.api_key is None or bool(self.api_key), "api_key must not be empty"),
+            (bool(self.model_name), "model_name must not be empty"),
             (self.max_output_tokens >= 1, "max_output_tokens must be >= 1"),
             (self.max_request_bytes >= 1024, "max_request_bytes must be >= 1024"),
             (self.read_timeout_s > 0 and self.write_timeout_s > 0, "timeouts must be > 0"),
@@ -45,11 +49,15 @@ class ServerConfig:
                 raise ValueError(message)
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> ServerConfig:
-        """Defaults ← environment (HOST, PORT, SPARKINFER_*) ← explicit overrides (CLI flags)."""
+    def from_env(cls, environ: Mapping[str, str] | None = None, *,
+                 fallback_model_name: str = DEFAULT_MODEL_NAME, **overrides: Any) -> ServerConfig:
+        """Defaults ← environment (HOST, PORT, SPARKINFER_*) ← explicit overrides (CLI flags);
+        the model id is fallback_model_name (the GGUF's name) when neither sets it."""
         values: dict[str, Any] = {
             "host": env.HOST.get(environ), "port": env.PORT.get(environ),
             "api_key": env.SPARKINFER_API_KEY.get(environ),
+            "model_name": env.SPARKINFER_SERVED_MODEL_NAME.get(environ) or fallback_model_name,
+            "cors_origins": env.SPARKINFER_CORS_ORIGINS.get(environ),
             "max_output_tokens": env.SPARKINFER_MAX_OUTPUT_TOKENS.get(environ),
             "read_timeout_s": env.SPARKINFER_READ_TIMEOUT_S.get(environ) or 300.0,
             "write_timeout_s": env.SPARKINFER_WRITE_TIMEOUT_S.get(environ) or 300.0,

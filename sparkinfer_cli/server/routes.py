@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import unquote
 
 from sanic import Request
 from sanic.response import HTTPResponse, json, raw
@@ -132,6 +133,7 @@ async def models(request: Request) -> HTTPResponse:
 
 async def model(request: Request, model_id: str) -> HTTPResponse:
     state = _state(request)
+    model_id = unquote(model_id)  # clients quote an id's "/" (org/name), Sanic leaves it quoted
     if model_id != state.config.model_name:
         raise ApiError(404, f"the model {model_id!r} does not exist", param="model",
                        code="model_not_found")
@@ -167,6 +169,25 @@ async def tokenize(request: Request) -> HTTPResponse:
         text, _, _ = _chat_prompt(state, _parse_chat(state, body))
     ids = state.tokenizer.encode(text)
     return json({"count": len(ids), "tokens": ids, "max_context": state.max_context})
+
+
+async def detokenize(request: Request) -> HTTPResponse:
+    """llama-server's /detokenize: {"tokens": [ids]} → {"content": text}, special tokens kept."""
+    state = _state(request)
+    ids = _token_ids_to_detokenize(parse_json_body(await read_body(request)), state.vocab_size)
+    return json({"content": state.tokenizer.decode(ids)})
+
+
+def _token_ids_to_detokenize(body: dict[str, Any], vocab_size: int) -> list[int]:
+    """The body's 'tokens'; absent or null is no tokens, as llama-server has it."""
+    ids = body.get("tokens")
+    if ids is None:
+        return []
+    # bool is an int subclass, but true is no token id
+    if not isinstance(ids, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size for i in ids):
+        raise invalid(f"'tokens' must be a list of token ids in [0, {vocab_size})", "tokens")
+    return ids
 
 
 # ---------------------------------------------------------------- generation routes
