@@ -40,6 +40,11 @@ class EngineConfig:
     request_timeout_s: float = 0.0  # 0 = off
     max_num_seqs: int = 64
     prefix_token_ids: tuple[int, ...] = ()
+    prefix_cache: bool = True  # reuse the KV of earlier requests' prefixes (automatic caching)
+    # hybrid models: recurrent-state snapshots the prefix cache keeps (0 = one per max_num_seqs),
+    # and the prompt tokens between snapshots of one long prompt (rounded down to whole blocks)
+    prefix_snapshots: int = 0
+    prefix_snapshot_tokens: int = 4096
     sampling_threads: int = 0  # argmax threads for greedy rows (0 = auto, 1 = none)
     # decode passes queued at once while every running sequence decodes greedily and nothing
     # waits (models with decode_greedy; 1 = one pass a step)
@@ -63,6 +68,8 @@ class EngineConfig:
             (all(t >= 0 for t in self.prefix_token_ids), "prefix token ids must be >= 0"),
             (self.sampling_threads >= 0, "sampling_threads must be >= 0"),
             (self.decode_steps >= 1, "decode_steps must be at least 1"),
+            (self.prefix_snapshots >= 0, "prefix_snapshots must be >= 0"),
+            (self.prefix_snapshot_tokens >= 0, "prefix_snapshot_tokens must be >= 0"),
         ]
         for ok, message in checks:
             if not ok:
@@ -74,3 +81,11 @@ class EngineConfig:
     @property
     def num_blocks(self) -> int:
         return self.ctx // self.block_size
+
+    def num_snapshot_slots(self, is_hybrid: bool) -> int:
+        """Recurrent-state slots beside the running sequences': prefix-cache snapshots and the
+        configured prefix's state (hybrid models only)."""
+        if not is_hybrid:
+            return 0
+        cached = (self.prefix_snapshots or self.max_num_seqs) if self.prefix_cache else 0
+        return cached + int(bool(self.prefix_token_ids))

@@ -59,11 +59,8 @@ class ContinuousBatchEngine:
         self.n_vocab = model.config.n_vocab
         if any(t >= self.n_vocab for t in config.prefix_token_ids):
             raise ValueError(f"prefix token ids must be in [0, {self.n_vocab})")
-        num_slots = config.max_num_seqs + int(bool(config.prefix_token_ids))
-        cache = model.create_cache(config.num_blocks, config.block_size, num_slots)
-        num_kv_slots = num_slots if model.config.is_hybrid else 0
-        self.kv = KVCacheManager(config.num_blocks, config.block_size, num_kv_slots,
-                                 config.prefix_token_ids)
+        self.kv = KVCacheManager.from_config(config, model.config.is_hybrid)
+        cache = model.create_cache(config.num_blocks, config.block_size, self.kv.num_state_slots)
         self.scheduler = Scheduler(config, self.kv, create_policy(config),
                                    getattr(model, "max_pass_tokens", 0))
         self.runner = ModelRunner(model, cache)
@@ -218,11 +215,11 @@ class ContinuousBatchEngine:
         streamed) as soon as it finishes. A request that ends meanwhile ignores later passes."""
         requests = [self.scheduler.requests[s.request_id] for s in output.sequences]
         try:
-            for ids in self.runner.run_decode_steps(output, n_steps):
+            for n, ids in enumerate(self.runner.run_decode_steps(output, n_steps), 1):
                 for request, token in zip(requests, ids):
                     if not request.is_finished:
                         self.scheduler.decoded(request)
-                        self._append_sample(request, None, int(token))
+                        self._append_sample(request, None, int(token), n == n_steps)
         except Exception as exc:  # a failed pass ends the requests still running
             self._fail(requests, exc)
 
@@ -253,8 +250,9 @@ class ContinuousBatchEngine:
         return tokens
 
     def _append_sample(self, request: Request, logits: np.ndarray | None,
-                       token: int | None) -> None:
-        """token: the row's argmax when GreedyBatch or the model already picked it."""
+                       token: int | None, state_is_current: bool = True) -> None:
+        """token: the row's argmax when GreedyBatch or the model already picked it;
+        state_is_current: no queued pass runs past this one (Scheduler.finish)."""
         try:
             assert request.sampler is not None
             result = SampleResult(token, None) if token is not None else \
@@ -268,7 +266,7 @@ class ContinuousBatchEngine:
             self._finish(request, "error", f"sampling failed: {exc}")
             return
         if reason is not None:
-            self._finish(request, reason)
+            self._finish(request, reason, state_is_current=state_is_current)
         else:
             self._emit(request)
 
@@ -277,10 +275,12 @@ class ContinuousBatchEngine:
         log.exception("model forward failed")
         for request in requests:
             if not request.is_finished:
-                self._finish(request, "error", f"model forward failed: {exc}")
+                self._finish(request, "error", f"model forward failed: {exc}",
+                             state_is_current=False)
 
-    def _finish(self, request: Request, reason: str, error: str | None = None) -> None:
-        self.scheduler.finish(request, reason, error)
+    def _finish(self, request: Request, reason: str, error: str | None = None,
+                state_is_current: bool = True) -> None:
+        self.scheduler.finish(request, reason, error, state_is_current)
         with self._lock:
             self._live_ids.discard(request.request_id)
             self._lock.notify_all()
@@ -372,6 +372,7 @@ class ContinuousBatchEngine:
                   self.scheduler.max_step_tokens)
         chunk = min((n for n in limits if n), default=0)
         self.runner.prefill(self.kv.prefix_token_ids, prefix.block_ids, prefix.state_slot, chunk)
+        self.kv.pin_prefix()
 
 
 def warm_up(engine: ContinuousBatchEngine, timeout_s: float = 600.0) -> bool:

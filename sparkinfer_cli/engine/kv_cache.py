@@ -1,11 +1,15 @@
-"""KVCacheManager: per-request KV blocks and recurrent-state slots, plus the shared prefix.
+"""KVCacheManager: per-request KV blocks and recurrent-state slots, and the prefix cache over them.
 
 A request reserves blocks for prompt + max_tokens at admission, so it never needs more while it runs
-(no preemption). The configured shared prefix owns dedicated blocks (and, for hybrid models, a state
-snapshot slot) for the engine's lifetime; a request whose prompt starts with it shares them:
+(no preemption). It starts from the deepest cached prefix of its prompt (PrefixCache.match):
 
-    block table of a prefix hit: [ full prefix blocks (shared) | copy of partial block | fresh ]
-                                    ref-counted                  copy_blocks at admission
+    block table of a prefix hit: [ cached full blocks (shared) | copy of the tail block | fresh ]
+                                   ref-counted                   copy_blocks before the next pass
+
+Automatic caching (on by default) indexes every block a request fills, so its blocks outlive it
+as evictable cache; for hybrid models it also snapshots the recurrent state at the end of each
+prompt, every `snapshot_interval` prompt tokens and where a request ends. Off, only the configured
+shared prefix is reused.
 """
 
 from __future__ import annotations
@@ -14,8 +18,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from sparkinfer_cli.engine.block_pool import BlockPool, SlotPool
+from sparkinfer_cli.engine.config import EngineConfig
+from sparkinfer_cli.engine.prefix_cache import NO_STATE_SLOT, PrefixCache, PrefixHit
 
-NO_STATE_SLOT = -1  # non-hybrid models keep no recurrent state
+__all__ = ["NO_STATE_SLOT", "CacheOps", "KVBlocks", "KVCacheManager", "SequenceProgress"]
 
 
 @dataclass(frozen=True)
@@ -24,12 +30,25 @@ class KVBlocks:
 
     block_ids: tuple[int, ...]
     state_slot: int
-    num_cached_tokens: int  # prompt tokens already in these blocks (a prefix hit), 0 otherwise
+    num_cached_tokens: int  # prompt tokens found in the prefix cache at admission
+
+
+@dataclass
+class SequenceProgress:
+    """A sequence as the cache sees it: token_ids[:num_computed] have KV in kv's blocks."""
+
+    token_ids: Sequence[int]
+    block_keys: list[bytes]  # chain keys of its full blocks (PrefixCache), extended lazily
+    kv: KVBlocks
+    num_prompt_tokens: int
+    num_computed: int
 
 
 @dataclass
 class CacheOps:
-    """ModelCache work that must run before the next forward pass (copy-on-write, state init)."""
+    """ModelCache work that must run before the next forward pass (copy-on-write, state init).
+    State copies run in list order: snapshots taken after a pass come before the restores a later
+    admission adds, so a snapshot is always saved before anything reads or reuses its slot."""
 
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst)
     state_copies: list[tuple[int, int]] = field(default_factory=list)  # (src slot, dst slot)
@@ -46,19 +65,44 @@ class CacheOps:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, num_state_slots: int,
-                 prefix_token_ids: Sequence[int] = ()):
-        """num_state_slots: 0 for non-hybrid models; for hybrids, one more than max_num_seqs when
-        a prefix is configured (the snapshot)."""
+    def __init__(self, num_blocks: int, block_size: int, num_seq_slots: int,
+                 prefix_token_ids: Sequence[int] = (), *, num_snapshot_slots: int = 0,
+                 auto_prefix_cache: bool = True, snapshot_interval: int = 0):
+        """num_seq_slots: recurrent-state slots for running sequences (0 for non-hybrid models);
+        num_snapshot_slots: slots for prefix-cache snapshots after them (hybrid models; the
+        configured prefix takes one); snapshot_interval: prompt tokens between snapshots of a
+        long prompt (a multiple of block_size; 0 = none)."""
         self.block_size = block_size
-        self.block_pool = BlockPool(num_blocks)
-        self.slot_pool = SlotPool(num_state_slots)
+        self.auto = auto_prefix_cache
+        self.snapshot_interval = snapshot_interval
+        self.block_pool = BlockPool(num_blocks,
+                                    on_evict=lambda b: self.prefix_cache.forget_block(b))
+        self.slot_pool = SlotPool(num_seq_slots)
+        self.prefix_cache = PrefixCache(self.block_pool, block_size,
+                                        SlotPool(num_snapshot_slots, first=num_seq_slots),
+                                        needs_state=num_seq_slots > 0)
         self.prefix_token_ids = tuple(prefix_token_ids)
+        self.pending = CacheOps()  # snapshots to save before the next pass
+        self.num_queried_tokens = 0  # prompt tokens of admitted requests
+        self.num_hit_tokens = 0  # of those, found in the prefix cache
         self.prefix: KVBlocks | None = None
         if self.prefix_token_ids:
             n = len(self.prefix_token_ids)
-            self.prefix = KVBlocks(tuple(self.block_pool.allocate(self.num_blocks_for(n))),
-                                   self._allocate_slot(), 0)
+            slot = self.prefix_cache.snapshot_slots.allocate() if self.is_hybrid else NO_STATE_SLOT
+            self.prefix = KVBlocks(tuple(self.block_pool.allocate(self.num_blocks_for(n))), slot, 0)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, is_hybrid: bool) -> KVCacheManager:
+        num_seq_slots = config.max_num_seqs if is_hybrid else 0
+        interval = config.prefix_snapshot_tokens // config.block_size * config.block_size
+        return cls(config.num_blocks, config.block_size, num_seq_slots, config.prefix_token_ids,
+                   num_snapshot_slots=config.num_snapshot_slots(is_hybrid),
+                   auto_prefix_cache=config.prefix_cache, snapshot_interval=interval)
+
+    @property
+    def num_state_slots(self) -> int:
+        """Recurrent-state slots the model cache needs: running sequences', then snapshots."""
+        return self.slot_pool.num_slots + self.prefix_cache.snapshot_slots.num_slots
 
     @property
     def is_hybrid(self) -> bool:
@@ -66,7 +110,9 @@ class KVCacheManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return self.block_pool.num_free_blocks
+        """Blocks a request could get now: free, cached but unreferenced, or held only by
+        resume points that can be evicted."""
+        return self.block_pool.num_free_blocks + self.prefix_cache.num_reclaimable_blocks
 
     @property
     def max_request_tokens(self) -> int:
@@ -77,43 +123,98 @@ class KVCacheManager:
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def num_prefix_hit_tokens(self, prompt_ids: Sequence[int]) -> int:
-        """Length of the shared prefix if the prompt starts with it and goes beyond it, else 0."""
-        n = len(self.prefix_token_ids)
-        if n and len(prompt_ids) > n and tuple(prompt_ids[:n]) == self.prefix_token_ids:
-            return n
-        return 0
+    # ---- admission -------------------------------------------------------------------------------
+    def lookup(self, prompt_ids: Sequence[int], keys: list[bytes]) -> PrefixHit:
+        """The cached start of a prompt (at least its last token is left to compute)."""
+        return self.prefix_cache.match(prompt_ids, keys, len(prompt_ids) - 1)
 
-    def allocate(self, prompt_ids: Sequence[int],
-                 num_tokens: int) -> tuple[KVBlocks, CacheOps] | None:
-        """Blocks for num_tokens positions (prompt + max_tokens), or None if they do not fit now."""
-        num_hit = self.num_prefix_hit_tokens(prompt_ids)
-        shared = self.prefix.block_ids[:num_hit // self.block_size] if self.prefix else ()
-        num_fresh = self.num_blocks_for(num_tokens) - len(shared)
-        if not self.block_pool.can_allocate(num_fresh) or \
-                (self.is_hybrid and self.slot_pool.num_free_slots == 0):
+    def allocate(self, prompt_ids: Sequence[int], num_tokens: int,
+                 keys: list[bytes] | None = None) -> tuple[KVBlocks, CacheOps] | None:
+        """Blocks for num_tokens positions (prompt + max_tokens) starting from the prompt's
+        cached prefix, or None if they do not fit now (nothing is taken then)."""
+        keys = [] if keys is None else keys
+        hit = self.lookup(prompt_ids, keys)
+        num_fresh = self.num_blocks_for(num_tokens) - len(hit.shared_blocks)
+        if self.is_hybrid and self.slot_pool.num_free_slots == 0:
             return None
-        self.block_pool.share(shared)
+        held = (*hit.shared_blocks, *(() if hit.tail_block is None else (hit.tail_block,)))
+        self.block_pool.share(held)  # NOTE: before any eviction, so none of them is evicted
+        self.prefix_cache.reclaim_blocks(num_fresh)
+        if not self.block_pool.can_allocate(num_fresh):
+            self.block_pool.free(held)
+            return None
+        self.prefix_cache.has_point(prompt_ids, keys, hit.num_tokens)  # NOTE: marks it used
         fresh = self.block_pool.allocate(num_fresh)
-        kv = KVBlocks(tuple(shared) + tuple(fresh), self._allocate_slot(), num_hit)
-        return kv, self._init_ops(kv, fresh)
+        if hit.tail_block is not None:
+            self.block_pool.free([hit.tail_block])  # the copy below runs before any reuse
+        kv = KVBlocks(hit.shared_blocks + tuple(fresh), self._allocate_slot(), hit.num_tokens)
+        self.num_queried_tokens += len(prompt_ids)
+        self.num_hit_tokens += hit.num_tokens
+        return kv, self._init_ops(kv, hit, fresh)
 
-    def _init_ops(self, kv: KVBlocks, fresh: list[int]) -> CacheOps:
+    def _init_ops(self, kv: KVBlocks, hit: PrefixHit, fresh: list[int]) -> CacheOps:
         ops = CacheOps()
-        prefix = self.prefix if kv.num_cached_tokens else None
-        if prefix and kv.num_cached_tokens % self.block_size:
-            ops.block_copies.append((prefix.block_ids[kv.num_cached_tokens // self.block_size],
-                                     fresh[0]))
-        if kv.state_slot != NO_STATE_SLOT and prefix:
-            ops.state_copies.append((prefix.state_slot, kv.state_slot))
+        if hit.tail_block is not None:
+            ops.block_copies.append((hit.tail_block, fresh[0]))
+        if kv.state_slot != NO_STATE_SLOT and hit.state_slot != NO_STATE_SLOT:
+            ops.state_copies.append((hit.state_slot, kv.state_slot))
         elif kv.state_slot != NO_STATE_SLOT:
             ops.state_resets.append(kv.state_slot)
         return ops
 
-    def free(self, kv: KVBlocks) -> None:
+    def take_pending_ops(self) -> CacheOps:
+        ops, self.pending = self.pending, CacheOps()
+        return ops
+
+    # ---- progress --------------------------------------------------------------------------------
+    def next_snapshot_at(self, seq: SequenceProgress) -> int | None:
+        """The prompt position where the sequence's prefill must pause for a state snapshot."""
+        if not (self.auto and self.is_hybrid and self.snapshot_interval):
+            return None
+        step = self.snapshot_interval
+        position = (seq.num_computed // step + 1) * step
+        return position if position < seq.num_prompt_tokens else None
+
+    def computed(self, seq: SequenceProgress, num_before: int) -> None:
+        """seq's KV now covers seq.num_computed tokens, num_before before the last pass: index
+        the blocks that became full and snapshot the state where a resume point belongs."""
+        if not self.auto:
+            return
+        bs = self.block_size
+        self.prefix_cache.index_blocks(seq.token_ids, seq.block_keys, seq.kv.block_ids,
+                                       num_before // bs, seq.num_computed // bs)
+        at_interval = self.snapshot_interval and seq.num_computed % self.snapshot_interval == 0
+        if self.is_hybrid and num_before < seq.num_prompt_tokens and \
+                (seq.num_computed == seq.num_prompt_tokens or at_interval):
+            self._snapshot(seq)
+
+    def free(self, kv: KVBlocks, seq: SequenceProgress | None = None) -> None:
+        """Releases a request's blocks and slot. seq: the request as it ends, its state current,
+        so a hybrid model keeps a snapshot there (None: its state is not kept)."""
+        if seq is not None and self.auto and self.is_hybrid and seq.num_computed:
+            self._snapshot(seq)
         self.block_pool.free(kv.block_ids)
         if kv.state_slot != NO_STATE_SLOT:
             self.slot_pool.free(kv.state_slot)
+
+    def pin_prefix(self) -> None:
+        """The configured prefix's KV (and state) is computed: make it a pinned resume point."""
+        assert self.prefix is not None
+        ids, keys = self.prefix_token_ids, []
+        full = len(ids) // self.block_size
+        self.prefix_cache.index_blocks(ids, keys, self.prefix.block_ids, 0, full)
+        self.prefix_cache.add_point(ids, keys, self.prefix.block_ids, len(ids),
+                                    self.prefix.state_slot, pinned=True)
+
+    def _snapshot(self, seq: SequenceProgress) -> None:
+        keys, n = seq.block_keys, seq.num_computed
+        if self.prefix_cache.has_point(seq.token_ids, keys, n):
+            return
+        slot = self.prefix_cache.take_snapshot_slot()
+        if slot is None:
+            return
+        self.prefix_cache.add_point(seq.token_ids, keys, seq.kv.block_ids, n, slot)
+        self.pending.state_copies.append((seq.kv.state_slot, slot))
 
     def _allocate_slot(self) -> int:
         return self.slot_pool.allocate() if self.is_hybrid else NO_STATE_SLOT

@@ -38,6 +38,7 @@ class RequestEvent:
     first_token_at: float | None
     finished_at: float | None
     error: str | None = None
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied
 
 
 class TextPiece(Protocol):
@@ -109,8 +110,10 @@ class Request:
     token_ids: list[int] = field(init=False)  # prompt + output
     output_ids: list[int] = field(default_factory=list)  # NOTE: kept apart for the sampler
     num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     status: RequestStatus = RequestStatus.WAITING
     kv: KVBlocks | None = None
+    block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full blocks
     last_scheduled: int = -1  # stamp of its latest scheduling: decodes rotate by it
     scheduled_at: float | None = None
     first_token_at: float | None = None
@@ -162,4 +165,5 @@ class Request:
         token_ids, text, logprobs = self.output.take() if self.output else ([], "", [])
         return RequestEvent(self.request_id, token_ids, text, self.finish_reason, logprobs,
                             self.num_prompt_tokens, self.num_output_tokens, self.submitted_at,
-                            self.scheduled_at, self.first_token_at, self.finished_at, self.error)
+                            self.scheduled_at, self.first_token_at, self.finished_at, self.error,
+                            self.num_cached_tokens)

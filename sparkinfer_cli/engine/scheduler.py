@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from sparkinfer_cli.engine.config import EngineConfig
-from sparkinfer_cli.engine.kv_cache import CacheOps, KVCacheManager
+from sparkinfer_cli.engine.kv_cache import CacheOps, KVCacheManager, SequenceProgress
 from sparkinfer_cli.engine.policy import BasePolicy
 from sparkinfer_cli.engine.request import Request, RequestStatus
 
@@ -68,7 +68,7 @@ class Scheduler:
         # token to go, a prefill more. Decodes are packed first (least recently run first) up to
         # max_batch_tokens; then prefill pieces join in queue order (running partial prefills
         # first, then admissions in policy order) as far as the policy and the step's room allow.
-        output = SchedulerOutput()
+        output = SchedulerOutput(cache_ops=self.kv.take_pending_ops())
         decodes = self._pick_decodes()
         prefills = self._pick_prefills(len(decodes), output.cache_ops)
         if prefills and self.policy.is_exclusive_prefill:
@@ -80,7 +80,7 @@ class Scheduler:
     def update_from_output(self, output: SchedulerOutput) -> None:
         """Marks the step's tokens as computed (call after the forward pass succeeded)."""
         for seq in output.sequences:
-            self.requests[seq.request_id].num_computed_tokens += len(seq.token_ids)
+            self._advance(self.requests[seq.request_id], len(seq.token_ids))
 
     def extend_decodes(self, output: SchedulerOutput, n_steps: int) -> SchedulerOutput:
         """A decode-only output run as n_steps passes (each feeding the previous one's token):
@@ -95,13 +95,19 @@ class Scheduler:
             sequences.append(dataclasses.replace(seq, block_ids=request.kv.block_ids[:n_blocks]))
         return SchedulerOutput(sequences, output.cache_ops)
 
-    @staticmethod
-    def decoded(request: Request) -> None:
+    def decoded(self, request: Request) -> None:
         """One pass of an extended decode computed the request's next token."""
-        request.num_computed_tokens += 1
+        self._advance(request, 1)
 
-    def finish(self, request: Request, reason: str, error: str | None = None) -> None:
-        """Ends a request in any state and frees its KV."""
+    def _advance(self, request: Request, num_tokens: int) -> None:
+        request.num_computed_tokens += num_tokens
+        self.kv.computed(progress(request), request.num_computed_tokens - num_tokens)
+
+    def finish(self, request: Request, reason: str, error: str | None = None,
+               state_is_current: bool = True) -> None:
+        """Ends a request in any state and frees its KV. state_is_current: its cached state
+        matches its computed tokens (not after a failed pass, nor with passes queued past its
+        end), so the prefix cache may keep a snapshot of it."""
         if request.is_finished:
             return
         if request.status is RequestStatus.RUNNING:
@@ -110,7 +116,7 @@ class Scheduler:
             self.waiting.remove(request)
         del self.requests[request.request_id]
         if request.kv is not None:
-            self.kv.free(request.kv)
+            self.kv.free(request.kv, progress(request) if state_is_current else None)
             request.kv = None
         request.status, request.finish_reason, request.error = RequestStatus.FINISHED, reason, error
         request.finished_at = time.monotonic()
@@ -134,7 +140,7 @@ class Scheduler:
             if self._must_wait(piece, num_decodes) or min(piece, room) <= 0 or \
                     (request.kv is None and not self._admit(request, ops)):
                 break
-            piece = min(piece, room)
+            piece = min(piece, room, self._until_snapshot(request))
             pieces.append((request, piece))
             room -= piece
         return pieces
@@ -150,10 +156,16 @@ class Scheduler:
         return min((n for n in (self.policy.step_tokens, self.max_step_tokens) if n), default=0)
 
     def _num_uncomputed(self, request: Request) -> int:
-        """Tokens still to compute; a request not yet admitted skips a shared-prefix hit."""
+        """Tokens still to compute; a request not yet admitted skips its prefix-cache hit."""
         if request.kv is not None:
             return request.num_tokens - request.num_computed_tokens
-        return request.num_tokens - self.kv.num_prefix_hit_tokens(request.prompt_ids)
+        hit = self.kv.lookup(request.prompt_ids, request.block_keys)
+        return request.num_tokens - hit.num_tokens
+
+    def _until_snapshot(self, request: Request) -> int:
+        """Prompt tokens the request may prefill before the prefix cache snapshots its state."""
+        position = self.kv.next_snapshot_at(progress(request))
+        return sys.maxsize if position is None else position - request.num_computed_tokens
 
     def _prefill_queue(self) -> list[Request]:
         """Running partial prefills first, then the waiting requests in policy order."""
@@ -170,12 +182,13 @@ class Scheduler:
         """Moves the request to running if a sequence slot and its KV are free now."""
         if len(self.running) >= self.config.max_num_seqs:
             return False
-        allocation = self.kv.allocate(request.prompt_ids, request.num_kv_tokens)
+        allocation = self.kv.allocate(request.prompt_ids, request.num_kv_tokens,
+                                      request.block_keys)
         if allocation is None:
             return False
         request.kv, request_ops = allocation
         ops.extend(request_ops)
-        request.num_computed_tokens = request.kv.num_cached_tokens
+        request.num_computed_tokens = request.num_cached_tokens = request.kv.num_cached_tokens
         request.status, request.scheduled_at = RequestStatus.RUNNING, time.monotonic()
         self.waiting.remove(request)
         self.running.append(request)
@@ -190,3 +203,9 @@ class Scheduler:
         return ScheduledSequence(request.request_id, request.token_ids[start:end], start,
                                  request.kv.block_ids[:self.kv.num_blocks_for(end)],
                                  request.kv.state_slot, end == request.num_tokens)
+
+
+def progress(request: Request) -> SequenceProgress:
+    assert request.kv is not None
+    return SequenceProgress(request.token_ids, request.block_keys, request.kv,
+                            request.num_prompt_tokens, request.num_computed_tokens)

@@ -190,15 +190,16 @@ class _Sample:
 class SchedulerHarness:
     """Drives Scheduler without a model, checking the step invariants the runner relies on."""
 
-    def __init__(self, num_state_slots: int = 0, max_step_tokens: int = 0, **config_kwargs):
+    def __init__(self, is_hybrid: bool = False, max_step_tokens: int = 0, **config_kwargs):
         from sparkinfer_cli.engine.config import EngineConfig
         from sparkinfer_cli.engine.kv_cache import KVCacheManager
         from sparkinfer_cli.engine.policy import create_policy
         from sparkinfer_cli.engine.scheduler import Scheduler
 
         self.config = EngineConfig(**config_kwargs)
-        self.kv = KVCacheManager(self.config.num_blocks, self.config.block_size, num_state_slots,
-                                 self.config.prefix_token_ids)
+        self.kv = KVCacheManager.from_config(self.config, is_hybrid)
+        if self.kv.prefix is not None:
+            self.kv.pin_prefix()  # NOTE: bookkeeping only: no model computes its KV here
         self.scheduler = Scheduler(self.config, self.kv, create_policy(self.config),
                                    max_step_tokens)
         self.initial_free_blocks = self.kv.num_free_blocks

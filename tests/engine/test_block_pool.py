@@ -59,7 +59,7 @@ def test_slot_pool():
 
 
 def test_allocation_covers_prompt_plus_max_tokens():
-    kv = KVCacheManager(num_blocks=10, block_size=4, num_state_slots=0)
+    kv = KVCacheManager(num_blocks=10, block_size=4, num_seq_slots=0)
     kv_blocks, ops = kv.allocate([1, 2, 3], num_tokens=9)  # 9 positions → 3 blocks
     assert len(kv_blocks.block_ids) == 3 and kv_blocks.state_slot == NO_STATE_SLOT
     assert kv_blocks.num_cached_tokens == 0 and ops.is_empty
@@ -71,7 +71,7 @@ def test_allocation_covers_prompt_plus_max_tokens():
 
 
 def test_hybrid_allocation_resets_a_fresh_state_slot():
-    kv = KVCacheManager(num_blocks=10, block_size=4, num_state_slots=2)
+    kv = KVCacheManager(num_blocks=10, block_size=4, num_seq_slots=2)
     first, ops = kv.allocate([1], 4)
     assert ops.state_resets == [first.state_slot] and not ops.state_copies
     second, _ = kv.allocate([1], 4)
@@ -85,7 +85,9 @@ PREFIX = (5, 6, 7, 8, 9, 10)  # 6 tokens, block_size 4: one full block + a parti
 
 
 def test_prefix_hit_shares_full_blocks_and_copies_the_partial_one():
-    kv = KVCacheManager(num_blocks=10, block_size=4, num_state_slots=3, prefix_token_ids=PREFIX)
+    kv = KVCacheManager(num_blocks=10, block_size=4, num_seq_slots=2, prefix_token_ids=PREFIX,
+                        num_snapshot_slots=1)
+    kv.pin_prefix()
     prefix = kv.prefix
     assert len(prefix.block_ids) == 2 and kv.num_free_blocks == 8 and kv.max_request_tokens == 32
     hit, ops = kv.allocate([*PREFIX, 1, 2], num_tokens=12)  # 12 positions → 3 blocks
@@ -94,22 +96,34 @@ def test_prefix_hit_shares_full_blocks_and_copies_the_partial_one():
     assert hit.block_ids[1] not in prefix.block_ids  # the partial block is a private copy
     assert ops.block_copies == [(prefix.block_ids[1], hit.block_ids[1])]
     assert ops.state_copies == [(prefix.state_slot, hit.state_slot)] and not ops.state_resets
-    assert kv.block_pool.ref_count(prefix.block_ids[0]) == 2
+    pinned_refs = kv.block_pool.ref_count(prefix.block_ids[1])
+    assert kv.block_pool.ref_count(prefix.block_ids[0]) == pinned_refs + 1
     assert kv.num_free_blocks == 6  # only the 2 non-shared blocks came from the pool
     kv.free(hit)
-    assert kv.num_free_blocks == 8 and kv.block_pool.ref_count(prefix.block_ids[0]) == 1
+    assert kv.num_free_blocks == 8
+    assert kv.block_pool.ref_count(prefix.block_ids[0]) == pinned_refs
 
 
-@pytest.mark.parametrize("prompt", [list(PREFIX), [5, 6, 7, 1, 2, 3, 4], [1, *PREFIX]])
-def test_no_prefix_hit_without_a_suffix_or_a_match(prompt):
-    kv = KVCacheManager(num_blocks=10, block_size=4, num_state_slots=0, prefix_token_ids=PREFIX)
+@pytest.mark.parametrize("prompt", [[5, 6, 7, 1, 2, 3, 4], [1, *PREFIX]])
+def test_no_prefix_hit_without_a_match(prompt):
+    kv = KVCacheManager(num_blocks=10, block_size=4, num_seq_slots=0, prefix_token_ids=PREFIX)
+    kv.pin_prefix()
     blocks, ops = kv.allocate(prompt, num_tokens=len(prompt) + 2)
     assert blocks.num_cached_tokens == 0 and ops.is_empty
     assert not set(blocks.block_ids) & set(kv.prefix.block_ids)
 
 
+def test_a_prompt_equal_to_the_prefix_reuses_its_full_blocks_and_computes_the_rest():
+    kv = KVCacheManager(num_blocks=10, block_size=4, num_seq_slots=0, prefix_token_ids=PREFIX)
+    kv.pin_prefix()
+    blocks, ops = kv.allocate(list(PREFIX), num_tokens=len(PREFIX) + 2)
+    assert blocks.num_cached_tokens == 4 and ops.is_empty  # the last token is always computed
+    assert blocks.block_ids[0] == kv.prefix.block_ids[0]
+
+
 def test_prefix_ending_on_a_block_boundary_needs_no_copy():
-    kv = KVCacheManager(num_blocks=10, block_size=4, num_state_slots=0, prefix_token_ids=PREFIX[:4])
+    kv = KVCacheManager(num_blocks=10, block_size=4, num_seq_slots=0, prefix_token_ids=PREFIX[:4])
+    kv.pin_prefix()
     hit, ops = kv.allocate([*PREFIX[:4], 1], num_tokens=6)
     assert hit.block_ids[0] == kv.prefix.block_ids[0] and not ops.block_copies
 
@@ -120,8 +134,9 @@ def test_prefix_ending_on_a_block_boundary_needs_no_copy():
 def test_any_mix_of_allocations_returns_every_block(ops, hybrid):
     """Random allocate/free sequences: no block is owned twice (except the shared prefix), and
     freeing everything restores the initial free count."""
-    kv = KVCacheManager(num_blocks=16, block_size=4, num_state_slots=4 if hybrid else 0,
-                        prefix_token_ids=PREFIX)
+    kv = KVCacheManager(num_blocks=16, block_size=4, num_seq_slots=3 if hybrid else 0,
+                        prefix_token_ids=PREFIX, num_snapshot_slots=int(hybrid))
+    kv.pin_prefix()
     initial = kv.num_free_blocks
     live = []
     for is_alloc, length, uses_prefix in ops:

@@ -1,0 +1,122 @@
+"""Automatic prefix caching through the real engine thread, with FakeModel as the oracle: its next
+token is a hash of everything a sequence's block table reads back (and, for hybrid models, its
+state slot must hold exactly the hash of those tokens), so a wrong block, a stale snapshot or a
+block overwritten while shared changes the output or raises."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from engine_harness import Collector, greedy, wait_idle
+from fake_model import FakeDeviceModel, FakeModel, expected_greedy
+
+BS = 8  # block size of these engines
+
+
+def _run(engine, prompt, max_tokens=4):
+    sink = Collector()
+    final = sink.final(engine.submit(prompt, greedy(max_tokens), sink))
+    tokens = sink.tokens(final.request_id)
+    assert tokens == expected_greedy(prompt, max_tokens)
+    return final, tokens
+
+
+def _words(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(50) for _ in range(n)]
+
+
+@pytest.mark.parametrize("model_class", [FakeModel, FakeDeviceModel])
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_a_conversation_prefills_only_what_each_turn_adds(engines, hybrid, model_class):
+    """Turn n+1 = turn n's prompt + its answer + new tokens: after turn 1 only the new tokens
+    (plus the answer's last token, never fed back, and for non-hybrid models the partial last
+    block) are computed."""
+    model = model_class(hybrid=hybrid)
+    engine = engines(model, ctx=2048)
+    conversation, known = _words(1, 100), 0  # known: tokens whose KV an earlier turn computed
+    for turn in range(5):
+        before = model.num_forward_tokens
+        final, answer = _run(engine, conversation, max_tokens=12)
+        computed = model.num_forward_tokens - before - 11  # less the answer's decode passes
+        assert final.num_cached_tokens == (known if hybrid else known // BS * BS)
+        assert computed == len(conversation) - final.num_cached_tokens
+        known = len(conversation) + len(answer) - 1  # the last answer token is never fed back
+        conversation = [*conversation, *answer, *_words(10 + turn, 30 + turn)]
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_prompts_that_part_mid_block_share_only_what_is_cached(engines, hybrid):
+    engine = engines(FakeModel(hybrid=hybrid), prefix_snapshot_tokens=16)
+    base = _words(2, 45)
+    _run(engine, base)
+    for shared in (13, 16, 40, 44):  # mid-block, on a block edge, past a snapshot, all but one
+        prompt = [*base[:shared], *_words(100 + shared, 9)]
+        final, _ = _run(engine, prompt)
+        # a hybrid model resumes at a snapshot (each 16 prompt tokens, the prompt's end);
+        # a non-hybrid one at its last cached full block
+        expected = (shared // 16 * 16) if hybrid else (shared // BS * BS)
+        assert final.num_cached_tokens == expected
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_the_switch_turns_reuse_off(engines, hybrid):
+    model = FakeModel(hybrid=hybrid)
+    engine = engines(model, prefix_cache=False)
+    prompt = _words(3, 40)
+    _run(engine, prompt)
+    before = model.num_forward_tokens
+    final, _ = _run(engine, prompt)
+    assert final.num_cached_tokens == 0 and model.num_forward_tokens - before == len(prompt) + 3
+
+
+@pytest.mark.parametrize("model_class", [FakeModel, FakeDeviceModel])
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_shared_prefixes_under_pool_pressure_stay_correct(engines, hybrid, model_class):
+    """Many concurrent requests over a few shared prefixes in a pool far too small to cache them
+    all, with aborts and a small snapshot budget: every output matches the oracle (a block freed
+    or overwritten while another request reads it would not), hits happen, and at the end every
+    block and slot is free or reclaimable."""
+    rng = random.Random(5)
+    model = model_class(hybrid=hybrid)
+    engine = engines(model, start=False, ctx=40 * BS, max_num_seqs=5, prefix_snapshots=3,
+                     prefix_snapshot_tokens=16, prefill_batched=False, prefill_chunk_tokens=16)
+    stems = [_words(20 + i, rng.randint(10, 60)) for i in range(4)]
+    sink, prompts = Collector(), {}
+    for i in range(60):
+        prompt = [*rng.choice(stems)[:rng.randint(1, 60)], *_words(200 + i, rng.randint(1, 12))]
+        request_id = engine.submit(prompt, greedy(rng.randint(1, 40)), sink)
+        prompts[request_id] = prompt
+        if rng.random() < 0.15:
+            engine.abort(request_id)
+    initial_free = engine.stats().free_kv_blocks
+    engine.start()
+    for request_id, prompt in prompts.items():
+        final = sink.final(request_id)
+        tokens = sink.tokens(request_id)
+        assert tokens == expected_greedy(prompt, len(tokens))
+    assert sum(sink.final(r).num_cached_tokens for r in prompts) > 0
+    wait_idle(engine)
+    assert engine.stats().free_kv_blocks == initial_free
+    assert engine.kv.slot_pool.num_free_slots == (5 if hybrid else 0)
+
+
+def test_cached_blocks_are_evicted_least_recently_used_first(engines):
+    engine = engines(FakeModel(), ctx=12 * BS)  # room for about two of these requests' blocks
+    first, second, third = (_words(30 + i, 40) for i in range(3))
+    for prompt in (first, second):
+        _run(engine, prompt)
+    _run(engine, first)  # first is now the more recently used
+    _run(engine, third)  # needs blocks: second's go first
+    full_hit = (40 - 1) // BS * BS  # the prompt's last token is always computed
+    assert _run(engine, first)[0].num_cached_tokens == full_hit
+    assert _run(engine, second)[0].num_cached_tokens < full_hit
+
+
+def test_counters_report_queried_and_hit_tokens(engines):
+    engine = engines(FakeModel())
+    prompt = _words(4, 33)
+    _run(engine, prompt)
+    _run(engine, [*prompt, 7])
+    assert (engine.kv.num_queried_tokens, engine.kv.num_hit_tokens) == (67, 32)
