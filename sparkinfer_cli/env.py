@@ -166,6 +166,13 @@ SPARKINFER_SERVER_PREFIX_TOKEN_FILE: EnvVar[str | None] = EnvVar(
 SPARKINFER_SERVER_PREFIX_TOKEN_IDS: EnvVar[tuple[int, ...]] = EnvVar(
     "SPARKINFER_SERVER_PREFIX_TOKEN_IDS", parse_token_ids, (),
     "comma-separated token ids of a shared prompt prefix")
+SPARKINFER_PREFIX_CACHE: EnvVar[bool] = EnvVar(
+    "SPARKINFER_PREFIX_CACHE", parse_bool, True,
+    "reuse the KV (and hybrid models' state) of earlier requests' prompt prefixes; 0 = only the "
+    "configured shared prefix")
+SPARKINFER_PREFIX_CACHE_SNAPSHOTS: EnvVar[int] = EnvVar(
+    "SPARKINFER_PREFIX_CACHE_SNAPSHOTS", parse_non_negative_int, 0,
+    "hybrid models: recurrent-state snapshots the prefix cache keeps (0 = one per sequence slot)")
 SPARKINFER_KV_INT8: EnvVar[bool | None] = EnvVar(
     "SPARKINFER_KV_INT8", parse_bool, None, "int8 KV cache (unset = the model's default)")
 SPARKINFER_CUDA_PDL: EnvVar[bool] = EnvVar(
@@ -181,7 +188,8 @@ ALL_VARS: tuple[EnvVar, ...] = (
     SPARKINFER_PREFILL_BATCHED, SPARKINFER_MAX_OUTPUT_TOKENS, SPARKINFER_DECODE_STEPS,
     SPARKINFER_MAX_QUEUE_DEPTH, SPARKINFER_REQUEST_TIMEOUT_S, SPARKINFER_SHUTDOWN_GRACE_S,
     SPARKINFER_READ_TIMEOUT_S, SPARKINFER_WRITE_TIMEOUT_S, SPARKINFER_SERVER_PREFIX_TOKEN_FILE,
-    SPARKINFER_SERVER_PREFIX_TOKEN_IDS, SPARKINFER_KV_INT8, SPARKINFER_CUDA_PDL,
+    SPARKINFER_SERVER_PREFIX_TOKEN_IDS, SPARKINFER_PREFIX_CACHE, SPARKINFER_PREFIX_CACHE_SNAPSHOTS,
+    SPARKINFER_KV_INT8, SPARKINFER_CUDA_PDL,
     SPARKINFER_TOKENIZER_URL,
 )
 

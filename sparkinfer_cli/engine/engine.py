@@ -21,7 +21,7 @@ from sparkinfer_cli.engine.config import (
     RequestTooLargeError,
 )
 from sparkinfer_cli.engine.greedy_batch import GreedyBatch, default_num_threads
-from sparkinfer_cli.engine.kv_cache import CacheOps, KVCacheManager
+from sparkinfer_cli.engine.kv_cache import CacheOps, KVCacheManager, PrefixCacheStats
 from sparkinfer_cli.engine.model_runner import Model, ModelRunner
 from sparkinfer_cli.engine.policy import create_policy
 from sparkinfer_cli.engine.request import OutputStream, Request, RequestEvent
@@ -51,6 +51,8 @@ class EngineStats:
     max_queue_depth: int
     accepting_requests: bool
     step_timings: StepTimings = field(default_factory=StepTimings)  # cumulative, per step kind
+    prefix_cache: PrefixCacheStats | None = None
+    state_snapshot_bytes: int = 0  # memory of one recurrent-state snapshot (hybrid models)
 
 
 class ContinuousBatchEngine:
@@ -61,6 +63,7 @@ class ContinuousBatchEngine:
             raise ValueError(f"prefix token ids must be in [0, {self.n_vocab})")
         self.kv = KVCacheManager.from_config(config, model.config.is_hybrid)
         cache = model.create_cache(config.num_blocks, config.block_size, self.kv.num_state_slots)
+        self._state_bytes = model.config.recurrent_state_bytes() if model.config.is_hybrid else 0
         self.scheduler = Scheduler(config, self.kv, create_policy(config),
                                    getattr(model, "max_pass_tokens", 0))
         self.runner = ModelRunner(model, cache)
@@ -131,7 +134,9 @@ class ContinuousBatchEngine:
                            free_kv_blocks=self.kv.num_free_blocks,
                            total_kv_blocks=self.config.num_blocks,
                            max_queue_depth=self.config.max_queue_depth,
-                           accepting_requests=accepting, step_timings=self.timings.copy())
+                           accepting_requests=accepting, step_timings=self.timings.copy(),
+                           prefix_cache=self.kv.prefix_stats(),
+                           state_snapshot_bytes=self._state_bytes)
 
     def shutdown(self, wait: bool = True) -> None:
         """Stops accepting requests; the thread finishes those in flight, then exits."""

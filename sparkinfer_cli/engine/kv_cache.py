@@ -21,7 +21,8 @@ from sparkinfer_cli.engine.block_pool import BlockPool, SlotPool
 from sparkinfer_cli.engine.config import EngineConfig
 from sparkinfer_cli.engine.prefix_cache import NO_STATE_SLOT, PrefixCache, PrefixHit
 
-__all__ = ["NO_STATE_SLOT", "CacheOps", "KVBlocks", "KVCacheManager", "SequenceProgress"]
+__all__ = ["NO_STATE_SLOT", "CacheOps", "KVBlocks", "KVCacheManager", "PrefixCacheStats",
+           "SequenceProgress"]
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,15 @@ class KVBlocks:
     block_ids: tuple[int, ...]
     state_slot: int
     num_cached_tokens: int  # prompt tokens found in the prefix cache at admission
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    queried_tokens: int  # prompt tokens of admitted requests
+    hit_tokens: int  # of those, found in the cache
+    cached_blocks: int  # unreferenced blocks kept for their content (counted as free)
+    snapshots: int  # recurrent-state snapshots held (hybrid models)
+    snapshot_slots: int  # snapshots the pool has room for
 
 
 @dataclass
@@ -119,6 +129,12 @@ class KVCacheManager:
         """prompt + max_tokens of the largest request that fits in an otherwise empty cache."""
         num_prefix_blocks = len(self.prefix.block_ids) if self.prefix else 0
         return (self.block_pool.num_blocks - num_prefix_blocks) * self.block_size
+
+    def prefix_stats(self) -> PrefixCacheStats:
+        snapshots = self.prefix_cache.snapshot_slots
+        return PrefixCacheStats(self.num_queried_tokens, self.num_hit_tokens,
+                                self.block_pool.num_cached_blocks,
+                                self.prefix_cache.num_snapshots, snapshots.num_slots)
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

@@ -74,14 +74,17 @@ class PrefixCache:
         self._points: defaultdict[bytes, list[ResumePoint]] = defaultdict(list)  # by parent key
         self._recent: OrderedDict[int, ResumePoint] = OrderedDict()  # unpinned, LRU first
 
+    # NOTE: the two counts below are read from other threads (engine stats): they iterate over a
+    # copy taken in one C call, never over a dict the engine thread may be changing
+
     @property
     def num_snapshots(self) -> int:
-        return sum(p.state_slot != NO_STATE_SLOT for ps in self._points.values() for p in ps)
+        return self.snapshot_slots.num_slots - self.snapshot_slots.num_free_slots
 
     @property
     def num_reclaimable_blocks(self) -> int:
         """Blocks held only by unpinned resume points: evicting those points frees them."""
-        holds = Counter(b for p in self._recent.values() for b in p.held_blocks)
+        holds = Counter(b for p in list(self._recent.values()) for b in p.held_blocks)
         return sum(self.pool.ref_count(b) == n for b, n in holds.items())
 
     # ---- lookup ----------------------------------------------------------------------------------

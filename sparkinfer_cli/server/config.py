@@ -97,6 +97,8 @@ def build_engine_config(ctx: int | None, trained_context_length: int,
         "request_timeout_s": env.SPARKINFER_REQUEST_TIMEOUT_S.get(environ),
         "decode_steps": env.SPARKINFER_DECODE_STEPS.get(environ),
         "prefix_token_ids": env.prefix_token_ids(environ),
+        "prefix_cache": env.SPARKINFER_PREFIX_CACHE.get(environ),
+        "prefix_snapshots": env.SPARKINFER_PREFIX_CACHE_SNAPSHOTS.get(environ),
     }
     values.update(overrides)
     return EngineConfig(**values)

@@ -72,6 +72,33 @@ class StepTimingsCollector(Collector):
         return [steps, step_s, forward_s, overhead]
 
 
+class PrefixCacheCollector(Collector):
+    """Prefix-cache lookups and hits in prompt tokens, under our names and vLLM's (which routers
+    and dashboards read), plus what the cache holds."""
+
+    def __init__(self, stats: Callable[[], Any]):
+        self._stats = stats
+
+    def collect(self) -> Any:
+        cache = self._stats().prefix_cache
+        queried, hit = (cache.queried_tokens, cache.hit_tokens) if cache else (0, 0)
+        families = []
+        for prefix in (f"{PREFIX}_", "vllm:"):
+            families.append(CounterMetricFamily(
+                f"{prefix}prefix_cache_queries", "prompt tokens looked up in the prefix cache",
+                value=queried))
+            families.append(CounterMetricFamily(
+                f"{prefix}prefix_cache_hits", "prompt tokens found in the prefix cache",
+                value=hit))
+        families.append(GaugeMetricFamily(
+            f"{PREFIX}_prefix_cache_blocks", "unreferenced KV blocks kept for their content",
+            value=cache.cached_blocks if cache else 0))
+        families.append(GaugeMetricFamily(
+            f"{PREFIX}_prefix_cache_snapshots", "recurrent-state snapshots held (hybrid models)",
+            value=cache.snapshots if cache else 0))
+        return families
+
+
 class ServerMetrics:
     def __init__(self, stats: Callable[[], Any], is_accepting: Callable[[], bool]):
         """stats() returns the engine's EngineStats; both are read at scrape time."""
@@ -127,6 +154,7 @@ class ServerMetrics:
         Gauge(f"{PREFIX}_accepting_requests", "1 unless draining or stopped",
               registry=self.registry).set_function(lambda: float(is_accepting()))
         self.registry.register(StepTimingsCollector(stats))
+        self.registry.register(PrefixCacheCollector(stats))
 
     def count_request(self, outcome: str, *, streaming: bool) -> None:
         self.requests.inc()

@@ -222,7 +222,8 @@ class ChatResponse:
     def usage(self) -> Usage:
         events = [c.last_event for c in self.choices if c.last_event is not None]
         return Usage(self.num_prompt_tokens, sum(e.num_output_tokens for e in events),
-                     sum(c.num_reasoning_tokens for c in self.choices), _timings(events))
+                     sum(c.num_reasoning_tokens for c in self.choices), _timings(events),
+                     max((e.num_cached_tokens for e in events), default=0))  # one prompt
 
     def usage_chunk(self) -> dict[str, Any] | None:
         return self.header.chat_chunk([], self.usage()) if self.include_usage else None
@@ -294,7 +295,8 @@ class CompletionResponse:
     def usage(self) -> Usage:
         events = [e for e in self.last_events if e is not None]
         return Usage(sum(self.prompt_lengths), sum(e.num_output_tokens for e in events),
-                     timings=_timings(events))
+                     timings=_timings(events),
+                     cached_tokens=sum(e.num_cached_tokens for e in events))
 
     def usage_chunk(self) -> dict[str, Any] | None:
         return self.header.completion([], self.usage()) if self.include_usage else None

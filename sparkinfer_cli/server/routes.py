@@ -20,6 +20,7 @@ from urllib.parse import unquote
 from sanic import Request
 from sanic.response import HTTPResponse, json, raw
 
+from sparkinfer_cli.engine.engine import EngineStats
 from sparkinfer_cli.server.async_engine import AsyncEngine, Generation
 from sparkinfer_cli.server.config import ServerConfig
 from sparkinfer_cli.server.metrics import CONTENT_TYPE, ServerMetrics, outcome_of_status
@@ -154,7 +155,18 @@ async def capacity(request: Request) -> HTTPResponse:
                  "in_flight_http_requests": state.engine.num_in_flight,
                  "free_kv_blocks": stats.free_kv_blocks, "total_kv_blocks": stats.total_kv_blocks,
                  "max_queue_depth": stats.max_queue_depth,
-                 "accepting_requests": state.engine.is_accepting})
+                 "accepting_requests": state.engine.is_accepting,
+                 "prefix_cache": _prefix_cache_card(stats)})
+
+
+def _prefix_cache_card(stats: EngineStats) -> dict[str, Any] | None:
+    cache = stats.prefix_cache
+    if cache is None:
+        return None
+    return {"queried_tokens": cache.queried_tokens, "hit_tokens": cache.hit_tokens,
+            "cached_blocks": cache.cached_blocks, "state_snapshots": cache.snapshots,
+            "state_snapshot_slots": cache.snapshot_slots,
+            "state_snapshot_bytes": cache.snapshot_slots * stats.state_snapshot_bytes}
 
 
 async def metrics(request: Request) -> HTTPResponse:

@@ -59,6 +59,9 @@ class FakeConfig:
     context_length: int = 1 << 20
     is_hybrid: bool = False
 
+    def recurrent_state_bytes(self) -> int:
+        return 8  # FakeCache keeps one int a slot
+
 
 class FakeCache:
     def __init__(self, num_blocks: int, block_size: int, num_state_slots: int):

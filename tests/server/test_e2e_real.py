@@ -60,6 +60,25 @@ def test_greedy_completion_matches_llama_cpp(real, tokenizer, prompt) -> None:
     assert "".join(c.choices[0].text for c in stream) == expected
 
 
+def test_a_repeated_prompt_is_served_from_the_prefix_cache_with_llama_cpps_answer(real,
+                                                                                 tokenizer):
+    prompt = GOLDENS["prompt_long"]
+    expected = tokenizer.decode(GOLDENS["llama_cpp"]["Q8_0"]["greedy_long"])
+    full_blocks = (len(prompt) - 1) // 16 * 16  # the last prompt token is always computed
+    sdk(real).completions.create(model="m", prompt=prompt, max_tokens=24, temperature=0)
+    hits = metric(real.url, "vllm:prefix_cache_hits_total")
+    again = sdk(real).completions.create(model="m", prompt=prompt, max_tokens=24, temperature=0)
+    assert again.choices[0].text == expected
+    assert again.usage.prompt_tokens_details.cached_tokens == full_blocks
+    assert metric(real.url, "vllm:prefix_cache_hits_total") == hits + full_blocks
+    chunks = list(sdk(real).completions.create(model="m", prompt=prompt, max_tokens=24,
+                                               temperature=0, stream=True,
+                                               stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == full_blocks
+    assert httpx.get(f"{real.url}/v1/capacity").json()["prefix_cache"]["cached_blocks"] > 0
+
+
 def test_chat_sync_stream_async_and_raw_sse_agree(real) -> None:
     messages = [{"role": "user", "content": "Hello!"}]
     completion = sdk(real).chat.completions.create(model="m", messages=messages, max_tokens=8,
