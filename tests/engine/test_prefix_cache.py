@@ -6,10 +6,17 @@ block overwritten while shared changes the output or raises."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 from engine_harness import Collector, greedy, wait_idle
 from fake_model import FakeDeviceModel, FakeModel, expected_greedy
+
+from sparkinfer_cli.engine.config import EngineConfig
+from sparkinfer_cli.engine.engine import ContinuousBatchEngine
+from sparkinfer_cli.gguf_file import GGUFFile
+from sparkinfer_cli.model.loader import load_runtime_model
+from sparkinfer_cli.tokenizer.tokenizer import Tokenizer
 
 BS = 8  # block size of these engines
 
@@ -93,7 +100,7 @@ def test_shared_prefixes_under_pool_pressure_stay_correct(engines, hybrid, model
     initial_free = engine.stats().free_kv_blocks
     engine.start()
     for request_id, prompt in prompts.items():
-        final = sink.final(request_id)
+        sink.final(request_id)
         tokens = sink.tokens(request_id)
         assert tokens == expected_greedy(prompt, len(tokens))
     assert sum(sink.final(r).num_cached_tokens for r in prompts) > 0
@@ -120,3 +127,48 @@ def test_counters_report_queried_and_hit_tokens(engines):
     _run(engine, prompt)
     _run(engine, [*prompt, 7])
     assert (engine.kv.num_queried_tokens, engine.kv.num_hit_tokens) == (67, 32)
+
+
+FAMILIES = ["qwen3", "qwen3moe", "qwen35", "qwen35moe", "qwen3next"]
+TINY = Path(__file__).parents[1] / "fixtures" / "tiny"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_real_models_answer_the_same_with_the_cache_on_and_off(family):
+    """The tiny GGUF of each family on the CPU runtime: a conversation's next turn (a full hit),
+    a prompt parting from it mid-block (a partial hit), and the first turn again once other
+    prompts have evicted it: greedy tokens equal those of an engine without the cache."""
+    gguf = GGUFFile(TINY / family / f"{family}-Q8_0.gguf")
+    model, tokenizer = load_runtime_model(gguf, "cpu"), Tokenizer.from_gguf(gguf)
+    config = {"ctx": 20 * 16, "block_size": 16, "prefix_snapshot_tokens": 32}
+    cached = ContinuousBatchEngine(model, tokenizer, EngineConfig(**config))
+    plain = ContinuousBatchEngine(model, tokenizer, EngineConfig(**config, prefix_cache=False))
+    for engine in (cached, plain):
+        engine.start()
+    try:
+        def both(prompt: list[int]) -> tuple[list[int], int]:
+            answers = [_greedy(engine, prompt) for engine in (cached, plain)]
+            assert answers[0][0] == answers[1][0], f"{family}: the cache changed the answer"
+            return answers[0]
+
+        first = _words(6, 70)
+        answer, hit = both(first)
+        assert hit == 0
+        _, hit = both([*first, *answer, *_words(7, 20)])
+        known = len(first) + len(answer) - 1  # the last answer token was never fed back
+        assert hit == (known if cached.kv.is_hybrid else known // 16 * 16)
+        _, hit = both([*first[:45], *_words(8, 10)])  # parts in block 2: its 2 full blocks, or
+        assert hit == 32  # a hybrid model's snapshot at 32 prompt tokens
+        for seed in range(4):  # ~4 × 90 tokens through a 320-token pool: the first turn is gone
+            both(_words(50 + seed, 90))
+        assert both(first)[1] == 0
+    finally:
+        for engine in (cached, plain):
+            engine.shutdown()
+
+
+def _greedy(engine, prompt: list[int]) -> tuple[list[int], int]:
+    sink = Collector()
+    final = sink.final(engine.submit(prompt, greedy(6, ignore_eos=True), sink))
+    return sink.tokens(final.request_id), final.num_cached_tokens
