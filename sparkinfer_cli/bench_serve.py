@@ -49,6 +49,14 @@ from sparkinfer_cli.bench_serve_report import (
     write_serve_report,
 )
 from sparkinfer_cli.bench_serve_server import server_ctx, started_server
+from sparkinfer_cli.bench_serve_turns import (
+    TURNS_HEADER,
+    TurnFigures,
+    TurnsReport,
+    run_turns,
+    turn_cells,
+    write_turns_report,
+)
 
 DEFAULT_CLIENTS = {"cuda": (1, 8, 32, 64), "cpu": (1, 4, 8)}
 WARM_IDLE_PROMPT_TOKENS = 16
@@ -73,6 +81,8 @@ class ServeBenchRequest:
     out_dir: Path = Path("bench/results")
     command: str = "sparkinfer bench --serve"
     seed: int = 0
+    turns: int = 0  # > 0: one conversation of this many turns instead of the loads
+    turn_tokens: int = 200  # new text tokens each turn appends
 
     def __post_init__(self) -> None:
         if self.url is None:
@@ -86,6 +96,8 @@ class ServeBenchRequest:
             (self.requests_per_client >= 1, "--requests-per-client must be at least 1"),
             (self.rate is None or self.rate > 0, "--rate must be above 0 requests a second"),
             (self.duration_s > 0, "--duration must be above 0 seconds"),
+            (self.turns >= 0 and self.turn_tokens >= 1,
+             "--turns must be >= 0 and --turn-tokens at least 1"),
         ]
         for ok, message in checks:
             if not ok:
@@ -99,11 +111,15 @@ class ServeBenchRequest:
 
     @property
     def request_tokens(self) -> int:
-        return self.prompt_tokens + self.max_tokens
+        """The longest request: with --turns, the last turn's prompt and answer."""
+        return self.prompt_tokens + self.max_tokens + \
+            self.turns * (self.turn_tokens + self.max_tokens)
 
 
 def run_serve_bench(request: ServeBenchRequest, console: Console) -> list[Path]:
     """Measures, prints a table, writes the result files and returns their paths."""
+    if request.turns:
+        return run_turns_bench(request, console)
     load_before = list(os.getloadavg())
     if request.url is not None:
         report = measure_running_server(request, console)
@@ -141,6 +157,43 @@ def measure_started_server(request: ServeBenchRequest, console: Console) -> Serv
         run_session(request, endpoint, report, console)
     add_engine_figures(report, path, request, console)
     return report
+
+
+def run_turns_bench(request: ServeBenchRequest, console: Console) -> list[Path]:
+    """One conversation (bench_serve_turns.py) through a started or running server."""
+    if request.url is not None:
+        endpoint = connect(request.url)
+        turns, cold = conversation(request, endpoint, console)
+        label, machine = endpoint.model, describe_device("cpu") + " (the client's)"
+    else:
+        path, label = resolve_bench_model(
+            BenchRequest(request.model, request.synthetic, request.device), console)
+        ctx = server_ctx(path, request.request_tokens, 2)  # NOTE: room to keep the last turn
+        with started_server(path, request.device, ctx, console) as (endpoint, _):
+            turns, cold = conversation(request, endpoint, console)
+        machine = describe_device(request.device)
+    parameters = {"turns": request.turns, "first_prompt_tokens": request.prompt_tokens,
+                  "turn_tokens": request.turn_tokens, "max_tokens": request.max_tokens,
+                  "seed": request.seed}
+    report = TurnsReport(label, request.device, machine, git_commit(),
+                         datetime.now().astimezone().isoformat(timespec="seconds"),
+                         request.command, parameters, turns, cold)
+    files = write_turns_report(report, request.out_dir)
+    table = Table(title=f"{label}: {request.turns} turns on {machine}")
+    for name in TURNS_HEADER:
+        table.add_column(name, justify="right")
+    for turn in [*turns, cold]:
+        table.add_row(*turn_cells(turn, cold.ttft_ms))
+    console.print(table)
+    console.print("wrote " + ", ".join(str(f) for f in files))
+    return files
+
+
+def conversation(request: ServeBenchRequest, endpoint: Endpoint,
+                 console: Console) -> tuple[list[TurnFigures], TurnFigures]:
+    with console.status(f"a {request.turns}-turn conversation"):
+        return run_turns(endpoint, request.turns, request.prompt_tokens, request.turn_tokens,
+                         request.max_tokens, request.seed)
 
 
 def new_report(request: ServeBenchRequest, label: str, model_file: str | None, machine: str,

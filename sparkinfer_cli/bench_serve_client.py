@@ -38,6 +38,9 @@ class RequestTiming:
     output_tokens: int = 0  # the final usage block's completion_tokens
     finish_reason: str | None = None
     server_ttft_ms: float | None = None  # the usage block's ttft_ms, where the server sends one
+    prompt_tokens: int = 0  # the usage block's
+    cached_tokens: int = 0  # the usage block's prompt_tokens_details.cached_tokens
+    text: str = ""  # the streamed text
     error: str | None = None
 
     @property
@@ -108,22 +111,24 @@ def connect(url: str) -> Endpoint:
 
 
 # ---- one streamed request ------------------------------------------------------------------------
-def completion_body(endpoint: Endpoint, prompt: list[int], max_tokens: int) -> dict:
+def completion_body(endpoint: Endpoint, prompt: list[int] | str, max_tokens: int,
+                    ignore_eos: bool = True) -> dict:
     # NOTE: ignore_eos (vLLM's field) keeps every request max_tokens long; a server without it
     # stops at EOS, which the report counts as "stopped early"
     return {"model": endpoint.model, "prompt": prompt, "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
-            "ignore_eos": True}
+            "ignore_eos": ignore_eos}
 
 
-def stream_completion(endpoint: Endpoint, prompt: list[int], max_tokens: int,
-                      timeout_s: float = REQUEST_TIMEOUT_S) -> RequestTiming:
+def stream_completion(endpoint: Endpoint, prompt: list[int] | str, max_tokens: int,
+                      timeout_s: float = REQUEST_TIMEOUT_S,
+                      ignore_eos: bool = True) -> RequestTiming:
     """Sends one streaming completion and times its chunks; failures are recorded, not raised."""
     conn = endpoint.connection(timeout_s)
     timing = RequestTiming(time.perf_counter())
     try:
         conn.request("POST", endpoint.target("/v1/completions"),
-                     json.dumps(completion_body(endpoint, prompt, max_tokens)),
+                     json.dumps(completion_body(endpoint, prompt, max_tokens, ignore_eos)),
                      {"Content-Type": "application/json", "Accept": "text/event-stream"})
         response = conn.getresponse()
         if response.status != 200:
@@ -166,11 +171,14 @@ def add_chunk(timing: RequestTiming, chunk: dict, now: float) -> None:
     for choice in chunk.get("choices") or ():
         if choice.get("text"):
             timing.token_times.append(now)
+            timing.text += choice["text"]
         timing.finish_reason = choice.get("finish_reason") or timing.finish_reason
     usage = chunk.get("usage")
     if usage:
         timing.output_tokens = usage.get("completion_tokens", 0)
         timing.server_ttft_ms = usage.get("ttft_ms")
+        timing.prompt_tokens = usage.get("prompt_tokens", 0)
+        timing.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
 
 
 # ---- prompts -------------------------------------------------------------------------------------
