@@ -38,10 +38,10 @@ class RequestTiming:
     output_tokens: int = 0  # the final usage block's completion_tokens
     finish_reason: str | None = None
     server_ttft_ms: float | None = None  # the usage block's ttft_ms, where the server sends one
+    error: str | None = None
     prompt_tokens: int = 0  # the usage block's
     cached_tokens: int = 0  # the usage block's prompt_tokens_details.cached_tokens
     text: str = ""  # the streamed text
-    error: str | None = None
 
     @property
     def ttft_s(self) -> float:
