@@ -3,24 +3,44 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
+from sparkinfer_cli import __version__
 from sparkinfer_cli.device import pick_device
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  context_settings={"help_option_names": ["-h", "--help"]},
                   help="GGUF inference for the Qwen3 family, with an OpenAI-compatible server.")
 err = Console(stderr=True, soft_wrap=True)
 MODEL_HELP = "GGUF path, demo model name, or owner/repo[:file]."
+# SamplingParams fields as `generate` spells them, so that its errors name what the user typed
+_GENERATE_FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature",
+                   "top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p"}
 
 
 def _fail(message: str) -> None:
-    err.print(f"[bold red]error:[/] {message}")
+    """One line on stderr, exit 1: messages from other libraries may hold newlines or brackets."""
+    err.print(f"[bold red]error:[/] {escape(' '.join(message.split()))}")
     raise typer.Exit(1)
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        print(f"sparkinfer {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(version: bool = typer.Option(False, "--version", callback=_show_version,
+                                      is_eager=True, help="Print the version and exit.")):
+    """GGUF inference for the Qwen3 family, with an OpenAI-compatible server."""
 
 
 @app.command()
@@ -42,10 +62,10 @@ def download(repo: str = typer.Argument("unsloth/Qwen3.6-35B-A3B-GGUF",
 
 @app.command()
 def inspect(file: Path = typer.Argument(..., help="A GGUF file."),
-            ctx: Optional[int] = typer.Option(None, "--ctx",
+            ctx: Optional[int] = typer.Option(None, "--ctx", min=1,
                                               help="KV cache size for the memory estimate."),
             as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")):
-    """Report what a GGUF holds and the memory it needs."""
+    """Report what a GGUF holds and the memory it needs; exit 1 if the engine cannot run it."""
     from sparkinfer_cli.gguf_file import GGUFError, GGUFFile
     from sparkinfer_cli.inspect_report import build_report, render_report
     try:
@@ -56,6 +76,8 @@ def inspect(file: Path = typer.Argument(..., help="A GGUF file."),
         print(json.dumps(report, indent=2))
     else:
         render_report(report, Console())
+    if report["engine_error"]:
+        _fail(report["engine_error"])
 
 
 @app.command()
@@ -78,7 +100,7 @@ def generate(prompt: str = typer.Argument(..., help="The prompt (a user message 
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                 top_k=top_k, min_p=min_p, seed=seed, stop=tuple(stop))
     except ValueError as exc:
-        _fail(str(exc))
+        _fail(re.sub(r"\b\w+\b", lambda m: _GENERATE_FLAGS.get(m[0], m[0]), str(exc)))
     try:
         request = GenerateRequest(prompt, model, raw, system, not no_think, params,
                                   pick_device(device))
@@ -131,7 +153,8 @@ def bench(model: Optional[str] = typer.Option(None, "-m", "--model", help=MODEL_
 @app.command()
 def serve(model: Optional[str] = typer.Option(None, "-m", "--model", help=MODEL_HELP),
           host: Optional[str] = typer.Option(None, "--host", help="Default: $HOST or 127.0.0.1."),
-          port: Optional[int] = typer.Option(None, "--port", help="Default: $PORT or 8080."),
+          port: Optional[int] = typer.Option(None, "--port", min=0, max=65535,
+                                             help="Default: $PORT or 8080."),
           ctx: Optional[int] = typer.Option(None, "--ctx", help="KV pool size in tokens ($CTX)."),
           api_key: Optional[str] = typer.Option(None, "--api-key",
                                                  help="Bearer key ($SPARKINFER_API_KEY)."),
@@ -147,6 +170,7 @@ def serve(model: Optional[str] = typer.Option(None, "-m", "--model", help=MODEL_
     """OpenAI-compatible HTTP server."""
     from sparkinfer_cli.env import parse_origins
     from sparkinfer_cli.hub import HubError, resolve_model
+    from sparkinfer_cli.preflight import check_serve
     from sparkinfer_cli.server.app import run_server
     try:
         origins = None if cors_origins is None else parse_origins(cors_origins)
@@ -155,12 +179,14 @@ def serve(model: Optional[str] = typer.Option(None, "-m", "--model", help=MODEL_
     try:
         chosen = pick_device(device)
         path, note = resolve_model(model, prefer_gpu=chosen == "cuda")
+        pool = check_serve(path, host, port, ctx, chosen)  # before minutes of loading
     except (ValueError, HubError) as exc:
         _fail(str(exc))
-    if note:
-        err.print(f"[yellow]{note}[/]")
+    for line in (note, pool.note):
+        if line:
+            err.print(f"[yellow]{escape(line)}[/]")
     try:
-        run_server(path, host, port, ctx, api_key, device=chosen, model_name=alias,
+        run_server(path, host, port, pool.ctx, api_key, device=chosen, model_name=alias,
                    cors_origins=origins)
     except (ValueError, OSError) as exc:  # bad env/flags, broken file, port in use
         _fail(str(exc))

@@ -1,9 +1,10 @@
 """`sparkinfer inspect`: what a GGUF file holds and how much memory serving it takes.
 
 build_report() returns plain JSON-serialisable data (the CLI's --json prints it as is);
-render_report() draws the same data as rich tables. A file whose metadata the engine cannot use
-(missing key, unsupported architecture) still gets a report: what cannot be derived is None and
-the reason is in report["warnings"].
+render_report() draws the same data as rich tables. A well-formed file the engine cannot use
+(missing key, unsupported architecture, tensors or tokenizer that do not fit) still gets a report:
+what cannot be derived is None and the reason is in report["engine_error"] and its warnings. A
+malformed one (hostile counts or values) is a GGUFError.
 """
 
 from __future__ import annotations
@@ -12,19 +13,26 @@ from collections import defaultdict
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
-from sparkinfer_cli.gguf_file import GGUFError, GGUFFile
+from sparkinfer_cli.gguf_file import GGUFError, GGUFFile, UnusableModelError
 from sparkinfer_cli.model.config import ModelConfig
+from sparkinfer_cli.model.required_tensors import check_required_tensors
+from sparkinfer_cli.tokenizer.tokenizer import Tokenizer, check_metadata_types
 
 KV_BYTES_PER_VALUE = 2  # F16 KV cache
 
 
 def build_report(gguf: GGUFFile, ctx: int | None = None) -> dict[str, Any]:
+    """Raises GGUFError for a malformed file (hostile counts, impossible values), which has
+    nothing trustworthy to report."""
     if ctx is not None and ctx < 1:
         raise ValueError(f"ctx must be at least 1, got {ctx}")
     warnings: list[str] = []
-    config = _config_or_warning(gguf, warnings)
+    config, engine_error = _config_and_engine_error(gguf)
+    if engine_error:
+        warnings.append(f"the engine cannot use this file: {engine_error}")
     if gguf.get(f"{gguf.get('general.architecture')}.context_length") is None:
         warnings.append("metadata has no context_length"
                         + (f"; assuming {config.context_length}" if config else ""))
@@ -37,21 +45,30 @@ def build_report(gguf: GGUFFile, ctx: int | None = None) -> dict[str, Any]:
         "chat_template": _chat_template_section(gguf),
         "memory": memory_section(gguf, config, ctx),
         "warnings": warnings,
+        "engine_error": engine_error,  # why generate / serve would refuse the file, or None
     }
 
 
-def _config_or_warning(gguf: GGUFFile, warnings: list[str]) -> ModelConfig | None:
+def _config_and_engine_error(gguf: GGUFFile) -> tuple[ModelConfig | None, str | None]:
+    """The config when the metadata yields one, and the first reason the engine cannot run the
+    file: unsupported or missing metadata, a tensor table or tokenizer that does not fit it."""
+    check_metadata_types(gguf)  # a malformed tokenizer is refused, as malformed metadata is
     try:
-        return ModelConfig.from_gguf(gguf)
+        config = ModelConfig.from_gguf(gguf)
+    except UnusableModelError as exc:
+        return None, str(exc)
+    try:
+        check_required_tensors(gguf, config)
+        Tokenizer.from_gguf(gguf)
     except GGUFError as exc:
-        warnings.append(f"the engine cannot use this file: {exc}")
-        return None
+        return config, str(exc)
+    return config, None
 
 
 # ---- sections ----------------------------------------------------------------------------------
 def model_section(gguf: GGUFFile, config: ModelConfig | None) -> dict[str, Any]:
     arch = gguf.get("general.architecture")
-    file_type = gguf.get("general.file_type")
+    file_type = gguf.typed("general.file_type", int)
     section = {
         "architecture": arch,
         "name": gguf.get("general.name"),
@@ -123,8 +140,9 @@ def quant_histogram(gguf: GGUFFile) -> list[dict[str, Any]]:
 
 
 def tokenizer_section(gguf: GGUFFile) -> dict[str, Any]:
-    tokens = gguf.get("tokenizer.ggml.tokens") or []
-    bos, eos = gguf.get("tokenizer.ggml.bos_token_id"), gguf.get("tokenizer.ggml.eos_token_id")
+    tokens = gguf.typed_list("tokenizer.ggml.tokens", str) or []
+    bos = gguf.typed("tokenizer.ggml.bos_token_id", int)
+    eos = gguf.typed("tokenizer.ggml.eos_token_id", int)
 
     def text(token_id: int | None) -> str | None:
         return tokens[token_id] if token_id is not None and 0 <= token_id < len(tokens) else None
@@ -135,7 +153,7 @@ def tokenizer_section(gguf: GGUFFile) -> dict[str, Any]:
 
 
 def _chat_template_section(gguf: GGUFFile) -> dict[str, Any]:
-    template = gguf.get("tokenizer.chat_template")
+    template = gguf.typed("tokenizer.chat_template", str)
     return {"present": isinstance(template, str), "length": len(template or "")}
 
 
@@ -157,14 +175,14 @@ def memory_section(gguf: GGUFFile, config: ModelConfig | None, ctx: int | None) 
 # ---- rendering ---------------------------------------------------------------------------------
 def render_report(report: dict[str, Any], console: Console) -> None:
     f, m = report["file"], report["model"]
-    console.print(f"[bold]{f['path']}[/]  {format_bytes(f['size_bytes'])}, "
+    console.print(f"[bold]{escape(f['path'])}[/]  {format_bytes(f['size_bytes'])}, "
                   f"{f['tensors']} tensors, {f['metadata_keys']} metadata keys")
     console.print(_key_value_table("Model", _model_rows(m)))
     console.print(_quant_table(report["quantization"]))
     console.print(_key_value_table("Tokenizer", _tokenizer_rows(report)))
     console.print(_key_value_table("Memory", _memory_rows(report["memory"])))
     for warning in report["warnings"]:
-        console.print(f"[yellow]warning:[/] {warning}")
+        console.print(f"[yellow]warning:[/] {escape(warning)}")
 
 
 def _key_value_table(title: str, rows: list[tuple[str, str]]) -> Table:
@@ -214,9 +232,13 @@ def _tokenizer_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
     t, c = report["tokenizer"], report["chat_template"]
     return [("model / pre", f"{_text(t['model'])} / {_text(t['pre'])}"),
             ("vocabulary", str(t["vocab_size"])),
-            ("bos", f"{_text(t['bos_id'])} {t['bos_token']!r}" if t["bos_token"] else "-"),
-            ("eos", f"{_text(t['eos_id'])} {t['eos_token']!r}" if t["eos_token"] else "-"),
+            ("bos", _special_token_text(t["bos_id"], t["bos_token"])),
+            ("eos", _special_token_text(t["eos_id"], t["eos_token"])),
             ("chat template", f"yes ({c['length']:,} chars)" if c["present"] else "no")]
+
+
+def _special_token_text(token_id: int | None, text: str | None) -> str:
+    return f"{token_id} {escape(repr(text))}" if text else "-"
 
 
 def _memory_rows(mem: dict[str, Any]) -> list[tuple[str, str]]:
@@ -232,11 +254,12 @@ def _memory_rows(mem: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 def _text(value: Any) -> str:
-    return "-" if value is None else str(value)
+    """A metadata value as a table cell (escaped: a file's strings are not rich markup)."""
+    return "-" if value is None else escape(str(value))
 
 
 def format_bytes(n: float) -> str:
-    units, i = ("B", "KiB", "MiB", "GiB", "TiB"), 0
+    units, i = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"), 0
     while n >= 1024 and i < len(units) - 1:
         n, i = n / 1024, i + 1
     return f"{int(n)} B" if i == 0 else f"{n:.2f} {units[i]}"

@@ -24,19 +24,19 @@ class GenerateRequest:
 def run_generate(req: GenerateRequest, err: Console) -> None:
     """Generated text to stdout as it comes, everything else to stderr. Ctrl-C stops cleanly."""
     from sparkinfer_cli.generate import GenerationStats, build_prompt, stream_generation
-    from sparkinfer_cli.gguf_file import GGUFFile
     from sparkinfer_cli.hub import resolve_model
     from sparkinfer_cli.model.loader import load_runtime_model
-    from sparkinfer_cli.tokenizer.vocab_override import load_tokenizer
+    from sparkinfer_cli.preflight import check_context, check_model_file
 
     path, note = resolve_model(req.model, prefer_gpu=req.device == "cuda")
     if note:
         err.print(f"[yellow]{note}[/]")
-    gguf = GGUFFile(path)
-    model = load_runtime_model(gguf, req.device)
-    tokenizer = load_tokenizer(gguf)
+    checked = check_model_file(path)  # the file, tokenizer and prompt before the weights load
+    tokenizer = checked.tokenizer
     ids = build_prompt(tokenizer, req.prompt, raw=req.raw, system=req.system,
                        enable_thinking=req.enable_thinking)
+    check_context(checked.config, len(ids), req.params.max_tokens)
+    model = load_runtime_model(checked.gguf, req.device)
     stats = GenerationStats()
     stream = stream_generation(model, tokenizer, ids, req.params, stats)
     try:

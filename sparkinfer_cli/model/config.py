@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from sparkinfer_cli.gguf_file import GGUFError
+from sparkinfer_cli.gguf_file import GGUFError, UnusableModelError
 
 if TYPE_CHECKING:
     from sparkinfer_cli.gguf_file import GGUFFile
@@ -14,6 +15,7 @@ SUPPORTED_ARCHITECTURES = (
     "llama", "qwen2", "qwen3", "qwen3moe", "qwen3next", "qwen35", "qwen35moe")
 HYBRID_ARCHITECTURES = ("qwen3next", "qwen35", "qwen35moe")
 ROPE_NORMAL, ROPE_NEOX = "normal", "neox"  # normal: adjacent pairs (llama); neox: halves
+_REQUIRED = object()
 
 
 @dataclass(frozen=True)
@@ -43,46 +45,68 @@ class ModelConfig:
     ssm_n_v_heads: int = 0  # H_v
     ssm_inner_size: int = 0  # H_v · head_v_dim
 
+    def __post_init__(self) -> None:
+        # NOTE: messages name the metadata keys, since from_gguf's caller sees them as file errors
+        checks = [
+            (self.n_layer >= 1, "block_count leaves no layer to run"),
+            (self.n_head % self.n_head_kv == 0,
+             f"attention.head_count_kv ({self.n_head_kv}) must divide attention.head_count "
+             f"({self.n_head})"),
+            (self.n_rot <= self.head_dim and self.n_rot % 2 == 0,
+             f"rope.dimension_count ({self.n_rot}) must be even and at most the head size "
+             f"({self.head_dim})"),
+            (not self.n_expert or 1 <= self.n_expert_used <= self.n_expert,
+             f"expert_used_count ({self.n_expert_used}) must be in 1..expert_count "
+             f"({self.n_expert})"),
+            (len(self.recurrent_layers) in (0, self.n_layer),
+             "attention.recurrent_layers must give every layer"),
+            (not self.is_hybrid or min(self.ssm_conv_kernel, self.ssm_d_state, self.ssm_n_group,
+                                       self.ssm_n_v_heads, self.ssm_inner_size) >= 1,
+             "a hybrid model needs ssm.conv_kernel, state_size, group_count, time_step_rank "
+             "and inner_size of at least 1"),
+            (not self.is_hybrid or self.ssm_inner_size % self.ssm_n_v_heads == 0,
+             "ssm.time_step_rank must divide ssm.inner_size"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
     @classmethod
     def from_gguf(cls, gguf: GGUFFile) -> ModelConfig:
+        """The file's config, every value type- and range-checked before anything is sized from
+        it (loader.checked_config also checks the tensor table against it)."""
         arch = gguf.architecture
         if arch not in SUPPORTED_ARCHITECTURES:
-            raise GGUFError(f"{gguf.path}: unsupported architecture {arch!r} "
-                            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
-        key = gguf.arch_key
-
-        def required(suffix: str):
-            value = key(suffix)
-            if value is None:
-                raise GGUFError(f"{gguf.path}: metadata key {arch}.{suffix} is missing")
-            return value
-
-        n_embd, n_head = int(required("embedding_length")), int(required("attention.head_count"))
-        n_layer = int(required("block_count")) - int(key("nextn_predict_layers", 0))
-        head_dim = int(key("attention.key_length", n_embd // n_head))
-        tokens = gguf.get("tokenizer.ggml.tokens")
-        n_vocab = int(key("vocab_size", 0)) or (len(tokens) if tokens else 0) or \
-            gguf.tensor("token_embd.weight").shape[1]
-        return cls(
-            arch=arch, n_vocab=n_vocab, n_embd=n_embd, n_layer=n_layer, n_head=n_head,
-            n_head_kv=int(key("attention.head_count_kv", n_head)), head_dim=head_dim,
-            n_ff=int(key("feed_forward_length", 0)),
-            context_length=int(key("context_length", 4096)),
-            rms_eps=float(required("attention.layer_norm_rms_epsilon")),
-            rope_base=float(key("rope.freq_base", 10000.0)),
-            n_rot=int(key("rope.dimension_count", head_dim)),
-            rope_style=ROPE_NORMAL if arch == "llama" else ROPE_NEOX,
-            tied_embeddings="output.weight" not in gguf.tensors,
-            n_expert=int(key("expert_count", 0)), n_expert_used=int(key("expert_used_count", 0)),
-            n_ff_exp=int(key("expert_feed_forward_length", 0)),
-            n_ff_shexp=int(key("expert_shared_feed_forward_length", 0)),
-            recurrent_layers=_recurrent_layers(gguf, arch, n_layer),
-            ssm_conv_kernel=int(key("ssm.conv_kernel", 0)),
-            ssm_d_state=int(key("ssm.state_size", 0)),
-            ssm_n_group=int(key("ssm.group_count", 0)),
-            ssm_n_v_heads=int(key("ssm.time_step_rank", 0)),
-            ssm_inner_size=int(key("ssm.inner_size", 0)),
-        )
+            raise UnusableModelError(f"{gguf.path}: unsupported architecture {arch!r} "
+                                     f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+        k = _ArchKeys(gguf, arch)
+        n_embd, n_head = k.integer("embedding_length"), k.integer("attention.head_count")
+        n_layer = k.integer("block_count") - k.integer("nextn_predict_layers", 0, minimum=0)
+        _check_blocks_exist(gguf, n_layer)
+        head_dim = k.integer("attention.key_length", max(n_embd // n_head, 1))
+        tokens = gguf.typed_list("tokenizer.ggml.tokens", str)
+        try:
+            config = cls(
+                arch=arch, n_vocab=k.integer("vocab_size", len(tokens or ())) or
+                gguf.tensor("token_embd.weight").shape[-1],
+                n_embd=n_embd, n_layer=n_layer, n_head=n_head,
+                n_head_kv=k.integer("attention.head_count_kv", n_head), head_dim=head_dim,
+                n_ff=k.integer("feed_forward_length", 0, minimum=0),
+                context_length=k.integer("context_length", 4096),
+                rms_eps=k.number("attention.layer_norm_rms_epsilon"),
+                rope_base=k.number("rope.freq_base", 10000.0),
+                n_rot=k.integer("rope.dimension_count", head_dim),
+                rope_style=ROPE_NORMAL if arch == "llama" else ROPE_NEOX,
+                tied_embeddings="output.weight" not in gguf.tensors,
+                n_expert=k.integer("expert_count", 0, minimum=0),
+                n_expert_used=k.integer("expert_used_count", 0, minimum=0),
+                n_ff_exp=k.integer("expert_feed_forward_length", 0, minimum=0),
+                n_ff_shexp=k.integer("expert_shared_feed_forward_length", 0, minimum=0),
+                recurrent_layers=_recurrent_layers(k, arch, n_layer),
+                **{field: k.integer(key, 0, minimum=0) for field, key in _SSM_KEYS.items()})
+        except ValueError as exc:  # __post_init__'s checks; GGUFError passes through with its path
+            raise exc if isinstance(exc, GGUFError) else GGUFError(f"{gguf.path}: {exc}") from None
+        return config
 
     # ---- derived ------------------------------------------------------------------------------
     @property
@@ -119,11 +143,58 @@ class ModelConfig:
         return 4 * (conv + delta) * len(self.recurrent_layer_ids)
 
 
-def _recurrent_layers(gguf: GGUFFile, arch: str, n_layer: int) -> tuple[bool, ...]:
+_SSM_KEYS = {"ssm_conv_kernel": "ssm.conv_kernel", "ssm_d_state": "ssm.state_size",
+             "ssm_n_group": "ssm.group_count", "ssm_n_v_heads": "ssm.time_step_rank",
+             "ssm_inner_size": "ssm.inner_size"}
+
+
+class _ArchKeys:
+    """`{arch}.{suffix}` metadata values, type- and range-checked: a hostile value is a GGUFError
+    here, never a ZeroDivisionError or a huge allocation later."""
+
+    def __init__(self, gguf: GGUFFile, arch: str):
+        self.gguf, self.arch = gguf, arch
+
+    def _value(self, suffix: str, kind: type, default: object) -> object:
+        value = self.gguf.typed(f"{self.arch}.{suffix}", kind)
+        if value is None and default is _REQUIRED:
+            raise UnusableModelError(
+                f"{self.gguf.path}: metadata key {self.arch}.{suffix} is missing")
+        return default if value is None else value
+
+    def integer(self, suffix: str, default: object = _REQUIRED, minimum: int = 1) -> int:
+        value = self._value(suffix, int, default)
+        if value is not default and value < minimum:  # type: ignore[operator]
+            raise GGUFError(f"{self.gguf.path}: metadata key {self.arch}.{suffix} is {value}; "
+                            f"it must be at least {minimum}")
+        return int(value)  # type: ignore[call-overload]
+
+    def number(self, suffix: str, default: object = _REQUIRED) -> float:
+        """A finite number > 0 (epsilons, frequency bases)."""
+        value = float(self._value(suffix, float, default))  # type: ignore[arg-type]
+        if not (math.isfinite(value) and value > 0):
+            raise GGUFError(f"{self.gguf.path}: metadata key {self.arch}.{suffix} is {value}; "
+                            "it must be a finite number above 0")
+        return value
+
+    def flags(self, suffix: str) -> list[bool] | None:
+        return self.gguf.typed_list(f"{self.arch}.{suffix}", bool)
+
+
+def _check_blocks_exist(gguf: GGUFFile, n_layer: int) -> None:
+    """block_count must not exceed the blocks the tensor table holds: per-layer tables are sized
+    from it (a hostile 2^31 would be a MemoryError)."""
+    last = f"blk.{n_layer - 1}."
+    if n_layer > 0 and not any(name.startswith(last) for name in gguf.tensors):
+        raise GGUFError(f"{gguf.path}: the metadata gives {n_layer} layers, but the file has no "
+                        f"tensors for layer {n_layer - 1}")
+
+
+def _recurrent_layers(k: _ArchKeys, arch: str, n_layer: int) -> tuple[bool, ...]:
     if arch not in HYBRID_ARCHITECTURES:
         return ()
-    explicit = gguf.arch_key("attention.recurrent_layers")
+    explicit = k.flags("attention.recurrent_layers")
     if explicit is not None:
         return tuple(bool(v) for v in explicit[:n_layer])
-    interval = int(gguf.arch_key("full_attention_interval", 4))
+    interval = k.integer("full_attention_interval", 4)
     return tuple((i + 1) % interval != 0 for i in range(n_layer))

@@ -11,6 +11,7 @@ from sparkinfer_cli import env
 from sparkinfer_cli.gguf_file import GGUFFile
 from sparkinfer_cli.model.base import CausalLM
 from sparkinfer_cli.model.config import ModelConfig
+from sparkinfer_cli.model.required_tensors import check_required_tensors
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +23,7 @@ def load_model(path: str | Path | GGUFFile, device: str = "cpu", *,
     kv_int8 (CUDA): int8 KV cache with a scale per 32 values (SPARKINFER_KV_INT8), half of F16's
     memory; the CPU cache stays float32."""
     gguf = path if isinstance(path, GGUFFile) else GGUFFile(path)
-    config = ModelConfig.from_gguf(gguf)  # refuses unsupported architectures
+    config = checked_config(gguf)
     if device == "cuda":
         from sparkinfer_cli.model.cuda_runner import load_cuda_model  # imports numba.cuda only here
         return load_cuda_model(gguf, config, kv_int8=kv_int8)
@@ -33,6 +34,14 @@ def load_model(path: str | Path | GGUFFile, device: str = "cpu", *,
     if int8_decode:
         model.use_int8_decode()
     return model
+
+
+def checked_config(gguf: GGUFFile) -> ModelConfig:
+    """The config of a file whose metadata and tensor table pass every check that can be made
+    before a weight is read (unsupported architectures, hostile values, missing tensors)."""
+    config = ModelConfig.from_gguf(gguf)
+    check_required_tensors(gguf, config)
+    return config
 
 
 def load_runtime_model(gguf: GGUFFile, device: str,

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from sparkinfer_cli.ggml_types import COMPUTE_TYPES, GGMLType
-from sparkinfer_cli.gguf_file import GGUFError, GGUFFile
+from sparkinfer_cli.gguf_file import GGUFError, GGUFFile, TensorInfo
 
 
 @dataclass(frozen=True)
@@ -50,10 +50,7 @@ class Weights:
         return name in self.gguf.tensors
 
     def get(self, name: str, shape: tuple[int, ...] | None = None) -> QTensor:
-        info = self.gguf.tensor(name)  # raises "missing tensor"
-        if shape is not None and tuple(info.shape) != tuple(shape):
-            raise GGUFError(f"{self.gguf.path}: tensor {name!r} has shape {list(info.shape)}, "
-                            f"expected {list(shape)}")
+        info = expect_shape(self.gguf, name, shape)
         if info.ggml_type not in COMPUTE_TYPES:
             raise GGUFError(f"{self.gguf.path}: tensor {name!r} has type {info.type_name}, "
                             "which this engine cannot compute with yet "
@@ -70,6 +67,15 @@ class Weights:
             more = f" and {len(unused) - 5} more" if len(unused) > 5 else ""
             raise GGUFError(f"{self.gguf.path}: unexpected tensors for architecture "
                             f"{self.gguf.architecture}: {', '.join(unused[:5])}{more}")
+
+
+def expect_shape(gguf: GGUFFile, name: str, shape: tuple[int, ...] | None) -> TensorInfo:
+    """The tensor's info; GGUFError when it is missing or its shape is not `shape`."""
+    info = gguf.tensor(name)  # raises "missing tensor"
+    if shape is not None and tuple(info.shape) != tuple(shape):
+        raise GGUFError(f"{gguf.path}: tensor {name!r} has shape {list(info.shape)}, "
+                        f"expected {list(shape)}")
+    return info
 
 
 def _block_index(name: str) -> int | None:

@@ -77,6 +77,23 @@ _FIM_OTHER_TEXTS = frozenset({"<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", 
                               "<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<MID>"})
 
 
+# the types tokenizer.* metadata must have, checked before anything is built from it
+_TYPED_LISTS = {"tokenizer.ggml.tokens": str, "tokenizer.ggml.token_type": int,
+                "tokenizer.ggml.merges": str}
+_TYPED_VALUES = {"tokenizer.ggml.model": str, "tokenizer.ggml.pre": str,
+                 "tokenizer.ggml.bos_token_id": int, "tokenizer.ggml.eos_token_id": int,
+                 "tokenizer.ggml.eot_token_id": int, "tokenizer.ggml.eom_token_id": int,
+                 "tokenizer.ggml.add_bos_token": bool, "tokenizer.chat_template": str}
+
+
+def check_metadata_types(gguf: GGUFFile) -> None:
+    """GGUFError naming the first tokenizer.* key whose value has the wrong type."""
+    for key, kind in _TYPED_LISTS.items():
+        gguf.typed_list(key, kind)
+    for key, kind in _TYPED_VALUES.items():
+        gguf.typed(key, kind)
+
+
 def _byte_level_alphabet() -> dict[int, str]:
     """GPT-2's byte → printable-character map used by byte-level BPE vocabularies."""
     printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
@@ -89,7 +106,7 @@ def _byte_level_alphabet() -> dict[int, str]:
 BYTE_TO_CHAR = _byte_level_alphabet()
 _CHAR_TO_BYTE_TABLE = {ord(c): b for b, c in BYTE_TO_CHAR.items()}
 _NOT_IN_ALPHABET = 0x110000  # marks characters outside the alphabet so latin-1 encoding fails
-_DECODE_TABLE = {**{i: _NOT_IN_ALPHABET for i in range(256)}, **_CHAR_TO_BYTE_TABLE}
+_DECODE_TABLE = {**dict.fromkeys(range(256), _NOT_IN_ALPHABET), **_CHAR_TO_BYTE_TABLE}
 
 
 def byte_level_encode(data: bytes) -> str:
@@ -152,7 +169,14 @@ class Tokenizer:
     # ---- construction ------------------------------------------------------------------------
     @classmethod
     def from_gguf(cls, gguf: GGUFFile) -> Tokenizer:
-        return cls.from_metadata(gguf.metadata)
+        """The file's tokenizer; anything wrong with its tokenizer.* metadata is a GGUFError."""
+        from sparkinfer_cli.gguf_file import GGUFError
+
+        check_metadata_types(gguf)
+        try:
+            return cls.from_metadata(gguf.metadata)
+        except Exception as exc:  # tokenizers raises bare Exception (e.g. a merge out of vocab)
+            raise GGUFError(f"{gguf.path}: tokenizer: {exc}") from exc
 
     @classmethod
     def from_metadata(cls, metadata: Mapping[str, Any]) -> Tokenizer:
@@ -219,6 +243,9 @@ class Tokenizer:
 
     def _build_hf(self, merges: Sequence[str]) -> HFTokenizer:
         pairs = [tuple(m.split(" ", 1)) for m in merges]
+        malformed = next((m for m, pair in zip(merges, pairs) if len(pair) != 2), None)
+        if malformed is not None:
+            raise ValueError(f"the merge {malformed!r} is not two tokens separated by a space")
         bpe = models.BPE(self.token_to_id, pairs, unk_token=None, continuing_subword_prefix="",
                          end_of_word_suffix="", fuse_unk=False, byte_fallback=False,
                          ignore_merges=self.rule.ignore_merges)

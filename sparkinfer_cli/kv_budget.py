@@ -1,0 +1,88 @@
+"""How large a KV pool the server may allocate: what the chosen device's memory allows.
+
+A GGUF's trained context can be far beyond any machine (a hostile 2^40, or a real 1M-token model
+on a laptop). The pool is sized from the memory that exists before anything is allocated: a pool
+the user asked for that does not fit is refused, the model's default is capped, and both say so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from sparkinfer_cli import env
+from sparkinfer_cli.inspect_report import format_bytes
+from sparkinfer_cli.model.config import ModelConfig
+
+# the KV pool's share of the memory left after the weights: the rest is for repacked weights,
+# activations and the rest of the process
+KV_MEMORY_SHARE = 0.5
+MIN_POOL_TOKENS = 256  # below this a capped pool serves nothing useful: refuse instead
+BLOCK_TOKENS = 16
+_CGROUP_LIMIT = Path("/sys/fs/cgroup/memory.max")
+
+
+@dataclass(frozen=True)
+class KVPool:
+    ctx: int | None  # what to pass as the server's --ctx (None: as the user left it)
+    note: str  # for the user when the pool was capped, else ""
+
+
+def kv_bytes_per_value(device: str, environ: Mapping[str, str] | None = None) -> float:
+    """The cache the device really allocates: float32 on the CPU; F16 on CUDA, or int8 with a
+    float32 scale per 32 values under SPARKINFER_KV_INT8."""
+    if device != "cuda":
+        return 4.0
+    return 1 + 4 / 32 if env.SPARKINFER_KV_INT8.get(environ) else 2.0
+
+
+def available_memory_bytes(device: str) -> int | None:
+    """Free memory of the device the KV cache lives on; None when it cannot be told."""
+    if device == "cuda":
+        try:
+            from numba import cuda
+            return int(cuda.current_context().get_memory_info()[0])
+        except Exception:  # no driver or numba-cuda: leave the pool as asked
+            return None
+    return _host_available_bytes()
+
+
+def _host_available_bytes() -> int | None:
+    try:
+        meminfo = Path("/proc/meminfo").read_text()
+        available = next(int(line.split()[1]) * 1024 for line in meminfo.splitlines()
+                         if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+    try:  # a container's own limit, when tighter than the host's free memory
+        limit = _CGROUP_LIMIT.read_text().strip()
+        return min(available, int(limit)) if limit.isdigit() else available
+    except OSError:
+        return available
+
+
+def fit_kv_pool(config: ModelConfig, ctx: int | None, device: str, weights_bytes: int,
+                environ: Mapping[str, str] | None = None) -> KVPool:
+    """The server's KV pool for --ctx `ctx` (None: $CTX; unset or 0: the trained context)."""
+    asked = env.CTX.get(environ) if ctx is None else ctx
+    tokens = asked or config.context_length
+    per_token = config.kv_bytes_per_token(1) * kv_bytes_per_value(device, environ)
+    memory = available_memory_bytes(device)
+    if memory is None or tokens * per_token <= (budget := _kv_budget(memory, weights_bytes)):
+        return KVPool(ctx, "")
+    need = f"a KV pool of {tokens:,} tokens needs {format_bytes(tokens * per_token)}"
+    room = (f"this {device} can spare {format_bytes(budget)} for it ({KV_MEMORY_SHARE:.0%} of "
+            f"{format_bytes(memory)} of free memory less {format_bytes(weights_bytes)} of weights)")
+    capped = int(budget // per_token) // BLOCK_TOKENS * BLOCK_TOKENS
+    if asked:
+        raise ValueError(f"--ctx / CTX: {need}, but {room}: ask for fewer tokens")
+    if capped < MIN_POOL_TOKENS:
+        raise ValueError(f"the model's trained context: {need}, but {room}: fewer than "
+                         f"{MIN_POOL_TOKENS} tokens fit")
+    return KVPool(capped, f"the model's trained context: {need}, but {room}: the pool holds "
+                          f"{capped:,} tokens (--ctx sets it)")
+
+
+def _kv_budget(memory: int, weights_bytes: int) -> float:
+    return max(0, memory - weights_bytes) * KV_MEMORY_SHARE

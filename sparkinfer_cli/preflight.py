@@ -1,0 +1,77 @@
+"""What `generate` and `serve` check before the weights load, so that a bad file, flag or address
+fails in a second with one line instead of after minutes of loading (or with a traceback).
+
+The file: header, metadata, tensor table and tokenizer (a GGUFError naming the file). The flags:
+the prompt and --max-tokens against the model's context; the server's address and its KV pool
+against the memory there is.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from sparkinfer_cli import env
+from sparkinfer_cli.gguf_file import GGUFError, GGUFFile
+from sparkinfer_cli.kv_budget import KVPool, fit_kv_pool
+from sparkinfer_cli.model.config import ModelConfig
+from sparkinfer_cli.model.loader import checked_config
+from sparkinfer_cli.tokenizer.tokenizer import Tokenizer
+from sparkinfer_cli.tokenizer.vocab_override import load_tokenizer
+
+
+@dataclass(frozen=True)
+class CheckedModel:
+    """A file that passed every check short of reading its weights."""
+    gguf: GGUFFile
+    config: ModelConfig
+    tokenizer: Tokenizer
+
+
+def check_model_file(path: str | Path, environ: Mapping[str, str] | None = None) -> CheckedModel:
+    gguf = GGUFFile(path)
+    config = checked_config(gguf)
+    tokenizer = load_tokenizer(gguf, environ)
+    if tokenizer.vocab_size > config.n_vocab:  # token ids index the embedding's rows
+        raise GGUFError(f"{gguf.path}: the tokenizer has {tokenizer.vocab_size} tokens, the "
+                        f"model's embedding {config.n_vocab} rows")
+    return CheckedModel(gguf, config, tokenizer)
+
+
+def check_context(config: ModelConfig, num_prompt_tokens: int, max_tokens: int) -> None:
+    if num_prompt_tokens + max_tokens > config.context_length:
+        raise ValueError(f"--max-tokens {max_tokens:,} after the prompt's {num_prompt_tokens:,} "
+                         f"tokens is beyond the model's context of {config.context_length:,} "
+                         "tokens")
+
+
+def check_serve(path: str | Path, host: str | None, port: int | None, ctx: int | None,
+                device: str, environ: Mapping[str, str] | None = None) -> KVPool:
+    """The server's KV pool (--ctx to use, and a note if it was capped), once the address is free
+    and the file loadable."""
+    check_address(host or env.HOST.get(environ), env.PORT.get(environ) if port is None else port)
+    checked = check_model_file(path, environ)
+    return fit_kv_pool(checked.config, ctx, device, checked.gguf.n_bytes, environ)
+
+
+def check_address(host: str, port: int) -> None:
+    """Refuse an address the server could not listen on (port 0 picks a free one)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port,
+                                                             type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as exc:
+        raise ValueError(f"--host {host}: cannot resolve it ({exc.strerror})") from None
+    if port == 0:
+        return
+    with socket.socket(family, kind, proto) as probe:
+        # as the server binds: a port left in TIME_WAIT is free, one with a listener is not
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            reason = "already in use" if exc.errno == errno.EADDRINUSE else exc.strerror
+            raise ValueError(f"cannot listen on {host}:{port} (--host / --port): "
+                             f"{reason}") from None
