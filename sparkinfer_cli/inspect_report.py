@@ -18,8 +18,9 @@ from rich.table import Table
 
 from sparkinfer_cli.gguf_file import GGUFError, GGUFFile, UnusableModelError
 from sparkinfer_cli.model.config import ModelConfig
-from sparkinfer_cli.model.required_tensors import check_required_tensors
-from sparkinfer_cli.tokenizer.tokenizer import Tokenizer, check_metadata_types
+from sparkinfer_cli.preflight import check_loadable
+from sparkinfer_cli.tokenizer.tokenizer import check_metadata_types
+from sparkinfer_cli.units import format_bytes, format_count
 
 KV_BYTES_PER_VALUE = 2  # F16 KV cache
 
@@ -51,15 +52,15 @@ def build_report(gguf: GGUFFile, ctx: int | None = None) -> dict[str, Any]:
 
 def _config_and_engine_error(gguf: GGUFFile) -> tuple[ModelConfig | None, str | None]:
     """The config when the metadata yields one, and the first reason the engine cannot run the
-    file: unsupported or missing metadata, a tensor table or tokenizer that does not fit it."""
+    file: unsupported or missing metadata, a tensor table, tokenizer or template that does not
+    fit it."""
     check_metadata_types(gguf)  # a malformed tokenizer is refused, as malformed metadata is
     try:
         config = ModelConfig.from_gguf(gguf)
     except UnusableModelError as exc:
         return None, str(exc)
     try:
-        check_required_tensors(gguf, config)
-        Tokenizer.from_gguf(gguf)
+        check_loadable(gguf)
     except GGUFError as exc:
         return config, str(exc)
     return config, None
@@ -256,17 +257,3 @@ def _memory_rows(mem: dict[str, Any]) -> list[tuple[str, str]]:
 def _text(value: Any) -> str:
     """A metadata value as a table cell (escaped: a file's strings are not rich markup)."""
     return "-" if value is None else escape(str(value))
-
-
-def format_bytes(n: float) -> str:
-    units, i = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"), 0
-    while n >= 1024 and i < len(units) - 1:
-        n, i = n / 1024, i + 1
-    return f"{int(n)} B" if i == 0 else f"{n:.2f} {units[i]}"
-
-
-def format_count(n: int) -> str:
-    for divisor, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if n >= divisor:
-            return f"{n / divisor:.2f} {suffix}"
-    return str(n)

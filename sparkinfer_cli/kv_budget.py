@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sparkinfer_cli import env
-from sparkinfer_cli.inspect_report import format_bytes
 from sparkinfer_cli.model.config import ModelConfig
+from sparkinfer_cli.units import format_bytes
 
 # the KV pool's share of the memory left after the weights: the rest is for repacked weights,
 # activations and the rest of the process

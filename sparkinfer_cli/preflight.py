@@ -19,6 +19,7 @@ from sparkinfer_cli.gguf_file import GGUFError, GGUFFile
 from sparkinfer_cli.kv_budget import KVPool, fit_kv_pool
 from sparkinfer_cli.model.config import ModelConfig
 from sparkinfer_cli.model.loader import checked_config
+from sparkinfer_cli.tokenizer.chat_template import ChatTemplate, ChatTemplateError
 from sparkinfer_cli.tokenizer.tokenizer import Tokenizer
 from sparkinfer_cli.tokenizer.vocab_override import load_tokenizer
 
@@ -32,12 +33,21 @@ class CheckedModel:
 
 
 def check_model_file(path: str | Path, environ: Mapping[str, str] | None = None) -> CheckedModel:
-    gguf = GGUFFile(path)
+    return check_loadable(GGUFFile(path), environ)
+
+
+def check_loadable(gguf: GGUFFile, environ: Mapping[str, str] | None = None) -> CheckedModel:
+    """GGUFError naming the file unless its config, tensor table, tokenizer and chat template
+    are what loading and serving need."""
     config = checked_config(gguf)
     tokenizer = load_tokenizer(gguf, environ)
     if tokenizer.vocab_size > config.n_vocab:  # token ids index the embedding's rows
         raise GGUFError(f"{gguf.path}: the tokenizer has {tokenizer.vocab_size} tokens, the "
                         f"model's embedding {config.n_vocab} rows")
+    try:
+        ChatTemplate.from_tokenizer(tokenizer)  # the server compiles it only after loading
+    except ChatTemplateError as exc:
+        raise GGUFError(f"{gguf.path}: {exc}") from None
     return CheckedModel(gguf, config, tokenizer)
 
 

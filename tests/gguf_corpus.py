@@ -192,6 +192,7 @@ CORRUPTIONS: dict[str, Corruption] = {
     # header
     "bad-magic": lambda src, dst: patch(src, dst, 0, "4s", b"GGUX"),
     "version-1": lambda src, dst: patch(src, dst, 4, "I", 1),
+    "architecture-unknown": _at_key("general.architecture", 12, "5s", b"gemma"),
     "n-tensors-zero": lambda src, dst: patch(src, dst, 8, "Q", 0),
     "n-tensors-2e40": lambda src, dst: patch(src, dst, 8, "Q", 2 ** 40),
     "n-kv-2e40": lambda src, dst: patch(src, dst, 16, "Q", 2 ** 40),
@@ -234,6 +235,13 @@ CORRUPTIONS: dict[str, Corruption] = {
     "token-types-strings": _rewritten({"tokenizer.ggml.token_type": (["1"] * 259, V.ARRAY)}),
     "eos-out-of-vocab": _rewritten({"tokenizer.ggml.eos_token_id": (10 ** 6, V.UINT32)}),
     "tokenizer-pre-unknown": _rewritten({"tokenizer.ggml.pre": ("klingon", V.STRING)}),
+    "tokenizer-model-missing": _rewritten({"tokenizer.ggml.model": None}),
+    "byte-token-misspelt": _rewritten({"tokenizer.ggml.token_type": ([6] + [1] * 257 + [3],
+                                                                     V.ARRAY)}),
+    "eos-negative": _rewritten({"tokenizer.ggml.eos_token_id": (-1, V.INT32)}),
+    "bos-a-string": _rewritten({"tokenizer.ggml.bos_token_id": ("1", V.STRING)}),
+    "chat-template-syntax-error": _rewritten({"tokenizer.chat_template": ("{% if %}", V.STRING)}),
+    "chat-template-a-number": _rewritten({"tokenizer.chat_template": (7, V.UINT32)}),
     # tensor table
     "tensor-dim-zero": _at_tensor(FIRST_WEIGHT, 4, "Q", 0),
     "tensor-dim-2e62": _at_tensor(FIRST_WEIGHT, 4, "Q", 2 ** 62),

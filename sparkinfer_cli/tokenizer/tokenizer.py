@@ -77,6 +77,7 @@ _FIM_OTHER_TEXTS = frozenset({"<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", 
                               "<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<MID>"})
 
 
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 # the types tokenizer.* metadata must have, checked before anything is built from it
 _TYPED_LISTS = {"tokenizer.ggml.tokens": str, "tokenizer.ggml.token_type": int,
                 "tokenizer.ggml.merges": str}
@@ -160,6 +161,7 @@ class Tokenizer:
             raise ValueError("tokenizer.ggml.add_bos_token is true, but there is no BOS id")
         self.chat_template = chat_template
         self.token_types = self._effective_types(token_types)
+        self._check_byte_tokens()
         eog_extra = {self._checked_id(eot_id), self._checked_id(eom_id)} - {None}
         self.eog_ids = frozenset(self._eog_by_text() | eog_extra | ({self.eos_id} - {None}))
         self._bytes: list[bytes | None] = [None] * self.vocab_size  # filled on first use
@@ -222,6 +224,13 @@ class Tokenizer:
             if token_id is not None:
                 types[token_id] = TokenType.CONTROL
         return types
+
+    def _check_byte_tokens(self) -> None:
+        """BYTE tokens are decoded from their spelling, so a misspelt one would fail mid-stream."""
+        for token_id in self._ids_of(TokenType.BYTE):
+            if not _BYTE_TOKEN.fullmatch(self.tokens[token_id]):
+                raise ValueError(f"token {token_id} {self.tokens[token_id]!r} has type BYTE but "
+                                 "is not spelled <0xHH>")
 
     def _eog_by_text(self) -> set[int]:
         eog = {self.token_to_id[t] for t in _EOG_TEXTS if t in self.token_to_id}
