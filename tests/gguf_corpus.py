@@ -3,6 +3,7 @@
 Each corruption is one function (valid file path, output path) → None; CORRUPTIONS names them.
 Byte-level corruptions patch fields located by gguf's own reader, so they hit the intended field;
 metadata-level ones rewrite the file through GGUFWriter with one key or tensor changed.
+`reach` stands in for what a command does after loading, so a test sees how far it got.
 """
 
 from __future__ import annotations
@@ -23,6 +24,14 @@ N_EMBD, N_HEAD, N_HEAD_KV, HEAD_DIM, N_FF, N_LAYER, CONTEXT = 64, 2, 1, 32, 128,
 MERGES = ["Ġ t", "h e"]
 TOKENS = [BYTE_TO_CHAR[b] for b in range(256)] + ["Ġt", "he", "<|endoftext|>"]
 Metadata = dict[str, tuple[Any, Any]]  # key → (value, GGUFValueType), None to leave it out
+
+
+class Reached(Exception):
+    """The command got past its checks: generation, the engine or the server would start now."""
+
+
+def reach(*args: Any, **kwargs: Any) -> None:
+    raise Reached(args, kwargs)
 
 
 def base_metadata() -> Metadata:

@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from gguf_corpus import CORRUPTIONS, V, write_tiny
+from gguf_corpus import CORRUPTIONS, Reached, V, reach, write_tiny
 from typer.testing import CliRunner
 
 from sparkinfer_cli import kv_budget
@@ -21,18 +21,10 @@ runner = CliRunner()
 MiB = 1024 ** 2
 
 
-class Reached(Exception):
-    """The command got past loading: generation or the server's engine would start now."""
-
-
-def _sentinel(*args, **kwargs):
-    raise Reached(args, kwargs)
-
-
 @pytest.fixture(autouse=True)
 def no_generation_or_engine(monkeypatch):
-    monkeypatch.setattr("sparkinfer_cli.generate.stream_generation", _sentinel)
-    monkeypatch.setattr("sparkinfer_cli.engine.engine.ContinuousBatchEngine", _sentinel)
+    monkeypatch.setattr("sparkinfer_cli.generate.stream_generation", reach)
+    monkeypatch.setattr("sparkinfer_cli.engine.engine.ContinuousBatchEngine", reach)
     monkeypatch.delenv("CTX", raising=False)
 
 
