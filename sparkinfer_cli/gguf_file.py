@@ -115,12 +115,14 @@ class _Cursor:
     def string_array(self, count: int) -> list[str]:
         out, buf, pos = [], self.buf, self.pos
         unpack = struct.Struct("<Q").unpack_from
+        # NOTE: no per-string length check (150k strings): a length past the end fails the
+        # next unpack or the slice (past 2^63), or leaves pos past the end
         try:
             for _ in range(count):
                 (n,) = unpack(buf, pos)
                 out.append(bytes(buf[pos + 8:pos + 8 + n]).decode("utf-8", errors="replace"))
                 pos += 8 + n
-        except struct.error:  # a length field past the end: the loop stays free of checks
+        except (struct.error, OverflowError):
             pos = len(buf) + 1
         if pos > len(buf):
             raise self.error(f"truncated or corrupt file inside an array of {count:,} strings")
