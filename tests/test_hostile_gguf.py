@@ -7,15 +7,21 @@ fast (the sentinel reaches the test) instead of generating or listening.
 
 from __future__ import annotations
 
+import random
+import struct
 import subprocess
 import sys
 
+import gguf
 import pytest
 from gguf_corpus import CORRUPTIONS, Reached, V, reach, write_tiny
 from typer.testing import CliRunner
 
 from sparkinfer_cli import kv_budget
 from sparkinfer_cli.cli import app
+from sparkinfer_cli.gguf_file import GGUFError, GGUFFile
+from sparkinfer_cli.inspect_report import build_report
+from sparkinfer_cli.preflight import check_loadable
 
 runner = CliRunner()
 MiB = 1024 ** 2
@@ -100,3 +106,22 @@ def test_the_real_command_prints_one_line(valid, tmp_path, corruption):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and done.stdout == ""
     assert done.stderr.count("\n") == 1 and str(path.name) in done.stderr, done.stderr
+
+
+def test_random_header_mutations_raise_only_gguf_errors(valid, tmp_path):
+    """Seeded byte and field mutations of the header: the reader, inspect's report and the
+    loadability check raise GGUFError or nothing (OverflowError and struct.error were found so)."""
+    data, header_end = valid.read_bytes(), gguf.GGUFReader(valid).data_offset
+    rng, path = random.Random(31), tmp_path / "mutated.gguf"
+    for _ in range(300):
+        mutated = bytearray(data)
+        at = rng.randrange(header_end - 8)
+        struct.pack_into("<Q", mutated, at, rng.choice([0, 3, 2 ** 31, 2 ** 40, 2 ** 64 - 1]))
+        mutated[rng.randrange(header_end)] = rng.randrange(256)
+        path.write_bytes(bytes(mutated))
+        try:
+            gguf_file = GGUFFile(path)
+            build_report(gguf_file)
+            check_loadable(gguf_file)
+        except GGUFError:
+            pass
