@@ -20,15 +20,21 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="GGUF inference for the Qwen3 family, with an OpenAI-compatible server.")
 err = Console(stderr=True, soft_wrap=True)
 MODEL_HELP = "GGUF path, demo model name, or owner/repo[:file]."
-# SamplingParams fields as `generate` spells them, so that its errors name what the user typed
-_GENERATE_FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature",
-                   "top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p"}
+# config fields (SamplingParams, ServerConfig, EngineConfig) as the flags that set them, so that
+# their validation errors name what the user typed
+_FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature", "top_p": "--top-p",
+          "top_k": "--top-k", "min_p": "--min-p", "ctx": "--ctx", "port": "--port",
+          "api_key": "--api-key", "model_name": "--alias"}
 
 
 def _fail(message: str) -> None:
     """One line on stderr, exit 1: messages from other libraries may hold newlines or brackets."""
     err.print(f"[bold red]error:[/] {escape(' '.join(message.split()))}")
     raise typer.Exit(1)
+
+
+def _fail_naming_flags(message: str) -> None:
+    _fail(re.sub(r"(?<![-\w])\w+", lambda m: _FLAGS.get(m[0], m[0]), message))
 
 
 def _show_version(value: bool) -> None:
@@ -100,7 +106,7 @@ def generate(prompt: str = typer.Argument(..., help="The prompt (a user message 
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                 top_k=top_k, min_p=min_p, seed=seed, stop=tuple(stop))
     except ValueError as exc:
-        _fail(re.sub(r"\b\w+\b", lambda m: _GENERATE_FLAGS.get(m[0], m[0]), str(exc)))
+        _fail_naming_flags(str(exc))
     try:
         request = GenerateRequest(prompt, model, raw, system, not no_think, params,
                                   pick_device(device))
@@ -181,7 +187,7 @@ def serve(model: Optional[str] = typer.Option(None, "-m", "--model", help=MODEL_
         path, note = resolve_model(model, prefer_gpu=chosen == "cuda")
         pool = check_serve(path, host, port, ctx, chosen)  # before minutes of loading
     except (ValueError, HubError) as exc:
-        _fail(str(exc))
+        _fail_naming_flags(str(exc))
     for line in (note, pool.note):
         if line:
             err.print(f"[yellow]{escape(line)}[/]")
@@ -189,5 +195,5 @@ def serve(model: Optional[str] = typer.Option(None, "-m", "--model", help=MODEL_
         run_server(path, host, port, pool.ctx, api_key, device=chosen, model_name=alias,
                    cors_origins=origins)
     except (ValueError, OSError) as exc:  # bad env/flags, broken file, port in use
-        _fail(str(exc))
+        _fail_naming_flags(str(exc))
 

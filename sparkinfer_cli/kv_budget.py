@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sparkinfer_cli import env
+from sparkinfer_cli.engine.config import EngineConfig
 from sparkinfer_cli.model.config import ModelConfig
 from sparkinfer_cli.units import format_bytes
 
@@ -19,7 +20,6 @@ from sparkinfer_cli.units import format_bytes
 # activations and the rest of the process
 KV_MEMORY_SHARE = 0.5
 MIN_POOL_TOKENS = 256  # below this a capped pool serves nothing useful: refuse instead
-BLOCK_TOKENS = 16
 _CGROUP_LIMIT = Path("/sys/fs/cgroup/memory.max")
 
 
@@ -74,7 +74,8 @@ def fit_kv_pool(config: ModelConfig, ctx: int | None, device: str, weights_bytes
     need = f"a KV pool of {tokens:,} tokens needs {format_bytes(tokens * per_token)}"
     room = (f"this {device} can spare {format_bytes(budget)} for it ({KV_MEMORY_SHARE:.0%} of "
             f"{format_bytes(memory)} of free memory less {format_bytes(weights_bytes)} of weights)")
-    capped = int(budget // per_token) // BLOCK_TOKENS * BLOCK_TOKENS
+    block = EngineConfig.block_size
+    capped = int(budget // per_token) // block * block
     if asked:
         raise ValueError(f"--ctx / CTX: {need}, but {room}: ask for fewer tokens")
     if capped < MIN_POOL_TOKENS:

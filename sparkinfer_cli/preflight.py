@@ -19,6 +19,7 @@ from sparkinfer_cli.gguf_file import GGUFError, GGUFFile
 from sparkinfer_cli.kv_budget import KVPool, fit_kv_pool
 from sparkinfer_cli.model.config import ModelConfig
 from sparkinfer_cli.model.loader import checked_config
+from sparkinfer_cli.server.config import build_engine_config
 from sparkinfer_cli.tokenizer.chat_template import ChatTemplate, ChatTemplateError
 from sparkinfer_cli.tokenizer.tokenizer import Tokenizer
 from sparkinfer_cli.tokenizer.vocab_override import load_tokenizer
@@ -64,7 +65,10 @@ def check_serve(path: str | Path, host: str | None, port: int | None, ctx: int |
     and the file loadable."""
     check_address(host or env.HOST.get(environ), env.PORT.get(environ) if port is None else port)
     checked = check_model_file(path, environ)
-    return fit_kv_pool(checked.config, ctx, device, checked.gguf.n_bytes, environ)
+    pool = fit_kv_pool(checked.config, ctx, device, checked.gguf.n_bytes, environ)
+    # as run_server builds it after loading: a bad --ctx or SPARKINFER_* setting fails now
+    build_engine_config(pool.ctx, checked.config.context_length, environ, device=device)
+    return pool
 
 
 def check_address(host: str, port: int) -> None:

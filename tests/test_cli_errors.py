@@ -90,3 +90,12 @@ def test_serve_port_from_the_environment_is_checked(tiny, monkeypatch):
 def test_serve_with_good_settings_reaches_the_server(tiny):
     result = runner.invoke(app, ["serve", "-m", str(tiny), "--device", "cpu", "--port", "0"])
     assert isinstance(result.exception, Reached), result.output
+
+
+def test_serve_ctx_and_engine_settings_are_checked_before_loading(tiny, monkeypatch):
+    result = runner.invoke(app, ["serve", "-m", str(tiny), "--device", "cpu", "--port", "0",
+                                 "--ctx", "5"])
+    assert_error(result, "--ctx must hold at least one KV block")
+    monkeypatch.setenv("SPARKINFER_SCHED_POLICY", "fastest")
+    result = runner.invoke(app, ["serve", "-m", str(tiny), "--device", "cpu", "--port", "0"])
+    assert_error(result, "SPARKINFER_SCHED_POLICY")
