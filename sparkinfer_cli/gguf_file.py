@@ -157,7 +157,7 @@ class GGUFFile:
         if n_tensors == 0:
             raise GGUFError(f"{self.path}: the file holds no tensors")
         cur.need(n_kv * _MIN_KV_BYTES + n_tensors * _MIN_TENSOR_INFO_BYTES,
-                 f"{n_kv:,} metadata keys and {n_tensors:,} tensors")
+                 f"a header of {n_kv:,} metadata keys and {n_tensors:,} tensors")
         self._read_metadata(cur, n_kv)
         raw_infos = [self._read_tensor_info(cur) for _ in range(n_tensors)]
         alignment = self._alignment()
