@@ -185,6 +185,9 @@ def run_turns_bench(request: ServeBenchRequest, console: Console) -> list[Path]:
     for turn in [*turns, cold]:
         table.add_row(*turn_cells(turn, cold.ttft_ms))
     console.print(table)
+    for turn in [*turns, cold]:
+        if turn.error:
+            console.print(f"[yellow]turn {turn.turn or 'cold'}: {turn.error}[/]")
     console.print("wrote " + ", ".join(str(f) for f in files))
     return files
 

@@ -19,6 +19,8 @@ from typing import Any
 
 from sparkinfer_cli.bench_serve_client import PROMPT_WORDS, Endpoint, stream_completion
 
+SAMPLE_WORDS = 32
+
 
 @dataclass(frozen=True)
 class TurnFigures:
@@ -26,6 +28,7 @@ class TurnFigures:
     prompt_tokens: int
     cached_tokens: int
     added_tokens: int  # new text tokens this turn appended (0 for turn 1 and the cold prompt)
+    answer_tokens: int  # the previous answer's tokens as resent in this prompt (re-tokenized)
     ttft_ms: float | None
     output_tokens: int
     error: str | None = None
@@ -62,11 +65,15 @@ class Conversation:
         return self.endpoint.post_json("/v1/tokenize", {"prompt": text})["count"]
 
     def words(self, num_tokens: int) -> str:
-        """Text of about num_tokens tokens (never fewer), starting with a space."""
-        text = ""
-        while (missing := num_tokens - (self.count(text) if text else 0)) > 0:
-            text += "".join(" " + self.rng.choice(PROMPT_WORDS)
-                            for _ in range(max(1, missing // 2)))
+        """Text of at least num_tokens tokens (a word's tokens more at most), starting with a
+        space: words are added in batches sized by the tokens a word has taken so far."""
+        text, num_words, count = "", 0, 0
+        while count < num_tokens:
+            # NOTE: a first small batch measures the tokenizer (a synthetic one spends ~5 a word)
+            per_word = count / num_words if num_words else num_tokens / SAMPLE_WORDS
+            batch = max(1, int((num_tokens - count) / max(per_word, 1.0) * 0.9))
+            text += "".join(" " + self.rng.choice(PROMPT_WORDS) for _ in range(batch))
+            num_words, count = num_words + batch, self.count(text)
         return text
 
 
@@ -74,15 +81,15 @@ def run_turns(endpoint: Endpoint, num_turns: int, first_tokens: int, turn_tokens
               max_tokens: int, seed: int) -> tuple[list[TurnFigures], TurnFigures]:
     """The conversation's turns, then the cold prompt as long as the last turn."""
     talk = Conversation(endpoint, seed)
-    history, added, turns = talk.words(first_tokens).lstrip(), 0, []
+    history, added, turns = talk.words(first_tokens).lstrip(), (0, 0), []
     for turn in range(1, num_turns + 1):
         timing, answer = send(endpoint, history, max_tokens)
-        turns.append(figures(turn, timing, added))
+        turns.append(figures(turn, timing, *added))
         new = talk.words(turn_tokens)
-        added = talk.count(new)
+        added = (talk.count(new), talk.count(answer) if answer else 0)
         history += answer + new
-    cold_text = Conversation(endpoint, seed + 1).words(turns[-1].prompt_tokens).lstrip()
-    return turns, figures(0, send(endpoint, cold_text, max_tokens)[0], 0)
+    cold_text = Conversation(endpoint, seed + 1).words(max(turns[-1].prompt_tokens, 1)).lstrip()
+    return turns, figures(0, send(endpoint, cold_text, max_tokens)[0], 0, 0)
 
 
 def send(endpoint: Endpoint, prompt: str, max_tokens: int) -> tuple[Any, str]:
@@ -90,8 +97,8 @@ def send(endpoint: Endpoint, prompt: str, max_tokens: int) -> tuple[Any, str]:
     return timing, timing.text
 
 
-def figures(turn: int, timing: Any, added: int) -> TurnFigures:
-    return TurnFigures(turn, timing.prompt_tokens, timing.cached_tokens, added,
+def figures(turn: int, timing: Any, added: int, answer: int) -> TurnFigures:
+    return TurnFigures(turn, timing.prompt_tokens, timing.cached_tokens, added, answer,
                        1000 * timing.ttft_s if timing.token_times else None,
                        timing.output_tokens, timing.error)
 
@@ -106,8 +113,8 @@ def write_turns_report(report: TurnsReport, out_dir: Path) -> list[Path]:
     return [md, js]
 
 
-TURNS_HEADER = ("turn", "prompt tokens", "cached", "computed", "added", "computed / added",
-                "TTFT ms", "TTFT / cold")
+TURNS_HEADER = ("turn", "prompt tokens", "cached", "computed", "new", "answer resent",
+                "computed / new", "TTFT ms", "TTFT / cold")
 
 
 def turn_cells(turn: TurnFigures, cold_ms: float | None) -> tuple[str, ...]:
@@ -117,7 +124,7 @@ def turn_cells(turn: TurnFigures, cold_ms: float | None) -> tuple[str, ...]:
     name = "cold, same length" if turn.turn == 0 else str(turn.turn)
     return (name, f"{turn.prompt_tokens:,}", f"{turn.cached_tokens:,}",
             f"{turn.computed_tokens:,}", f"{turn.added_tokens:,}" if turn.added_tokens else "—",
-            ratio, ttft, vs_cold)
+            f"{turn.answer_tokens:,}" if turn.added_tokens else "—", ratio, ttft, vs_cold)
 
 
 def turns_markdown(report: TurnsReport) -> str:
@@ -131,8 +138,9 @@ def turns_markdown(report: TurnsReport) -> str:
              f"`{report.command}`", "",
              "Each turn resends the history as text: the previous prompt, its answer and "
              f"{report.parameters['turn_tokens']} tokens of new text. computed = prompt − cached "
-             "(the server's usage); added = the new text's tokens; the answer's tokens are "
-             "cached where the model keeps them. The last row is a fresh prompt as long as the "
+             "(the server's usage); new = the new text's tokens; answer resent = the previous "
+             "answer's tokens as the server tokenizes its text again (cached only where that "
+             "gives back the tokens it generated). The last row is a fresh prompt as long as the "
              "last turn: the cold TTFT.", "",
              "| " + " | ".join(TURNS_HEADER) + " |",
              "|" + "---|" * len(TURNS_HEADER),
