@@ -535,3 +535,35 @@ def _engine_tokens(engine, prompts: list[list[int]], params) -> list[list[int]]:
     for _ in ids:
         assert done.acquire(timeout=600)
     return [tokens[i] for i in ids]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ("qwen3", "qwen35moe"))
+def test_engine_answers_the_same_with_the_prefix_cache_on_and_off(family: str) -> None:
+    """On the device (graphs, device-side state snapshots and block copies): a conversation's
+    next turn, a prompt parting from it mid-block and a repeat give the tokens an engine
+    without the cache gives."""
+    from sparkinfer_cli.engine.engine import ContinuousBatchEngine, EngineConfig
+    from sparkinfer_cli.engine.sampling_params import SamplingParams
+    from sparkinfer_cli.tokenizer.tokenizer import Tokenizer
+
+    path = TINY / family / f"{family}-Q8_0.gguf"
+    model, tokenizer = _gpu_model(path, True), Tokenizer.from_gguf(GGUFFile(path))
+    engines = [ContinuousBatchEngine(model, tokenizer, EngineConfig(
+        ctx=4096, block_size=BLOCK_SIZE, max_num_seqs=8, prefix_cache=on,
+        prefix_snapshot_tokens=64)) for on in (True, False)]
+    text = [int(t) for t in _goldens(family)["prompt_long"]] * 3  # 300 tokens
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    for engine in engines:
+        engine.start()
+    try:
+        first = text[:150]
+        answers = [_engine_tokens(engine, [first], params)[0] for engine in engines]
+        turns = [[*first, *answers[1], *text[150:180]], [*text[:75], *text[200:230]], first]
+        for prompt in turns:
+            on, off = (_engine_tokens(engine, [prompt], params)[0] for engine in engines)
+            assert on == off
+        assert engines[0].kv.num_hit_tokens > 0 and engines[1].kv.num_hit_tokens == 0
+    finally:
+        for engine in engines:
+            engine.shutdown()
