@@ -136,19 +136,25 @@ def bench(model: Optional[str] = typer.Option(None, "-m", "--model", help=MODEL_
           rate: Optional[float] = typer.Option(None, "--rate",
                                                help="--serve: Poisson arrivals a second."),
           duration: float = typer.Option(60.0, "--duration",
-                                         help="--serve: seconds of Poisson arrivals.")):
+                                         help="--serve: seconds of Poisson arrivals."),
+          turns: int = typer.Option(0, "--turns",
+                                    help="--serve: one conversation of N turns instead (the "
+                                         "prefix cache's figure); --prompt-tokens is its start."),
+          turn_tokens: int = typer.Option(200, "--turn-tokens",
+                                          help="--turns: new tokens each turn appends.")):
     """Measure prefill and decode speed, or (--serve) the server's; write results (md + json +
     png) under bench/results/."""
     from sparkinfer_cli.bench import BenchRequest, run_bench
     from sparkinfer_cli.bench_serve import ServeBenchRequest, run_serve_bench
     command = " ".join(["sparkinfer"] + sys.argv[1:])
     try:
-        if serve or url:
+        if serve or url or turns:
             if ctx:
                 _fail("--ctx sets the engine bench's depths; --serve sizes the server itself")
             run_serve_bench(ServeBenchRequest(
                 model, synthetic, pick_device(device), tuple(concurrency), prompt_tokens,
-                max_tokens, requests_per_client, rate, duration, url, out_dir, command), err)
+                max_tokens, requests_per_client, rate, duration, url, out_dir, command,
+                turns=turns, turn_tokens=turn_tokens), err)
         else:
             run_bench(BenchRequest(model, synthetic, pick_device(device), tuple(ctx),
                                    tuple(concurrency), out_dir, command), err)

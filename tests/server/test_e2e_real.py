@@ -15,6 +15,8 @@ import pytest
 from server_harness import ProcessServer, sse_json
 from test_admission import assert_openai_error, kv_is_free, metric, wait_until
 
+from sparkinfer_cli.bench_serve_client import connect
+from sparkinfer_cli.bench_serve_turns import run_turns
 from sparkinfer_cli.gguf_file import GGUFFile
 from sparkinfer_cli.tokenizer.tokenizer import Tokenizer
 
@@ -77,6 +79,18 @@ def test_a_repeated_prompt_is_served_from_the_prefix_cache_with_llama_cpps_answe
     assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == full_blocks
     assert httpx.get(f"{real.url}/v1/capacity").json()["prefix_cache"]["cached_blocks"] > 0
+
+
+def test_the_turns_benchmark_sees_each_turn_reuse_the_last_one(real) -> None:
+    """bench --serve --turns against the real server: every later turn takes at least the
+    previous prompt's full blocks from the cache; the cold prompt takes nothing."""
+    turns, cold = run_turns(connect(real.url), 3, 120, 20, 8, seed=3)
+    assert not [t.error for t in [*turns, cold] if t.error]
+    assert turns[0].cached_tokens == 0 and cold.cached_tokens == 0
+    for before, turn in zip(turns, turns[1:]):
+        assert turn.cached_tokens >= before.prompt_tokens // 16 * 16
+        assert 20 <= turn.added_tokens and turn.computed_tokens < turn.prompt_tokens // 2
+    assert cold.prompt_tokens >= turns[-1].prompt_tokens
 
 
 def test_chat_sync_stream_async_and_raw_sse_agree(real) -> None:
