@@ -17,6 +17,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from sparkinfer_cli.gguf_file import GGUFError, GGUFFile, UnusableModelError
+from sparkinfer_cli.kv_budget import state_pool_bytes
 from sparkinfer_cli.model.config import ModelConfig
 from sparkinfer_cli.preflight import check_loadable
 from sparkinfer_cli.tokenizer.tokenizer import check_metadata_types
@@ -168,9 +169,11 @@ def memory_section(gguf: GGUFFile, config: ModelConfig | None, ctx: int | None) 
     ctx = config.context_length if ctx is None else ctx
     per_token = config.kv_bytes_per_token(KV_BYTES_PER_VALUE)
     state = config.recurrent_state_bytes() if config.is_hybrid else 0
+    state_pool = state_pool_bytes(config)
     return {"ctx": ctx, "weights_bytes": weights, "kv_bytes_per_token": per_token,
             "kv_cache_bytes": per_token * ctx, "recurrent_state_bytes": state,
-            "total_bytes": weights + per_token * ctx + state}
+            "state_pool_bytes": state_pool,
+            "total_bytes": weights + per_token * ctx + state_pool}
 
 
 # ---- rendering ---------------------------------------------------------------------------------
@@ -250,6 +253,8 @@ def _memory_rows(mem: dict[str, Any]) -> list[tuple[str, str]]:
                      f"({format_bytes(mem['kv_bytes_per_token'])}/token)"))
     if mem["recurrent_state_bytes"]:
         rows.append(("recurrent state / sequence", format_bytes(mem["recurrent_state_bytes"])))
+        rows.append(("state slots (sequences + prefix-cache snapshots)",
+                     format_bytes(mem["state_pool_bytes"])))
     rows.append(("total", format_bytes(mem["total_bytes"])))
     return rows
 

@@ -75,8 +75,11 @@ def test_model_structure_and_memory_match_hf_config(path):
     kv_per_token = 2 * n_attention * hf["num_key_value_heads"] * hf["head_dim"] * 2  # K+V, F16
     assert memory["kv_cache_bytes"] == kv_per_token * hf["max_position_embeddings"]
     assert memory["recurrent_state_bytes"] == n_recurrent * recurrent_state_bytes(hf)
+    # the server's state slots: 64 sequences and, by default, 64 prefix-cache snapshots
+    state_slots = 128 if n_recurrent else 0
+    assert memory["state_pool_bytes"] == state_slots * memory["recurrent_state_bytes"]
     assert memory["total_bytes"] == (memory["weights_bytes"] + memory["kv_cache_bytes"]
-                                     + memory["recurrent_state_bytes"])
+                                     + memory["state_pool_bytes"])
 
 
 def recurrent_state_bytes(hf: dict) -> int:

@@ -89,3 +89,7 @@ class EngineConfig:
             return 0
         cached = (self.prefix_snapshots or self.max_num_seqs) if self.prefix_cache else 0
         return cached + int(bool(self.prefix_token_ids))
+
+    def num_state_slots(self, is_hybrid: bool) -> int:
+        """Every recurrent-state slot the engine allocates: one per sequence, then snapshots."""
+        return (self.max_num_seqs + self.num_snapshot_slots(True)) if is_hybrid else 0

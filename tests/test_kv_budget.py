@@ -1,0 +1,44 @@
+"""The server's memory plan for hybrid models: the recurrent-state slots (one per sequence and
+the prefix cache's snapshots) come out of the memory before the KV pool is sized."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from sparkinfer_cli import kv_budget
+from sparkinfer_cli.gguf_file import GGUFFile
+from sparkinfer_cli.model.config import ModelConfig
+
+TINY = Path(__file__).parent / "fixtures" / "tiny"
+
+
+@pytest.fixture(scope="module")
+def hybrid() -> ModelConfig:
+    return ModelConfig.from_gguf(GGUFFile(TINY / "qwen35moe" / "qwen35moe-Q8_0.gguf"))
+
+
+def test_state_slots_follow_the_prefix_cache_settings(hybrid):
+    one = hybrid.recurrent_state_bytes()
+    assert kv_budget.state_pool_bytes(hybrid, {}) == (64 + 64) * one
+    assert kv_budget.state_pool_bytes(hybrid, {"SPARKINFER_PREFIX_CACHE": "0"}) == 64 * one
+    assert kv_budget.state_pool_bytes(
+        hybrid, {"SPARKINFER_PREFIX_CACHE_SNAPSHOTS": "8",
+                 "SPARKINFER_SERVER_PREFIX_TOKEN_IDS": "1,2,3"}) == (64 + 8 + 1) * one
+    dense = ModelConfig.from_gguf(GGUFFile(TINY / "qwen3" / "qwen3-Q8_0.gguf"))
+    assert kv_budget.state_pool_bytes(dense, {}) == 0
+
+
+def test_the_kv_pool_is_sized_after_the_state_slots(hybrid, monkeypatch):
+    """Memory that holds the asked-for pool beside the weights alone, but not beside the state
+    slots too, refuses it; with fewer snapshots it fits again."""
+    ctx, weights = 4096, 1 << 20
+    pool = ctx * hybrid.kv_bytes_per_token(1) * kv_budget.kv_bytes_per_value("cpu")
+    states = kv_budget.state_pool_bytes(hybrid, {})
+    memory = weights + 2 * pool + states // 2  # KV may take half of what is left
+    monkeypatch.setattr(kv_budget, "available_memory_bytes", lambda device: memory)
+    with pytest.raises(ValueError, match="recurrent state"):
+        kv_budget.fit_kv_pool(hybrid, ctx, "cpu", weights, {})
+    fewer = {"SPARKINFER_PREFIX_CACHE": "0"}  # half the slots
+    assert kv_budget.fit_kv_pool(hybrid, ctx, "cpu", weights, fewer).ctx == ctx
