@@ -78,9 +78,10 @@ def test_the_switch_turns_reuse_off(engines, hybrid):
     assert final.num_cached_tokens == 0 and model.num_forward_tokens - before == len(prompt) + 3
 
 
+@pytest.mark.parametrize("policy", ["batched", "continuous", "chunked", "priority"])
 @pytest.mark.parametrize("model_class", [FakeModel, FakeDeviceModel])
 @pytest.mark.parametrize("hybrid", [False, True])
-def test_shared_prefixes_under_pool_pressure_stay_correct(engines, hybrid, model_class):
+def test_shared_prefixes_under_pool_pressure_stay_correct(engines, hybrid, model_class, policy):
     """Many concurrent requests over a few shared prefixes in a pool far too small to cache them
     all, with aborts and a small snapshot budget: every output matches the oracle (a block freed
     or overwritten while another request reads it would not), hits happen, and at the end every
@@ -88,7 +89,8 @@ def test_shared_prefixes_under_pool_pressure_stay_correct(engines, hybrid, model
     rng = random.Random(5)
     model = model_class(hybrid=hybrid)
     engine = engines(model, start=False, ctx=40 * BS, max_num_seqs=5, prefix_snapshots=3,
-                     prefix_snapshot_tokens=16, prefill_batched=False, prefill_chunk_tokens=16)
+                     prefix_snapshot_tokens=16, prefill_batched=False, prefill_chunk_tokens=16,
+                     sched_policy=policy)
     stems = [_words(20 + i, rng.randint(10, 60)) for i in range(4)]
     sink, prompts = Collector(), {}
     for i in range(60):
