@@ -124,11 +124,23 @@ def stream_completion(endpoint: Endpoint, prompt: list[int] | str, max_tokens: i
                       timeout_s: float = REQUEST_TIMEOUT_S,
                       ignore_eos: bool = True) -> RequestTiming:
     """Sends one streaming completion and times its chunks; failures are recorded, not raised."""
+    return stream_post(endpoint, "/v1/completions",
+                       completion_body(endpoint, prompt, max_tokens, ignore_eos), timeout_s)
+
+
+def stream_chat(endpoint: Endpoint, messages: list[dict], max_tokens: int,
+                timeout_s: float = REQUEST_TIMEOUT_S) -> RequestTiming:
+    """One streaming chat completion (greedy, ending where the model ends), timed."""
+    body = {"model": endpoint.model, "messages": messages, "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    return stream_post(endpoint, "/v1/chat/completions", body, timeout_s)
+
+
+def stream_post(endpoint: Endpoint, path: str, body: dict, timeout_s: float) -> RequestTiming:
     conn = endpoint.connection(timeout_s)
     timing = RequestTiming(time.perf_counter())
     try:
-        conn.request("POST", endpoint.target("/v1/completions"),
-                     json.dumps(completion_body(endpoint, prompt, max_tokens, ignore_eos)),
+        conn.request("POST", endpoint.target(path), json.dumps(body),
                      {"Content-Type": "application/json", "Accept": "text/event-stream"})
         response = conn.getresponse()
         if response.status != 200:
@@ -169,9 +181,11 @@ def add_chunk(timing: RequestTiming, chunk: dict, now: float) -> None:
         timing.error = f"in-stream error: {message}"
         return
     for choice in chunk.get("choices") or ():
-        if choice.get("text"):
+        delta = choice.get("delta") or {}  # chat chunks; completions carry "text"
+        text = choice.get("text") or delta.get("content") or ""
+        if text or delta.get("reasoning_content"):
             timing.token_times.append(now)
-            timing.text += choice["text"]
+            timing.text += text  # NOTE: the answer as a client keeps it, reasoning left out
         timing.finish_reason = choice.get("finish_reason") or timing.finish_reason
     usage = chunk.get("usage")
     if usage:

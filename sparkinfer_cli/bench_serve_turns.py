@@ -1,8 +1,9 @@
 """`sparkinfer bench --serve --turns N`: one conversation through the real server, the way chat
-clients and agents send it: every turn resends the whole history as text (the previous prompt,
-its answer, then `turn_tokens` of new text), so the prefix cache decides how much of each prompt
-is computed again. Then a fresh prompt as long as the last turn's, which no cache can serve: the
-cold TTFT each warm turn is set against.
+clients and agents send it: every turn resends the whole history as chat messages (the earlier
+turns, the last answer as the client received it, then a user message of `turn_tokens` new
+tokens), so the prefix cache decides how much of each prompt is computed again. Then a fresh
+prompt as long as the last turn's, which no cache can serve: the cold TTFT each warm turn is set
+against.
 
 Per turn: TTFT as the client sees it, prompt tokens, the tokens the server took from its cache
 (usage.prompt_tokens_details.cached_tokens) and so the tokens it computed, against the tokens the
@@ -17,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sparkinfer_cli.bench_serve_client import PROMPT_WORDS, Endpoint, stream_completion
+from sparkinfer_cli.bench_serve_client import PROMPT_WORDS, Endpoint, stream_chat
 
 SAMPLE_WORDS = 32
 
@@ -81,20 +82,19 @@ def run_turns(endpoint: Endpoint, num_turns: int, first_tokens: int, turn_tokens
               max_tokens: int, seed: int) -> tuple[list[TurnFigures], TurnFigures]:
     """The conversation's turns, then the cold prompt as long as the last turn."""
     talk = Conversation(endpoint, seed)
-    history, added, turns = talk.words(first_tokens).lstrip(), (0, 0), []
+    messages, added, turns = [user(talk.words(first_tokens))], (0, 0), []
     for turn in range(1, num_turns + 1):
-        timing, answer = send(endpoint, history, max_tokens)
+        timing = stream_chat(endpoint, messages, max_tokens)
         turns.append(figures(turn, timing, *added))
         new = talk.words(turn_tokens)
-        added = (talk.count(new), talk.count(answer) if answer else 0)
-        history += answer + new
-    cold_text = Conversation(endpoint, seed + 1).words(max(turns[-1].prompt_tokens, 1)).lstrip()
-    return turns, figures(0, send(endpoint, cold_text, max_tokens)[0], 0, 0)
+        added = (talk.count(new), talk.count(timing.text) if timing.text else 0)
+        messages += [{"role": "assistant", "content": timing.text}, user(new)]
+    cold = Conversation(endpoint, seed + 1).words(max(turns[-1].prompt_tokens, 1))
+    return turns, figures(0, stream_chat(endpoint, [user(cold)], max_tokens), 0, 0)
 
 
-def send(endpoint: Endpoint, prompt: str, max_tokens: int) -> tuple[Any, str]:
-    timing = stream_completion(endpoint, prompt, max_tokens, ignore_eos=False)
-    return timing, timing.text
+def user(text: str) -> dict[str, str]:
+    return {"role": "user", "content": text.lstrip()}
 
 
 def figures(turn: int, timing: Any, added: int, answer: int) -> TurnFigures:
@@ -136,8 +136,9 @@ def turns_markdown(report: TurnsReport) -> str:
              f"({report.device})", "",
              f"{report.date} · commit {report.commit} · {report.machine}", "",
              f"`{report.command}`", "",
-             "Each turn resends the history as text: the previous prompt, its answer and "
-             f"{report.parameters['turn_tokens']} tokens of new text. computed = prompt − cached "
+             "Each turn resends the history as chat messages: the earlier turns, the last answer "
+             f"and a user message of {report.parameters['turn_tokens']} new tokens. computed = "
+             "prompt − cached "
              "(the server's usage); new = the new text's tokens; answer resent = the previous "
              "answer's tokens as the server tokenizes its text again (cached only where that "
              "gives back the tokens it generated). The last row is a fresh prompt as long as the "

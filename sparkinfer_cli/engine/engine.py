@@ -80,6 +80,12 @@ class ContinuousBatchEngine:
         self._warm_error: BaseException | None = None
 
     @property
+    def keeps_state_snapshots(self) -> bool:
+        """The prefix cache snapshots recurrent state (a hybrid model with the cache on), so
+        SamplingParams.snapshot_positions are worth computing."""
+        return self.kv.is_hybrid and self.config.prefix_cache
+
+    @property
     def max_context(self) -> int:
         """The longest prompt + output one request may have."""
         return min(self.kv.max_request_tokens, self.model.config.context_length)

@@ -52,6 +52,7 @@ class SequenceProgress:
     kv: KVBlocks
     num_prompt_tokens: int
     num_computed: int
+    snapshot_positions: tuple[int, ...] = ()  # SamplingParams.snapshot_positions
 
 
 @dataclass
@@ -184,12 +185,15 @@ class KVCacheManager:
 
     # ---- progress --------------------------------------------------------------------------------
     def next_snapshot_at(self, seq: SequenceProgress) -> int | None:
-        """The prompt position where the sequence's prefill must pause for a state snapshot."""
-        if not (self.auto and self.is_hybrid and self.snapshot_interval):
+        """The prompt position where the sequence's prefill must pause for a state snapshot: the
+        next multiple of the interval or the next position the request asked for."""
+        if not (self.auto and self.is_hybrid):
             return None
         step = self.snapshot_interval
-        position = (seq.num_computed // step + 1) * step
-        return position if position < seq.num_prompt_tokens else None
+        wanted = [(seq.num_computed // step + 1) * step] if step else []
+        wanted += [p for p in seq.snapshot_positions if p > seq.num_computed]
+        position = min(wanted, default=None)
+        return position if position is not None and position < seq.num_prompt_tokens else None
 
     def computed(self, seq: SequenceProgress, num_before: int) -> None:
         """seq's KV now covers seq.num_computed tokens, num_before before the last pass: index
@@ -199,9 +203,10 @@ class KVCacheManager:
         bs = self.block_size
         self.prefix_cache.index_blocks(seq.token_ids, seq.block_keys, seq.kv.block_ids,
                                        num_before // bs, seq.num_computed // bs)
-        at_interval = self.snapshot_interval and seq.num_computed % self.snapshot_interval == 0
-        if self.is_hybrid and num_before < seq.num_prompt_tokens and \
-                (seq.num_computed == seq.num_prompt_tokens or at_interval):
+        n = seq.num_computed
+        wanted = n == seq.num_prompt_tokens or n in seq.snapshot_positions or \
+            (self.snapshot_interval and n % self.snapshot_interval == 0)
+        if self.is_hybrid and num_before < seq.num_prompt_tokens and wanted:
             self._snapshot(seq)
 
     def free(self, kv: KVBlocks, seq: SequenceProgress | None = None) -> None:

@@ -25,6 +25,10 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: bool = False
     top_logprobs: int = 0
+    # hybrid models: prompt positions where the prefix cache keeps a recurrent-state snapshot
+    # (where the conversation's next turn will likely part from this prompt: the end of the
+    # messages, before the generation prompt); not a sampling setting, it rides along with them
+    snapshot_positions: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         checks = [

@@ -208,4 +208,5 @@ class Scheduler:
 def progress(request: Request) -> SequenceProgress:
     assert request.kv is not None
     return SequenceProgress(request.token_ids, request.block_keys, request.kv,
-                            request.num_prompt_tokens, request.num_computed_tokens)
+                            request.num_prompt_tokens, request.num_computed_tokens,
+                            request.params.snapshot_positions)

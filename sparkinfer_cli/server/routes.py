@@ -13,7 +13,7 @@ import functools
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import unquote
 
@@ -241,8 +241,9 @@ async def chat_completions(request: Request) -> HTTPResponse | None:
     max_tokens = _max_tokens(state, chat.max_tokens, len(prompt_ids))
     header = ResponseHeader(f"chatcmpl-{uuid.uuid4().hex}", chat.model or state.config.model_name)
     builder = ChatResponse(header, chat, state, len(prompt_ids), thinking_open, forced)
-    choices = [(prompt_ids, chat.sampling.to_params(max_tokens, i, chat.top_logprobs))
-               for i in range(chat.n)]
+    snapshots = _messages_end(state, chat, prompt, prompt_ids)
+    choices = [(prompt_ids, replace(chat.sampling.to_params(max_tokens, i, chat.top_logprobs),
+                                    snapshot_positions=snapshots)) for i in range(chat.n)]
     return await _respond(request, state.engine.generate(choices, header.id), builder, chat.stream)
 
 
@@ -284,6 +285,22 @@ def _chat_prompt(state: ServerState, chat: ChatCompletionRequest) -> tuple[str, 
                                 chat.forced_tool)
     forced = f"{THINK_CLOSE}\n\n{forced}" if thinking_open else forced
     return prompt + forced, thinking_open, forced
+
+
+def _messages_end(state: ServerState, chat: ChatCompletionRequest, prompt: str,
+                  prompt_ids: list[int]) -> tuple[int, ...]:
+    """Where the rendered messages end and the generation prompt starts, if the engine keeps
+    state snapshots (hybrid models): the conversation's next turn resends those messages but
+    renders this turn's answer its own way, so it can resume from a snapshot there."""
+    if not state.engine.engine.keeps_state_snapshots:
+        return ()
+    try:
+        history = state.template.render(chat.messages, tools=chat.tools,
+                                        add_generation_prompt=False, **chat.template_kwargs)
+    except Exception:  # NOTE: the prompt itself rendered; no snapshot is no error
+        return ()
+    ids = state.tokenizer.encode(history) if prompt.startswith(history) else []
+    return (len(ids),) if 0 < len(ids) < len(prompt_ids) and prompt_ids[:len(ids)] == ids else ()
 
 
 def _render_prompt(state: ServerState, chat: ChatCompletionRequest) -> str:

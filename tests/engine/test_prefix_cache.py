@@ -174,3 +174,14 @@ def _greedy(engine, prompt: list[int]) -> tuple[list[int], int]:
     sink = Collector()
     final = sink.final(engine.submit(prompt, greedy(6, ignore_eos=True), sink))
     return sink.tokens(final.request_id), final.num_cached_tokens
+
+
+def test_a_hybrid_model_snapshots_where_the_request_asks(engines):
+    """snapshot_positions (the server passes where a chat's messages end) add a resume point
+    mid-block, off the interval: a prompt parting from it a little later resumes there."""
+    engine = engines(FakeModel(hybrid=True), prefix_snapshot_tokens=0)
+    base = _words(9, 60)
+    sink = Collector()
+    sink.final(engine.submit(base, greedy(2, snapshot_positions=(37,)), sink))
+    final, _ = _run(engine, [*base[:41], *_words(10, 5)])
+    assert final.num_cached_tokens == 37

@@ -93,6 +93,32 @@ def test_the_turns_benchmark_sees_each_turn_reuse_the_last_one(real) -> None:
     assert cold.prompt_tokens >= turns[-1].prompt_tokens
 
 
+def test_a_hybrid_models_next_chat_turn_resumes_where_the_messages_ended() -> None:
+    """Qwen3.5-MoE (Gated-DeltaNet state): the next turn renders this turn's answer its own way
+    (thinking dropped), so only a state snapshot where the messages ended lets it resume; it
+    does, and computes just the answer and the new message (answers equal the cache-off ones)."""
+    hybrid = FIXTURES.parent / "qwen35moe" / "qwen35moe-Q8_0.gguf"
+    answers = {}
+    for cache in ("1", "0"):
+        with ProcessServer(["-c", RUN_SERVER, str(hybrid)],
+                           {"CTX": "4096", "SPARKINFER_PREFIX_CACHE": cache}, STARTUP_S) as server:
+            client, messages, turns = sdk(server), [], []
+            for text in ("Tell me about rivers. " * 40, "And mountains?", "And the sea?"):
+                messages.append({"role": "user", "content": text})
+                reply = client.chat.completions.create(model="m", messages=messages,
+                                                       max_tokens=12, temperature=0)
+                turns.append(reply)
+                messages.append({"role": "assistant", "content": reply.choices[0].message.content
+                                 or ""})
+            answers[cache] = [t.choices[0].message for t in turns]
+            if cache == "1":
+                for before, turn in zip(turns, turns[1:]):
+                    cached = turn.usage.prompt_tokens_details.cached_tokens
+                    # resumed where the messages ended: before the generation prompt
+                    assert before.usage.prompt_tokens - 16 <= cached < turn.usage.prompt_tokens
+    assert answers["1"] == answers["0"]
+
+
 def test_chat_sync_stream_async_and_raw_sse_agree(real) -> None:
     messages = [{"role": "user", "content": "Hello!"}]
     completion = sdk(real).chat.completions.create(model="m", messages=messages, max_tokens=8,
