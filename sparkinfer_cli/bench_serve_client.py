@@ -130,9 +130,10 @@ def stream_completion(endpoint: Endpoint, prompt: list[int] | str, max_tokens: i
 
 def stream_chat(endpoint: Endpoint, messages: list[dict], max_tokens: int,
                 timeout_s: float = REQUEST_TIMEOUT_S) -> RequestTiming:
-    """One streaming chat completion (greedy, ending where the model ends), timed."""
+    """One streaming chat completion (greedy, max_tokens long: ignore_eos), timed."""
     body = {"model": endpoint.model, "messages": messages, "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
+            "ignore_eos": True}
     return stream_post(endpoint, "/v1/chat/completions", body, timeout_s)
 
 
