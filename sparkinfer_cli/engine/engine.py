@@ -185,6 +185,9 @@ class ContinuousBatchEngine:
     def step(self) -> SchedulerOutput:
         """One iteration: schedule, run the model, sample, update, report. Returns what ran."""
         output = self.scheduler.schedule()
+        if output.needs_all_logits:
+            self._run_prompt_logits(output)
+            return output
         on_device, rows = self._device_picks(output)
         n_steps = self._num_decode_steps(output) if on_device and rows is None else 1
         if n_steps > 1:
@@ -203,6 +206,23 @@ class ContinuousBatchEngine:
         for request, row, token in zip(requests, rows, tokens):
             self._append_sample(request, row, token)
         return output
+
+    def _run_prompt_logits(self, output: SchedulerOutput) -> None:
+        """A step that carries one prompt piece alone, whose tokens' logprobs are asked for; a
+        request scoring its prompt only (max_tokens 0) ends with it."""
+        (seq,) = output.sequences
+        request = self.scheduler.requests[seq.request_id]
+        try:
+            logits = self.runner.run_all_logits(output)  # (piece, n_vocab)
+        except Exception as exc:  # a failed forward pass ends its request
+            self._fail([request], exc)
+            return
+        self.scheduler.update_from_output(output)
+        request.add_prompt_logprobs(logits, seq.start_position)
+        if seq.needs_logits and request.params.max_tokens == 0:
+            self._finish(request, "length")
+        elif seq.needs_logits:
+            self._append_sample(request, logits[-1], None)
 
     def _num_decode_steps(self, output: SchedulerOutput) -> int:
         """Decode passes to queue at once: up to config.decode_steps (and the model's limit) when

@@ -146,11 +146,13 @@ class KVCacheManager:
         return self.prefix_cache.match(prompt_ids, keys, len(prompt_ids) - 1)
 
     def allocate(self, prompt_ids: Sequence[int], num_tokens: int,
-                 keys: list[bytes] | None = None) -> tuple[KVBlocks, CacheOps] | None:
+                 keys: list[bytes] | None = None,
+                 reuse: bool = True) -> tuple[KVBlocks, CacheOps] | None:
         """Blocks for num_tokens positions (prompt + max_tokens) starting from the prompt's
-        cached prefix, or None if they do not fit now (nothing is taken then)."""
+        cached prefix (reuse=False: from scratch), or None if they do not fit now (nothing is
+        taken then)."""
         keys = [] if keys is None else keys
-        hit = self.lookup(prompt_ids, keys)
+        hit = self.lookup(prompt_ids, keys) if reuse else PrefixHit()
         num_fresh = self.num_blocks_for(num_tokens) - len(hit.shared_blocks)
         if self.is_hybrid and self.slot_pool.num_free_slots == 0:
             return None

@@ -110,6 +110,17 @@ class ModelRunner:
         return {seq.request_id: result[i] for i, seq in enumerate(output.sequences)
                 if seq.needs_logits}
 
+    def run_all_logits(self, output: SchedulerOutput) -> np.ndarray:
+        """(N, n_vocab) logits of every token the step computes (a prompt whose logprobs are
+        asked for)."""
+        self.apply_cache_ops(output.cache_ops)
+        batch = self.prepare_batch(output.sequences)
+        batch.all_logits = True
+        started = time.perf_counter()
+        logits = self.model.forward(batch, self.cache)
+        self.last_forward_s = time.perf_counter() - started
+        return logits
+
     def apply_cache_ops(self, ops: CacheOps) -> None:
         if ops.block_copies:
             src, dst = zip(*ops.block_copies)

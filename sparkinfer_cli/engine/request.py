@@ -9,7 +9,11 @@ from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+import numpy as np
+
+from sparkinfer_cli.engine.sampler import token_logprob
 from sparkinfer_cli.engine.sampling_params import SamplingParams
+from sparkinfer_cli.engine.truncation import thread_workspace
 
 if TYPE_CHECKING:
     from sparkinfer_cli.engine.kv_cache import KVBlocks
@@ -39,6 +43,9 @@ class RequestEvent:
     finished_at: float | None
     error: str | None = None
     num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied
+    # SamplingParams.prompt_logprobs: one per prompt token (None for the first), in the first
+    # event only
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class TextPiece(Protocol):
@@ -111,6 +118,8 @@ class Request:
     output_ids: list[int] = field(default_factory=list)  # NOTE: kept apart for the sampler
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+    # SamplingParams.prompt_logprobs, filled as its prompt is computed; None once sent
+    prompt_logprobs: list[TokenLogprob | None] | None = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     kv: KVBlocks | None = None
     block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full blocks
@@ -166,4 +175,28 @@ class Request:
         return RequestEvent(self.request_id, token_ids, text, self.finish_reason, logprobs,
                             self.num_prompt_tokens, self.num_output_tokens, self.submitted_at,
                             self.scheduled_at, self.first_token_at, self.finished_at, self.error,
-                            self.num_cached_tokens)
+                            self.num_cached_tokens, self._take_prompt_logprobs())
+
+    def add_prompt_logprobs(self, logits: np.ndarray, start: int) -> None:
+        """logits (piece, n_vocab) of prompt positions start…: each row scores the next prompt
+        token (the first token has no logprob)."""
+        assert self.prompt_logprobs is not None
+        if start == 0:
+            self.prompt_logprobs.append(None)
+        num_top = self.params.prompt_logprobs or 0
+        ws = thread_workspace(logits.shape[1])
+        for i, row in enumerate(logits):
+            if start + i + 1 < self.num_prompt_tokens:
+                self.prompt_logprobs.append(
+                    token_logprob(row, self.prompt_ids[start + i + 1], num_top, ws))
+
+    @property
+    def wants_prompt_logits(self) -> bool:
+        """Its prefill needs the logits of every prompt token (SamplingParams.prompt_logprobs)."""
+        return self.params.prompt_logprobs is not None
+
+    def _take_prompt_logprobs(self) -> list[TokenLogprob | None] | None:
+        if not self.wants_prompt_logits or self.is_prefilling or self.prompt_logprobs is None:
+            return None
+        taken, self.prompt_logprobs = self.prompt_logprobs, None
+        return taken

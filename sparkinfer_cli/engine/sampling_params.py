@@ -25,6 +25,10 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: bool = False
     top_logprobs: int = 0
+    # vLLM's prompt_logprobs: each prompt token's logprob (the first has none) with this many
+    # alternatives, as OpenAI's echo + logprobs returns them (None = off); such a request computes
+    # its whole prompt (no prefix-cache hit) and may ask for max_tokens 0 (scoring only)
+    prompt_logprobs: int | None = None
     # hybrid models: prompt positions where the prefix cache keeps a recurrent-state snapshot
     # (where the conversation's next turn will likely part from this prompt: the end of the
     # messages, before the generation prompt); not a sampling setting, it rides along with them
@@ -32,7 +36,10 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         checks = [
-            (self.max_tokens >= 1, "max_tokens must be at least 1"),
+            (self.max_tokens >= 1 or (self.max_tokens == 0 and self.prompt_logprobs is not None),
+             "max_tokens must be at least 1 (0 only to score a prompt: prompt_logprobs)"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+             "prompt_logprobs must be in [0, 20]"),
             (self.min_tokens >= 0, "min_tokens must be >= 0"),
             (self.temperature >= 0, "temperature must be >= 0"),
             (self.top_k >= 0, "top_k must be >= 0"),

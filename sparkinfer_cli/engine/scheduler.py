@@ -12,6 +12,10 @@ from sparkinfer_cli.engine.kv_cache import CacheOps, KVCacheManager, SequencePro
 from sparkinfer_cli.engine.policy import BasePolicy
 from sparkinfer_cli.engine.request import Request, RequestStatus
 
+# a prompt whose logprobs are asked for computes every token's logits: pieces of at most this many
+# tokens bound the (piece, n_vocab) array
+PROMPT_LOGITS_PIECE = 512
+
 
 @dataclass(frozen=True)
 class ScheduledSequence:
@@ -21,6 +25,7 @@ class ScheduledSequence:
     block_ids: tuple[int, ...]  # covering start_position + len(token_ids)
     state_slot: int
     needs_logits: bool  # the piece reaches the request's last token: sample from it
+    needs_all_logits: bool = False  # every token's logits (its prompt's logprobs are asked for)
 
 
 @dataclass
@@ -31,6 +36,11 @@ class SchedulerOutput:
     @property
     def num_tokens(self) -> int:
         return sum(len(s.token_ids) for s in self.sequences)
+
+    @property
+    def needs_all_logits(self) -> bool:
+        """A prompt whose logprobs are asked for: the step carries it alone."""
+        return any(s.needs_all_logits for s in self.sequences)
 
     @property
     def is_decode_only(self) -> bool:
@@ -71,7 +81,8 @@ class Scheduler:
         output = SchedulerOutput(cache_ops=self.kv.take_pending_ops())
         decodes = self._pick_decodes()
         prefills = self._pick_prefills(len(decodes), output.cache_ops)
-        if prefills and self.policy.is_exclusive_prefill:
+        alone = any(request.wants_prompt_logits for request, _ in prefills)
+        if prefills and (self.policy.is_exclusive_prefill or alone):
             decodes = []
         pieces = [(request, 1) for request in decodes] + prefills
         output.sequences = [self._scheduled(request, n) for request, n in pieces]
@@ -137,12 +148,18 @@ class Scheduler:
         pieces: list[tuple[Request, int]] = []
         for request in self._prefill_queue()[:self.policy.max_prefills_per_step]:
             piece = self.policy.prefill_piece(self._num_uncomputed(request))
+            if request.wants_prompt_logits:  # NOTE: alone, in pieces of bounded logits
+                if pieces:
+                    break
+                piece = min(piece, PROMPT_LOGITS_PIECE)
             if self._must_wait(piece, num_decodes) or min(piece, room) <= 0 or \
                     (request.kv is None and not self._admit(request, ops)):
                 break
             piece = min(piece, room, self._until_snapshot(request))
             pieces.append((request, piece))
             room -= piece
+            if request.wants_prompt_logits:
+                break
         return pieces
 
     def _step_room(self, num_decodes: int) -> int:
@@ -159,6 +176,8 @@ class Scheduler:
         """Tokens still to compute; a request not yet admitted skips its prefix-cache hit."""
         if request.kv is not None:
             return request.num_tokens - request.num_computed_tokens
+        if request.wants_prompt_logits:
+            return request.num_tokens
         hit = self.kv.lookup(request.prompt_ids, request.block_keys)
         return request.num_tokens - hit.num_tokens
 
@@ -183,7 +202,7 @@ class Scheduler:
         if len(self.running) >= self.config.max_num_seqs:
             return False
         allocation = self.kv.allocate(request.prompt_ids, request.num_kv_tokens,
-                                      request.block_keys)
+                                      request.block_keys, reuse=not request.wants_prompt_logits)
         if allocation is None:
             return False
         request.kv, request_ops = allocation
@@ -202,7 +221,8 @@ class Scheduler:
         end = start + num_new
         return ScheduledSequence(request.request_id, request.token_ids[start:end], start,
                                  request.kv.block_ids[:self.kv.num_blocks_for(end)],
-                                 request.kv.state_slot, end == request.num_tokens)
+                                 request.kv.state_slot, end == request.num_tokens,
+                                 request.wants_prompt_logits and start < request.num_prompt_tokens)
 
 
 def progress(request: Request) -> SequenceProgress:

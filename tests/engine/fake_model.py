@@ -114,7 +114,7 @@ class FakeModel:
         offsets = batch.token_offsets()
         rows = [self._sequence_logits(batch, cache, i, batch.token_ids[offsets[i]:offsets[i + 1]])
                 for i in range(batch.num_seqs)]
-        return np.stack(rows)  # (num_seqs, n_vocab)
+        return np.concatenate(rows)  # (num_seqs, n_vocab), or (N, n_vocab) for all_logits
 
     def _sequence_logits(self, batch: SequenceBatch, cache: FakeCache, i: int,
                          new_ids: np.ndarray) -> np.ndarray:
@@ -126,8 +126,10 @@ class FakeModel:
             cache.state[slot] = extend_hash(cache.state[slot], new_ids)
             if cache.state[slot] != extend_hash(0, seen):
                 raise RuntimeError("recurrent state does not match the sequence")
-        logits = np.zeros(N_VOCAB, dtype=np.float32)  # (n_vocab,)
-        logits[next_token(seen)] = 1.0
+        ends = range(start + 1, len(seen) + 1) if batch.all_logits else [len(seen)]
+        logits = np.zeros((len(ends), N_VOCAB), dtype=np.float32)  # (rows, n_vocab)
+        for row, end in enumerate(ends):  # the row after seen[:end] favours its greedy next token
+            logits[row, next_token(seen[:end])] = 1.0
         return logits
 
 

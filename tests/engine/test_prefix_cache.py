@@ -5,12 +5,13 @@ block overwritten while shared changes the output or raises."""
 
 from __future__ import annotations
 
+import math
 import random
 from pathlib import Path
 
 import pytest
 from engine_harness import Collector, greedy, wait_idle
-from fake_model import FakeDeviceModel, FakeModel, expected_greedy
+from fake_model import N_VOCAB, FakeDeviceModel, FakeModel, expected_greedy, next_token
 
 from sparkinfer_cli.engine.config import EngineConfig
 from sparkinfer_cli.engine.engine import ContinuousBatchEngine
@@ -185,3 +186,26 @@ def test_a_hybrid_model_snapshots_where_the_request_asks(engines):
     sink.final(engine.submit(base, greedy(2, snapshot_positions=(37,)), sink))
     final, _ = _run(engine, [*base[:41], *_words(10, 5)])
     assert final.num_cached_tokens == 37
+
+
+def test_prompt_logprobs_score_every_prompt_token_even_where_the_prefix_is_cached(engines):
+    """prompt_logprobs (OpenAI's echo + logprobs): one entry per prompt token, the first None,
+    each the logprob the model gave that token after the ones before it; computed from scratch
+    although the prompt is cached, and max_tokens 0 scores without generating."""
+    model = FakeModel()
+    engine = engines(model, prefill_batched=False, prefill_chunk_tokens=8)
+    prompt = _words(11, 30)
+    _run(engine, prompt)  # now cached
+    sink = Collector()
+    before = model.num_forward_tokens
+    final = sink.final(engine.submit(prompt, greedy(0, prompt_logprobs=2), sink))
+    assert final.finish_reason == "length" and final.num_output_tokens == 0
+    assert model.num_forward_tokens - before == len(prompt) and final.num_cached_tokens == 0
+    (scored,) = [e.prompt_logprobs for e in sink.events[final.request_id] if e.prompt_logprobs]
+    assert scored[0] is None and [lp.token_id for lp in scored[1:]] == prompt[1:]
+    for i, lp in enumerate(scored[1:], 1):  # FakeModel puts logit 1 on its greedy pick, 0 else
+        favoured = next_token(prompt[:i])
+        top = math.log(math.e / (math.e + N_VOCAB - 1))
+        assert lp.logprob == pytest.approx(top if prompt[i] == favoured else top - 1, abs=1e-5)
+        assert lp.top[0] == (favoured, pytest.approx(top, abs=1e-5)) and len(lp.top) == 2
+    assert _run(engine, prompt)[0].num_cached_tokens > 0  # the cache still serves the others
