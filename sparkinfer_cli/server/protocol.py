@@ -140,8 +140,8 @@ class SamplingFields:
     ignore_eos: bool = False  # vLLM's extensions, which load generators use for full-length outputs
     min_tokens: int = 0
 
-    def to_params(self, max_tokens: int, choice_index: int,
-                  top_logprobs: int | None) -> SamplingParams:
+    def to_params(self, max_tokens: int, choice_index: int, top_logprobs: int | None,
+                  prompt_logprobs: int | None = None) -> SamplingParams:
         """SamplingParams for one choice; the choices of a seeded request get seed + index."""
         seed = None if self.seed is None else (self.seed + choice_index) % 2**64
         try:
@@ -151,7 +151,7 @@ class SamplingFields:
                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                 logit_bias=self.logit_bias, seed=seed, stop=self.stop, ignore_eos=self.ignore_eos,
                 min_tokens=self.min_tokens, logprobs=top_logprobs is not None,
-                top_logprobs=top_logprobs or 0)
+                top_logprobs=top_logprobs or 0, prompt_logprobs=prompt_logprobs)
         except ValueError as exc:
             raise invalid(str(exc)) from None
 
@@ -446,6 +446,11 @@ class CompletionRequest:
     top_logprobs: int | None
     echo: bool
 
+    @property
+    def prompt_logprobs(self) -> int | None:
+        """echo with logprobs returns the prompt tokens' logprobs too (OpenAI's legacy API)."""
+        return self.top_logprobs if self.echo else None
+
 
 def parse_completion_request(body: dict[str, Any], *, default_temperature: float, vocab_size: int,
                              max_n: int) -> CompletionRequest:
@@ -458,7 +463,10 @@ def parse_completion_request(body: dict[str, Any], *, default_temperature: float
         raise invalid("'best_of' other than n is not supported", "best_of", "unsupported_value")
     if body.get("suffix") is not None:
         raise invalid("'suffix' is not supported", "suffix", "unsupported_value")
-    max_tokens = _int_in(body, "max_tokens", 16, 1) or 16
+    echo = _field(body, "echo", _is_bool, False)
+    # NOTE: OpenAI's legacy API takes max_tokens 0 with echo: score the prompt, generate nothing
+    max_tokens = _int_in(body, "max_tokens", 16, 0 if echo else 1)
+    max_tokens = 16 if max_tokens is None else max_tokens
     stream = _field(body, "stream", _is_bool, False)
     return CompletionRequest(
         model=_field(body, "model", _is_str), prompts=prompts,
@@ -466,7 +474,7 @@ def parse_completion_request(body: dict[str, Any], *, default_temperature: float
         n=n, max_tokens=max_tokens,
         sampling=parse_sampling(body, default_temperature, vocab_size, max_tokens),
         top_logprobs=_int_in(body, "logprobs", None, 0, MAX_TOP_LOGPROBS),
-        echo=_field(body, "echo", _is_bool, False),
+        echo=echo,
     )
 
 

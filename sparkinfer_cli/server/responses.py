@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -238,12 +239,13 @@ class ChatResponse:
 class CompletionResponse:
     """Legacy /v1/completions: choice index = prompt index × n + sample index."""
 
-    def __init__(self, header: ResponseHeader, state: ServerState, prompt_lengths: list[int],
+    def __init__(self, header: ResponseHeader, state: ServerState, prompts: list[list[int]],
                  n: int, echo_texts: list[str], top_logprobs: int | None, include_usage: bool):
         self.header, self.include_usage = header, include_usage
-        self.prompt_lengths, self.top_logprobs = prompt_lengths, top_logprobs
+        self.prompts, self.n, self.top_logprobs = prompts, n, top_logprobs
+        self.prompt_lengths = [len(ids) for ids in prompts]
         self.texts_of = state.token_texts
-        count = len(prompt_lengths) * n
+        count = len(prompts) * n
         self.texts = [[echo_texts[i // n]] for i in range(count)]  # parts, joined at the end
         self.lengths = [len(echo_texts[i // n]) for i in range(count)]
         self.pending_echo = [bool(echo_texts[i // n]) for i in range(count)]
@@ -274,16 +276,23 @@ class CompletionResponse:
         if self.top_logprobs is None:
             return None
         part: dict[str, list[Any]] = {k: [] for k in self.logprobs[index]}
-        for lp in event.logprobs:
-            text, _ = self.texts_of.entry(lp.token_id)
-            part["tokens"].append(text)
-            part["token_logprobs"].append(max(lp.logprob, MIN_LOGPROB))
-            part["top_logprobs"].append(self._top_logprobs(lp, text))
-            part["text_offset"].append(offset)
-            offset += len(text)
+        if event.prompt_logprobs:  # echo: the prompt's tokens first, the first one unscored
+            self._add_entries(part, zip(self.prompts[index // self.n], event.prompt_logprobs), 0)
+        self._add_entries(part, ((lp.token_id, lp) for lp in event.logprobs), offset)
         for key, values in part.items():
             self.logprobs[index][key] += values
         return part
+
+    def _add_entries(self, part: dict[str, list[Any]], entries: Iterable[tuple[int, Any]],
+                     offset: int) -> None:
+        """Appends (token id, its TokenLogprob or None) entries at text offset `offset`."""
+        for token_id, lp in entries:
+            text, _ = self.texts_of.entry(token_id)
+            part["tokens"].append(text)
+            part["token_logprobs"].append(None if lp is None else max(lp.logprob, MIN_LOGPROB))
+            part["top_logprobs"].append(None if lp is None else self._top_logprobs(lp, text))
+            part["text_offset"].append(offset)
+            offset += len(text)
 
     def _top_logprobs(self, lp: Any, text: str) -> dict[str, float]:
         """The top `logprobs` alternatives and, as OpenAI always adds it, the sampled token."""

@@ -259,11 +259,11 @@ async def completions(request: Request) -> HTTPResponse | None:
     choices = []
     for ids in prompts:
         max_tokens = _max_tokens(state, req.max_tokens, len(ids))
-        choices += [(ids, req.sampling.to_params(max_tokens, j, req.top_logprobs))
-                    for j in range(req.n)]
+        choices += [(ids, req.sampling.to_params(max_tokens, j, req.top_logprobs,
+                                                 req.prompt_logprobs)) for j in range(req.n)]
     texts = [state.tokenizer.decode(ids) if req.echo else "" for ids in prompts]
-    builder = CompletionResponse(header, state, [len(ids) for ids in prompts], req.n, texts,
-                                 req.top_logprobs, req.include_usage)
+    builder = CompletionResponse(header, state, prompts, req.n, texts, req.top_logprobs,
+                                 req.include_usage)
     return await _respond(request, state.engine.generate(choices, header.id), builder, req.stream)
 
 
@@ -320,7 +320,7 @@ def _max_tokens(state: ServerState, requested: int | None, num_prompt_tokens: in
         raise ApiError(400, f"the prompt has {num_prompt_tokens} tokens, but the context limit is "
                             f"{state.max_context} tokens", param="messages",
                        code="context_length_exceeded")
-    return min(requested or room, state.config.max_output_tokens)
+    return min(room if requested is None else requested, state.config.max_output_tokens)
 
 
 async def _respond(request: Request, generation: Generation, builder: Any,

@@ -126,6 +126,8 @@ class _FakeRequest:
 
 
 class FakeEngine:
+    keeps_state_snapshots = False  # a hybrid model's prefix cache is the real engine's concern
+
     def __init__(self, reply: Callable[[str, Any], str] = scripted_reply, *, ctx: int = 4096,
                  block_size: int = 16, max_queue_depth: int = 0, max_output_tokens: int = 4096,
                  request_timeout_s: float = 0.0, token_delay_s: float = 0.0,

@@ -119,6 +119,33 @@ def test_a_hybrid_models_next_chat_turn_resumes_where_the_messages_ended() -> No
     assert answers["1"] == answers["0"]
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_llama_cpp_does(real, tokenizer) -> None:
+    """lm-eval's log-likelihood call: echo + logprobs + max_tokens 0 returns every prompt token's
+    logprob (the first null), as llama.cpp's own logits of the same file give them (its int8
+    activations differ from ours by ≤ 0.09 a logit), and the prompt is not cached for it."""
+    import numpy as np
+
+    prompt = [int(t) for t in GOLDENS["prompt_long"]]
+    native = np.load(FIXTURES / "qwen3.goldens.npz")["lc_Q8_0_logits_long"].astype(np.float64)
+    expected = native - np.logaddexp.reduce(native, axis=1, keepdims=True)
+    sdk(real).completions.create(model="m", prompt=prompt, max_tokens=2, temperature=0)
+    scored = sdk(real).completions.create(model="m", prompt=prompt, max_tokens=0, echo=True,
+                                          logprobs=2, temperature=0)
+    choice, lp = scored.choices[0], scored.choices[0].logprobs
+    assert choice.text == tokenizer.decode(prompt) and choice.finish_reason == "length"
+    assert len(lp.tokens) == len(prompt) and lp.token_logprobs[0] is None
+    assert lp.top_logprobs[0] is None and lp.text_offset[0] == 0
+    want = expected[np.arange(len(prompt) - 1), prompt[1:]]
+    assert np.abs(np.array(lp.token_logprobs[1:]) - want).max() < 0.2
+    # top 2 and the token itself, keyed by text (tokens that print alike share a key)
+    assert all(1 <= len(top) <= 3 for top in lp.top_logprobs[1:])
+    assert scored.usage.completion_tokens == 0
+    assert scored.usage.prompt_tokens_details.cached_tokens == 0
+    more = sdk(real).completions.create(model="m", prompt=prompt, max_tokens=3, echo=True,
+                                        logprobs=0, temperature=0)
+    assert len(more.choices[0].logprobs.tokens) == len(prompt) + 3
+
+
 def test_chat_sync_stream_async_and_raw_sse_agree(real) -> None:
     messages = [{"role": "user", "content": "Hello!"}]
     completion = sdk(real).chat.completions.create(model="m", messages=messages, max_tokens=8,

@@ -4,6 +4,8 @@ real socket against the FakeEngine (one character per token, server_fakes.CharTo
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import httpx
 import openai
 import pytest
@@ -165,7 +167,9 @@ def test_an_origin_with_a_path_or_no_scheme_is_refused(raw: str) -> None:
 def served(monkeypatch) -> dict:
     """What `sparkinfer serve` hands run_server, without loading a model."""
     calls: dict = {}
-    monkeypatch.setattr(hub, "resolve_model", lambda model, prefer_gpu: ("model.gguf", None))
+    tiny = Path(__file__).parents[1] / "fixtures" / "tiny" / "qwen3" / "qwen3-Q8_0.gguf"
+    monkeypatch.setattr(hub, "resolve_model", lambda model, prefer_gpu: (tiny, None))
+    monkeypatch.setenv("PORT", "0")  # serve checks its address before it starts: any free port
     monkeypatch.setattr(server_app, "run_server",
                         lambda *args, **kwargs: calls.update(args=args, kwargs=kwargs))
     return calls
