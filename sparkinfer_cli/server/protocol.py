@@ -445,6 +445,7 @@ class CompletionRequest:
     sampling: SamplingFields
     top_logprobs: int | None
     echo: bool
+    suffix: str | None = None  # fill-in-the-middle: the text after the completion
 
     @property
     def prompt_logprobs(self) -> int | None:
@@ -461,9 +462,12 @@ def parse_completion_request(body: dict[str, Any], *, default_temperature: float
     best_of = _field(body, "best_of", _is_int)
     if best_of is not None and best_of != n:
         raise invalid("'best_of' other than n is not supported", "best_of", "unsupported_value")
-    if body.get("suffix") is not None:
-        raise invalid("'suffix' is not supported", "suffix", "unsupported_value")
+    suffix = _field(body, "suffix", _is_str)
+    if suffix is not None and not all(isinstance(p, str) for p in prompts):
+        raise invalid("'suffix' needs text prompts (the prefix to fill after)", "suffix")
     echo = _field(body, "echo", _is_bool, False)
+    if suffix is not None and echo:
+        raise invalid("'suffix' and 'echo' cannot be used together", "suffix")
     # NOTE: OpenAI's legacy API takes max_tokens 0 with echo: score the prompt, generate nothing
     max_tokens = _int_in(body, "max_tokens", 16, 0 if echo else 1)
     max_tokens = 16 if max_tokens is None else max_tokens
@@ -474,7 +478,7 @@ def parse_completion_request(body: dict[str, Any], *, default_temperature: float
         n=n, max_tokens=max_tokens,
         sampling=parse_sampling(body, default_temperature, vocab_size, max_tokens),
         top_logprobs=_int_in(body, "logprobs", None, 0, MAX_TOP_LOGPROBS),
-        echo=echo,
+        echo=echo, suffix=suffix,
     )
 
 

@@ -254,7 +254,7 @@ async def completions(request: Request) -> HTTPResponse | None:
                                    default_temperature=state.config.default_temperature,
                                    vocab_size=state.vocab_size, max_n=state.config.max_n)
     request.ctx.streaming = req.stream
-    prompts = [p if isinstance(p, list) else state.tokenizer.encode(p) for p in req.prompts]
+    prompts = [_completion_prompt(state, p, req.suffix) for p in req.prompts]
     header = ResponseHeader(f"cmpl-{uuid.uuid4().hex}", req.model or state.config.model_name)
     choices = []
     for ids in prompts:
@@ -265,6 +265,21 @@ async def completions(request: Request) -> HTTPResponse | None:
     builder = CompletionResponse(header, state, prompts, req.n, texts, req.top_logprobs,
                                  req.include_usage)
     return await _respond(request, state.engine.generate(choices, header.id), builder, req.stream)
+
+
+def _completion_prompt(state: ServerState, prompt: str | list[int],
+                       suffix: str | None) -> list[int]:
+    """The prompt's ids; with a suffix, a fill-in-the-middle prompt of the two."""
+    if isinstance(prompt, list):
+        return prompt
+    if suffix is None:
+        return state.tokenizer.encode(prompt)
+    ids = state.tokenizer.fill_in_the_middle(prompt, suffix)
+    if ids is None:
+        raise invalid("'suffix' needs a model with fill-in-the-middle tokens (<|fim_prefix|>, "
+                      "<|fim_suffix|>, <|fim_middle|>); this one has none", "suffix",
+                      "unsupported_value")
+    return ids
 
 
 def _parse_chat(state: ServerState, body: dict[str, Any]) -> ChatCompletionRequest:

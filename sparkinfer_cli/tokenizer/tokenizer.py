@@ -72,9 +72,11 @@ _EOG_TEXTS = frozenset({"<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>
 _FIM_EOG_TEXTS = (("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>"),
                   ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
                   ("<|file_sep|>",))
-_FIM_OTHER_TEXTS = frozenset({"<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<PRE>",
-                              "<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<SUF>",
-                              "<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<MID>"})
+# fill-in-the-middle's prefix, suffix and middle markers, each as the model families spell it
+_FIM_MARKERS = (("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<PRE>"),
+                ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<SUF>"),
+                ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<MID>"))
+_FIM_OTHER_TEXTS = frozenset(t for group in _FIM_MARKERS for t in group)
 
 
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
@@ -283,6 +285,18 @@ class Tokenizer:
             self._hf.encode_special_tokens = not parse_special
             ids = self._hf.encode(text, add_special_tokens=False).ids
         return [self.bos_id, *ids] if self.add_bos else ids  # type: ignore[list-item]
+
+    def fill_in_the_middle(self, prefix: str, suffix: str) -> list[int] | None:
+        """A fill-in-the-middle prompt (prefix-suffix-middle order, as llama.cpp's infill and
+        Qwen2.5-Coder use), or None when the vocabulary lacks the three markers."""
+        markers = [next((self.token_to_id[t] for t in group if t in self.token_to_id), None)
+                   for group in _FIM_MARKERS]
+        if None in markers:
+            return None
+        pre, suf, mid = markers
+        bos = [self.bos_id] if self.add_bos else []
+        return [*bos, pre, *self.encode(prefix, parse_special=False)[len(bos):], suf,
+                *self.encode(suffix, parse_special=False)[len(bos):], mid]  # type: ignore[list-item]
 
     def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
         """Text of `ids`; invalid UTF-8 becomes U+FFFD. `skip_special` drops CONTROL tokens."""

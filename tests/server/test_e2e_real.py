@@ -146,6 +146,29 @@ def test_echo_with_logprobs_scores_the_prompt_as_llama_cpp_does(real, tokenizer)
     assert len(more.choices[0].logprobs.tokens) == len(prompt) + 3
 
 
+def test_suffix_fills_in_the_middle(real, tokenizer) -> None:
+    """OpenAI's `suffix`: the prompt is the prefix, and the model sees <|fim_prefix|> prefix
+    <|fim_suffix|> suffix <|fim_middle|> (Qwen2.5-Coder's and llama.cpp infill's order): the
+    same greedy text as that prompt sent as token ids; bad combinations are 400s."""
+    def ids(text: str) -> list[int]:
+        return tokenizer.encode(text, parse_special=False)
+
+    special = {t: tokenizer.token_to_id[t] for t in ("<|fim_prefix|>", "<|fim_suffix|>",
+                                                     "<|fim_middle|>")}
+    explicit = [special["<|fim_prefix|>"], *ids("def area(r):\n    "),
+                special["<|fim_suffix|>"], *ids("\n    return a"), special["<|fim_middle|>"]]
+    filled = sdk(real).completions.create(model="m", prompt="def area(r):\n    ",
+                                          suffix="\n    return a", max_tokens=8, temperature=0)
+    direct = sdk(real).completions.create(model="m", prompt=explicit, max_tokens=8,
+                                          temperature=0)
+    assert filled.choices[0].text == direct.choices[0].text
+    assert filled.usage.prompt_tokens == len(explicit)
+    for body in ({"prompt": "x", "suffix": "y", "echo": True},
+                 {"prompt": [1, 2], "suffix": "y"}):
+        response = httpx.post(f"{real.url}/v1/completions", json={"max_tokens": 2, **body})
+        assert_openai_error(response, 400)
+
+
 def test_chat_sync_stream_async_and_raw_sse_agree(real) -> None:
     messages = [{"role": "user", "content": "Hello!"}]
     completion = sdk(real).chat.completions.create(model="m", messages=messages, max_tokens=8,

@@ -217,3 +217,15 @@ def test_bad_metadata_gives_clear_errors():
 ])
 def test_clean_up_spaces_like_llama_cpp(raw, clean):
     assert clean_up_spaces(raw) == clean
+
+
+def test_fill_in_the_middle_prompts(qwen25, smollm):
+    """Qwen2.5's markers in prefix-suffix-middle order, the texts never parsed for specials;
+    SmolLM2 has none (its <fim_prefix> family is absent), so no FIM prompt."""
+    pre, suf, mid = (qwen25.id_of(t) for t in ("<|fim_prefix|>", "<|fim_suffix|>",
+                                               "<|fim_middle|>"))
+    prompt = qwen25.fill_in_the_middle("a = <|fim_middle|>", "\nb = 2")
+    assert prompt == [pre, *qwen25.encode("a = <|fim_middle|>", parse_special=False), suf,
+                      *qwen25.encode("\nb = 2"), mid]
+    assert prompt.count(mid) == 1
+    assert smollm.fill_in_the_middle("a", "b") is None
