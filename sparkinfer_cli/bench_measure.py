@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from sparkinfer_cli.engine.engine import ContinuousBatchEngine
     from sparkinfer_cli.engine.request import RequestEvent
     from sparkinfer_cli.engine.sampling_params import SamplingParams
-    from sparkinfer_cli.model.base import CausalLM
+    from sparkinfer_cli.model.backend import ModelBackend
     from sparkinfer_cli.model.cache import ModelCache
     from sparkinfer_cli.tokenizer.tokenizer import Tokenizer
 
@@ -57,7 +57,7 @@ def random_ids(rng: np.random.Generator, n_vocab: int, n: int) -> np.ndarray:
 class DepthBench:
     """Prefill and batch-1 decode over one KV cache long enough for the deepest context."""
 
-    def __init__(self, model: CausalLM, max_ctx: int, settings: Settings):
+    def __init__(self, model: ModelBackend, max_ctx: int, settings: Settings):
         self.model, self.settings = model, settings
         self.rng = np.random.default_rng(settings.seed)
         num_blocks = -(-(max_ctx + settings.decode_steps) // BLOCK_SIZE)
@@ -74,7 +74,7 @@ class DepthBench:
             self._forward(ids, 0)
             for step in range(WARMUP_DECODE_STEPS):
                 self._forward(ids[step:step + 1], n + step)
-            if self._queued_steps > 1:
+            if self.model.max_queued_steps > 1:
                 self._decode_run(n, WARMUP_DECODE_STEPS)
             pair = SequenceBatch(self._ids(2), [n, 0], [1, 1], [self.block_table, half], [0, 1])
             self.model.forward(pair, self.cache)
@@ -88,33 +88,26 @@ class DepthBench:
         chunk = min(ctx, self.settings.prefill_chunk_tokens)
         return Measurement("prefill", ctx, 1, ctx / statistics.median(times), chunk)
 
-    @property
-    def _queued_steps(self) -> int:
-        """Decode passes the model queues at once (CudaModel.decode_greedy), as the engine runs
-        greedy decodes; 1: one forward a step."""
-        if not hasattr(self.model, "decode_greedy"):
-            return 1
-        return getattr(self.model, "max_queued_steps", 1)
-
     def decode(self, ctx: int) -> Measurement:
         """Median time a step over decode_steps steps after a ctx-token prompt (just prefilled):
         runs of queued passes (each fed the previous one's argmax, a random first id) where the
         model queues them, as the engine serves greedy requests; else one forward a step."""
-        steps, run = self.settings.decode_steps, self._queued_steps
+        steps, run = self.settings.decode_steps, self.model.max_queued_steps
         host = _HostTime(self.model)
         if run > 1:
             times = [_timed(lambda: self._decode_run(ctx + i, min(run, steps - i)))
                      / min(run, steps - i) for i in range(0, steps, run)]
         else:
             ids = self._ids(steps)
-            step = getattr(self.model, "forward_greedy", self.model.forward)  # ids back
+            step = self.model.forward_greedy if self.model.picks_on_device else \
+                self.model.forward  # ids back where the device picks them
             times = [_timed(lambda: self._forward(ids[i:i + 1], ctx + i, step))
                      for i in range(steps)]
         return Measurement("decode", ctx, 1, 1.0 / statistics.median(times), 1, host.mean_us())
 
     def _decode_run(self, start: int, n_steps: int) -> list[np.ndarray]:
         batch = SequenceBatch.single(self._ids(1), start, self.block_table)
-        return list(self.model.decode_greedy(batch, self.cache, n_steps))  # type: ignore[attr-defined]
+        return list(self.model.decode_greedy(batch, self.cache, n_steps))
 
     def _prefill(self, ids: np.ndarray) -> None:
         if self.model.config.is_hybrid:
@@ -136,7 +129,7 @@ class _HostTime:
     """Host time per graph-replayed decode step since construction, from a model that counts
     it (CudaModel.times: until the step's GPU work is queued); None for other models."""
 
-    def __init__(self, model: CausalLM):
+    def __init__(self, model: ModelBackend):
         self.times = getattr(model, "times", None)
         if self.times is not None:
             self.start = (self.times.host_s["decode"], self.times.steps["decode"])
@@ -158,7 +151,7 @@ def _timed(run: Callable[[], object]) -> float:
 Event = tuple[float, str, int, bool]  # (time, request id, output tokens so far, finished)
 
 
-def measure_throughput(model: CausalLM, tokenizer: Tokenizer, concurrency: int,
+def measure_throughput(model: ModelBackend, tokenizer: Tokenizer, concurrency: int,
                        settings: Settings) -> Measurement:
     """concurrency greedy requests at once; tokens/s while all of them decode together."""
     from sparkinfer_cli.engine.engine import ContinuousBatchEngine, EngineConfig

@@ -22,7 +22,7 @@ from sparkinfer_cli.engine.config import (
 )
 from sparkinfer_cli.engine.greedy_batch import GreedyBatch, default_num_threads
 from sparkinfer_cli.engine.kv_cache import CacheOps, KVCacheManager, PrefixCacheStats
-from sparkinfer_cli.engine.model_runner import Model, ModelRunner
+from sparkinfer_cli.engine.model_runner import ModelRunner
 from sparkinfer_cli.engine.policy import create_policy
 from sparkinfer_cli.engine.request import OutputStream, Request, RequestEvent
 from sparkinfer_cli.engine.sampler import Sampler, SampleResult, UnsatisfiableSampling
@@ -30,6 +30,7 @@ from sparkinfer_cli.engine.sampling_params import SamplingParams
 from sparkinfer_cli.engine.scheduler import Scheduler, SchedulerOutput
 from sparkinfer_cli.engine.step_timings import StepTimings
 from sparkinfer_cli.engine.stop import StopStringMatcher
+from sparkinfer_cli.model.backend import ModelBackend
 from sparkinfer_cli.tokenizer.detokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
@@ -56,7 +57,7 @@ class EngineStats:
 
 
 class ContinuousBatchEngine:
-    def __init__(self, model: Model, tokenizer: Tokenizer, config: EngineConfig):
+    def __init__(self, model: ModelBackend, tokenizer: Tokenizer, config: EngineConfig):
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.n_vocab = model.config.n_vocab
         if any(t >= self.n_vocab for t in config.prefix_token_ids):
@@ -64,8 +65,7 @@ class ContinuousBatchEngine:
         self.kv = KVCacheManager.from_config(config, model.config.is_hybrid)
         cache = model.create_cache(config.num_blocks, config.block_size, self.kv.num_state_slots)
         self._state_bytes = model.config.recurrent_state_bytes() if model.config.is_hybrid else 0
-        self.scheduler = Scheduler(config, self.kv, create_policy(config),
-                                   getattr(model, "max_pass_tokens", 0))
+        self.scheduler = Scheduler(config, self.kv, create_policy(config), model.max_pass_tokens)
         self.runner = ModelRunner(model, cache)
         self.timings = StepTimings()
         self.greedy = GreedyBatch(config.sampling_threads or default_num_threads())
@@ -259,16 +259,17 @@ class ContinuousBatchEngine:
         sampling rows (Sampler.device_row), or None when all are plain greedy: the argmax)."""
         if not self.runner.can_pick_greedy:
             return False, None
-        samplers = [self.scheduler.requests[s.request_id].sampler for s in output.sequences
-                    if s.needs_logits]
-        if not samplers or any(x is None for x in samplers):
+        wanted = [self.scheduler.requests[s.request_id].sampler for s in output.sequences
+                  if s.needs_logits]
+        samplers = [x for x in wanted if x is not None]
+        if not samplers or len(samplers) < len(wanted):
             return False, None
-        if all(x.is_plain_greedy for x in samplers):  # type: ignore[union-attr]
+        if all(x.is_plain_greedy for x in samplers):
             return True, None
         limit = self.runner.max_sample_top_k
-        if not all(x.can_sample_on_device(limit) for x in samplers):  # type: ignore[union-attr]
+        if not all(x.can_sample_on_device(limit) for x in samplers):
             return False, None
-        return True, np.stack([x.device_row() for x in samplers])  # type: ignore[union-attr]
+        return True, np.stack([x.device_row() for x in samplers])
 
     def _greedy_tokens(self, requests: list[Request], rows: list[np.ndarray]) -> list[int | None]:
         """The plain greedy rows' tokens, sampled together; None for the other rows."""
@@ -388,9 +389,8 @@ class ContinuousBatchEngine:
     def _prepare_model(self) -> None:
         """Compiles and captures every pass the scheduler can form now, not mid-run (models with
         graphs), then warms the shared prefix."""
-        if hasattr(self.model, "capture_graphs"):
-            self.model.capture_graphs(self.runner.cache, self.config.max_num_seqs,
-                                      self.scheduler.max_pass_tokens)
+        self.model.prepare(self.runner.cache, self.config.max_num_seqs,
+                           self.scheduler.max_pass_tokens)
         self._warm_prefix()
 
     def _warm_prefix(self) -> None:

@@ -8,38 +8,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from sparkinfer_cli.engine.kv_cache import CacheOps
 from sparkinfer_cli.engine.scheduler import ScheduledSequence, SchedulerOutput
+from sparkinfer_cli.model.backend import ModelBackend, ModelCache
 from sparkinfer_cli.model.batch import SequenceBatch
-
-if TYPE_CHECKING:
-    from sparkinfer_cli.model.config import ModelConfig
-
-
-class ModelCache(Protocol):
-    num_blocks: int
-    block_size: int
-    num_state_slots: int
-
-    def copy_blocks(self, src: Sequence[int], dst: Sequence[int]) -> None: ...
-    def copy_state(self, src_slot: int, dst_slot: int) -> None: ...
-    def reset_state(self, slot: int) -> None: ...
-
-
-class Model(Protocol):
-    config: ModelConfig
-
-    def create_cache(self, num_blocks: int, block_size: int,
-                     num_state_slots: int) -> ModelCache: ...
-    def forward(self, batch: SequenceBatch, cache: ModelCache) -> np.ndarray: ...
 
 
 class ModelRunner:
-    def __init__(self, model: Model, cache: ModelCache):
+    def __init__(self, model: ModelBackend, cache: ModelCache):
         self.model, self.cache = model, cache
         self.is_hybrid = model.config.is_hybrid
         self.last_forward_s = 0.0  # wall time of the latest run()'s model.forward
@@ -50,16 +29,13 @@ class ModelRunner:
 
     @property
     def can_pick_greedy(self) -> bool:
-        """The model picks argmax tokens on its device (CudaModel.forward_greedy)."""
-        return hasattr(self.model, "forward_greedy")
+        """The model picks argmax tokens on its device (ModelBackend.forward_greedy)."""
+        return self.model.picks_on_device
 
     @property
     def max_sample_top_k(self) -> int:
-        """The widest top-k the model samples on its device (CudaModel.forward_sampled); 0: it
-        picks argmax ids only, or none."""
-        if not hasattr(self.model, "forward_sampled"):
-            return 0
-        return getattr(self.model, "max_sample_top_k", 0)
+        """The widest top-k the model samples on its device; 0: argmax ids only, or none."""
+        return self.model.max_sample_top_k
 
     def run_device_picks(self, output: SchedulerOutput,
                          rows: np.ndarray | None = None) -> dict[str, np.ndarray]:
@@ -67,8 +43,8 @@ class ModelRunner:
         model: the argmax, or drawn by rows (one per sequence that samples: Sampler.device_row)
         where given. Only the ids leave the device, not num_seqs × n_vocab floats."""
         if rows is None:
-            return self._run(output, self.model.forward_greedy)  # type: ignore[attr-defined]
-        return self._run(output, lambda batch, cache: self.model.forward_sampled(  # type: ignore
+            return self._run(output, self.model.forward_greedy)
+        return self._run(output, lambda batch, cache: self.model.forward_sampled(
             batch, cache, self._per_sequence(output, rows)))
 
     @staticmethod
@@ -82,10 +58,8 @@ class ModelRunner:
 
     @property
     def max_decode_steps(self) -> int:
-        """Decode passes the model queues at once (CudaModel.decode_greedy); 1 without it."""
-        if not hasattr(self.model, "decode_greedy"):
-            return 1
-        return getattr(self.model, "max_queued_steps", 1)
+        """Decode passes the model queues at once (ModelBackend.decode_greedy)."""
+        return self.model.max_queued_steps
 
     def run_decode_steps(self, output: SchedulerOutput, n_steps: int) -> Iterator[np.ndarray]:
         """The argmax ids (num_seqs,) of n_steps decode passes over output's sequences, in turn,
@@ -93,7 +67,7 @@ class ModelRunner:
         self.apply_cache_ops(output.cache_ops)
         batch = self.prepare_batch(output.sequences)
         started = time.perf_counter()
-        for ids in self.model.decode_greedy(batch, self.cache, n_steps):  # type: ignore[attr-defined]
+        for ids in self.model.decode_greedy(batch, self.cache, n_steps):
             self.last_forward_s += time.perf_counter() - started
             yield ids
             started = time.perf_counter()

@@ -75,7 +75,8 @@ class PriorityPolicy(BasePolicy):
 
 
 POLICIES: dict[str, type[BasePolicy]] = {
-    "batched": BatchedPolicy, "continuous": ContinuousPolicy, "chunked": ChunkedPolicy, "priority": PriorityPolicy,
+    "batched": BatchedPolicy, "continuous": ContinuousPolicy, "chunked": ChunkedPolicy,
+    "priority": PriorityPolicy,
 }
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from sparkinfer_cli.gguf_file import GGUFFile
+from sparkinfer_cli.model.backend import ModelBackend
 from sparkinfer_cli.model.batch import SequenceBatch
 from sparkinfer_cli.model.cache import ModelCache
 from sparkinfer_cli.model.config import ModelConfig
@@ -38,8 +39,8 @@ class DecoderLayer:
         return x + self.ffn(self.ffn_norm(x))
 
 
-class CausalLM:
-    """Base of every architecture; subclasses implement `build_layer`."""
+class CausalLM(ModelBackend):
+    """Base of every architecture (the CPU backend); subclasses implement `build_layer`."""
 
     def __init__(self, gguf: GGUFFile, config: ModelConfig):
         self.config = config

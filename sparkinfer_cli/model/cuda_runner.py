@@ -8,7 +8,7 @@ A pass of N tokens runs on a workspace of the next power of two rows (cuda_works
 pass replays a CUDA graph captured the first time its kind is seen (row bucket; one or several
 tokens a sequence; logit rows; greedy ids or logits), after one eager run: all a pass varies is
 in device buffers, and a 512-token prefill's ~680 eager launches cost more host time than its
-kernels take. capture_graphs runs every kind the engine can meet before it serves; passes with
+kernels take. prepare captures every kind the engine can meet before it serves; passes with
 several tokens a sequence run attention as the tiled prefill kernel. Passes of ≥
 LINEAR_MMA_MIN_ROWS tokens (a 32-sequence decode included) run every dense linear as a
 tensor-core GEMM (f16 activations), from EXPERTS_MMA_MIN_ROWS on the MoE experts too.
@@ -45,6 +45,7 @@ from sparkinfer_cli.kernels.cuda.driver_calls import (
 )
 from sparkinfer_cli.kernels.cuda.intrinsics import IS_SIMULATOR
 from sparkinfer_cli.kernels.cuda.model_ops import gather_rows
+from sparkinfer_cli.model.backend import ModelBackend
 from sparkinfer_cli.model.base import CausalLM, DecoderLayer
 from sparkinfer_cli.model.batch import SequenceBatch
 from sparkinfer_cli.model.config import ModelConfig
@@ -97,10 +98,11 @@ class QueuedPass(NamedTuple):
     kind: str  # "decode" (a decode pass's graph replay) | "other"
 
 
-class CudaModel:
+class CudaModel(ModelBackend):
     max_pass_tokens = MAX_PASS_TOKENS  # the engine keeps each step's tokens within this
     max_queued_steps = MAX_QUEUED_STEPS  # decode passes decode_greedy queues at once
     max_sample_top_k = sampling.MAX_CANDIDATES  # forward_sampled is exact for 1 ≤ top_k ≤ this
+    picks_on_device = True
 
     def __init__(self, cpu_model: CausalLM, *, exact: bool = False, kv_int8: bool = False,
                  use_graphs: bool | None = None,
@@ -318,7 +320,7 @@ class CudaModel:
         workspace = sum(ws.memory_bytes() for ws in cache.steps.values())
         return {"weights": self.weight_bytes, **cache.memory_bytes(), "workspace": workspace}
 
-    def capture_graphs(self, cache: CudaModelCache, max_seqs: int, max_pass_tokens: int) -> None:
+    def prepare(self, cache: CudaModelCache, max_seqs: int, max_pass_tokens: int) -> None:
         """Compile and capture now, before serving, every pass the engine can run with at most
         max_seqs sequences and max_pass_tokens tokens (graph_shapes), with logits back and with
         ids back. Uses the pool's blocks as scratch: call it before any request holds KV."""

@@ -294,9 +294,10 @@ class Tokenizer:
         if None in markers:
             return None
         pre, suf, mid = markers
-        bos = [self.bos_id] if self.add_bos else []
-        return [*bos, pre, *self.encode(prefix, parse_special=False)[len(bos):], suf,
-                *self.encode(suffix, parse_special=False)[len(bos):], mid]  # type: ignore[list-item]
+        bos = [self.bos_id] if self.add_bos and self.bos_id is not None else []
+        prefix_ids = self.encode(prefix, parse_special=False)[len(bos):]
+        suffix_ids = self.encode(suffix, parse_special=False)[len(bos):]
+        return [*bos, pre, *prefix_ids, suf, *suffix_ids, mid]
 
     def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
         """Text of `ids`; invalid UTF-8 becomes U+FFFD. `skip_special` drops CONTROL tokens."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from sparkinfer_cli.engine.request import RequestStatus
+from sparkinfer_cli.model.backend import ModelBackend
 from sparkinfer_cli.model.batch import SequenceBatch
 from sparkinfer_cli.tokenizer.tokenizer import Tokenizer, TokenType, byte_level_encode
 
@@ -91,7 +92,7 @@ class FakeCache:
         self.state[slot] = 0
 
 
-class FakeModel:
+class FakeModel(ModelBackend):
     """Greedy-deterministic model; counts computed tokens; can fail or call a hook on demand."""
 
     def __init__(self, hybrid: bool = False):
@@ -141,6 +142,7 @@ class FakeDeviceModel(FakeModel):
 
     max_queued_steps = 8
     max_sample_top_k = 64
+    picks_on_device = True
 
     def __init__(self, hybrid: bool = False):
         super().__init__(hybrid)

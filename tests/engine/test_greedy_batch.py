@@ -67,6 +67,8 @@ def test_engine_samples_plain_greedy_rows_on_the_argmax_threads(monkeypatch):
 class DeviceGreedyModel(FakeModel):
     """A FakeModel that, like CudaModel.forward_greedy, can return argmax ids instead of logits."""
 
+    picks_on_device = True
+
     def __init__(self):
         super().__init__()
         self.passes: list[str] = []

@@ -1,4 +1,4 @@
-"""The passes CudaModel.capture_graphs captures before serving cover every pass the engine forms."""
+"""The passes CudaModel.prepare captures before serving cover every pass the engine forms."""
 
 from __future__ import annotations
 

@@ -1,0 +1,69 @@
+"""ModelBackend: what the engine runs, one contract the CPU model and CudaModel both implement.
+
+The engine reads a backend's limits and capabilities from these attributes and never probes for
+methods: a backend that picks tokens on its device says so (picks_on_device, max_sample_top_k), one
+that queues several decode passes per call says how many (max_queued_steps), and `prepare`
+compiles or captures whatever its passes need before the engine serves.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+from sparkinfer_cli.model.batch import SequenceBatch
+
+if TYPE_CHECKING:
+    from sparkinfer_cli.model.config import ModelConfig
+
+
+class ModelCache(Protocol):
+    """The KV blocks and recurrent-state slots a backend's passes read and write."""
+
+    num_blocks: int
+    block_size: int
+    num_state_slots: int
+
+    def copy_blocks(self, src: Sequence[int], dst: Sequence[int]) -> None: ...
+    def copy_state(self, src_slot: int, dst_slot: int) -> None: ...
+    def reset_state(self, slot: int) -> None: ...
+
+
+class ModelBackend(ABC):
+    config: ModelConfig
+    max_pass_tokens: int = 0  # the most tokens one forward pass takes (0 = no limit)
+    max_queued_steps: int = 1  # decode passes decode_greedy queues per call (1 = it has none)
+    max_sample_top_k: int = 0  # widest top-k forward_sampled draws exactly (0 = it has none)
+    picks_on_device: bool = False  # forward_greedy returns argmax ids picked on the device
+
+    @abstractmethod
+    def create_cache(self, num_blocks: int, block_size: int,
+                     num_state_slots: int) -> ModelCache: ...
+
+    @abstractmethod
+    def forward(self, batch: SequenceBatch, cache: ModelCache) -> np.ndarray:
+        """Logits (num_seqs, n_vocab) of each sequence's last new token, or (N, n_vocab) of
+        every new token when batch.all_logits."""
+
+    def prepare(self, cache: ModelCache, max_seqs: int, max_pass_tokens: int) -> None:
+        """Compiles or captures every pass of up to max_seqs sequences and max_pass_tokens
+        tokens before the engine serves (nothing to do by default)."""
+
+    def forward_greedy(self, batch: SequenceBatch, cache: ModelCache) -> np.ndarray:
+        """(num_seqs,) argmax ids of forward's rows, picked on the device (picks_on_device)."""
+        raise NotImplementedError(f"{type(self).__name__} picks no tokens on a device")
+
+    def forward_sampled(self, batch: SequenceBatch, cache: ModelCache,
+                        rows: np.ndarray) -> np.ndarray:
+        """(num_seqs,) ids drawn on the device by per-sequence sampling rows
+        (max_sample_top_k > 0)."""
+        raise NotImplementedError(f"{type(self).__name__} samples no tokens on a device")
+
+    def decode_greedy(self, batch: SequenceBatch, cache: ModelCache,
+                      n_steps: int) -> Iterator[np.ndarray]:
+        """The argmax ids of n_steps decode passes, each fed the previous pass's ids on the
+        device (max_queued_steps > 1)."""
+        raise NotImplementedError(f"{type(self).__name__} queues no decode passes")
