@@ -62,7 +62,8 @@ def create_app(engine: Any, tokenizer: Any, chat_template: Any,
     _configure_transport(app, config)
     async_engine = AsyncEngine(engine, request_timeout_s=config.request_timeout_s,
                                retry_after_s=config.retry_after_s)
-    async_engine.metrics = ServerMetrics(engine.stats, lambda: async_engine.is_accepting)
+    async_engine.metrics = ServerMetrics(engine.stats, lambda: async_engine.is_accepting,
+                                         config.model_name)
     app.ctx.state = routes.ServerState(async_engine, tokenizer, chat_template, config,
                                        async_engine.metrics, int(time.time()),
                                        TokenTexts(tokenizer))

@@ -23,6 +23,8 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from sparkinfer_cli.server.vllm_metrics import VllmMetrics
+
 OUTCOMES = ("ok", "client_error", "overloaded", "timeout", "cancelled", "server_error")
 PREFIX = "sparkinfer"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -73,8 +75,8 @@ class StepTimingsCollector(Collector):
 
 
 class PrefixCacheCollector(Collector):
-    """Prefix-cache lookups and hits in prompt tokens, under our names and vLLM's (which routers
-    and dashboards read), plus what the cache holds."""
+    """Prefix-cache lookups and hits in prompt tokens (vLLM's names: vllm_metrics.py), plus what
+    the cache holds."""
 
     def __init__(self, stats: Callable[[], Any]):
         self._stats = stats
@@ -82,14 +84,11 @@ class PrefixCacheCollector(Collector):
     def collect(self) -> Any:
         cache = self._stats().prefix_cache
         queried, hit = (cache.queried_tokens, cache.hit_tokens) if cache else (0, 0)
-        families = []
-        for prefix in (f"{PREFIX}_", "vllm:"):
-            families.append(CounterMetricFamily(
-                f"{prefix}prefix_cache_queries", "prompt tokens looked up in the prefix cache",
-                value=queried))
-            families.append(CounterMetricFamily(
-                f"{prefix}prefix_cache_hits", "prompt tokens found in the prefix cache",
-                value=hit))
+        families = [
+            CounterMetricFamily(f"{PREFIX}_prefix_cache_queries",
+                                "prompt tokens looked up in the prefix cache", value=queried),
+            CounterMetricFamily(f"{PREFIX}_prefix_cache_hits",
+                                "prompt tokens found in the prefix cache", value=hit)]
         families.append(GaugeMetricFamily(
             f"{PREFIX}_prefix_cache_blocks", "unreferenced KV blocks kept for their content",
             value=cache.cached_blocks if cache else 0))
@@ -100,14 +99,17 @@ class PrefixCacheCollector(Collector):
 
 
 class ServerMetrics:
-    def __init__(self, stats: Callable[[], Any], is_accepting: Callable[[], bool]):
-        """stats() returns the engine's EngineStats; both are read at scrape time."""
+    def __init__(self, stats: Callable[[], Any], is_accepting: Callable[[], bool],
+                 model_name: str = "sparkinfer"):
+        """stats() returns the engine's EngineStats; both are read at scrape time. model_name:
+        the label of the vLLM-named series."""
         disable_created_metrics()  # the *_created samples only double the exposition's size
         self.registry = CollectorRegistry()
         self._started = time.monotonic()
         self._create_counters()
         self._create_histograms()
         self._create_gauges(stats, is_accepting)
+        self.vllm = VllmMetrics(self.registry, stats, model_name, _LATENCY_BUCKETS, _ITL_BUCKETS)
 
     def _create_counters(self) -> None:
         r = self.registry
@@ -165,19 +167,23 @@ class ServerMetrics:
     def count_tokens(self, prompt: int, completion: int) -> None:
         self.tokens.labels("prompt").inc(prompt)
         self.tokens.labels("completion").inc(completion)
+        self.vllm.prompt_tokens.inc(prompt)
+        self.vllm.generation_tokens.inc(completion)
 
     def observe_finished(self, event: Any) -> None:
         """Latency histograms from one finished engine request's timestamps (time.monotonic)."""
-        if event.scheduled_at is not None:
-            self.queue_time.observe(max(event.scheduled_at - event.submitted_at, 0.0))
-        if event.first_token_at is not None:
-            self.ttft.observe(max(event.first_token_at - event.submitted_at, 0.0))
-        if event.finished_at is not None:
-            self.e2e.observe(max(event.finished_at - event.submitted_at, 0.0))
+        for at, ours, vllms in ((event.scheduled_at, self.queue_time, self.vllm.queue_time),
+                                (event.first_token_at, self.ttft, self.vllm.ttft),
+                                (event.finished_at, self.e2e, self.vllm.e2e)):
+            if at is not None:
+                ours.observe(max(at - event.submitted_at, 0.0))
+                vllms.observe(max(at - event.submitted_at, 0.0))
+        self.vllm.count_finished(event.finish_reason)
 
     def observe_inter_token(self, gap_s: float, num_tokens: int) -> None:
         for _ in range(num_tokens):
             self.itl.observe(gap_s / num_tokens)
+            self.vllm.itl.observe(gap_s / num_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -68,11 +68,11 @@ def test_a_repeated_prompt_is_served_from_the_prefix_cache_with_llama_cpps_answe
     expected = tokenizer.decode(GOLDENS["llama_cpp"]["Q8_0"]["greedy_long"])
     full_blocks = (len(prompt) - 1) // 16 * 16  # the last prompt token is always computed
     sdk(real).completions.create(model="m", prompt=prompt, max_tokens=24, temperature=0)
-    hits = metric(real.url, "vllm:prefix_cache_hits_total")
+    hits = metric(real.url, "sparkinfer_prefix_cache_hits_total")
     again = sdk(real).completions.create(model="m", prompt=prompt, max_tokens=24, temperature=0)
     assert again.choices[0].text == expected
     assert again.usage.prompt_tokens_details.cached_tokens == full_blocks
-    assert metric(real.url, "vllm:prefix_cache_hits_total") == hits + full_blocks
+    assert metric(real.url, "sparkinfer_prefix_cache_hits_total") == hits + full_blocks
     chunks = list(sdk(real).completions.create(model="m", prompt=prompt, max_tokens=24,
                                                temperature=0, stream=True,
                                                stream_options={"include_usage": True}))
