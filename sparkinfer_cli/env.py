@@ -41,6 +41,13 @@ def parse_non_negative_int(text: str) -> int:
     return value
 
 
+def parse_spec_tokens(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 7:
+        raise ValueError("must be 0 (off) to 7")
+    return value
+
+
 def parse_positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -173,6 +180,10 @@ SPARKINFER_PREFIX_CACHE: EnvVar[bool] = EnvVar(
 SPARKINFER_PREFIX_CACHE_SNAPSHOTS: EnvVar[int] = EnvVar(
     "SPARKINFER_PREFIX_CACHE_SNAPSHOTS", parse_non_negative_int, 0,
     "hybrid models: recurrent-state snapshots the prefix cache keeps (0 = one per sequence slot)")
+SPARKINFER_SPEC_TOKENS: EnvVar[int] = EnvVar(
+    "SPARKINFER_SPEC_TOKENS", parse_spec_tokens, 0,
+    "n-gram speculative decoding: drafted tokens a greedy decode step checks at once (CPU, "
+    "non-hybrid models; 0 = off, at most 7)")
 SPARKINFER_KV_INT8: EnvVar[bool | None] = EnvVar(
     "SPARKINFER_KV_INT8", parse_bool, None, "int8 KV cache (unset = the model's default)")
 SPARKINFER_CUDA_PDL: EnvVar[bool] = EnvVar(
@@ -189,7 +200,7 @@ ALL_VARS: tuple[EnvVar, ...] = (
     SPARKINFER_MAX_QUEUE_DEPTH, SPARKINFER_REQUEST_TIMEOUT_S, SPARKINFER_SHUTDOWN_GRACE_S,
     SPARKINFER_READ_TIMEOUT_S, SPARKINFER_WRITE_TIMEOUT_S, SPARKINFER_SERVER_PREFIX_TOKEN_FILE,
     SPARKINFER_SERVER_PREFIX_TOKEN_IDS, SPARKINFER_PREFIX_CACHE, SPARKINFER_PREFIX_CACHE_SNAPSHOTS,
-    SPARKINFER_KV_INT8, SPARKINFER_CUDA_PDL,
+    SPARKINFER_SPEC_TOKENS, SPARKINFER_KV_INT8, SPARKINFER_CUDA_PDL,
     SPARKINFER_TOKENIZER_URL,
 )
 

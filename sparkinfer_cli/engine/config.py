@@ -49,6 +49,9 @@ class EngineConfig:
     # decode passes queued at once while every running sequence decodes greedily and nothing
     # waits (models with decode_greedy; 1 = one pass a step)
     decode_steps: int = 8
+    # n-gram speculative decoding: drafted tokens a plain-greedy decode step checks at once, on
+    # models that score drafts (ModelBackend.scores_drafts; not hybrid ones); 0 = off
+    spec_tokens: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prefix_token_ids", tuple(int(t) for t in self.prefix_token_ids))
@@ -68,6 +71,7 @@ class EngineConfig:
             (all(t >= 0 for t in self.prefix_token_ids), "prefix token ids must be >= 0"),
             (self.sampling_threads >= 0, "sampling_threads must be >= 0"),
             (self.decode_steps >= 1, "decode_steps must be at least 1"),
+            (0 <= self.spec_tokens <= 7, "spec_tokens must be in [0, 7]"),
             (self.prefix_snapshots >= 0, "prefix_snapshots must be >= 0"),
             (self.prefix_snapshot_tokens >= 0, "prefix_snapshot_tokens must be >= 0"),
         ]

@@ -27,7 +27,8 @@ from sparkinfer_cli.engine.policy import create_policy
 from sparkinfer_cli.engine.request import OutputStream, Request, RequestEvent
 from sparkinfer_cli.engine.sampler import Sampler, SampleResult, UnsatisfiableSampling
 from sparkinfer_cli.engine.sampling_params import SamplingParams
-from sparkinfer_cli.engine.scheduler import Scheduler, SchedulerOutput
+from sparkinfer_cli.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
+from sparkinfer_cli.engine.speculative import accepted_drafts
 from sparkinfer_cli.engine.step_timings import StepTimings
 from sparkinfer_cli.engine.stop import StopStringMatcher
 from sparkinfer_cli.model.backend import ModelBackend
@@ -67,6 +68,10 @@ class ContinuousBatchEngine:
         self._state_bytes = model.config.recurrent_state_bytes() if model.config.is_hybrid else 0
         self.scheduler = Scheduler(config, self.kv, create_policy(config), model.max_pass_tokens)
         self.runner = ModelRunner(model, cache)
+        # drafts are checked by the pass's own rows: models that score them, without recurrent
+        # state (a rejected draft would have advanced it)
+        self._can_speculate = bool(config.spec_tokens and model.scores_drafts and
+                                   not model.config.is_hybrid)
         self.timings = StepTimings()
         self.greedy = GreedyBatch(config.sampling_threads or default_num_threads())
         self._lock = threading.Condition()
@@ -175,8 +180,10 @@ class ContinuousBatchEngine:
         stop_ids = frozenset(int(t) for t in (*params.stop_token_ids, *eog_ids) if t is not None)
         output = OutputStream(IncrementalDetokenizer(self.tokenizer, skip_special=True),
                               StopStringMatcher(params.stop), stop_ids)
+        sampler = Sampler(params, self.n_vocab, stop_ids)
         request = Request(request_id, list(prompt_ids), params, on_event, priority, arrival, output,
-                          Sampler(params, self.n_vocab, stop_ids))
+                          sampler)
+        request.speculates = self._can_speculate and sampler.is_plain_greedy
         if self.config.request_timeout_s:
             request.deadline = request.submitted_at + self.config.request_timeout_s
         return request
@@ -200,12 +207,31 @@ class ContinuousBatchEngine:
             self._fail([self.scheduler.requests[s.request_id] for s in output.sequences], exc)
             return output
         self.scheduler.update_from_output(output)
+        checked = [(s, results.pop(s.request_id)) for s in output.sequences if s.num_drafts]
         requests = [self.scheduler.requests[request_id] for request_id in results]
         rows = list(results.values())  # logits, or the tokens the model picked
         tokens = [int(t) for t in rows] if on_device else self._greedy_tokens(requests, rows)
         for request, row, token in zip(requests, rows, tokens):
             self._append_sample(request, row, token)
+        for seq, draft_rows in checked:
+            self._append_checked(self.scheduler.requests[seq.request_id], seq, draft_rows)
         return output
+
+    def _append_checked(self, request: Request, seq: ScheduledSequence,
+                        rows: np.ndarray) -> None:
+        """rows (1 + drafts, n_vocab): the greedy token after the fed one and after each draft.
+        The confirmed drafts and the model's token after them are appended, one by one, as
+        decoding them singly would have; a draft's KV counts once the token after it is kept."""
+        greedy = self.greedy.tokens(list(rows))  # None where a row's maximum is not finite
+        drafts = seq.token_ids[-seq.num_drafts:]
+        kept = accepted_drafts(drafts, greedy)
+        for i in range(kept + 1):
+            if request.is_finished:
+                return
+            if i:
+                self.scheduler.decoded(request)
+            # NOTE: no token (a non-finite row) leaves the choice to the sampler, as decoding does
+            self._append_sample(request, rows[i], drafts[i] if i < kept else greedy[kept])
 
     def _run_prompt_logits(self, output: SchedulerOutput) -> None:
         """A step that carries one prompt piece alone, whose tokens' logprobs are asked for; a

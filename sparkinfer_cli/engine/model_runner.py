@@ -79,10 +79,15 @@ class ModelRunner:
             return {}
         batch = self.prepare_batch(output.sequences)
         started = time.perf_counter()
-        result = forward(batch, self.cache)  # (num_seqs, ...)
+        result = forward(batch, self.cache)  # (Σ logit rows, ...)
         self.last_forward_s = time.perf_counter() - started
-        return {seq.request_id: result[i] for i, seq in enumerate(output.sequences)
-                if seq.needs_logits}
+        rows, cursor = {}, 0
+        for seq in output.sequences:  # NOTE: a sequence with drafts gets (1 + drafts, ...) rows
+            n = 1 + seq.num_drafts
+            if seq.needs_logits:
+                rows[seq.request_id] = result[cursor:cursor + n] if n > 1 else result[cursor]
+            cursor += n
+        return rows
 
     def run_all_logits(self, output: SchedulerOutput) -> np.ndarray:
         """(N, n_vocab) logits of every token the step computes (a prompt whose logprobs are
@@ -112,6 +117,8 @@ class ModelRunner:
             num_new_tokens=[len(s.token_ids) for s in sequences],
             block_tables=[np.asarray(s.block_ids, dtype=np.int32) for s in sequences],
             state_slots=[s.state_slot for s in sequences] if self.is_hybrid else [],
+            logit_counts=[1 + s.num_drafts for s in sequences]
+            if any(s.num_drafts for s in sequences) else [],
         )
 
     def prefill(self, token_ids: Sequence[int], block_ids: Sequence[int], state_slot: int,

@@ -122,6 +122,7 @@ class Request:
     prompt_logprobs: list[TokenLogprob | None] | None = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     kv: KVBlocks | None = None
+    speculates: bool = False  # its decode steps may carry n-gram drafts (EngineConfig.spec_tokens)
     block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full blocks
     last_scheduled: int = -1  # stamp of its latest scheduling: decodes rotate by it
     scheduled_at: float | None = None

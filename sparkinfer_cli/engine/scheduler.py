@@ -11,6 +11,7 @@ from sparkinfer_cli.engine.config import EngineConfig
 from sparkinfer_cli.engine.kv_cache import CacheOps, KVCacheManager, SequenceProgress
 from sparkinfer_cli.engine.policy import BasePolicy
 from sparkinfer_cli.engine.request import Request, RequestStatus
+from sparkinfer_cli.engine.speculative import ngram_draft
 
 # a prompt whose logprobs are asked for computes every token's logits: pieces of at most this many
 # tokens bound the (piece, n_vocab) array
@@ -26,6 +27,7 @@ class ScheduledSequence:
     state_slot: int
     needs_logits: bool  # the piece reaches the request's last token: sample from it
     needs_all_logits: bool = False  # every token's logits (its prompt's logprobs are asked for)
+    num_drafts: int = 0  # trailing token_ids guessed (speculative): their rows are checked too
 
 
 @dataclass
@@ -89,9 +91,10 @@ class Scheduler:
         return output
 
     def update_from_output(self, output: SchedulerOutput) -> None:
-        """Marks the step's tokens as computed (call after the forward pass succeeded)."""
+        """Marks the step's tokens as computed (call after the forward pass succeeded); drafts
+        count only as the engine confirms them (decoded), the rest of their KV is overwritten."""
         for seq in output.sequences:
-            self._advance(self.requests[seq.request_id], len(seq.token_ids))
+            self._advance(self.requests[seq.request_id], len(seq.token_ids) - seq.num_drafts)
 
     def extend_decodes(self, output: SchedulerOutput, n_steps: int) -> SchedulerOutput:
         """A decode-only output run as n_steps passes (each feeding the previous one's token):
@@ -219,10 +222,19 @@ class Scheduler:
         request.last_scheduled = self._num_scheduled
         start = request.num_computed_tokens
         end = start + num_new
-        return ScheduledSequence(request.request_id, request.token_ids[start:end], start,
-                                 request.kv.block_ids[:self.kv.num_blocks_for(end)],
+        drafts = self._drafts(request) if end == request.num_tokens and num_new == 1 else []
+        return ScheduledSequence(request.request_id, request.token_ids[start:end] + drafts, start,
+                                 request.kv.block_ids[:self.kv.num_blocks_for(end + len(drafts))],
                                  request.kv.state_slot, end == request.num_tokens,
-                                 request.wants_prompt_logits and start < request.num_prompt_tokens)
+                                 request.wants_prompt_logits and start < request.num_prompt_tokens,
+                                 len(drafts))
+
+    def _drafts(self, request: Request) -> list[int]:
+        """N-gram drafts for a decode step, within the KV the request reserved."""
+        if not (request.speculates and self.config.spec_tokens):
+            return []
+        room = request.params.max_tokens - request.num_output_tokens
+        return ngram_draft(request.token_ids, min(self.config.spec_tokens, room))
 
 
 def progress(request: Request) -> SequenceProgress:

@@ -38,6 +38,9 @@ class ModelBackend(ABC):
     max_queued_steps: int = 1  # decode passes decode_greedy queues per call (1 = it has none)
     max_sample_top_k: int = 0  # widest top-k forward_sampled draws exactly (0 = it has none)
     picks_on_device: bool = False  # forward_greedy returns argmax ids picked on the device
+    # forward honours batch.logit_counts (a decode's drafts scored in one pass, each row's numbers
+    # those of decoding it alone)
+    scores_drafts: bool = False
 
     @abstractmethod
     def create_cache(self, num_blocks: int, block_size: int,

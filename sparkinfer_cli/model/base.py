@@ -10,12 +10,13 @@ each layer has, and how its tensors are named.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
 from sparkinfer_cli.gguf_file import GGUFFile
+from sparkinfer_cli.kernels.cpu.quant_packed import PackedWeight
 from sparkinfer_cli.model.backend import ModelBackend
 from sparkinfer_cli.model.batch import SequenceBatch
 from sparkinfer_cli.model.cache import ModelCache
@@ -42,6 +43,8 @@ class DecoderLayer:
 class CausalLM(ModelBackend):
     """Base of every architecture (the CPU backend); subclasses implement `build_layer`."""
 
+    scores_drafts = True  # short pieces attend row by row (layers.ROW_ATTENTION_TOKENS)
+
     def __init__(self, gguf: GGUFFile, config: ModelConfig):
         self.config = config
         w = Weights(gguf, config.n_layer)
@@ -59,13 +62,23 @@ class CausalLM(ModelBackend):
     def norm(self, w: Weights, name: str) -> RMSNorm:
         return RMSNorm(w.get(name, (self.config.n_embd,)), self.config.rms_eps)
 
-    def use_int8_decode(self) -> None:
+    def use_int8_decode(self, stored: Mapping[str, PackedWeight] | None = None
+                        ) -> dict[str, PackedWeight]:
         """Switch every 2-D linear to int8-activation decode (see Linear.use_int8_decode), and
-        fuse the decode calls of linears that share an input (q/k/v, gate/up)."""
+        fuse the decode calls of linears that share an input (q/k/v, gate/up). `stored`: records
+        packed earlier, by weight name; returns every linear's, by name."""
+        stored = stored or {}
+        packed = {}
         for linear in _find(self, Linear):
-            linear.use_int8_decode()
+            linear.use_int8_decode(stored.get(linear.weight.name))
+            if linear.packed is not None:
+                packed[linear.weight.name] = linear.packed
         for block in _find(self, (Attention, SwiGLU)):
             block.fuse_int8_decode()
+        return packed
+
+    def packable_linears(self) -> list[Linear]:
+        return [linear for linear in _find(self, Linear) if linear.is_packable]
 
     def create_cache(self, num_blocks: int, block_size: int, num_state_slots: int) -> ModelCache:
         return ModelCache(self.config, num_blocks, block_size, num_state_slots)

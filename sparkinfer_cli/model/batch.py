@@ -37,6 +37,8 @@ class SequenceBatch:
     block_tables: list[np.ndarray]  # per sequence: int32 block ids covering start + new tokens
     state_slots: list[int] = field(default_factory=list)  # per sequence (hybrid models only)
     all_logits: bool = False  # True: logits of every new token; False: last token of each sequence
+    # per sequence: logits of its last this-many new tokens (drafts to verify); empty: 1 each
+    logit_counts: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if len(self.start_positions) != len(self.num_new_tokens) or \
@@ -69,7 +71,10 @@ class SequenceBatch:
         """Indices into token_ids of the rows whose logits the caller wants."""
         if self.all_logits:
             return np.arange(len(self.token_ids))
-        return self.token_offsets()[1:] - 1
+        ends = self.token_offsets()[1:]
+        if not self.logit_counts:
+            return ends - 1
+        return np.concatenate([np.arange(end - n, end) for end, n in zip(ends, self.logit_counts)])
 
     @property
     def is_decode(self) -> bool:

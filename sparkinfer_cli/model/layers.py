@@ -20,6 +20,11 @@ from sparkinfer_cli.model.cache import ModelCache
 from sparkinfer_cli.model.config import ModelConfig
 from sparkinfer_cli.model.weights import QTensor, Weights
 
+# prompt pieces of at most this many tokens attend row by row, as decodes do (a verify pass of
+# speculative drafts, a prompt's short last piece after a prefix-cache hit): the tokens' numbers
+# are then those one-at-a-time decoding gives
+ROW_ATTENTION_TOKENS = 8
+
 
 class Linear:
     """y = x · Wᵀ (+ b) with W in its GGUF encoding. x: (T, in) → (T, out)."""
@@ -31,17 +36,22 @@ class Linear:
         self.decode: PackedMatvec | None = None
         self.row_invariant = False  # every output row computed the same way whatever the rows
 
-    def use_int8_decode(self) -> None:
+    @property
+    def is_packable(self) -> bool:
+        w = self.weight
+        return can_pack(w.ggml_type, w.ne0) and w.raw.ndim == 2 and has_avx2()
+
+    def use_int8_decode(self, packed: PackedWeight | None = None) -> None:
         """Every call quantizes x to int8 blocks (llama.cpp's numerics) and runs the packed-weight
         AVX2 kernel: several times faster than the float dequant·dot at decode, and no slower
         than dequantized tiles through BLAS for prompts (2 cores, 128 and 512 tokens). One kernel
         for every pass size keeps a sequence's numbers independent of what shares its pass, and
         weights the kernel cannot pack (F32 routers, odd shapes) go through a row-invariant
-        product for the same reason."""
+        product for the same reason. `packed`: this weight's records packed earlier (on disk)."""
         w = self.weight
         self.row_invariant = True
-        if can_pack(w.ggml_type, w.ne0) and w.raw.ndim == 2 and has_avx2():
-            self.packed = pack(w.raw, w.ggml_type, w.ne0)
+        if self.is_packable:
+            self.packed = packed or pack(w.raw, w.ggml_type, w.ne0)
             self.decode = PackedMatvec([self.packed], [self.bias])
 
     @property
@@ -137,13 +147,19 @@ class Attention:
         return q, k, v
 
     def attend(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, fwd: Forward) -> np.ndarray:
-        """Write k, v into each sequence's cache, attend, return (N, H·D)."""
+        """Write k, v into each sequence's cache, attend, return (N, H·D). Pieces of up to
+        ROW_ATTENTION_TOKENS tokens (decodes, drafts to verify) attend row by row through the
+        decode kernel, so a token's numbers do not depend on how many came with it."""
         cache, li = fwd.cache, fwd.cache.attn_index[self.layer]
-        decodes = [s for s in fwd.spans if s.hi - s.lo == 1]  # one kernel stores k, v and attends
-        out = decode_ops.attend_paged(q, k, v, cache.k[li], cache.v[li], [s.lo for s in decodes],
-                                      [s.block_table for s in decodes], [s.start for s in decodes])
-        for s in fwd.spans:
+        short = [s for s in fwd.spans if s.hi - s.lo <= ROW_ATTENTION_TOKENS]
+        for s in short:  # NOTE: every row's k, v first: a row reads the rows before it
             if s.hi - s.lo > 1:
+                cache.write_kv(self.layer, s.block_table, s.start, k[s.lo:s.hi], v[s.lo:s.hi])
+        rows = [(r, s.block_table, s.start + r - s.lo) for s in short for r in range(s.lo, s.hi)]
+        out = decode_ops.attend_paged(q, k, v, cache.k[li], cache.v[li], [r[0] for r in rows],
+                                      [r[1] for r in rows], [r[2] for r in rows])
+        for s in fwd.spans:
+            if s.hi - s.lo > ROW_ATTENTION_TOKENS:
                 cache.write_kv(self.layer, s.block_table, s.start, k[s.lo:s.hi], v[s.lo:s.hi])
                 keys, values = cache.read_kv(self.layer, s.block_table, s.end)
                 out[s.lo:s.hi] = ops.causal_attention(q[s.lo:s.hi], keys, values, s.start)

@@ -95,6 +95,13 @@ class FakeCache:
 class FakeModel(ModelBackend):
     """Greedy-deterministic model; counts computed tokens; can fail or call a hook on demand."""
 
+    scores_drafts = True  # honours batch.logit_counts
+
+    @staticmethod
+    def pick(seen: Sequence[int]) -> int:
+        """The greedy next token after seen (subclasses: another deterministic rule)."""
+        return next_token(seen)
+
     def __init__(self, hybrid: bool = False):
         self.config = FakeConfig(is_hybrid=hybrid)
         self.num_forward_tokens = 0
@@ -127,10 +134,11 @@ class FakeModel(ModelBackend):
             cache.state[slot] = extend_hash(cache.state[slot], new_ids)
             if cache.state[slot] != extend_hash(0, seen):
                 raise RuntimeError("recurrent state does not match the sequence")
-        ends = range(start + 1, len(seen) + 1) if batch.all_logits else [len(seen)]
+        count = batch.logit_counts[i] if batch.logit_counts else 1
+        ends = range(start + 1 if batch.all_logits else len(seen) - count + 1, len(seen) + 1)
         logits = np.zeros((len(ends), N_VOCAB), dtype=np.float32)  # (rows, n_vocab)
         for row, end in enumerate(ends):  # the row after seen[:end] favours its greedy next token
-            logits[row, next_token(seen[:end])] = 1.0
+            logits[row, self.pick(seen[:end])] = 1.0
         return logits
 
 

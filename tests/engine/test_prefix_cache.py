@@ -15,6 +15,7 @@ from fake_model import N_VOCAB, FakeDeviceModel, FakeModel, expected_greedy, nex
 
 from sparkinfer_cli.engine.config import EngineConfig
 from sparkinfer_cli.engine.engine import ContinuousBatchEngine
+from sparkinfer_cli.engine.sampling_params import SamplingParams
 from sparkinfer_cli.gguf_file import GGUFFile
 from sparkinfer_cli.model.loader import load_runtime_model
 from sparkinfer_cli.tokenizer.tokenizer import Tokenizer
@@ -171,9 +172,9 @@ def test_real_models_answer_the_same_with_the_cache_on_and_off(family):
             engine.shutdown()
 
 
-def _greedy(engine, prompt: list[int]) -> tuple[list[int], int]:
+def _greedy(engine, prompt: list[int], max_tokens: int = 6) -> tuple[list[int], int]:
     sink = Collector()
-    final = sink.final(engine.submit(prompt, greedy(6, ignore_eos=True), sink))
+    final = sink.final(engine.submit(prompt, greedy(max_tokens, ignore_eos=True), sink))
     return sink.tokens(final.request_id), final.num_cached_tokens
 
 
@@ -209,3 +210,84 @@ def test_prompt_logprobs_score_every_prompt_token_even_where_the_prefix_is_cache
         assert lp.logprob == pytest.approx(top if prompt[i] == favoured else top - 1, abs=1e-5)
         assert lp.top[0] == (favoured, pytest.approx(top, abs=1e-5)) and len(lp.top) == 2
     assert _run(engine, prompt)[0].num_cached_tokens > 0  # the cache still serves the others
+
+
+# ---- n-gram speculative decoding ----------------------------------------------------------------
+class RepeatingModel(FakeModel):
+    """Greedy continues the sequence's pattern of period 5 (its token 5 back): an answer that
+    repeats its prompt, where prompt-lookup drafts are right."""
+
+    @staticmethod
+    def pick(seen):
+        return seen[-5] if len(seen) >= 5 else next_token(seen)
+
+
+def _greedy_of(model_class, prompt, max_tokens):
+    tokens = list(prompt)
+    for _ in range(max_tokens):
+        tokens.append(model_class.pick(tokens))
+    return tokens[len(prompt):]
+
+
+@pytest.mark.parametrize("model_class", [FakeModel, RepeatingModel])
+def test_speculative_drafts_never_change_greedy_output(engines, model_class):
+    """With drafts on, greedy outputs are the model's one-token-at-a-time greedy ones (drafts
+    right or wrong, requests ending mid-draft by max_tokens or a stop token, beside requests that
+    sample); where the drafts are right, far fewer passes run."""
+    model = model_class()
+    engine = engines(model, spec_tokens=4)
+    pattern = [3, 14, 15, 9, 26]
+    prompts = [pattern * 4, [*pattern * 3, 7], _words(12, 30)]
+    sink, ids = Collector(), []
+    for i, prompt in enumerate(prompts * 2):
+        # the second round stops at the token its greedy answer has 10th
+        tenth = _greedy_of(model_class, prompt, 10)[-1]
+        stops = (tenth,) if i > 2 else ()
+        ids.append((engine.submit(prompt, greedy(17, stop_token_ids=stops), sink), prompt, stops))
+    sampled = engine.submit(prompts[0], SamplingParams(max_tokens=5, temperature=1.0, seed=3),
+                            sink)
+    for request_id, prompt, stops in ids:
+        sink.final(request_id)
+        want = _greedy_of(model_class, prompt, 17)
+        if stops:
+            want = want[:want.index(stops[0]) + 1]
+        assert sink.tokens(request_id) == want
+    assert sink.final(sampled).num_output_tokens == 5
+    if model_class is RepeatingModel:
+        assert len(model.batch_sizes) < 17
+
+
+def test_speculation_is_off_for_hybrid_models_and_by_default(engines):
+    hybrid = engines(FakeModel(hybrid=True), spec_tokens=4)
+    plain = engines(FakeModel())
+    for engine in (hybrid, plain):
+        sink = Collector()
+        request_id = engine.submit([3, 14, 15] * 4, greedy(6), sink)
+        assert sink.tokens(sink.final(request_id).request_id) == \
+            expected_greedy([3, 14, 15] * 4, 6)
+        assert not engine._can_speculate
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3", "qwen3moe"])
+def test_real_models_answer_the_same_with_drafts(family):
+    """The tiny GGUFs on the CPU runtime: greedy tokens with n-gram drafts equal those without
+    (drafts are checked by rows that attend one by one, as decoding does), and a prompt whose
+    answer repeats it is served in fewer passes."""
+    gguf = GGUFFile(TINY / family / f"{family}-Q8_0.gguf")
+    model, tokenizer = load_runtime_model(gguf, "cpu"), Tokenizer.from_gguf(gguf)
+    config = {"ctx": 2048, "block_size": 16, "prefix_cache": False}
+    engines = [ContinuousBatchEngine(model, tokenizer, EngineConfig(**config, spec_tokens=n))
+               for n in (4, 0)]
+    for engine in engines:
+        engine.start()
+    try:
+        prompts = [_words(13, 40), [5, 6, 7, 8, 9, 10] * 8, _words(14, 12) * 3]
+        for prompt in prompts:
+            drafted, plain = (_greedy(engine, prompt, 24)[0] for engine in engines)
+            assert drafted == plain
+        steps = [sum(engine.stats().step_timings.steps.values()) for engine in engines]
+        assert steps[0] < steps[1]
+    finally:
+        for engine in engines:
+            engine.shutdown()

@@ -96,3 +96,10 @@ def test_engine_config_from_env_and_ctx_rules() -> None:
     assert build_engine_config(1024, 32768, environ).ctx == 1024  # --ctx beats CTX
     assert build_engine_config(0, 32768, {}).ctx == 32768  # 0 = the model's own context
     assert build_engine_config(None, 32768, {}).ctx == 32768  # unset: the model's own context
+
+
+def test_spec_tokens_reach_the_engine_and_bad_values_name_the_variable() -> None:
+    assert build_engine_config(None, 4096, {"SPARKINFER_SPEC_TOKENS": "4"}).spec_tokens == 4
+    assert build_engine_config(None, 4096, {}).spec_tokens == 0
+    with pytest.raises(env.EnvError, match="SPARKINFER_SPEC_TOKENS"):
+        build_engine_config(None, 4096, {"SPARKINFER_SPEC_TOKENS": "9"})
