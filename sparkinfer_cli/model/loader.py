@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import importlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from sparkinfer_cli import env
 from sparkinfer_cli.gguf_file import GGUFFile
 from sparkinfer_cli.model.base import CausalLM
 from sparkinfer_cli.model.config import ModelConfig
+from sparkinfer_cli.model.packed_cache import use_cached_int8_decode
 from sparkinfer_cli.model.required_tensors import check_required_tensors
 
 log = logging.getLogger(__name__)
@@ -44,13 +45,19 @@ def checked_config(gguf: GGUFFile) -> ModelConfig:
     return config
 
 
-def load_runtime_model(gguf: GGUFFile, device: str,
-                       environ: Mapping[str, str] | None = None) -> CausalLM:
-    """The model as generate / serve / bench run it: int8 decode on the CPU; on CUDA an int8 KV
-    cache when SPARKINFER_KV_INT8 is set (the CPU cache stays float32, and a warning says so)."""
+def load_runtime_model(gguf: GGUFFile, device: str, environ: Mapping[str, str] | None = None,
+                       report: Callable[[str], None] = lambda _: None) -> CausalLM:
+    """The model as generate / serve / bench run it: int8 decode on the CPU over packed records
+    kept in the user's cache between runs (packed_cache); on CUDA an int8 KV cache when
+    SPARKINFER_KV_INT8 is set (the CPU cache stays float32, and a warning says so). `report`
+    hears what takes time, as it starts."""
     kv_int8 = bool(env.SPARKINFER_KV_INT8.get(environ))
     if kv_int8 and device != "cuda":
         log.warning("SPARKINFER_KV_INT8 applies to the CUDA backend: the CPU KV cache stays "
                     "float32")
-    return load_model(gguf, device, int8_decode=device == "cpu",
-                      kv_int8=kv_int8 and device == "cuda")
+    report(f"loading {gguf.path.name}")
+    model = load_model(gguf, device, kv_int8=kv_int8 and device == "cuda")
+    if device == "cpu":
+        report("loading the repacked weights (or repacking them once: cached for later runs)")
+        use_cached_int8_decode(model, gguf.path)
+    return model
