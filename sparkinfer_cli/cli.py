@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import sys
@@ -24,7 +25,8 @@ MODEL_HELP = "GGUF path, demo model name, or owner/repo[:file]."
 # their validation errors name what the user typed
 _FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature", "top_p": "--top-p",
           "top_k": "--top-k", "min_p": "--min-p", "ctx": "--ctx", "port": "--port",
-          "api_key": "--api-key", "model_name": "--alias"}
+          "api_key": "--api-key", "model_name": "--alias", "repetition_penalty": "--repeat-penalty",
+          "presence_penalty": "--presence-penalty", "frequency_penalty": "--frequency-penalty"}
 
 
 def _fail(message: str) -> None:
@@ -87,32 +89,76 @@ def inspect(file: Path = typer.Argument(..., help="A GGUF file."),
 
 
 @app.command()
-def generate(prompt: str = typer.Argument(..., help="The prompt (a user message unless --raw)."),
+def generate(prompt: Optional[str] = typer.Argument(
+                 None, help="The prompt (a user message unless --raw); - reads it from stdin."),
              model: Optional[str] = typer.Option(None, "-m", "--model", help=MODEL_HELP),
+             interactive: bool = typer.Option(False, "-i", "--interactive",
+                                              help="Chat (as `sparkinfer chat`); the prompt, "
+                                                   "if any, is the first message."),
              raw: bool = typer.Option(False, "--raw", help="Skip the chat template."),
-             max_tokens: int = typer.Option(256, "--max-tokens"),
+             max_tokens: int = typer.Option(256, "--max-tokens", help="Tokens per answer."),
+             ctx: Optional[int] = typer.Option(
+                 None, "--ctx", min=1,
+                 help="KV cache in tokens (default: the prompt + --max-tokens; chat 4096)."),
              temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy."),
              top_p: float = typer.Option(1.0, "--top-p"), top_k: int = typer.Option(0, "--top-k"),
              min_p: float = typer.Option(0.0, "--min-p"),
+             repeat_penalty: float = typer.Option(
+                 1.0, "--repeat-penalty", help="llama.cpp's: > 1 discourages repeated tokens."),
+             presence_penalty: float = typer.Option(0.0, "--presence-penalty",
+                                                    help="OpenAI's, in [-2, 2]."),
+             frequency_penalty: float = typer.Option(0.0, "--frequency-penalty",
+                                                     help="OpenAI's, in [-2, 2]."),
              seed: Optional[int] = typer.Option(None, "--seed"),
              stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
              system: Optional[str] = typer.Option(None, "--system", help="System message."),
              no_think: bool = typer.Option(False, "--no-think", help="Disable Qwen thinking."),
              device: str = typer.Option("auto", "--device", help="auto | cpu | cuda")):
-    """Stream one answer to the terminal; statistics go to stderr."""
+    """Stream one answer to the terminal (or chat with -i); statistics go to stderr. Ctrl-C
+    exits with 130."""
     from sparkinfer_cli.engine.sampling_params import SamplingParams
-    from sparkinfer_cli.run import GenerateRequest, run_generate
+    from sparkinfer_cli.run import GenerateRequest
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                top_k=top_k, min_p=min_p, seed=seed, stop=tuple(stop))
+                                top_k=top_k, min_p=min_p, repetition_penalty=repeat_penalty,
+                                presence_penalty=presence_penalty,
+                                frequency_penalty=frequency_penalty, seed=seed, stop=tuple(stop))
     except ValueError as exc:
         _fail_naming_flags(str(exc))
+    if interactive and raw:
+        _fail("--raw is for one prompt; a chat always uses the chat template")
+    text = _prompt_text(prompt, interactive)
     try:
-        request = GenerateRequest(prompt, model, raw, system, not no_think, params,
-                                  pick_device(device))
-        run_generate(request, err)
+        code = _run(GenerateRequest(text, model, raw, system, not no_think, params,
+                                    pick_device(device), ctx, interactive))
     except (ValueError, RuntimeError) as exc:  # GGUFError, HubError, template errors are these
         _fail(str(exc))
+    raise typer.Exit(code)
+
+
+def _prompt_text(prompt: Optional[str], interactive: bool) -> Optional[str]:
+    if prompt == "-":
+        return sys.stdin.read()
+    if prompt is None and not interactive:
+        _fail("give a prompt, - to read it from stdin, or -i to chat")
+    return prompt
+
+
+def _run(request) -> int:
+    """run_generate's exit code, 130 when Ctrl-C comes before the answer streams."""
+    from sparkinfer_cli.run import EXIT_INTERRUPTED, run_generate
+    try:
+        return run_generate(request, err)
+    except KeyboardInterrupt:
+        err.print("\n[yellow]interrupted[/]")
+        return EXIT_INTERRUPTED
+
+
+@app.command("chat", help="Chat in the terminal with a multi-turn history (generate -i); each "
+                          "turn computes only what it adds (prefix cache).")
+@functools.wraps(generate)
+def chat(**options) -> None:
+    generate(**{**options, "interactive": True})
 
 
 @app.command()

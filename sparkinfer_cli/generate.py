@@ -1,22 +1,28 @@
-"""One prompt through the engine, as a stream of text: what `sparkinfer generate` runs."""
+"""Prompts through the engine, as streams of text: what `sparkinfer generate` and `chat` run."""
 
 from __future__ import annotations
 
+import dataclasses
 import queue
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 from sparkinfer_cli.engine.config import EngineConfig
-from sparkinfer_cli.engine.engine import ContinuousBatchEngine, warm_up
+from sparkinfer_cli.engine.engine import ContinuousBatchEngine
 from sparkinfer_cli.engine.request import RequestEvent
 from sparkinfer_cli.engine.sampling_params import SamplingParams
 from sparkinfer_cli.tokenizer.chat_template import ChatTemplate
 from sparkinfer_cli.tokenizer.tokenizer import Tokenizer
 
+# room the warm-up requests need in the KV pool (their blocks stay cached, evictable)
+WARM_UP_TOKENS = 32
+
 
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
+    cached_tokens: int = 0
     output_tokens: int = 0
     prompt_tok_s: float = 0.0
     decode_tok_s: float = 0.0
@@ -26,8 +32,9 @@ class GenerationStats:
     def from_event(cls, e: RequestEvent) -> GenerationStats:
         prefill_s = (e.first_token_at or 0) - (e.scheduled_at or e.submitted_at)
         decode_s = (e.finished_at or 0) - (e.first_token_at or 0)
-        return cls(e.num_prompt_tokens, e.num_output_tokens,
-                   e.num_prompt_tokens / prefill_s if prefill_s > 0 else 0.0,
+        computed = e.num_prompt_tokens - e.num_cached_tokens
+        return cls(e.num_prompt_tokens, e.num_cached_tokens, e.num_output_tokens,
+                   computed / prefill_s if prefill_s > 0 else 0.0,
                    (e.num_output_tokens - 1) / decode_s if decode_s > 0 else 0.0,
                    e.finish_reason)
 
@@ -39,34 +46,61 @@ def build_prompt(tokenizer: Tokenizer, text: str, *, raw: bool, system: str | No
         return tokenizer.encode(text)
     messages = ([{"role": "system", "content": system}] if system else []) + \
         [{"role": "user", "content": text}]
+    return chat_prompt(tokenizer, messages, enable_thinking)
+
+
+def chat_prompt(tokenizer: Tokenizer, messages: list[dict], enable_thinking: bool = True
+                ) -> list[int]:
+    """The ids of `messages` rendered by the model's chat template, ready for the answer."""
     kwargs = {} if enable_thinking else {"enable_thinking": False}
     rendered = ChatTemplate.from_tokenizer(tokenizer).render(messages, **kwargs)
     return tokenizer.encode(rendered, parse_special=True)
 
 
-def stream_generation(model, tokenizer: Tokenizer, prompt_ids: list[int],
-                      params: SamplingParams, stats: GenerationStats) -> Iterator[str]:
-    """Yields text as it is produced; fills `stats` at the end. Closing the iterator (Ctrl-C)
-    aborts the request."""
-    # room for this request and for the warm-up one (16 + 2 tokens)
-    ctx = min(max(len(prompt_ids) + params.max_tokens, 32) + 32, model.config.context_length)
-    engine = ContinuousBatchEngine(model, tokenizer, EngineConfig(
-        ctx=ctx, max_batch_tokens=max(64, len(prompt_ids)), max_num_seqs=1,
-        max_output_tokens=params.max_tokens))
-    events: queue.Queue[RequestEvent] = queue.Queue()
-    engine.start()
-    warm_up(engine)  # compile before timing, so the reported speeds are the model's
-    request_id = engine.submit(prompt_ids, params, events.put)
-    try:
-        while True:
-            event = events.get()
-            if event.error:
-                raise RuntimeError(event.error)
-            if event.text:
-                yield event.text
-            if event.finish_reason is not None:
-                vars(stats).update(vars(GenerationStats.from_event(event)))
-                return
-    finally:
-        engine.abort(request_id)
-        engine.shutdown(wait=True)
+class GenerationSession:
+    """One engine for a run of prompts, one at a time: a chat's turns share its prefix cache,
+    so each turn prefills only what it adds to the last."""
+
+    def __init__(self, model, tokenizer: Tokenizer, ctx: int):
+        """ctx: the KV pool in tokens; the longest prompt + answer is ctx - WARM_UP_TOKENS."""
+        self.max_tokens = ctx - WARM_UP_TOKENS
+        self.engine = ContinuousBatchEngine(model, tokenizer, EngineConfig(
+            ctx=ctx, max_batch_tokens=64, max_num_seqs=1, max_output_tokens=ctx))
+        self.engine.start()
+
+    def warm_up(self, params: SamplingParams, timeout_s: float = 600.0) -> None:
+        """Throwaway requests down every path a first request takes, so that compiling them is
+        paid here and not in the speeds reported: a prompt long enough for the prefill kernels
+        and one short enough to attend row by row, each decoding with `params`' sampling."""
+        n_vocab = self.engine.n_vocab
+        settings = dataclasses.replace(params, max_tokens=2, min_tokens=0, ignore_eos=True,
+                                       stop=(), stop_token_ids=())
+        for prompt in ([(7 + i) % n_vocab for i in range(16)], [(3 + i) % n_vocab
+                                                                for i in range(3)]):
+            done = threading.Event()
+            self.engine.submit(prompt, settings,
+                               lambda e: done.set() if e.finish_reason is not None else None)
+            if not done.wait(timeout_s):
+                raise RuntimeError(f"the warm-up did not finish in {timeout_s:.0f} s")
+
+    def stream(self, prompt_ids: list[int], params: SamplingParams,
+               stats: GenerationStats) -> Iterator[str]:
+        """Yields text as it is produced; fills `stats` at the end. Closing the iterator (Ctrl-C)
+        aborts the request."""
+        events: queue.Queue[RequestEvent] = queue.Queue()
+        request_id = self.engine.submit(prompt_ids, params, events.put)
+        try:
+            while True:
+                event = events.get()
+                if event.error:
+                    raise RuntimeError(event.error)
+                if event.text:
+                    yield event.text
+                if event.finish_reason is not None:
+                    vars(stats).update(vars(GenerationStats.from_event(event)))
+                    return
+        finally:
+            self.engine.abort(request_id)
+
+    def close(self) -> None:
+        self.engine.shutdown(wait=True)

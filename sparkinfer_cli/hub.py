@@ -288,11 +288,14 @@ def _pypi_progress(title: str) -> Iterator[Callable[[int, int, str], None]]:
         progress.update(task, completed=progress.tasks[0].total)
 
 
-def resolve_model(spec: str | None, prefer_gpu: bool) -> tuple[Path, str]:
+def resolve_model(spec: str | None, prefer_gpu: bool,
+                  announce: Callable[[str], None] | None = None) -> tuple[Path, str]:
     """(local GGUF, a note for the user or "") for a path, a demo name, 'owner/repo[:file]', or
-    None (the default model)."""
+    None (the default model). With `announce`, the note goes there before any download (and ""
+    is returned), so that the user knows what is being fetched."""
     if spec is None:
-        return _default_model(prefer_gpu)
+        path, note = _default_model(prefer_gpu, announce)
+        return path, "" if announce else note
     path = Path(spec).expanduser()
     if path.is_file():
         return path, ""
@@ -307,13 +310,16 @@ def resolve_model(spec: str | None, prefer_gpu: bool) -> tuple[Path, str]:
     return download(repo, file or None), ""
 
 
-def _default_model(prefer_gpu: bool) -> tuple[Path, str]:
-    if not prefer_gpu:
-        return (fetch_demo_model(DEFAULT_DEMO_MODEL),
-                f"no model given and no GPU: using the demo model {DEFAULT_DEMO_MODEL}")
-    cached = find_cached(DEFAULT_REPO, DEFAULT_FILE)
+def _default_model(prefer_gpu: bool, announce: Callable[[str], None] | None
+                   ) -> tuple[Path, str]:
+    cached = find_cached(DEFAULT_REPO, DEFAULT_FILE) if prefer_gpu else None
     if cached is not None:
-        return cached, f"no model given: using {DEFAULT_REPO} {DEFAULT_FILE} from the HF cache"
-    return (fetch_demo_model(DEFAULT_DEMO_MODEL),
-            f"no model given and {DEFAULT_REPO} {DEFAULT_FILE} is not in the HF cache (fetch it "
-            f"with `sparkinfer download`): using the demo model {DEFAULT_DEMO_MODEL}")
+        note = f"no model given: using {DEFAULT_REPO} {DEFAULT_FILE} from the HF cache"
+    elif prefer_gpu:
+        note = (f"no model given and {DEFAULT_REPO} {DEFAULT_FILE} is not in the HF cache (fetch "
+                f"it with `sparkinfer download`): using the demo model {DEFAULT_DEMO_MODEL}")
+    else:
+        note = f"no model given and no GPU: using the demo model {DEFAULT_DEMO_MODEL}"
+    if announce:
+        announce(note)
+    return cached or fetch_demo_model(DEFAULT_DEMO_MODEL), note

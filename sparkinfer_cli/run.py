@@ -1,53 +1,147 @@
-"""`sparkinfer generate`: resolve and load the model, stream the answer, report speeds."""
+"""`sparkinfer generate` and `chat`: resolve and load the model while saying what takes the time,
+then stream the answers and report speeds."""
 
 from __future__ import annotations
 
 import sys
+import time
+from collections.abc import Generator
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
+from rich.markup import escape
 
 from sparkinfer_cli.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from sparkinfer_cli.generate import GenerationSession, GenerationStats
+    from sparkinfer_cli.preflight import CheckedModel
+    from sparkinfer_cli.tokenizer.tokenizer import Tokenizer
+
+EXIT_INTERRUPTED = 130  # a shell's code for a command ended by Ctrl-C (128 + SIGINT)
+CHAT_CTX = 4096  # a chat's default KV cache: several turns, a few hundred MB on small models
 
 
 @dataclass(frozen=True)
 class GenerateRequest:
-    prompt: str
+    prompt: str | None  # None: the chat starts with an empty prompt line
     model: str | None
     raw: bool
     system: str | None
     enable_thinking: bool
     params: SamplingParams
     device: str
+    ctx: int | None = None  # KV cache in tokens; None: the prompt + max_tokens (chat: 4,096)
+    interactive: bool = False
 
 
-def run_generate(req: GenerateRequest, err: Console) -> None:
-    """Generated text to stdout as it comes, everything else to stderr. Ctrl-C stops cleanly."""
-    from sparkinfer_cli.generate import GenerationStats, build_prompt, stream_generation
-    from sparkinfer_cli.hub import resolve_model
-    from sparkinfer_cli.model.loader import load_runtime_model
-    from sparkinfer_cli.preflight import check_context, check_model_file
+@dataclass
+class Loaded:
+    """A model ready to answer: its session warmed up, its tokenizer and file name."""
+    session: GenerationSession
+    tokenizer: Tokenizer
+    name: str
 
-    path, note = resolve_model(req.model, prefer_gpu=req.device == "cuda")
-    if note:
-        err.print(f"[yellow]{note}[/]")
-    checked = check_model_file(path)  # the file, tokenizer and prompt before the weights load
-    tokenizer = checked.tokenizer
-    ids = build_prompt(tokenizer, req.prompt, raw=req.raw, system=req.system,
+
+def run_generate(req: GenerateRequest, err: Console) -> int:
+    """Generated text to stdout as it comes, everything else to stderr; the exit code."""
+    from sparkinfer_cli.generate import GenerationStats, build_prompt
+    from sparkinfer_cli.preflight import check_context
+
+    path = _resolve(req, err)
+    checked = _read(path, err)
+    if req.interactive:
+        from sparkinfer_cli.chat import run_chat
+        return run_chat(req, _load(req, checked, req.ctx or CHAT_CTX, err), err)
+    ids = build_prompt(checked.tokenizer, req.prompt or "", raw=req.raw, system=req.system,
                        enable_thinking=req.enable_thinking)
     check_context(checked.config, len(ids), req.params.max_tokens)
-    model = load_runtime_model(checked.gguf, req.device)
+    check_fits(req.ctx, len(ids), req.params.max_tokens)
+    loaded = _load(req, checked, req.ctx or len(ids) + req.params.max_tokens, err)
     stats = GenerationStats()
-    stream = stream_generation(model, tokenizer, ids, req.params, stats)
+    _, finished = stream_answer(loaded.session.stream(ids, req.params, stats))
+    if not finished:
+        err.print("\n[yellow]stopped[/]")
+        return EXIT_INTERRUPTED
+    report_speeds(err, f"{loaded.name} on {req.device}", stats)
+    return 0
+
+
+def check_fits(ctx: int | None, num_prompt_tokens: int, max_tokens: int) -> None:
+    if ctx is not None and num_prompt_tokens + max_tokens > ctx:
+        raise ValueError(f"--max-tokens {max_tokens:,} after the prompt's {num_prompt_tokens:,} "
+                         f"tokens is beyond --ctx {ctx:,}")
+
+
+def _resolve(req: GenerateRequest, err: Console) -> Path:
+    from sparkinfer_cli.hub import resolve_model
+
+    def announce(note: str) -> None:
+        err.print(f"[yellow]{escape(note)}[/]", highlight=False)
+
+    path, _ = resolve_model(req.model, prefer_gpu=req.device == "cuda", announce=announce)
+    return path
+
+
+def _read(path: Path, err: Console) -> CheckedModel:
+    """The file, tokenizer and template checked before the weights load."""
+    from sparkinfer_cli.preflight import check_model_file
+
+    with err.status(f"reading {escape(path.name)}"):
+        return check_model_file(path)
+
+
+def _load(req: GenerateRequest, checked: CheckedModel, ctx: int, err: Console) -> Loaded:
+    from sparkinfer_cli.generate import WARM_UP_TOKENS, GenerationSession
+    from sparkinfer_cli.model.loader import load_runtime_model
+
+    ctx = min(ctx + WARM_UP_TOKENS, checked.config.context_length + WARM_UP_TOKENS)
+    with err.status("loading") as status:
+        model = load_runtime_model(checked.gguf, req.device,
+                                   report=lambda what: status.update(escape(what)))
+        status.update("starting the engine")
+        session = GenerationSession(model, checked.tokenizer, ctx)
+        cold = req.device == "cpu" and not cpu_kernels_are_cached()
+        status.update("compiling the kernels (first run only: numba caches them)" if cold
+                      else "warming up")
+        started = time.monotonic()
+        session.warm_up(req.params)
+    if cold:
+        err.print(f"[dim]compiled the kernels in {time.monotonic() - started:.0f} s; later runs "
+                  "load them from numba's cache[/]")
+    return Loaded(session, checked.tokenizer, checked.gguf.path.name)
+
+
+def cpu_kernels_are_cached() -> bool:
+    """Whether numba's cache holds the CPU kernels (cold, a first run compiles them for tens of
+    seconds). Judged by one kernel every pass calls."""
+    from sparkinfer_cli.kernels.cpu.quant_packed import quantize_x
+    try:
+        return Path(quantize_x._cache._cache_file._index_path).is_file()
+    except AttributeError:  # numba's cache internals moved: assume warm, say "warming up"
+        return True
+
+
+def stream_answer(stream: Generator[str, None, None]) -> tuple[str, bool]:
+    """Writes the text to stdout as it comes; (the text, False when Ctrl-C stopped it)."""
+    parts = []
     try:
         for text in stream:
+            parts.append(text)
             sys.stdout.write(text)
             sys.stdout.flush()
     except KeyboardInterrupt:
         stream.close()
-        err.print("\n[yellow]stopped[/]")
-        return
+        return "".join(parts), False
     sys.stdout.write("\n")
-    err.print(f"[dim]{path.name} on {req.device}: prompt {stats.prompt_tokens} tokens at "
+    sys.stdout.flush()
+    return "".join(parts), True
+
+
+def report_speeds(err: Console, what: str, stats: GenerationStats) -> None:
+    cached = f" ({stats.cached_tokens} cached)" if stats.cached_tokens else ""
+    err.print(f"[dim]{escape(what)}: prompt {stats.prompt_tokens} tokens{cached} at "
               f"{stats.prompt_tok_s:.1f} tok/s, {stats.output_tokens} tokens at "
-              f"{stats.decode_tok_s:.1f} tok/s ({stats.finish_reason})[/]")
+              f"{stats.decode_tok_s:.1f} tok/s ({stats.finish_reason})[/]", highlight=False)

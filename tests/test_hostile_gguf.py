@@ -29,7 +29,7 @@ MiB = 1024 ** 2
 
 @pytest.fixture(autouse=True)
 def no_generation_or_engine(monkeypatch):
-    monkeypatch.setattr("sparkinfer_cli.generate.stream_generation", reach)
+    monkeypatch.setattr("sparkinfer_cli.generate.GenerationSession", reach)
     monkeypatch.setattr("sparkinfer_cli.engine.engine.ContinuousBatchEngine", reach)
     monkeypatch.delenv("CTX", raising=False)
 

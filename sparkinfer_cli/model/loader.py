@@ -58,6 +58,5 @@ def load_runtime_model(gguf: GGUFFile, device: str, environ: Mapping[str, str] |
     report(f"loading {gguf.path.name}")
     model = load_model(gguf, device, kv_int8=kv_int8 and device == "cuda")
     if device == "cpu":
-        report("loading the repacked weights (or repacking them once: cached for later runs)")
-        use_cached_int8_decode(model, gguf.path)
+        use_cached_int8_decode(model, gguf.path, report=report)
     return model

@@ -19,7 +19,7 @@ import os
 import struct
 import tempfile
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -143,13 +143,19 @@ def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def use_cached_int8_decode(model: CausalLM, gguf_path: Path, root: Path | None = None) -> bool:
+def use_cached_int8_decode(model: CausalLM, gguf_path: Path, root: Path | None = None,
+                           report: Callable[[str], None] = lambda _: None) -> bool:
     """model.use_int8_decode() with its records from the cache when it has them (True), else
-    packed and stored for the next load (False). Q8_0 weights are used in place, never stored."""
+    packed and stored for the next load (False). Q8_0 weights are used in place, never stored.
+    `report` hears which of the two is under way."""
     expected = {lin.weight.name: (lin.weight.ggml_type, lin.weight.ne0, lin.weight.shape[1])
                 for lin in model.packable_linears() if not LAYOUTS[lin.weight.ggml_type].is_q8}
     file = cache_file(gguf_path, root)
     stored = load_packed(file, expected) if expected else {}
+    if expected:
+        report(f"mapping the repacked weights from {file}" if stored else
+               "repacking the weights for the CPU kernels (once: kept in the cache for later "
+               "runs)")
     packed = model.use_int8_decode(stored)
     if expected and not stored:
         save_packed(file, {name: packed[name] for name in expected})
