@@ -229,6 +229,7 @@ def serve(model: Optional[str] = typer.Option(None, "-m", "--model", help=MODEL_
     from sparkinfer_cli.env import parse_origins
     from sparkinfer_cli.hub import HubError, resolve_model
     from sparkinfer_cli.preflight import check_serve
+    from sparkinfer_cli.serve_banner import banner_line
     from sparkinfer_cli.server.app import run_server
     try:
         origins = None if cors_origins is None else parse_origins(cors_origins)
@@ -245,7 +246,8 @@ def serve(model: Optional[str] = typer.Option(None, "-m", "--model", help=MODEL_
             err.print(f"[yellow]{escape(line)}[/]")
     try:
         run_server(path, host, port, pool.ctx, api_key, device=chosen, model_name=alias,
-                   cors_origins=origins)
+                   cors_origins=origins, on_listening=lambda server, engine: err.print(
+                       escape(banner_line(server, engine, chosen)), highlight=False))
     except (ValueError, OSError) as exc:  # bad env/flags, broken file, port in use
         _fail_naming_flags(str(exc))
 

@@ -10,7 +10,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ from sanic import Request, Sanic
 from sanic.exceptions import SanicException
 from sanic.response import HTTPResponse, json
 
+from sparkinfer_cli.engine.config import EngineConfig
 from sparkinfer_cli.server import routes
 from sparkinfer_cli.server.async_engine import AsyncEngine
 from sparkinfer_cli.server.auth import check_request
@@ -202,10 +203,12 @@ async def _drain_and_stop(app: Sanic) -> None:
 def run_server(model_path: str | Path, host: str | None = None, port: int | None = None,
                ctx: int | None = None, api_key: str | None = None, *, device: str = "cpu",
                model_name: str | None = None, cors_origins: tuple[str, ...] | None = None,
-               environ: Mapping[str, str] | None = None) -> None:
+               environ: Mapping[str, str] | None = None,
+               on_listening: Callable[[ServerConfig, EngineConfig], None] | None = None) -> None:
     """`sparkinfer serve`: load the model, start the engine, serve until SIGTERM/SIGINT.
     Arguments left None come from the environment (HOST, PORT, CTX, SPARKINFER_*); the model id
-    is model_name, else SPARKINFER_SERVED_MODEL_NAME, else the GGUF's name."""
+    is model_name, else SPARKINFER_SERVED_MODEL_NAME, else the GGUF's name. `on_listening` (the
+    CLI's banner) is called once the port accepts connections."""
     from sparkinfer_cli.engine.engine import ContinuousBatchEngine, warm_up
     from sparkinfer_cli.gguf_file import GGUFFile
     from sparkinfer_cli.model.loader import load_runtime_model
@@ -226,9 +229,13 @@ def run_server(model_path: str | Path, host: str | None = None, port: int | None
     engine.start()
     if not warm_up(engine):
         log.warning("the warm-up request did not finish in time")
+    app = create_app(engine, tokenizer, ChatTemplate.from_tokenizer(tokenizer), server_config)
+    if on_listening is not None:
+        async def listening(_: Sanic) -> None:
+            on_listening(server_config, engine_config)
+        app.register_listener(listening, "after_server_start")
     try:
-        serve(create_app(engine, tokenizer, ChatTemplate.from_tokenizer(tokenizer), server_config),
-              server_config)
+        serve(app, server_config)
     finally:
         engine.shutdown(wait=False)
 
