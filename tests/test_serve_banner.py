@@ -36,7 +36,7 @@ def test_ipv6_hosts_are_bracketed():
 
 
 def test_serve_prints_the_banner_once_listening(monkeypatch):
-    monkeypatch.setattr(hub, "resolve_model", lambda model, prefer_gpu: (TINY, ""))
+    monkeypatch.setattr(hub, "resolve_model", lambda model, prefer_gpu, **_: (TINY, ""))
     monkeypatch.setenv("PORT", "0")
 
     def listening_server(*args, on_listening, **kwargs):

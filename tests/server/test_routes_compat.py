@@ -168,7 +168,7 @@ def served(monkeypatch) -> dict:
     """What `sparkinfer serve` hands run_server, without loading a model."""
     calls: dict = {}
     tiny = Path(__file__).parents[1] / "fixtures" / "tiny" / "qwen3" / "qwen3-Q8_0.gguf"
-    monkeypatch.setattr(hub, "resolve_model", lambda model, prefer_gpu: (tiny, None))
+    monkeypatch.setattr(hub, "resolve_model", lambda model, prefer_gpu, **_: (tiny, None))
     monkeypatch.setenv("PORT", "0")  # serve checks its address before it starts: any free port
     monkeypatch.setattr(server_app, "run_server",
                         lambda *args, **kwargs: calls.update(args=args, kwargs=kwargs))
