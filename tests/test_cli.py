@@ -60,3 +60,15 @@ def test_generate_bad_input_is_a_clear_error(fixtures_dir):
     assert result.exit_code == 1 and "error" in result.stderr
     result = runner.invoke(app, ["generate", "hi", "-m", path, "--device", "tpu"])
     assert result.exit_code == 1 and "--device" in result.stderr
+
+
+def test_inspect_takes_a_demo_model_name_and_shows_its_path(monkeypatch, fixtures_dir):
+    from sparkinfer_cli import hub
+
+    tiny = fixtures_dir / "tiny/qwen3/qwen3-Q8_0.gguf"
+    monkeypatch.setattr(hub, "fetch_demo_model", lambda name: tiny)
+    result = runner.invoke(app, ["inspect", "smollm2-135m", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["file"]["path"] == str(tiny.resolve())
+    rich = runner.invoke(app, ["inspect", "smollm2-135m"], terminal_width=400)
+    assert str(tiny.resolve()) in rich.stdout
