@@ -1,5 +1,6 @@
 """`sparkinfer bench`: prefill, batch-1 decode and concurrent-decode throughput of one model on
-one device, each against its roofline; results under bench/results/ (bench_report.py).
+one device, each against its roofline; results under the user's data directory or --out
+(bench_report.py), never over an earlier run's files.
 
 Split by concern: bench_measure.py times the figures, bench_roofline.py knows the machine's peaks
 and what a pass must move, bench_report.py writes md + json + png.
@@ -11,7 +12,7 @@ import os
 import subprocess
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from functools import partial
 from pathlib import Path
@@ -43,6 +44,7 @@ from sparkinfer_cli.bench_report import (
     write_report,
 )
 from sparkinfer_cli.bench_roofline import MachinePeaks, ModelCost, machine_peaks, roofline
+from sparkinfer_cli.paths import bench_results_dir
 
 if TYPE_CHECKING:
     from sparkinfer_cli.gguf_file import GGUFFile
@@ -65,7 +67,7 @@ class BenchRequest:
     device: str  # cpu | cuda
     ctx: tuple[int, ...] = ()  # prefill sizes = decode depths (empty: the device's defaults)
     concurrency: tuple[int, ...] = ()  # concurrent sequences (empty: the device's defaults)
-    out_dir: Path = Path("bench/results")
+    out_dir: Path = field(default_factory=bench_results_dir)
     command: str = "sparkinfer bench"
 
     def __post_init__(self) -> None:

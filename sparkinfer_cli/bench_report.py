@@ -4,6 +4,8 @@ the same model and machine where we have them) and a .png chart (when matplotlib
 from __future__ import annotations
 
 import dataclasses
+import glob
+import itertools
 import json
 import re
 from dataclasses import dataclass, field
@@ -87,11 +89,24 @@ def result_stem(date: str, model: str, device_kind: str) -> str:
     return f"{date[:10]}-{label}-{device_kind}"
 
 
+def free_stem(out_dir: Path, stem: str, date: str) -> str:
+    """`stem`, or stem-HHMMSS (the run's time, then -2, -3, ...) when an earlier run's files
+    already have it: no run overwrites another's."""
+    def taken(name: str) -> bool:
+        return any(out_dir.glob(f"{glob.escape(name)}.*"))
+
+    clock = date[11:19].replace(":", "")  # "" when the date has no time
+    timed = f"{stem}-{clock}" if clock else stem
+    candidates = itertools.chain([stem, timed], (f"{timed}-{i}" for i in itertools.count(2)))
+    return next(name for name in candidates if not taken(name))
+
+
 def write_report(report: BenchReport, out_dir: Path) -> list[Path]:
     """Writes the chart (if it can), the JSON and the markdown; returns their paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    md, js = out_dir / f"{report.stem}.md", out_dir / f"{report.stem}.json"
-    chart = write_chart(report, out_dir / f"{report.stem}.png")  # NOTE: first: it may add a note
+    stem = free_stem(out_dir, report.stem, report.date)
+    md, js = out_dir / f"{stem}.md", out_dir / f"{stem}.json"
+    chart = write_chart(report, out_dir / f"{stem}.png")  # NOTE: first: it may add a note
     js.write_text(json.dumps(report_json(report, chart), indent=2) + "\n")
     md.write_text(report_markdown(report, chart))
     return [md, js] + ([chart] if chart else [])
@@ -209,8 +224,9 @@ def write_chart(report: BenchReport, path: Path) -> Path | None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        report.notes.append("PNG skipped: matplotlib is not installed "
-                            "(pip install matplotlib, or the `bench` extra)")
+        report.notes.append("PNG skipped: matplotlib is not installed; install the bench "
+                            "extra to draw it: pip install -e \".[bench]\" (or pip install "
+                            "matplotlib)")
         return None
     try:
         _draw(plt, report, path)

@@ -17,7 +17,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from functools import partial
 from pathlib import Path
@@ -57,6 +57,7 @@ from sparkinfer_cli.bench_serve_turns import (
     turn_cells,
     write_turns_report,
 )
+from sparkinfer_cli.paths import bench_results_dir
 
 DEFAULT_CLIENTS = {"cuda": (1, 8, 32, 64), "cpu": (1, 4, 8)}
 WARM_IDLE_PROMPT_TOKENS = 16
@@ -78,7 +79,7 @@ class ServeBenchRequest:
     rate: float | None = None  # Poisson arrivals a second (None: no Poisson load)
     duration_s: float = 60.0
     url: str | None = None  # a running server: nothing is started, no engine figure
-    out_dir: Path = Path("bench/results")
+    out_dir: Path = field(default_factory=bench_results_dir)
     command: str = "sparkinfer bench --serve"
     seed: int = 0
     turns: int = 0  # > 0: one conversation of this many turns instead of the loads

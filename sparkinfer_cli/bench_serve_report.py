@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from sparkinfer_cli.bench_report import result_stem
+from sparkinfer_cli.bench_report import free_stem, result_stem
 from sparkinfer_cli.bench_serve_client import RequestTiming
 
 
@@ -107,7 +107,8 @@ class ServeReport:
 
 def write_serve_report(report: ServeReport, out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
-    md, js = out_dir / f"{report.stem}.md", out_dir / f"{report.stem}.json"
+    stem = free_stem(out_dir, report.stem, report.date)
+    md, js = out_dir / f"{stem}.md", out_dir / f"{stem}.json"
     js.write_text(json.dumps(report_json(report), indent=2) + "\n")
     md.write_text(report_markdown(report))
     return [md, js]

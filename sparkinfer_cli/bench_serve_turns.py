@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sparkinfer_cli.bench_report import free_stem
 from sparkinfer_cli.bench_serve_client import PROMPT_WORDS, Endpoint, stream_chat
 
 SAMPLE_WORDS = 32
@@ -106,7 +107,8 @@ def figures(turn: int, timing: Any, added: int, answer: int) -> TurnFigures:
 # ---- report --------------------------------------------------------------------------------------
 def write_turns_report(report: TurnsReport, out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
-    md, js = out_dir / f"{report.stem}.md", out_dir / f"{report.stem}.json"
+    stem = free_stem(out_dir, report.stem, report.date)
+    md, js = out_dir / f"{stem}.md", out_dir / f"{stem}.json"
     data = asdict(report) | {"kind": "turns"}
     js.write_text(json.dumps(data, indent=2) + "\n")
     md.write_text(turns_markdown(report))

@@ -175,7 +175,9 @@ def bench(model: Optional[str] = typer.Option(None, "-m", "--model", help=MODEL_
           ctx: list[int] = typer.Option([], "--ctx",
                                          help="Prefill sizes / decode depths (repeatable)."),
           concurrency: list[int] = typer.Option([], "--concurrency", help="Concurrent sequences."),
-          out_dir: Path = typer.Option(Path("bench/results"), "--out", help="Results directory."),
+          out_dir: Optional[Path] = typer.Option(
+              None, "--out", help="Results directory (default: ~/.local/share/sparkinfer/"
+                                  "bench-results; the repo's is bench/results)."),
           device: str = typer.Option("auto", "--device", help="auto | cpu | cuda"),
           serve: bool = typer.Option(False, "--serve",
                                      help="Through the HTTP server: --concurrency streaming "
@@ -196,10 +198,12 @@ def bench(model: Optional[str] = typer.Option(None, "-m", "--model", help=MODEL_
           turn_tokens: int = typer.Option(200, "--turn-tokens",
                                           help="--turns: new tokens each turn appends.")):
     """Measure prefill and decode speed, or (--serve) the server's; write results (md + json +
-    png) under bench/results/."""
+    png) under the user's data directory (--out bench/results: the repo's), never over an
+    earlier run's."""
     from sparkinfer_cli.bench import BenchRequest, run_bench
     from sparkinfer_cli.bench_serve import ServeBenchRequest, run_serve_bench
-    command = " ".join(["sparkinfer"] + sys.argv[1:])
+    from sparkinfer_cli.paths import bench_results_dir
+    command, out_dir = " ".join(["sparkinfer"] + sys.argv[1:]), out_dir or bench_results_dir()
     try:
         if serve or url or turns:
             if ctx:

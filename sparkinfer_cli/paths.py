@@ -16,3 +16,8 @@ def user_cache_dir() -> Path:
 def user_data_dir() -> Path:
     """$XDG_DATA_HOME/sparkinfer, else ~/.local/share/sparkinfer."""
     return Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "sparkinfer"
+
+
+def bench_results_dir() -> Path:
+    """Where `sparkinfer bench` writes unless --out says otherwise."""
+    return user_data_dir() / "bench-results"

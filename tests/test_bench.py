@@ -304,3 +304,34 @@ def test_decode_on_a_queuing_model_times_runs_of_passes(monkeypatch):
     result = bench.decode(64)
     assert runs == [(64, 4), (68, 4), (72, 2)]
     assert result.tok_s == pytest.approx(4.0)  # the median run: 1 s for 4 passes
+
+
+# ---- where results go ----------------------------------------------------------------------------
+def test_a_second_run_of_the_same_day_gets_a_time_suffix(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    report = _fake_report("qwen2.5-coder-0.5b", [ResultRow("decode", 16, 1, 10.0, 0.5, "memory",
+                                                           2.0)])
+    first = write_report(report, tmp_path)
+    second = write_report(report, tmp_path)
+    third = write_report(report, tmp_path)
+    stem = "2026-11-30-qwen2.5-coder-0.5b-cpu"
+    assert [p.name for p in first] == [f"{stem}.md", f"{stem}.json"]
+    assert [p.name for p in second] == [f"{stem}-100000.md", f"{stem}-100000.json"]
+    assert [p.name for p in third] == [f"{stem}-100000-2.md", f"{stem}-100000-2.json"]
+    assert "bench" in report.notes[0] and 'pip install -e ".[bench]"' in report.notes[0]
+
+
+def test_bench_writes_under_the_user_data_dir_unless_told(monkeypatch, tmp_path):
+    from typer.testing import CliRunner
+
+    from sparkinfer_cli import bench as bench_module
+    from sparkinfer_cli.cli import app
+
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    seen = []
+    monkeypatch.setattr(bench_module, "run_bench", lambda request, console: seen.append(request))
+    assert CliRunner().invoke(app, ["bench", "--synthetic", "tiny-qwen3"]).exit_code == 0
+    assert CliRunner().invoke(app, ["bench", "--synthetic", "tiny-qwen3", "--out",
+                                    "bench/results"]).exit_code == 0
+    assert [r.out_dir for r in seen] == [tmp_path / "data" / "sparkinfer" / "bench-results",
+                                         Path("bench/results")]
