@@ -57,6 +57,8 @@ class PackedMatvec:
         self._x_ptrs = tuple(a.ctypes.data for a in (self._xq, self._xd, self._xs, self._xl))
         self._plans: dict[int, tuple[tuple[np.ndarray, ...], list[tuple]]] = {}
         self._lock = threading.Lock()  # one call at a time uses the scratch
+        for n in range(1, MAX_ROWS + 1):  # compile every row count's kernel now, not in a request
+            self._plan(n)
 
     @property
     def rows(self) -> int:

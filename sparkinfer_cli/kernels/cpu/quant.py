@@ -295,7 +295,8 @@ def embedding_rows(raw: np.ndarray, ggml_type: int, ne0: int, ids: np.ndarray) -
                          f"[{ids.min()}, {ids.max()}]")
     out = np.empty((len(ids), ne0), np.float32)  # (len(ids), ne0)
     if len(ids) > _GATHER_MIN_ROWS:  # a prefill: gather the rows, dequantize them on all threads
-        _dequant_range(rows[ids], ggml_type, 0, len(ids), out)
+        # NOTE: read-only like the file's rows, so numba compiles one kernel for both paths
+        _dequant_range(_readonly(rows[ids]), ggml_type, 0, len(ids), out)
         return out
     for k, r in enumerate(ids.tolist()):  # one row is less work than a thread handoff
         _dequant_range(rows, ggml_type, r, r + 1, out[k:], threaded=False)
