@@ -69,19 +69,17 @@ class GenerationSession:
         self.engine.start()
 
     def warm_up(self, params: SamplingParams, timeout_s: float = 600.0) -> None:
-        """Throwaway requests down every path a first request takes, so that compiling them is
-        paid here and not in the speeds reported: a prompt long enough for the prefill kernels
-        and one short enough to attend row by row, each decoding with `params`' sampling."""
+        """A throwaway request down the paths a first request takes (a prompt through the
+        prefill kernels, then decoding with `params`' sampling), so that compiling them, or
+        loading them from numba's cache, is paid here and not in the speeds reported."""
         n_vocab = self.engine.n_vocab
         settings = dataclasses.replace(params, max_tokens=2, min_tokens=0, ignore_eos=True,
                                        stop=(), stop_token_ids=())
-        for prompt in ([(7 + i) % n_vocab for i in range(16)], [(3 + i) % n_vocab
-                                                                for i in range(3)]):
-            done = threading.Event()
-            self.engine.submit(prompt, settings,
-                               lambda e: done.set() if e.finish_reason is not None else None)
-            if not done.wait(timeout_s):
-                raise RuntimeError(f"the warm-up did not finish in {timeout_s:.0f} s")
+        done = threading.Event()
+        self.engine.submit([(7 + i) % n_vocab for i in range(16)], settings,
+                           lambda e: done.set() if e.finish_reason is not None else None)
+        if not done.wait(timeout_s):
+            raise RuntimeError(f"the warm-up did not finish in {timeout_s:.0f} s")
 
     def stream(self, prompt_ids: list[int], params: SamplingParams,
                stats: GenerationStats) -> Iterator[str]:
