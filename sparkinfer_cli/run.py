@@ -39,29 +39,36 @@ class GenerateRequest:
 
 @dataclass
 class Loaded:
-    """A model ready to answer: its session warmed up, its tokenizer and file name."""
+    """A model ready to answer: its session warmed up, its tokenizer and file name; `with` it
+    to stop the session's engine at the end."""
     session: GenerationSession
     tokenizer: Tokenizer
     name: str
 
+    def __enter__(self) -> Loaded:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.session.close()
+
 
 def run_generate(req: GenerateRequest, err: Console) -> int:
     """Generated text to stdout as it comes, everything else to stderr; the exit code."""
+    from sparkinfer_cli.chat import run_chat
     from sparkinfer_cli.generate import GenerationStats, build_prompt
     from sparkinfer_cli.preflight import check_context
 
-    path = _resolve(req, err)
-    checked = _read(path, err)
+    checked = _read(_resolve(req, err), err)
     if req.interactive:
-        from sparkinfer_cli.chat import run_chat
-        return run_chat(req, _load(req, checked, req.ctx or CHAT_CTX, err), err)
+        with _load(req, checked, req.ctx or CHAT_CTX, err) as loaded:
+            return run_chat(req, loaded, err)
     ids = build_prompt(checked.tokenizer, req.prompt or "", raw=req.raw, system=req.system,
                        enable_thinking=req.enable_thinking)
     check_context(checked.config, len(ids), req.params.max_tokens)
     check_fits(req.ctx, len(ids), req.params.max_tokens)
-    loaded = _load(req, checked, req.ctx or len(ids) + req.params.max_tokens, err)
     stats = GenerationStats()
-    _, finished = stream_answer(loaded.session.stream(ids, req.params, stats))
+    with _load(req, checked, req.ctx or len(ids) + req.params.max_tokens, err) as loaded:
+        _, finished = stream_answer(loaded.session.stream(ids, req.params, stats))
     if not finished:
         err.print("\n[yellow]stopped[/]")
         return EXIT_INTERRUPTED
