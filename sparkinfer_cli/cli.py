@@ -136,8 +136,8 @@ def generate(prompt: Optional[str] = typer.Argument(
         _fail("--raw is for one prompt; a chat always uses the chat template")
     text = _prompt_text(prompt, interactive)
     try:
-        code = _run(GenerateRequest(text, model, raw, system, not no_think, params,
-                                    pick_device(device), ctx, interactive))
+        code = _run(GenerateRequest(text, model, raw, system, not no_think, params, device,
+                                    ctx, interactive))
     except (ValueError, RuntimeError) as exc:  # GGUFError, HubError, template errors are these
         _fail(str(exc))
     raise typer.Exit(code)

@@ -3,6 +3,7 @@ then stream the answers and report speeds."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from collections.abc import Generator
@@ -32,7 +33,7 @@ class GenerateRequest:
     system: str | None
     enable_thinking: bool
     params: SamplingParams
-    device: str
+    device: str  # auto | cpu | cuda; picked by run_generate
     ctx: int | None = None  # KV cache in tokens; None: the prompt + max_tokens (chat: 4,096)
     interactive: bool = False
 
@@ -58,7 +59,8 @@ def run_generate(req: GenerateRequest, err: Console) -> int:
     from sparkinfer_cli.generate import GenerationStats, build_prompt
     from sparkinfer_cli.preflight import check_context
 
-    checked = _read(_resolve(req, err), err)
+    req, path = _resolve(req, err)
+    checked = _read(path, err)
     if req.interactive:
         with _load(req, checked, req.ctx or CHAT_CTX, err) as loaded:
             return run_chat(req, loaded, err)
@@ -82,14 +84,18 @@ def check_fits(ctx: int | None, num_prompt_tokens: int, max_tokens: int) -> None
                          f"tokens is beyond --ctx {ctx:,}")
 
 
-def _resolve(req: GenerateRequest, err: Console) -> Path:
-    from sparkinfer_cli.hub import resolve_model
+def _resolve(req: GenerateRequest, err: Console) -> tuple[GenerateRequest, Path]:
+    """The request with its device picked ("auto" probes for a GPU), and the model's file."""
+    with err.status("starting"):  # the hub client's and numba's imports take a second or two
+        from sparkinfer_cli.device import pick_device
+        from sparkinfer_cli.hub import resolve_model
+        req = dataclasses.replace(req, device=pick_device(req.device))
 
     def announce(note: str) -> None:  # before a download, so that the user knows what comes
         err.print(f"[yellow]{escape(note)}[/]", highlight=False)
 
     path, _ = resolve_model(req.model, prefer_gpu=req.device == "cuda", announce=announce)
-    return path
+    return req, path
 
 
 def _read(path: Path, err: Console) -> CheckedModel:
