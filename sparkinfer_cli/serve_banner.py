@@ -22,7 +22,7 @@ def banner_line(server: ServerConfig, engine: EngineConfig, device: str) -> str:
     url = base_url(server.host, server.port)
     body = json.dumps({"model": server.model_name, "max_tokens": 32,
                        "messages": [{"role": "user", "content": "Say hi in one word."}]})
-    auth = " -H 'Authorization: Bearer $SPARKINFER_API_KEY'" if server.api_key else ""
+    auth = ' -H "Authorization: Bearer $SPARKINFER_API_KEY"' if server.api_key else ""
     return (f"serving {server.model_name} at {url}/v1 on {device}, KV pool {engine.ctx:,} "
             f"tokens, API key {'on' if server.api_key else 'off'}; try: curl -s "
             f"{url}/v1/chat/completions{auth} -H 'Content-Type: application/json' "

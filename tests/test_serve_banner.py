@@ -26,6 +26,7 @@ def test_the_banner_says_where_what_how_big_and_how_to_try_it():
         assert part in line
     curl = shlex.split(line.split("try: ", 1)[1])
     assert curl[:3] == ["curl", "-s", "http://127.0.0.1:8081/v1/chat/completions"]
+    assert '"Authorization: Bearer $SPARKINFER_API_KEY"' in line  # the shell expands it
     no_key = banner_line(ServerConfig(model_name="tiny"), EngineConfig(), "cuda")
     assert "API key off" in no_key and "Authorization" not in no_key
 
