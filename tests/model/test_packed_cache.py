@@ -80,3 +80,11 @@ def test_an_unwritable_cache_only_costs_the_repack(gguf, tmp_path):
     blocker.write_text("")
     assert not loaded(gguf, blocker)[0]
     assert not loaded(gguf, blocker)[0]
+
+
+def test_the_report_says_whether_it_repacks_or_maps(gguf, tmp_path):
+    heard: list[str] = []
+    for _ in range(2):
+        use_cached_int8_decode(load_model(GGUFFile(gguf), "cpu"), gguf, tmp_path / "cache",
+                               report=heard.append)
+    assert heard[0].startswith("repacking") and heard[1].startswith("mapping")
