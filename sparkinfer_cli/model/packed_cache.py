@@ -12,6 +12,7 @@ change in quant_packed yields a new name). A file that is missing, stale, trunca
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import logging
@@ -66,24 +67,37 @@ def load_packed(file: Path, expected: Mapping[str, tuple[int, int, int]]
     return weights
 
 
-def save_packed(file: Path, weights: Mapping[str, PackedWeight]) -> None:
-    """Writes the records atomically (a temp file renamed into place); a failure to write only
-    logs: the next load repacks."""
+def save_packed(file: Path, weights: Mapping[str, PackedWeight], source: Path) -> None:
+    """Writes the records of the GGUF `source` atomically (a temp file renamed into place) and
+    removes the records of its earlier versions; a failure to write only logs: the next load
+    repacks."""
     try:
         file.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=file.parent, suffix=".partial")
         try:
             with os.fdopen(fd, "wb") as out:
-                _write(out, weights)
+                _write(out, weights, str(source.resolve()))
             os.replace(tmp, file)
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
+        _remove_earlier_versions(file, str(source.resolve()))
     except OSError as exc:
         log.warning("could not write the repacked-weight cache %s: %s", file, exc)
 
 
-def _write(out, weights: Mapping[str, PackedWeight]) -> None:
+def _remove_earlier_versions(file: Path, source: str) -> None:
+    """Other files of the same name stem that hold records of `source` (it changed since)."""
+    stem = file.name.rsplit("-", 1)[0]
+    for other in file.parent.glob(f"{glob.escape(stem)}-*.packed"):
+        try:
+            if other != file and _read_header(other)[0].get("source") == source:
+                other.unlink()
+        except (OSError, ValueError, KeyError, struct.error):
+            continue  # someone else's, or damaged: a later save or a person removes it
+
+
+def _write(out, weights: Mapping[str, PackedWeight], source: str) -> None:
     entries, offset, crc = {}, 0, 0
     for name, w in weights.items():
         offset = _aligned(offset)
@@ -91,8 +105,8 @@ def _write(out, weights: Mapping[str, PackedWeight]) -> None:
                          "type": _ggml_type(w)}
         offset += w.records.nbytes
         crc = zlib.crc32(np.ascontiguousarray(w.records), crc)
-    header = json.dumps({"version": FORMAT_VERSION, "size": offset, "crc32": crc,
-                         "entries": entries}).encode()
+    header = json.dumps({"version": FORMAT_VERSION, "source": source, "size": offset,
+                         "crc32": crc, "entries": entries}).encode()
     out.write(_LENGTH.pack(len(header)) + header)
     out.write(bytes(_aligned(out.tell()) - out.tell()))
     data_start = out.tell()
@@ -158,5 +172,5 @@ def use_cached_int8_decode(model: CausalLM, gguf_path: Path, root: Path | None =
                "runs)")
     packed = model.use_int8_decode(stored)
     if expected and not stored:
-        save_packed(file, {name: packed[name] for name in expected})
+        save_packed(file, {name: packed[name] for name in expected}, gguf_path)
     return bool(stored)

@@ -73,6 +73,7 @@ def test_a_changed_model_file_gets_its_own_records(gguf, tmp_path):
     os.utime(gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
     assert cache_file(gguf, root) != before
     assert not loaded(gguf, root)[0]
+    assert list(root.iterdir()) == [cache_file(gguf, root)]  # the stale records are gone
 
 
 def test_an_unwritable_cache_only_costs_the_repack(gguf, tmp_path):
