@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -79,10 +80,21 @@ class TouchedLogits:
 NOTHING_TOUCHED = TouchedLogits(NO_IDS, np.empty(0, dtype=np.float32))
 
 
+class TokenConstraint(Protocol):
+    """What the sampler asks of a structured-output matcher (engine/constraint.py)."""
+
+    def allowed(self) -> np.ndarray | None: ...
+    def consume(self, token_id: int) -> None: ...
+
+
 class Sampler:
-    def __init__(self, params: SamplingParams, n_vocab: int, stop_token_ids: Iterable[int] = ()):
+    def __init__(self, params: SamplingParams, n_vocab: int, stop_token_ids: Iterable[int] = (),
+                 constraint: TokenConstraint | None = None):
+        """constraint: the tokens a structured answer allows (masked before choosing; told the
+        chosen token)."""
         self.params = params
         self.n_vocab = n_vocab
+        self.constraint = constraint
         self._rng = np.random.default_rng(params.seed)
         self._bias = logit_bias_arrays(params.logit_bias, n_vocab)
         stop_bans = {t: BAN_BIAS for t in stop_token_ids if 0 <= t < n_vocab} \
@@ -101,7 +113,8 @@ class Sampler:
     @property
     def is_plain_greedy(self) -> bool:
         """The token is the argmax of the raw logits (GreedyBatch may sample it)."""
-        return self.params.is_greedy and not self.params.logprobs and not self.may_touch_logits
+        return self.params.is_greedy and not self.params.logprobs and \
+            not self.may_touch_logits and self.constraint is None
 
     def can_sample_on_device(self, max_top_k: int) -> bool:
         """Whether a device sampler that keeps the max_top_k best logits (CudaModel.
@@ -109,7 +122,7 @@ class Sampler:
         of at most max_top_k with no logprobs, penalties or bias."""
         p = self.params
         return self.is_plain_greedy or (not p.logprobs and not self.may_touch_logits
-                                        and 1 <= p.top_k <= max_top_k)
+                                        and self.constraint is None and 1 <= p.top_k <= max_top_k)
 
     def device_row(self) -> np.ndarray:
         """(temperature, top_k, top_p, min_p, u) of this token for the device sampler; u is drawn
@@ -125,6 +138,17 @@ class Sampler:
         self._num_output_tokens = len(output_ids) + 1  # with the one picked now
         ws = thread_workspace(self.n_vocab)
         touched = self.touched_logits(logits, prompt_ids, output_ids)
+        allowed = self.constraint.allowed() if self.constraint is not None else None
+        if allowed is not None:  # NOTE: refused tokens out, then as without a constraint
+            logits = touched.apply(logits, ws.logits)
+            logits[~allowed] = -np.inf
+            touched = NOTHING_TOUCHED
+        result = self._sample(logits, touched, ws)
+        if self.constraint is not None:
+            self.constraint.consume(result.token_id)
+        return result
+
+    def _sample(self, logits: np.ndarray, touched: TouchedLogits, ws: Workspace) -> SampleResult:
         if logits.dtype != np.float32:  # NOTE: ties and argmax are decided in float32
             logits, touched = touched.apply(logits, ws.logits), NOTHING_TOUCHED
         if self.params.is_greedy and not self.params.logprobs:

@@ -238,6 +238,7 @@ class ChatCompletionRequest:
     forced_tool: str | None
     parallel_tool_calls: bool
     template_kwargs: dict[str, Any]
+    response_schema: str | None = None  # response_format's JSON schema (JSON text), if any
 
 
 def parse_chat_request(body: dict[str, Any], *, default_temperature: float, vocab_size: int,
@@ -247,7 +248,7 @@ def parse_chat_request(body: dict[str, Any], *, default_temperature: float, voca
         raise invalid("'messages' must be a non-empty list of message objects", "messages",
                       "missing_required_parameter" if messages is None else "invalid_type")
     tools, tool_choice, forced_tool = _parse_tools(_with_legacy_functions(body))
-    _check_response_format(body.get("response_format"))
+    response_schema = parse_response_format(body.get("response_format"))
     max_tokens = _parse_max_tokens(body)
     stream = _field(body, "stream", _is_bool, False)
     return ChatCompletionRequest(
@@ -262,6 +263,7 @@ def parse_chat_request(body: dict[str, Any], *, default_temperature: float, voca
         tools=tools, tool_choice=tool_choice, forced_tool=forced_tool,
         parallel_tool_calls=_field(body, "parallel_tool_calls", _is_bool, True),
         template_kwargs=_parse_template_kwargs(body),
+        response_schema=response_schema,
     )
 
 
@@ -273,13 +275,26 @@ def _parse_chat_logprobs(body: Mapping[str, Any]) -> int | None:
     return (top or 0) if wanted else None
 
 
-def _check_response_format(value: Any) -> None:
+def parse_response_format(value: Any) -> str | None:
+    """OpenAI's response_format → the JSON schema (as JSON text) the answer must follow, or None
+    for free text: {"type": "text"}, {"type": "json_object"} (any JSON object) or
+    {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}."""
     if value is None:
-        return
+        return None
     kind = value.get("type") if isinstance(value, dict) else None
-    if kind != "text":
-        raise invalid("'response_format' supports only {\"type\": \"text\"}: this server does not "
-                      "constrain decoding", "response_format", "unsupported_value")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return json.dumps({"type": "object"})
+    if kind != "json_schema":
+        raise invalid("'response_format.type' must be 'text', 'json_object' or 'json_schema'",
+                      "response_format")
+    spec = value.get("json_schema")
+    schema = spec.get("schema", {}) if isinstance(spec, dict) else None
+    if not isinstance(schema, dict):
+        raise invalid("'response_format.json_schema' must be an object whose 'schema' is a JSON "
+                      "schema object", "response_format")
+    return json.dumps(schema)
 
 
 def _parse_template_kwargs(body: Mapping[str, Any]) -> dict[str, Any]:

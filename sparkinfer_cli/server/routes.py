@@ -20,6 +20,7 @@ from urllib.parse import unquote
 from sanic import Request
 from sanic.response import HTTPResponse, json, raw
 
+from sparkinfer_cli.engine.constraint import schema_grammar
 from sparkinfer_cli.engine.engine import EngineStats
 from sparkinfer_cli.server.async_engine import AsyncEngine, Generation
 from sparkinfer_cli.server.config import ServerConfig
@@ -241,9 +242,10 @@ async def chat_completions(request: Request) -> HTTPResponse | None:
     max_tokens = _max_tokens(state, chat.max_tokens, len(prompt_ids))
     header = ResponseHeader(f"chatcmpl-{uuid.uuid4().hex}", chat.model or state.config.model_name)
     builder = ChatResponse(header, chat, state, len(prompt_ids), thinking_open, forced)
-    snapshots = _messages_end(state, chat, prompt, prompt_ids)
+    extra = {"snapshot_positions": _messages_end(state, chat, prompt, prompt_ids),
+             **_structured_output(state, chat, thinking_open)}
     choices = [(prompt_ids, replace(chat.sampling.to_params(max_tokens, i, chat.top_logprobs),
-                                    snapshot_positions=snapshots)) for i in range(chat.n)]
+                                    **extra)) for i in range(chat.n)]
     return await _respond(request, state.engine.generate(choices, header.id), builder, chat.stream)
 
 
@@ -300,6 +302,24 @@ def _chat_prompt(state: ServerState, chat: ChatCompletionRequest) -> tuple[str, 
                                 chat.forced_tool)
     forced = f"{THINK_CLOSE}\n\n{forced}" if thinking_open else forced
     return prompt + forced, thinking_open, forced
+
+
+def _structured_output(state: ServerState, chat: ChatCompletionRequest,
+                       thinking_open: bool) -> dict[str, Any]:
+    """SamplingParams fields for response_format's schema (checked here, so that a schema the
+    grammar engine refuses is a 400 naming response_format). Reasoning stays free text: the
+    prompt opened a thought, or (thinking not turned off) the answer may open one."""
+    if chat.response_schema is None:
+        return {}
+    try:
+        schema_grammar(chat.response_schema, state.tokenizer, state.vocab_size)
+    except ValueError as exc:
+        raise invalid(str(exc), "response_format", "invalid_json_schema") from None
+    ids = [state.tokenizer.token_to_id.get(t) for t in (THINK_OPEN, THINK_CLOSE)]
+    may_reason = thinking_open or chat.template_kwargs.get("enable_thinking") is not False
+    reasoning = (ids[0], ids[1]) if None not in ids and may_reason else None
+    return {"json_schema": chat.response_schema, "reasoning_tokens": reasoning,
+            "reasoning_open": thinking_open}
 
 
 def _messages_end(state: ServerState, chat: ChatCompletionRequest, prompt: str,

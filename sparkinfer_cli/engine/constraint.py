@@ -1,0 +1,105 @@
+"""Structured output: a JSON schema the answer must follow, enforced token by token with
+llguidance (the grammar engine vLLM, SGLang and llama.cpp use: it compiles JSON schemas itself and
+computes the mask of allowed tokens from the vocabulary's bytes, so no grammar code lives here).
+
+Thinking-aware: an answer that reasons first (its prompt opened a thought, or its first token
+opens one) writes free text until its `</think>` token, and the schema applies from the token
+after it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from sparkinfer_cli.tokenizer.tokenizer import Tokenizer
+
+COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def _llguidance() -> Any:
+    """The module, imported on first use: a server that never constrains an answer runs
+    without it (the GPU machines' minimal environments)."""
+    return importlib.import_module("llguidance")
+
+
+class _VocabAdapter:
+    """What llguidance.TokenizerWrapper reads of a tokenizer: each token's bytes, the special
+    ids, and encoding (without BOS)."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self._tokenizer = tokenizer
+        self.eos_token_id = tokenizer.eos_id
+        self.bos_token_id = tokenizer.bos_id
+        self.tokens = [tokenizer.token_bytes(i) for i in range(tokenizer.vocab_size)]
+        self.special_token_ids = [i for i in range(tokenizer.vocab_size)
+                                  if tokenizer.is_special(i)]
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", errors="replace")
+        ids = self._tokenizer.encode(text, parse_special=False)
+        return ids[1:] if self._tokenizer.add_bos else ids
+
+
+@functools.lru_cache(maxsize=4)
+def grammar_tokenizer(tokenizer: Tokenizer, n_vocab: int) -> Any:
+    """llguidance's LLTokenizer for a vocabulary (built once: it reads every token's bytes)."""
+    llg = _llguidance()
+    wrapper = llg.TokenizerWrapper(_VocabAdapter(tokenizer))
+    eos = sorted(tokenizer.eog_ids) or None
+    return llg.LLTokenizer(wrapper, n_vocab=n_vocab, eos_token=eos)
+
+
+def schema_grammar(schema_json: str, tokenizer: Tokenizer, n_vocab: int) -> str:
+    """The llguidance grammar of a JSON schema; ValueError naming the problem when the schema
+    cannot be compiled."""
+    try:
+        # NOTE: compact JSON (", " and ": "): free whitespace lets a weak model pad forever
+        grammar = _llguidance().LLMatcher.grammar_from_json_schema(schema_json, overrides=COMPACT)
+    except ValueError as exc:
+        raise ValueError(f"the JSON schema is not valid: {exc}") from None
+    is_error, messages = _llguidance().LLMatcher.validate_grammar_with_warnings(
+        grammar, grammar_tokenizer(tokenizer, n_vocab))
+    if is_error:
+        raise ValueError(f"the JSON schema is not supported: {'; '.join(messages)}")
+    return grammar
+
+
+class JsonConstraint:
+    """One request's matcher: the tokens it may sample next, and the tokens it sampled."""
+
+    def __init__(self, schema_json: str, tokenizer: Tokenizer, n_vocab: int,
+                 reasoning_tokens: tuple[int, int] | None = None, reasoning_open: bool = False):
+        """reasoning_tokens: (<think>, </think>) where the answer may reason first: its first
+        token may open a thought (Qwen3 templates), or the prompt has opened one already
+        (reasoning_open: Qwen3.5 / 3.6); the schema applies from the token after the close."""
+        self.n_vocab = n_vocab
+        self._matcher = _llguidance().LLMatcher(grammar_tokenizer(tokenizer, n_vocab),
+                                             schema_grammar(schema_json, tokenizer, n_vocab),
+                                             log_level=0)
+        self._think = reasoning_tokens
+        self._thinking = reasoning_tokens is not None and reasoning_open
+        self._first = True
+
+    def allowed(self) -> np.ndarray | None:
+        """(n_vocab,) bool: the tokens the schema allows next (all False once it cannot be
+        continued); None while the answer is free (reasoning)."""
+        if self._thinking:
+            return None
+        bits = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
+        mask = np.unpackbits(bits, bitorder="little")[:self.n_vocab].astype(bool)
+        if self._first and self._think is not None:
+            mask[self._think[0]] = True  # the answer may open a thought first
+        return mask
+
+    def consume(self, token_id: int) -> None:
+        first, self._first = self._first, False
+        if self._think is not None and (self._thinking or first and token_id == self._think[0]):
+            self._thinking = token_id != self._think[1]
+            return
+        self._matcher.consume_token(token_id)  # NOTE: a refused token leaves it in error state
