@@ -461,6 +461,7 @@ class CompletionRequest:
     top_logprobs: int | None
     echo: bool
     suffix: str | None = None  # fill-in-the-middle: the text after the completion
+    response_schema: str | None = None  # response_format's JSON schema (JSON text), if any
 
     @property
     def prompt_logprobs(self) -> int | None:
@@ -494,6 +495,7 @@ def parse_completion_request(body: dict[str, Any], *, default_temperature: float
         sampling=parse_sampling(body, default_temperature, vocab_size, max_tokens),
         top_logprobs=_int_in(body, "logprobs", None, 0, MAX_TOP_LOGPROBS),
         echo=echo, suffix=suffix,
+        response_schema=parse_response_format(body.get("response_format")),
     )
 
 

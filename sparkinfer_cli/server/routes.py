@@ -242,8 +242,10 @@ async def chat_completions(request: Request) -> HTTPResponse | None:
     max_tokens = _max_tokens(state, chat.max_tokens, len(prompt_ids))
     header = ResponseHeader(f"chatcmpl-{uuid.uuid4().hex}", chat.model or state.config.model_name)
     builder = ChatResponse(header, chat, state, len(prompt_ids), thinking_open, forced)
+    may_reason = thinking_open or chat.template_kwargs.get("enable_thinking") is not False
     extra = {"snapshot_positions": _messages_end(state, chat, prompt, prompt_ids),
-             **_structured_output(state, chat, thinking_open)}
+             **_structured_output(state, chat.response_schema,
+                                  thinking_open if may_reason else None)}
     choices = [(prompt_ids, replace(chat.sampling.to_params(max_tokens, i, chat.top_logprobs),
                                     **extra)) for i in range(chat.n)]
     return await _respond(request, state.engine.generate(choices, header.id), builder, chat.stream)
@@ -258,11 +260,13 @@ async def completions(request: Request) -> HTTPResponse | None:
     request.ctx.streaming = req.stream
     prompts = [_completion_prompt(state, p, req.suffix) for p in req.prompts]
     header = ResponseHeader(f"cmpl-{uuid.uuid4().hex}", req.model or state.config.model_name)
+    structured = _structured_output(state, req.response_schema, None)
     choices = []
     for ids in prompts:
         max_tokens = _max_tokens(state, req.max_tokens, len(ids))
-        choices += [(ids, req.sampling.to_params(max_tokens, j, req.top_logprobs,
-                                                 req.prompt_logprobs)) for j in range(req.n)]
+        choices += [(ids, replace(req.sampling.to_params(max_tokens, j, req.top_logprobs,
+                                                         req.prompt_logprobs), **structured))
+                    for j in range(req.n)]
     texts = [state.tokenizer.decode(ids) if req.echo else "" for ids in prompts]
     builder = CompletionResponse(header, state, prompts, req.n, texts, req.top_logprobs,
                                  req.include_usage)
@@ -304,22 +308,22 @@ def _chat_prompt(state: ServerState, chat: ChatCompletionRequest) -> tuple[str, 
     return prompt + forced, thinking_open, forced
 
 
-def _structured_output(state: ServerState, chat: ChatCompletionRequest,
-                       thinking_open: bool) -> dict[str, Any]:
+def _structured_output(state: ServerState, schema: str | None,
+                       thinking_open: bool | None) -> dict[str, Any]:
     """SamplingParams fields for response_format's schema (checked here, so that a schema the
-    grammar engine refuses is a 400 naming response_format). Reasoning stays free text: the
-    prompt opened a thought, or (thinking not turned off) the answer may open one."""
-    if chat.response_schema is None:
+    grammar engine refuses is a 400 naming response_format). thinking_open: None where the answer
+    may not reason; else whether the prompt opened a thought (if not, the answer may open one):
+    the reasoning stays free text and the schema applies after </think>."""
+    if schema is None:
         return {}
     try:
-        schema_grammar(chat.response_schema, state.tokenizer, state.vocab_size)
+        schema_grammar(schema, state.tokenizer, state.vocab_size)
     except ValueError as exc:
         raise invalid(str(exc), "response_format", "invalid_json_schema") from None
     ids = [state.tokenizer.token_to_id.get(t) for t in (THINK_OPEN, THINK_CLOSE)]
-    may_reason = thinking_open or chat.template_kwargs.get("enable_thinking") is not False
-    reasoning = (ids[0], ids[1]) if None not in ids and may_reason else None
-    return {"json_schema": chat.response_schema, "reasoning_tokens": reasoning,
-            "reasoning_open": thinking_open}
+    reasoning = (ids[0], ids[1]) if None not in ids and thinking_open is not None else None
+    return {"json_schema": schema, "reasoning_tokens": reasoning,
+            "reasoning_open": bool(thinking_open)}
 
 
 def _messages_end(state: ServerState, chat: ChatCompletionRequest, prompt: str,

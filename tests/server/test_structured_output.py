@@ -116,3 +116,15 @@ def test_bad_schemas_are_400(real, response_format) -> None:
         "model": "m", "messages": ASK, "max_tokens": 4, "response_format": response_format})
     error = assert_openai_error(response, 400)
     assert error["param"] == "response_format"
+
+
+def test_legacy_completions_follow_a_schema_too(real) -> None:
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+                                                     "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}
+    reply = sdk(real).completions.create(
+        model="m", prompt="Answer as JSON:", max_tokens=200, temperature=0.8, seed=2,
+        extra_body={"response_format": {"type": "json_schema",
+                                        "json_schema": {"name": "a", "schema": schema}}})
+    assert reply.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(reply.choices[0].text), schema)
