@@ -153,11 +153,10 @@ def resolve_bench_model(request: BenchRequest, console: Console) -> tuple[Path, 
     if request.synthetic is not None:
         return ensure_synthetic(request.synthetic, console), request.synthetic
     try:
-        path, note = resolve_model(request.model, prefer_gpu=request.device == "cuda")
+        path, _ = resolve_model(request.model, prefer_gpu=request.device == "cuda",
+                                announce=lambda note: console.print(f"[yellow]{note}[/]"))
     except HubError as exc:
         raise ValueError(str(exc)) from exc
-    if note:
-        console.print(f"[yellow]{note}[/]")
     demo = next((name for name, asset in DEMO_MODELS.items() if asset.filename == path.name), None)
     return path, demo or path.stem
 
