@@ -39,8 +39,8 @@ from sparkinfer_cli.server.responses import (
     CompletionResponse,
     ResponseHeader,
     TokenTexts,
-    dumps,
 )
+from sparkinfer_cli.server.sse_framing import OPENAI_CHAT_SSE, SseFraming
 from sparkinfer_cli.server.stream_router import THINK_CLOSE, THINK_OPEN, prompt_opens_thinking
 from sparkinfer_cli.server.tool_calls import forced_call_prefix, uses_xml_format
 
@@ -234,21 +234,30 @@ def counted(handler: Handler) -> Handler:
 
 @counted
 async def chat_completions(request: Request) -> HTTPResponse | None:
+    chat = _parse_chat(_state(request), parse_json_body(await read_body(request)))
+    return await respond_to_chat(request, chat)
+
+
+async def respond_to_chat(request: Request, chat: ChatCompletionRequest,
+                          adapt: Callable[[ChatResponse], Any] = lambda builder: builder,
+                          framing: SseFraming = OPENAI_CHAT_SSE) -> HTTPResponse | None:
+    """Generate a chat request's answer. The Responses and Messages APIs come here too: `adapt`
+    wraps the chat builder in one that speaks their shapes, `framing` puts those on the wire."""
     state = _state(request)
-    chat = _parse_chat(state, parse_json_body(await read_body(request)))
     request.ctx.streaming = chat.stream
     prompt, thinking_open, forced = _chat_prompt(state, chat)
     prompt_ids = state.tokenizer.encode(prompt)
     max_tokens = _max_tokens(state, chat.max_tokens, len(prompt_ids))
     header = ResponseHeader(f"chatcmpl-{uuid.uuid4().hex}", chat.model or state.config.model_name)
-    builder = ChatResponse(header, chat, state, len(prompt_ids), thinking_open, forced)
+    builder = adapt(ChatResponse(header, chat, state, len(prompt_ids), thinking_open, forced))
     may_reason = thinking_open or chat.template_kwargs.get("enable_thinking") is not False
     extra = {"snapshot_positions": _messages_end(state, chat, prompt, prompt_ids),
              **_structured_output(state, chat.response_schema,
                                   thinking_open if may_reason else None)}
     choices = [(prompt_ids, replace(chat.sampling.to_params(max_tokens, i, chat.top_logprobs),
                                     **extra)) for i in range(chat.n)]
-    return await _respond(request, state.engine.generate(choices, header.id), builder, chat.stream)
+    return await _respond(request, state.engine.generate(choices, header.id), builder, chat.stream,
+                          framing)
 
 
 @counted
@@ -308,6 +317,13 @@ def _chat_prompt(state: ServerState, chat: ChatCompletionRequest) -> tuple[str, 
     return prompt + forced, thinking_open, forced
 
 
+def count_chat_prompt_tokens(state: ServerState, chat: ChatCompletionRequest) -> int:
+    """The tokens of the prompt a chat request generates from (the Messages API's
+    count_tokens)."""
+    prompt, _, _ = _chat_prompt(state, chat)
+    return len(state.tokenizer.encode(prompt))
+
+
 def _structured_output(state: ServerState, schema: str | None,
                        thinking_open: bool | None) -> dict[str, Any]:
     """SamplingParams fields for response_format's schema (checked here, so that a schema the
@@ -362,13 +378,13 @@ def _max_tokens(state: ServerState, requested: int | None, num_prompt_tokens: in
     return min(room if requested is None else requested, state.config.max_output_tokens)
 
 
-async def _respond(request: Request, generation: Generation, builder: Any,
-                   stream: bool) -> HTTPResponse | None:
+async def _respond(request: Request, generation: Generation, builder: Any, stream: bool,
+                   framing: SseFraming = OPENAI_CHAT_SSE) -> HTTPResponse | None:
     state = _state(request)
     try:
         async with generation:
             if stream:
-                await _stream(request, generation, builder, state.config.write_timeout_s)
+                await _stream(request, generation, builder, framing, state.config.write_timeout_s)
                 return None
             async for index, event in generation:
                 builder.push(index, event)
@@ -377,14 +393,14 @@ async def _respond(request: Request, generation: Generation, builder: Any,
         state.metrics.count_tokens(*builder.token_counts())
 
 
-async def _stream(request: Request, generation: Generation, builder: Any,
+async def _stream(request: Request, generation: Generation, builder: Any, framing: SseFraming,
                   write_timeout_s: float) -> None:
     events = aiter(generation)
     index, event = await anext(events)  # errors before the first token keep their HTTP status
     response = await request.respond(content_type="text/event-stream", headers=SSE_HEADERS)
 
     async def send(chunks: list[dict[str, Any] | None]) -> None:
-        data = "".join(f"data: {dumps(c)}\n\n" for c in chunks if c is not None)
+        data = "".join(framing.frame(c) for c in chunks if c is not None)
         if data:
             await asyncio.wait_for(response.send(data), write_timeout_s)
 
@@ -392,11 +408,10 @@ async def _stream(request: Request, generation: Generation, builder: Any,
         await send(builder.push(index, event))
         async for index, event in events:
             await send(builder.push(index, event))
-        await send([builder.usage_chunk()])
-        await response.send("data: [DONE]\n\n")
+        await response.send(framing.end(builder))
     except ApiError as exc:  # headers are out: report in-band, as an SSE error event
         request.ctx.outcome = outcome_of_status(exc.status)
-        await response.send(f"data: {dumps(exc.body())}\n\n")
+        await response.send(framing.failure(builder, exc))
     except asyncio.TimeoutError:
         request.ctx.outcome = "cancelled"  # the client stopped reading
         log.warning("a streaming client did not read for %.0f s; cancelled", write_timeout_s)
