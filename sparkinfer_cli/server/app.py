@@ -19,7 +19,7 @@ from sanic.exceptions import SanicException
 from sanic.response import HTTPResponse, json
 
 from sparkinfer_cli.engine.config import EngineConfig
-from sparkinfer_cli.server import routes
+from sparkinfer_cli.server import responses_api, routes
 from sparkinfer_cli.server.async_engine import AsyncEngine
 from sparkinfer_cli.server.auth import check_request
 from sparkinfer_cli.server.config import ServerConfig, build_engine_config
@@ -43,6 +43,7 @@ ROUTES: tuple[tuple[Any, str, str], ...] = (
     (routes.detokenize, "/v1/detokenize", "POST"),
     (routes.chat_completions, "/v1/chat/completions", "POST"),
     (routes.completions, "/v1/completions", "POST"),
+    (responses_api.responses, "/v1/responses", "POST"),
 )
 V1 = "/v1"
 # also served without /v1, for clients given a base URL without it (llama-server has these too)

@@ -179,7 +179,7 @@ async def tokenize(request: Request) -> HTTPResponse:
     body = parse_json_body(await read_body(request))
     text = parse_tokenize_request(body)
     if text is None:
-        text, _, _ = _chat_prompt(state, _parse_chat(state, body))
+        text, _, _ = _chat_prompt(state, parse_chat(state, body))
     ids = state.tokenizer.encode(text)
     return json({"count": len(ids), "tokens": ids, "max_context": state.max_context})
 
@@ -234,7 +234,7 @@ def counted(handler: Handler) -> Handler:
 
 @counted
 async def chat_completions(request: Request) -> HTTPResponse | None:
-    chat = _parse_chat(_state(request), parse_json_body(await read_body(request)))
+    chat = parse_chat(_state(request), parse_json_body(await read_body(request)))
     return await respond_to_chat(request, chat)
 
 
@@ -297,7 +297,7 @@ def _completion_prompt(state: ServerState, prompt: str | list[int],
     return ids
 
 
-def _parse_chat(state: ServerState, body: dict[str, Any]) -> ChatCompletionRequest:
+def parse_chat(state: ServerState, body: dict[str, Any]) -> ChatCompletionRequest:
     return parse_chat_request(body, default_temperature=state.config.default_temperature,
                               vocab_size=state.vocab_size, max_n=state.config.max_n)
 
