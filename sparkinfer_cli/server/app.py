@@ -19,7 +19,7 @@ from sanic.exceptions import SanicException
 from sanic.response import HTTPResponse, json
 
 from sparkinfer_cli.engine.config import EngineConfig
-from sparkinfer_cli.server import responses_api, routes
+from sparkinfer_cli.server import anthropic_api, responses_api, routes
 from sparkinfer_cli.server.async_engine import AsyncEngine
 from sparkinfer_cli.server.auth import check_request
 from sparkinfer_cli.server.config import ServerConfig, build_engine_config
@@ -44,6 +44,8 @@ ROUTES: tuple[tuple[Any, str, str], ...] = (
     (routes.chat_completions, "/v1/chat/completions", "POST"),
     (routes.completions, "/v1/completions", "POST"),
     (responses_api.responses, "/v1/responses", "POST"),
+    (anthropic_api.messages, "/v1/messages", "POST"),
+    (anthropic_api.count_tokens, "/v1/messages/count_tokens", "POST"),
 )
 V1 = "/v1"
 # also served without /v1, for clients given a base URL without it (llama-server has these too)
@@ -98,7 +100,7 @@ def _configure_transport(app: Sanic, config: ServerConfig) -> None:
 
 async def _authenticate(request: Request) -> None:
     check_request(_guarded_path(request.path), request.headers.get("authorization"),
-                  request.app.ctx.state.config.api_key)
+                  request.app.ctx.state.config.api_key, request.headers.get("x-api-key"))
 
 
 def _guarded_path(path: str) -> str:
@@ -148,7 +150,9 @@ async def _add_cors_headers(request: Request, response: HTTPResponse) -> None:
 
 def _error_response(request: Request, exc: Exception) -> HTTPResponse:
     error = _as_api_error(exc)
-    return json(error.body(), status=error.status, headers=error.headers)
+    body = anthropic_api.error_body(error) if anthropic_api.is_messages_path(request.path) \
+        else error.body()
+    return json(body, status=error.status, headers=error.headers)
 
 
 def _as_api_error(exc: Exception) -> ApiError:

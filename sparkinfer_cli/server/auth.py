@@ -1,4 +1,5 @@
-"""Bearer-token check for /v1/* routes (constant-time compare); /health and /metrics stay open."""
+"""API-key check for /v1/* routes: a Bearer token or an x-api-key header (constant-time compare);
+/health and /metrics stay open."""
 
 from __future__ import annotations
 
@@ -23,12 +24,16 @@ def is_authorized(authorization: str | None, api_key: str) -> bool:
     return token is not None and hmac.compare_digest(token.encode(), api_key.encode())
 
 
-def check_request(path: str, authorization: str | None, api_key: str | None) -> None:
-    """Raise a 401 OpenAI error when a key is configured and the request does not carry it."""
+def check_request(path: str, authorization: str | None, api_key: str | None,
+                  x_api_key: str | None = None) -> None:
+    """Raise a 401 OpenAI error when a key is configured and the request does not carry it, as
+    a Bearer token or (Anthropic's way) in an x-api-key header."""
     if api_key is None or not path.startswith(PROTECTED_PREFIX):
         return
-    if not is_authorized(authorization, api_key):
-        missing = bearer_token(authorization) is None
+    by_header = x_api_key is not None and hmac.compare_digest(x_api_key.encode(),
+                                                              api_key.encode())
+    if not by_header and not is_authorized(authorization, api_key):
+        missing = bearer_token(authorization) is None and x_api_key is None
         raise ApiError(
             401,
             "Missing API key: send 'Authorization: Bearer <key>'" if missing else "Invalid API key",
