@@ -26,7 +26,6 @@ from sparkinfer_cli.server.output_blocks import (
     BlockEvent,
     OutputBlocks,
     arguments_object,
-    chat_choice_parts,
 )
 from sparkinfer_cli.server.protocol import ApiError, invalid, parse_json_body
 from sparkinfer_cli.server.responses import ChatResponse
@@ -95,7 +94,20 @@ def chat_body_of_messages_request(body: dict[str, Any]) -> dict[str, Any]:
     kind = thinking.get("type") if isinstance(thinking, dict) else None
     if kind in ("enabled", "disabled"):  # "adaptive" or none: the template's default
         chat["enable_thinking"] = kind == "enabled"
+    chat["response_format"] = _response_format(body.get("output_config"))
     return chat
+
+
+def _response_format(output_config: Any) -> dict[str, Any] | None:
+    """output_config.format {"type": "json_schema", "schema"} → chat's response_format."""
+    output_format = output_config.get("format") if isinstance(output_config, dict) else None
+    if output_format is None:
+        return None
+    if not isinstance(output_format, dict) or output_format.get("type") != "json_schema":
+        raise invalid("'output_config.format' must be {\"type\": \"json_schema\", \"schema\": "
+                      "{...}}", "output_config.format")
+    return {"type": "json_schema",
+            "json_schema": {"name": "output", "schema": output_format.get("schema")}}
 
 
 def _system(system: Any) -> list[dict[str, Any]]:
@@ -223,20 +235,14 @@ class MessagesBuilder:
         self.chat, self.stop_sequences, self.tokenizer = chat, stop_sequences or [], tokenizer
         self.recent_ids: list[int] = []  # the last tokens, where a stop string would be
         self.id = f"msg_{chat.header.id.removeprefix('chatcmpl-')}"
-        self.blocks = OutputBlocks()
+        self.blocks = OutputBlocks(chat)
         self.started = False
-        self.finish_reason: str | None = None
 
     def push(self, index: int, event: Any) -> list[dict[str, Any]]:
         out = [] if self.started else [{"type": "message_start", "message": self._message([])}]
         self.started = True
         self.recent_ids = (self.recent_ids + event.token_ids)[-_STOP_WINDOW_TOKENS:]
-        for delta, finish_reason in chat_choice_parts(self.chat.push(index, event)):
-            out += [self._render(b) for b in self.blocks.push(delta)]
-            self.finish_reason = finish_reason or self.finish_reason
-        if self.finish_reason is not None:
-            out += [self._render(b) for b in self.blocks.close()]
-        return out
+        return out + [self._render(b) for b in self.blocks.push_event(index, event)]
 
     def closing_events(self) -> list[dict[str, Any]]:
         stop_reason, stop_sequence = self._stop()
@@ -270,7 +276,8 @@ class MessagesBuilder:
     def _stop(self) -> tuple[str | None, str | None]:
         """(stop_reason, stop_sequence); the engine removes a stop string from the text, so
         which one ended the answer is read from the last tokens' text."""
-        reason = _STOP_REASONS.get(self.finish_reason or "", self.finish_reason)
+        finish_reason = self.blocks.finish_reason
+        reason = _STOP_REASONS.get(finish_reason or "", finish_reason)
         if reason != "end_turn" or not self.stop_sequences:
             return reason, None
         tail = self.tokenizer.decode(self.recent_ids)

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from sparkinfer_cli.server.responses import ChatResponse
 
 REASONING, TEXT, TOOL_CALL = "reasoning", "text", "tool_call"
 START, DELTA, STOP = "start", "delta", "stop"
@@ -34,11 +37,22 @@ class BlockEvent:
 
 
 class OutputBlocks:
-    """Chat choice deltas → block events. One block is open at a time; a delta of another kind
-    closes it. A tool call arrives whole, so it opens, carries its arguments and closes at once."""
+    """A one-choice chat builder's deltas → block events. One block is open at a time; a delta of
+    another kind closes it. A tool call arrives whole: it opens, carries its arguments, closes."""
 
-    def __init__(self) -> None:
+    def __init__(self, chat: ChatResponse) -> None:
+        self.chat = chat
         self.blocks: list[Block] = []
+        self.finish_reason: str | None = None  # the chat's: stop | length | tool_calls | ...
+
+    def push_event(self, index: int, event: Any) -> list[BlockEvent]:
+        """The block events of an engine event; the last one closes the open block."""
+        out = []
+        for chunk in self.chat.push(index, event):
+            for choice in chunk["choices"]:
+                out += self.push(choice["delta"])
+                self.finish_reason = choice["finish_reason"] or self.finish_reason
+        return out + (self.close() if self.finish_reason is not None else [])
 
     def push(self, delta: dict[str, Any]) -> list[BlockEvent]:
         events = []
@@ -80,12 +94,6 @@ class OutputBlocks:
         self.blocks.append(block)
         return [*events, BlockEvent(START, block), BlockEvent(DELTA, block, arguments),
                 *self.close()]
-
-
-def chat_choice_parts(chunks: list[dict[str, Any]]) -> list[tuple[dict[str, Any], str | None]]:
-    """(delta, finish_reason) of each chunk of a one-choice chat stream."""
-    return [(c["choices"][0]["delta"], c["choices"][0]["finish_reason"])
-            for c in chunks if c["choices"]]
 
 
 def arguments_object(arguments: str) -> dict[str, Any]:

@@ -23,7 +23,6 @@ from sparkinfer_cli.server.output_blocks import (
     Block,
     BlockEvent,
     OutputBlocks,
-    chat_choice_parts,
 )
 from sparkinfer_cli.server.protocol import ApiError, invalid, parse_json_body
 from sparkinfer_cli.server.responses import ChatResponse
@@ -198,18 +197,13 @@ class ResponsesBuilder:
         self.chat, self.body = chat, body
         self.hex = chat.header.id.removeprefix("chatcmpl-")
         self.created_at = int(time.time())
-        self.blocks = OutputBlocks()
+        self.blocks = OutputBlocks(chat)
         self.sequence_number = 0
-        self.finish_reason: str | None = None
 
     def push(self, index: int, event: Any) -> list[dict[str, Any]]:
         out = [] if self.sequence_number else [self._lifecycle("response.created"),
                                                self._lifecycle("response.in_progress")]
-        for delta, finish_reason in chat_choice_parts(self.chat.push(index, event)):
-            out += [e for b in self.blocks.push(delta) for e in self._render(b)]
-            self.finish_reason = finish_reason or self.finish_reason
-        if self.finish_reason is not None:
-            out += [e for b in self.blocks.close() for e in self._render(b)]
+        out += [e for b in self.blocks.push_event(index, event) for e in self._render(b)]
         return [self._numbered(e) for e in out]
 
     def closing_events(self) -> list[dict[str, Any]]:
@@ -237,7 +231,7 @@ class ResponsesBuilder:
         return self.chat.token_counts()
 
     def _incomplete(self) -> bool:
-        return self.finish_reason == "length"
+        return self.blocks.finish_reason == "length"
 
     def _snapshot(self, status: str) -> dict[str, Any]:
         body = self.body

@@ -5,6 +5,8 @@ streamed or not, with its usage; tool calls round-trip; errors and auth come in 
 
 from __future__ import annotations
 
+import json
+
 import anthropic
 import httpx
 import openai
@@ -162,3 +164,19 @@ def test_errors_and_auth_come_in_each_apis_shape(real) -> None:
     assert_openai_error(httpx.post(f"{real.url}/v1/responses", json={"model": "m"},
                                    headers={"Authorization": f"Bearer {KEY}"}), 400,
                         "missing_required_parameter")
+
+
+def test_text_format_and_output_config_constrain_the_answer_to_the_schema(real) -> None:
+    """Both APIs hand their JSON schema to structured output: the random model's answer parses
+    and has the required key of the right type."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    response = openai_sdk(real).responses.create(
+        model="m", input=QUESTION, max_output_tokens=40, temperature=0,
+        reasoning={"effort": "none"},
+        text={"format": {"type": "json_schema", "name": "verdict", "schema": schema}})
+    message = anthropic_sdk(real).messages.create(
+        **plain_message_request(40), output_config={"format": {"type": "json_schema",
+                                                               "schema": schema}})
+    for text in (response.output_text, message.content[0].text):
+        assert isinstance(json.loads(text)["ok"], bool)
