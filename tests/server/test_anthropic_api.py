@@ -140,3 +140,17 @@ def test_the_key_may_come_as_x_api_key_or_bearer_and_a_wrong_one_is_401(server) 
                            "authentication_error")
     with pytest.raises(anthropic.AuthenticationError):
         client(server, "nope").messages.create(model="m", max_tokens=5, messages=user("hi"))
+
+
+def test_an_error_after_the_first_token_ends_the_stream_with_an_error_event(make_server) -> None:
+    server = make_server(config={"api_key": KEY}, request_timeout_s=0.3, token_delay_s=0.01)
+    response = httpx.post(f"{server.url}/v1/messages", headers={"x-api-key": KEY}, json={
+        "model": "m", "max_tokens": 4000, "stream": True, "messages": user("[long]")})
+    events = [line.removeprefix("event: ") for line in response.text.splitlines()
+              if line.startswith("event: ")]
+    assert events[0] == "message_start" and "content_block_delta" in events
+    assert events[-1] == "error" and "message_stop" not in events
+    with pytest.raises(anthropic.APIStatusError, match="timeout_error|timed out"):
+        with client(server).messages.stream(model="m", max_tokens=4000,
+                                            messages=user("[long]")) as stream:
+            stream.get_final_message()

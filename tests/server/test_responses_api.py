@@ -116,3 +116,11 @@ def test_reasoning_effort_none_turns_thinking_off_and_stored_fields_are_ignored(
 def test_requests_it_cannot_honour_are_400s_naming_the_field(server, body, param) -> None:
     response = httpx.post(f"{server.base_url}/responses", json={"model": "m", **body})
     assert assert_openai_error(response, 400)["param"] == param
+
+
+def test_an_error_after_the_first_token_ends_the_stream_with_response_failed(make_server) -> None:
+    server = make_server(request_timeout_s=0.3, token_delay_s=0.01)
+    events = list(client(server).responses.create(model="m", input="[long]", stream=True))
+    assert events[-1].type == "response.failed"
+    assert events[-1].response.error.code == "request_timeout"
+    assert any(e.type == "response.output_text.delta" for e in events)
