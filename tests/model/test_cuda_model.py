@@ -349,7 +349,7 @@ def _greedy(model, ids: list[int], n: int) -> list[int]:
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ("qwen2.5-coder-0.5b", "smollm2-135m"))
 def test_demo_model_greedy_equals_cpu(name: str, demo_model_path) -> None:
-    from sparkinfer_cli.tokenizer import Tokenizer
+    from sparkinfer_cli.tokenizer.tokenizer import Tokenizer
 
     path = demo_model_path(name)
     ids = Tokenizer.from_gguf(GGUFFile(path)).encode("def fibonacci(n):\n    \"\"\"Return the")
