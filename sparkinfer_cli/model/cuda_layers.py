@@ -12,6 +12,7 @@ import numpy as np
 from sparkinfer_cli.kernels.cuda import (
     activation,
     attention,
+    attention_flash,
     attention_prefill,
     gated_delta,
     graphs,
@@ -194,7 +195,9 @@ class CudaAttention:
         args = (q, cache.k[li], cache.v[li], ws.block_tables, ws.seq_lens, out.f.reshape(rows, H, D))
         options = {"stream": stream, "row_seq": ws.row_seq, "scales": cache.kv_scales(li)}
         fused_q8 = None  # the q8 activations the attention kernel fills itself
-        if ws.multi_token and attention_prefill.supports(H, H_kv, D):  # queries share K/V tiles
+        if ws.multi_token and attention_flash.supports(H, H_kv, D, cache.k[li].dtype):
+            attention_flash.flash_prefill_attention(*args, **options)  # on tensor cores
+        elif ws.multi_token and attention_prefill.supports(H, H_kv, D):  # share K/V tiles
             attention_prefill.prefill_attention(*args, **options)
         else:  # one query per sequence: keys split over blocks
             fused_q8 = None if self.gated else out.q

@@ -146,7 +146,7 @@ def _stage_quad(dst, dst_idx, src, scales, off, kind, mul):
 
 
 @device_function
-def _group_end(row_seq, base, a, n_tok):
+def group_end(row_seq, base, a, n_tok):
     """End of the run of tokens [a, end) of this tile that share row a's sequence."""
     b = a + 1
     while b < n_tok and row_seq[base + b] == row_seq[base + a]:
@@ -155,7 +155,7 @@ def _group_end(row_seq, base, a, n_tok):
 
 
 @device_function
-def _setup_group(qrow_sh, lim_sh, m_sh, l_sh, seq_lens, base, a, b, n_heads, kv_head, group,
+def setup_group(qrow_sh, lim_sh, m_sh, l_sh, seq_lens, base, a, b, n_heads, kv_head, group,
                  head_dim):
     """Per query row of the run [a, b): offset of its q / out vector (-1: not live), its number
     of visible keys (seq_len, 0 when not live) and empty softmax state; returns the run's key
@@ -175,10 +175,11 @@ def _setup_group(qrow_sh, lim_sh, m_sh, l_sh, seq_lens, base, a, b, n_heads, kv_
 
 
 @device_function
-def _key_rows(krow_sh, block_table, table, k0, kend, block_size, n_kv, kv_head, head_dim):
-    """krow_sh[j] = element offset of key k0 + j's row in the cache (-1 past kend)."""
+def key_rows(krow_sh, n_keys, block_table, table, k0, kend, block_size, n_kv, kv_head,
+             head_dim):
+    """krow_sh[j] = element offset of key k0 + j's row in the cache (-1 past kend), j < n_keys."""
     tid = cuda.threadIdx.x
-    if tid < KT:
+    if tid < n_keys:
         key = k0 + tid
         blk = int64(block_table[table + key // block_size]) if key < kend else int64(0)
         krow_sh[tid] = ((blk * block_size + key % block_size) * n_kv + kv_head) * head_dim \
@@ -369,7 +370,7 @@ def _key_tile_step(head_dim: int, kind: int):
         m_sh, l_sh, ref_sh, corr_sh = softmax_sh
         ty, tx, r0, lq = thread
         cuda.syncthreads()  # the previous tile is done with krow_sh
-        _key_rows(krow_sh, block_table, table, k0, kend, block_size, n_kv, kv_head, head_dim)
+        key_rows(krow_sh, KT, block_table, table, k0, kend, block_size, n_kv, kv_head, head_dim)
         _scores(s, buf, q, qrow_sh, kv[0], scales[0], krow_sh, kind, scale, head_dim, ty, tx)
         _softmax_tile(s, lim, red_sh, m_sh, l_sh, ref_sh, corr_sh, p_sh, k0, ty, tx)
         rescale(acc, corr_sh, r0)
@@ -417,9 +418,9 @@ def _prefill_kernel(head_dim: int, kind: int):
         acc = cuda.local.array(n_acc, float32)  # (rows_per_lane, quads_per_lane, 4) of O
         a = 0
         while a < n_tok:
-            b = _group_end(row_seq, base, a, n_tok)
+            b = group_end(row_seq, base, a, n_tok)
             cuda.syncthreads()  # the previous run is done with the row arrays
-            kend = _setup_group(qrow_sh, lim_sh, m_sh, l_sh, seq_lens, base, a, b, n_heads,
+            kend = setup_group(qrow_sh, lim_sh, m_sh, l_sh, seq_lens, base, a, b, n_heads,
                                 kv_head, group, head_dim)
             table = row_seq[base + a] * max_blocks
             cuda.syncthreads()
@@ -449,15 +450,8 @@ def prefill_attention(q, k_cache, v_cache, block_table, seq_lens, out, scale: fl
     """
     n_rows, n_heads, head_dim = q.shape
     _, block_size, n_kv, _ = k_cache.shape
-    _check_shapes(q, k_cache, v_cache, out)
-    check_array("block_table", block_table, np.int32)
-    check_array("seq_lens", seq_lens, np.int32, (n_rows,))
-    if row_seq is None:
-        if block_table.shape[0] != n_rows:
-            raise ValueError("block_table needs one row per query row when row_seq is not given")
-        row_seq = cuda.to_device(np.arange(n_rows, dtype=np.int32))  # (n_rows,)
-    check_array("row_seq", row_seq, np.int32, (n_rows,))
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    row_seq, scale = checked_inputs(q, k_cache, v_cache, block_table, seq_lens, out, row_seq,
+                                    scale)
     kind = kv_kind(k_cache)
     k_scales, v_scales = flat_scales(kind, scales, k_cache.size)
     grid = (cdiv(n_rows, ROWS // (n_heads // n_kv)), n_kv)
@@ -470,6 +464,21 @@ def prefill_attention(q, k_cache, v_cache, block_table, seq_lens, out, scale: fl
 def supports(n_heads: int, n_kv: int, head_dim: int) -> bool:
     """Whether this kernel takes the model's attention shape (else use paged_decode_attention)."""
     return head_dim in HEAD_DIMS and n_heads % n_kv == 0 and n_heads // n_kv <= ROWS
+
+
+def checked_inputs(q, k_cache, v_cache, block_table, seq_lens, out, row_seq, scale):
+    """Check a prefill attention call's arrays; returns its row_seq (default: row r → table row
+    r) and scale (default 1 / √head_dim)."""
+    n_rows, _, head_dim = q.shape
+    _check_shapes(q, k_cache, v_cache, out)
+    check_array("block_table", block_table, np.int32)
+    check_array("seq_lens", seq_lens, np.int32, (n_rows,))
+    if row_seq is None:
+        if block_table.shape[0] != n_rows:
+            raise ValueError("block_table needs one row per query row when row_seq is not given")
+        row_seq = cuda.to_device(np.arange(n_rows, dtype=np.int32))  # (n_rows,)
+    check_array("row_seq", row_seq, np.int32, (n_rows,))
+    return row_seq, 1.0 / math.sqrt(head_dim) if scale is None else scale
 
 
 def _check_shapes(q, k_cache, v_cache, out) -> None:

@@ -12,7 +12,11 @@ tile from shared memory into a warp's fragments and `mma_f16_f32` multiplies fra
 simulator twin cannot see the other lanes' registers, so in the simulator a fragment register is a
 `Fragment` that carries the whole 8×8 matrix it came from (its int() is the lane's real u32);
 the mma twin rebuilds A and B from them and returns exactly this lane's C elements (f32 sums in a
-fixed order: equal to the GPU's up to the order of the additions).
+fixed order: equal to the GPU's up to the order of the additions). A register computed in the
+kernel (e.g. probabilities packed with `pack_f16x2` into an A fragment) is a plain int: then the
+twin gathers all 32 lanes' registers through `warp_exchange` and rebuilds A and B from the
+documented fragment layout instead. `ldmatrix_x4_trans` reads a row-major (k, n) tile as B
+fragments (ldmatrix .trans).
 
 Int8 tensor cores (mma.sync m16n8k32, s8 inputs, s32 sums): `ldmatrix_x4_b8` is the same ldmatrix
 over a 16×32-byte tile (its fragments are the A of m16n8k32 for a row-major (m, k) tile and the B of
@@ -31,6 +35,31 @@ IS_SIMULATOR: bool = bool(config.ENABLE_CUDASIM)
 LDMATRIX_ALIGN = None if IS_SIMULATOR else 16
 
 if IS_SIMULATOR:
+    import threading
+
+    _warps: dict[tuple[int, int], tuple[list, threading.Barrier]] = {}
+    _warps_lock = threading.Lock()
+
+    def _thread_index() -> int:
+        t = threading.current_thread()
+        bx, by, _ = t._manager._block_dim
+        return t.threadIdx.x + bx * (t.threadIdx.y + by * t.threadIdx.z)
+
+    def lane_id() -> int:
+        """This simulated thread's lane in its warp."""
+        return _thread_index() % 32
+
+    def warp_exchange(v) -> list:
+        """The values every lane of this simulated warp passes (all 32 lanes must call it)."""
+        t, tid = threading.current_thread(), _thread_index()
+        with _warps_lock:
+            vals, barrier = _warps.setdefault((id(t._manager), tid // 32),
+                                              ([None] * 32, threading.Barrier(32)))
+        vals[tid % 32] = v
+        barrier.wait()
+        out = list(vals)
+        barrier.wait()  # nobody overwrites vals before every lane has read
+        return out
 
     def _bytes(arr) -> np.ndarray:
         # NOTE: in a simulated kernel an array is a FakeWithinKernelCUDAArray around a numpy array.
@@ -128,6 +157,10 @@ if IS_SIMULATOR:
     def ldmatrix_x4_pairs(arr, tile_off, row_stride, lane):
         return _b_pairs(ldmatrix_x4(arr, tile_off, row_stride, lane))
 
+    def ldmatrix_x4_trans(arr, tile_off, row_stride, lane):
+        return tuple(Fragment(m.matrix.T, m.lane, m.dtype)
+                     for m in ldmatrix_x4(arr, tile_off, row_stride, lane))
+
     def ldmatrix_x4_b8(arr, tile_off, row_stride, lane):
         return _ldmatrix_x4_twin(arr, tile_off, row_stride, lane, np.int8, np.int64)
 
@@ -145,8 +178,31 @@ if IS_SIMULATOR:
         bottom = a1.matrix[g] @ b_lo.T + a3.matrix[g] @ b_hi.T
         return top, bottom
 
+    def _halves(words) -> np.ndarray:
+        """(32 lanes, n) u32 registers → (32, n, 2) float32: each register's low, high f16."""
+        return np.asarray(words, np.uint32).view(np.float16).reshape(32, -1, 2).astype(np.float32)
+
+    def _mma_twin_from_registers(a0, a1, a2, a3, b0, b1):
+        """_mma_twin for registers without their matrices: A (16 × 16) and B (16 k × 8 n) are
+        rebuilt from all lanes' registers (lane = 4g + t: a0 row g cols 2t, 2t+1; a1 row g + 8;
+        a2, a3 the same rows at cols + 8; b0 k 2t, 2t+1 of col g; b1 k + 8)."""
+        regs = _halves(warp_exchange(tuple(int(r) for r in (a0, a1, a2, a3, b0, b1))))
+        a, b = np.zeros((16, 16), np.float32), np.zeros((16, 8), np.float32)
+        for lane in range(32):
+            g, t = divmod(lane, 4)
+            r = regs[lane]
+            a[g, 2 * t:2 * t + 2], a[g + 8, 2 * t:2 * t + 2] = r[0], r[1]
+            a[g, 2 * t + 8:2 * t + 10], a[g + 8, 2 * t + 8:2 * t + 10] = r[2], r[3]
+            b[2 * t:2 * t + 2, g], b[2 * t + 8:2 * t + 10, g] = r[4], r[5]
+        g, t = divmod(lane_id(), 4)
+        d = a @ b
+        return d[g, 2 * t:2 * t + 2], d[g + 8, 2 * t:2 * t + 2]
+
     def mma_f16_f32(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
-        top, bottom = _mma_twin(a0, a1, a2, a3, b0, b1)
+        if all(isinstance(r, Fragment) for r in (a0, a1, a2, a3, b0, b1)):
+            top, bottom = _mma_twin(a0, a1, a2, a3, b0, b1)
+        else:
+            top, bottom = _mma_twin_from_registers(a0, a1, a2, a3, b0, b1)
         return (np.float32(c0 + top[0]), np.float32(c1 + top[1]),
                 np.float32(c2 + bottom[0]), np.float32(c3 + bottom[1]))
 
@@ -289,24 +345,31 @@ else:
             return builder.call(asm, [vals[1], vals[0]], attrs=_PURE)
         return types.uint32(lo, hi), codegen
 
-    @intrinsic
-    def _ldmatrix_x4_at(typingctx, arr, off):
-        """ldmatrix .x4 with this lane's row address = byte `off` of shared array `arr`."""
-        if not isinstance(arr, types.Array) or not isinstance(off, types.Integer):
-            return None
+    def _ldmatrix_x4_intrinsic(shape: str):
+        """ldmatrix .x4 (`shape`: its qualifiers) with this lane's row address = byte `off` of
+        shared array `arr`."""
+        @intrinsic
+        def ldmatrix_at(typingctx, arr, off):
+            if not isinstance(arr, types.Array) or not isinstance(off, types.Integer):
+                return None
 
-        def codegen(context, builder, sig, args):
-            generic = _address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
-            to_shared = ir.InlineAsm(ir.FunctionType(_I64, [_I64]), "cvta.to.shared.u64 $0, $1;",
-                                     "=l,l")
-            addr = builder.trunc(builder.call(to_shared, [generic], attrs=_PURE), _I32)
-            asm = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([_I32] * 4), [_I32]),
-                               "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0, $1, $2, $3}, [$4];",
-                               "=r,=r,=r,=r,r,~{memory}", side_effect=True)
-            out = builder.call(asm, [addr])
-            return context.make_tuple(builder, sig.return_type,
-                                      [builder.extract_value(out, i) for i in range(4)])
-        return types.UniTuple(types.uint32, 4)(arr, off), codegen
+            def codegen(context, builder, sig, args):
+                generic = _address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+                to_shared = ir.InlineAsm(ir.FunctionType(_I64, [_I64]),
+                                         "cvta.to.shared.u64 $0, $1;", "=l,l")
+                addr = builder.trunc(builder.call(to_shared, [generic], attrs=_PURE), _I32)
+                asm = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([_I32] * 4), [_I32]),
+                                   f"ldmatrix.sync.aligned.{shape}.shared.b16 "
+                                   "{$0, $1, $2, $3}, [$4];",
+                                   "=r,=r,=r,=r,r,~{memory}", side_effect=True)
+                out = builder.call(asm, [addr])
+                return context.make_tuple(builder, sig.return_type,
+                                          [builder.extract_value(out, i) for i in range(4)])
+            return types.UniTuple(types.uint32, 4)(arr, off), codegen
+        return ldmatrix_at
+
+    _ldmatrix_x4_at = _ldmatrix_x4_intrinsic("m8n8.x4")
+    _ldmatrix_x4_trans_at = _ldmatrix_x4_intrinsic("m8n8.x4.trans")
 
     @cuda.jit(device=True, forceinline=True)  # NVVM inlining (see jit.py)
     def ldmatrix_x4(arr, tile_off, row_stride, lane):
@@ -317,6 +380,13 @@ else:
         (m, k) tile, and the B fragments (R0, R2) and (R1, R3) of two n8 tiles for an (n, k) tile.
         """
         return _ldmatrix_x4_at(arr, tile_off + (lane & 15) * row_stride + (lane >> 4) * 16)
+
+    @cuda.jit(device=True, forceinline=True)
+    def ldmatrix_x4_trans(arr, tile_off, row_stride, lane):
+        """ldmatrix_x4's four 8×8 matrices of a row-major (k, n) f16 tile, each transposed: for
+        a 16 k × 16 n tile (e.g. V rows of 16 keys, 16 dims), registers (0, 1) are the B
+        fragment of mma m16n8k16 for n 0-7 and (2, 3) that for n 8-15."""
+        return _ldmatrix_x4_trans_at(arr, tile_off + (lane & 15) * row_stride + (lane >> 4) * 16)
 
     def _mma_intrinsic(shape: str, acc, acc_ir, acc_reg: str):
         """An mma.sync intrinsic (a0..a3, b0, b1: u32 fragment registers; c0..c3: accumulators

@@ -295,7 +295,7 @@ def supports(w: DeviceQuantMatrix) -> bool:
 
 # ---------------------------------------------------------------- the kernel
 @device_function(numba_inline=True)
-def _mma_into(acc, i, a, b0, b1):
+def mma_into(acc, i, a, b0, b1):
     d = mma_f16_f32(a[0], a[1], a[2], a[3], b0, b1, acc[i], acc[i + 1], acc[i + 2], acc[i + 3])
     acc[i] = d[0]
     acc[i + 1] = d[1]
@@ -394,11 +394,11 @@ def _multiply_fn(bn: int):
             for mi in range(mt):
                 a = ldmatrix_x4(sa, buf * a_bytes + a_at + mi * 16 * ROW_STRIDE + 32 * kh,
                                 ROW_STRIDE, lane)
-                _mma_into(acc, 4 * nt * mi, a, b_lo[0], b_lo[1])
-                _mma_into(acc, 4 * nt * mi + 4, a, b_lo[2], b_lo[3])
+                mma_into(acc, 4 * nt * mi, a, b_lo[0], b_lo[1])
+                mma_into(acc, 4 * nt * mi + 4, a, b_lo[2], b_lo[3])
                 if nt == 4:
-                    _mma_into(acc, 4 * nt * mi + 8, a, b_hi[0], b_hi[1])
-                    _mma_into(acc, 4 * nt * mi + 12, a, b_hi[2], b_hi[3])
+                    mma_into(acc, 4 * nt * mi + 8, a, b_hi[0], b_hi[1])
+                    mma_into(acc, 4 * nt * mi + 12, a, b_hi[2], b_hi[3])
     return multiply
 
 

@@ -8,7 +8,6 @@ same xor butterfly in both modes, so float results are bit-identical.
 from __future__ import annotations
 
 import math
-import threading
 
 from numba import cuda, float32
 
@@ -19,22 +18,10 @@ WARP_SIZE = 32
 FULL_MASK = 0xFFFFFFFF
 
 if IS_SIMULATOR:
-    _warps: dict[tuple[int, int], tuple[list, threading.Barrier]] = {}
-    _warps_lock = threading.Lock()
+    from sparkinfer_cli.kernels.cuda.intrinsics import lane_id, warp_exchange
 
     def shfl_xor(v, offset):
-        t = threading.current_thread()
-        bx, by, _ = t._manager._block_dim
-        tid = t.threadIdx.x + bx * (t.threadIdx.y + by * t.threadIdx.z)
-        with _warps_lock:
-            vals, barrier = _warps.setdefault((id(t._manager), tid // WARP_SIZE),
-                                              ([None] * WARP_SIZE, threading.Barrier(WARP_SIZE)))
-        lane = tid % WARP_SIZE
-        vals[lane] = v
-        barrier.wait()
-        out = vals[lane ^ offset]
-        barrier.wait()  # nobody overwrites vals before every lane has read
-        return out
+        return warp_exchange(v)[lane_id() ^ offset]
 
 else:
 
