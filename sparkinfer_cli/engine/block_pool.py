@@ -77,9 +77,16 @@ class BlockPool:
     def ref_count(self, block: int) -> int:
         return self._ref_counts[block]
 
+    def evict_cached(self) -> None:
+        """Evicts every evictable block now (its content forgotten through on_evict) into the
+        free queue; blocks someone holds stay indexed."""
+        while self._evictable:
+            self._free.append(self._evict_oldest())
+
     def _take_one(self) -> int:
-        if self._free:
-            return self._free.popleft()
+        return self._free.popleft() if self._free else self._evict_oldest()
+
+    def _evict_oldest(self) -> int:
         block, _ = self._evictable.popitem(last=False)
         self._indexed.discard(block)
         self._on_evict(block)

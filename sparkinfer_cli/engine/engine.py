@@ -9,6 +9,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -56,6 +57,13 @@ class EngineStats:
     step_timings: StepTimings = field(default_factory=StepTimings)  # cumulative, per step kind
     prefix_cache: PrefixCacheStats | None = None
     state_snapshot_bytes: int = 0  # memory of one recurrent-state snapshot (hybrid models)
+    block_size: int = 0  # tokens per KV block (0: not reported, so KV token figures are unknown)
+    max_num_seqs: int = 0  # sequences a step can run at once (0: not reported)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """The fraction of KV blocks in use (1 = full); cached unreferenced blocks count as free."""
+        return 1 - self.free_kv_blocks / max(self.total_kv_blocks, 1)
 
 
 class ContinuousBatchEngine:
@@ -78,6 +86,7 @@ class ContinuousBatchEngine:
         self._lock = threading.Condition()
         self._inbox: list[Request] = []
         self._aborts: list[str] = []
+        self._cache_flushes: list[Future[int]] = []
         self._live_ids: set[str] = set()  # submitted and not finished (the queue depth)
         self._accepting, self._stopping = True, False
         self._arrivals = itertools.count()
@@ -148,7 +157,21 @@ class ContinuousBatchEngine:
                            max_queue_depth=self.config.max_queue_depth,
                            accepting_requests=accepting, step_timings=self.timings.copy(),
                            prefix_cache=self.kv.prefix_stats(),
-                           state_snapshot_bytes=self._state_bytes)
+                           state_snapshot_bytes=self._state_bytes,
+                           block_size=self.config.block_size,
+                           max_num_seqs=self.config.max_num_seqs)
+
+    def flush_prefix_cache(self) -> Future[int]:
+        """Drops the prefix cache's content between two steps of the engine thread (which alone
+        touches it); the future gets the number of KV blocks freed. Only what no running request
+        uses goes, so requests in flight are unaffected; the configured shared prefix stays."""
+        flushed: Future[int] = Future()
+        with self._lock:
+            if self._stopping:
+                raise EngineStoppedError("the engine is shutting down")
+            self._cache_flushes.append(flushed)
+            self._lock.notify()
+        return flushed
 
     def shutdown(self, wait: bool = True) -> None:
         """Stops accepting requests; the thread finishes those in flight, then exits."""
@@ -390,23 +413,29 @@ class ContinuousBatchEngine:
             self.timings.add("decode" if output.is_decode_only else "mixed",
                              time.perf_counter() - started, self.runner.last_forward_s)
 
-    def _wait_for_commands(self) -> tuple[list[Request], list[str]] | None:
-        """Sleeps while idle, then takes the submissions and aborts. None: time to exit."""
+    def _wait_for_commands(self) -> tuple[list[Request], list[str], list[Future[int]]] | None:
+        """Sleeps while idle, then takes the submissions, aborts and cache flushes. None: time
+        to exit."""
         with self._lock:
-            while not (self._inbox or self._aborts or self.scheduler.has_unfinished):
+            while not (self._inbox or self._aborts or self._cache_flushes or
+                       self.scheduler.has_unfinished):
                 if self._stopping:
                     return None
                 self._lock.wait()
             inbox, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, []
-        return inbox, aborts
+            flushes, self._cache_flushes = self._cache_flushes, []
+        return inbox, aborts, flushes
 
-    def _apply_commands(self, inbox: list[Request], aborts: list[str]) -> None:
+    def _apply_commands(self, inbox: list[Request], aborts: list[str],
+                        flushes: list[Future[int]]) -> None:
         for request in inbox:
             self.scheduler.add(request)
         for request_id in aborts:
             if request_id in self.scheduler.requests:
                 self._finish(self.scheduler.requests[request_id], "abort")
+        for flushed in flushes:
+            flushed.set_result(self.kv.prefix_cache.clear())
         if self.config.request_timeout_s:
             self._expire_deadlines()
 

@@ -200,6 +200,16 @@ class PrefixCache:
             self._drop(victim)
         return self.snapshot_slots.allocate()
 
+    def clear(self) -> int:
+        """Drops every unpinned resume point (its tail block and snapshot slot) and every cached
+        block no request holds; returns how many blocks that frees. Blocks running requests use
+        stay indexed, so that clearing is safe mid-run: nothing a request reads is touched."""
+        num_freed = self.num_reclaimable_blocks + self.pool.num_cached_blocks
+        for point in list(self._recent.values()):
+            self._drop(point)
+        self.pool.evict_cached()
+        return num_freed
+
     def reclaim_blocks(self, num_needed: int) -> None:
         """Evicts least recently used resume points until the pool can hand out num_needed
         blocks or none is left to evict."""

@@ -145,8 +145,7 @@ class ServerMetrics:
             "queued_requests": ("requests waiting for admission", lambda s: s.queued_requests),
             "free_kv_blocks": ("free KV cache blocks", lambda s: s.free_kv_blocks),
             "total_kv_blocks": ("KV cache blocks in the pool", lambda s: s.total_kv_blocks),
-            "kv_cache_usage_perc": ("fraction of KV blocks in use",
-                                    lambda s: 1 - s.free_kv_blocks / max(s.total_kv_blocks, 1)),
+            "kv_cache_usage_perc": ("fraction of KV blocks in use", lambda s: s.kv_cache_usage),
         }
         for name, (doc, read) in live.items():
             gauge = Gauge(f"{PREFIX}_{name}", doc, registry=self.registry)

@@ -35,7 +35,7 @@ class _VllmEngineCollector(Collector):
             self._gauge("num_requests_waiting", "requests waiting for admission",
                         s.queued_requests),
             self._gauge("kv_cache_usage_perc", "fraction of KV blocks in use (1 = full)",
-                        1 - s.free_kv_blocks / max(s.total_kv_blocks, 1)),
+                        s.kv_cache_usage),
             self._counter("prefix_cache_queries", "prompt tokens looked up in the prefix cache",
                           cache.queried_tokens if cache else 0),
             self._counter("prefix_cache_hits", "prompt tokens found in the prefix cache",

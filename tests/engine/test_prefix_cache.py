@@ -133,6 +133,32 @@ def test_counters_report_queried_and_hit_tokens(engines):
     assert (engine.kv.num_queried_tokens, engine.kv.num_hit_tokens) == (67, 32)
 
 
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_a_flush_keeps_what_a_running_request_uses_and_drops_the_rest(engines, hybrid):
+    """The flush is asked for from the running request's first event (the engine thread), so
+    it lands between that request's steps: its answer stays the oracle's; a prompt no request
+    held is gone; base's full blocks, which the request shared, stay (a hybrid model also
+    needs a snapshot there, which the flush dropped)."""
+    engine = engines(FakeModel(hybrid=hybrid))
+    base, other = _words(40, 45), _words(41, 30)
+    _run(engine, other)
+    _run(engine, base)
+    sink, flushes = Collector(), []
+
+    def flush_once_running(event):
+        sink(event)
+        if not flushes:
+            flushes.append(engine.flush_prefix_cache())
+
+    prompt = [*base, *_words(42, 5)]
+    final = sink.final(engine.submit(prompt, greedy(20), flush_once_running))
+    assert sink.tokens(final.request_id) == expected_greedy(prompt, 20)
+    assert final.num_cached_tokens == (45 if hybrid else 40)
+    assert flushes[0].result(timeout=5) > 0
+    assert _run(engine, other)[0].num_cached_tokens == 0
+    assert _run(engine, base)[0].num_cached_tokens == (0 if hybrid else 40)
+
+
 FAMILIES = ["qwen3", "qwen3moe", "qwen35", "qwen35moe", "qwen3next"]
 TINY = Path(__file__).parents[1] / "fixtures" / "tiny"
 
