@@ -19,7 +19,7 @@ from sanic.exceptions import SanicException
 from sanic.response import HTTPResponse, json
 
 from sparkinfer_cli.engine.config import EngineConfig
-from sparkinfer_cli.server import anthropic_api, responses_api, routes
+from sparkinfer_cli.server import anthropic_api, responses_api, router_api, routes
 from sparkinfer_cli.server.async_engine import AsyncEngine
 from sparkinfer_cli.server.auth import check_request
 from sparkinfer_cli.server.config import ServerConfig, build_engine_config
@@ -46,6 +46,15 @@ ROUTES: tuple[tuple[Any, str, str], ...] = (
     (responses_api.responses, "/v1/responses", "POST"),
     (anthropic_api.messages, "/v1/messages", "POST"),
     (anthropic_api.count_tokens, "/v1/messages/count_tokens", "POST"),
+    # for request routers (vllm-router, smg): SGLang's names, and their /get_* spellings
+    (router_api.get_load, "/get_load", "GET"),
+    (router_api.loads, "/v1/loads", "GET"),
+    (router_api.model_info, "/model_info", "GET"),
+    (router_api.model_info, "/get_model_info", "GET"),
+    (router_api.server_info, "/server_info", "GET"),
+    (router_api.server_info, "/get_server_info", "GET"),
+    (router_api.flush_cache, "/flush_cache", "POST"),
+    (router_api.health_generate, "/health_generate", "GET"),
 )
 V1 = "/v1"
 # also served without /v1, for clients given a base URL without it (llama-server has these too)
@@ -72,11 +81,12 @@ def create_app(engine: Any, tokenizer: Any, chat_template: Any,
                                        async_engine.metrics, int(time.time()),
                                        TokenTexts(tokenizer))
     for handler, uri, method in ROUTES:
-        # POST handlers read their body themselves, under the read timeout (routes.read_body)
-        app.add_route(handler, uri, methods=[method], stream=method == "POST")
+        # POST handlers read their body themselves, under the read timeout (routes.read_body);
+        # routes are named by path, since one handler may serve several
+        app.add_route(handler, uri, methods=[method], stream=method == "POST", name=uri)
         if uri in UNPREFIXED_ALIASES:
             app.add_route(handler, uri.removeprefix(V1), methods=[method],
-                          stream=method == "POST", name=f"{handler.__name__}_unprefixed")
+                          stream=method == "POST", name=uri.removeprefix(V1))
     app.error_handler.add(Exception, _error_response)
     if config.cors_origins:
         app.on_request(_answer_cors_preflight)  # first: a preflight carries no API key

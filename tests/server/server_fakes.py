@@ -12,6 +12,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -142,6 +143,7 @@ class FakeEngine:
         self.running: list[_FakeRequest] = []
         self.aborts: set[str] = set()
         self.aborted: list[str] = []
+        self.num_cache_flushes = 0
         self.submitted: list[tuple[str, list[int], Any]] = []
         self.accepting, self.stopping = True, False
         self.lock = threading.Condition()
@@ -166,7 +168,18 @@ class FakeEngine:
     def stats(self) -> EngineStats:
         with self.lock:
             return EngineStats(len(self.running), len(self.waiting), self.free_blocks,
-                               self.total_blocks, self.max_queue_depth, self.accepting)
+                               self.total_blocks, self.max_queue_depth, self.accepting,
+                               block_size=self.block_size, max_num_seqs=self.max_num_seqs)
+
+    def flush_prefix_cache(self) -> Future[int]:
+        """The fake keeps no prefix cache: a flush frees nothing, and is counted."""
+        with self.lock:
+            if self.stopping:
+                raise EngineStoppedError("the fake engine is stopped")
+            self.num_cache_flushes += 1
+        flushed: Future[int] = Future()
+        flushed.set_result(0)
+        return flushed
 
     def submit(self, prompt_ids: list[int], params: Any, on_event: Callable[[RequestEvent], None],
                *, priority: int = 0, request_id: str | None = None) -> str:
