@@ -1,9 +1,11 @@
-"""Structured output: a JSON schema the answer must follow, enforced token by token with
-llguidance (the grammar engine vLLM, SGLang and llama.cpp use: it compiles JSON schemas itself and
-computes the mask of allowed tokens from the vocabulary's bytes, so no grammar code lives here).
+"""Constrained output: a grammar the answer must follow, enforced token by token with llguidance
+(the grammar engine vLLM, SGLang and llama.cpp use: it compiles JSON schemas and Lark grammars
+itself and computes the mask of allowed tokens from the vocabulary's bytes, so no grammar code
+lives here). response_format's JSON schema is one such grammar; the tool calls of a chat request
+(server/tool_call_grammar.py) are a Lark one.
 
 Thinking-aware: an answer that reasons first (its prompt opened a thought, or its first token
-opens one) writes free text until its `</think>` token, and the schema applies from the token
+opens one) writes free text until its `</think>` token, and the grammar applies from the token
 after it.
 """
 
@@ -18,7 +20,9 @@ import numpy as np
 if TYPE_CHECKING:
     from sparkinfer_cli.tokenizer.tokenizer import Tokenizer
 
-COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# NOTE: compact JSON (", " and ": ", as Qwen's templates write it): free whitespace lets a weak
+# model pad forever
+COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def _llguidance() -> Any:
@@ -55,39 +59,47 @@ def grammar_tokenizer(tokenizer: Tokenizer, n_vocab: int) -> Any:
     return llg.LLTokenizer(wrapper, n_vocab=n_vocab, eos_token=eos)
 
 
-def schema_grammar(schema_json: str, tokenizer: Tokenizer, n_vocab: int) -> str:
-    """The llguidance grammar of a JSON schema; ValueError naming the problem when the schema
-    cannot be compiled."""
-    try:
-        # NOTE: compact JSON (", " and ": "): free whitespace lets a weak model pad forever
-        grammar = _llguidance().LLMatcher.grammar_from_json_schema(schema_json, overrides=COMPACT)
-    except ValueError as exc:
-        raise ValueError(f"the JSON schema is not valid: {exc}") from None
+def json_schema_grammar(schema_json: str) -> str:
+    """The llguidance grammar of a JSON schema (compact JSON); ValueError when it is no JSON
+    object (check_grammar finds the rest)."""
+    return _llguidance().LLMatcher.grammar_from_json_schema(schema_json, overrides=COMPACT_JSON)
+
+
+def lark_grammar(lark: str) -> str:
+    """The llguidance grammar of a Lark grammar in llguidance's dialect (docs/syntax.md there:
+    %json {schema}, lazy lexemes)."""
+    return _llguidance().LLMatcher.grammar_from_lark(lark)
+
+
+def check_grammar(grammar: str, tokenizer: Tokenizer, n_vocab: int) -> str:
+    """The grammar, once llguidance has compiled it for this vocabulary; ValueError naming the
+    problem (the first line of llguidance's message: the rest quotes the grammar) when it
+    cannot."""
     is_error, messages = _llguidance().LLMatcher.validate_grammar_with_warnings(
         grammar, grammar_tokenizer(tokenizer, n_vocab))
     if is_error:
-        raise ValueError(f"the JSON schema is not supported: {'; '.join(messages)}")
+        raise ValueError(messages[0].splitlines()[0])
     return grammar
 
 
-class JsonConstraint:
+class GrammarConstraint:
     """One request's matcher: the tokens it may sample next, and the tokens it sampled."""
 
-    def __init__(self, schema_json: str, tokenizer: Tokenizer, n_vocab: int,
+    def __init__(self, grammar: str, tokenizer: Tokenizer, n_vocab: int,
                  reasoning_tokens: tuple[int, int] | None = None, reasoning_open: bool = False):
-        """reasoning_tokens: (<think>, </think>) where the answer may reason first: its first
-        token may open a thought (Qwen3 templates), or the prompt has opened one already
-        (reasoning_open: Qwen3.5 / 3.6); the schema applies from the token after the close."""
+        """grammar: from json_schema_grammar or lark_grammar. reasoning_tokens: (<think>,
+        </think>) where the answer may reason first: its first token may open a thought (Qwen3
+        templates), or the prompt has opened one already (reasoning_open: Qwen3.5 / 3.6); the
+        grammar applies from the token after the close."""
         self.n_vocab = n_vocab
-        self._matcher = _llguidance().LLMatcher(grammar_tokenizer(tokenizer, n_vocab),
-                                             schema_grammar(schema_json, tokenizer, n_vocab),
-                                             log_level=0)
+        self._matcher = _llguidance().LLMatcher(grammar_tokenizer(tokenizer, n_vocab), grammar,
+                                                log_level=0)
         self._think = reasoning_tokens
         self._thinking = reasoning_tokens is not None and reasoning_open
         self._first = True
 
     def allowed(self) -> np.ndarray | None:
-        """(n_vocab,) bool: the tokens the schema allows next (all False once it cannot be
+        """(n_vocab,) bool: the tokens the grammar allows next (all False once it cannot be
         continued); None while the answer is free (reasoning)."""
         if self._thinking:
             return None

@@ -21,7 +21,7 @@ from sparkinfer_cli.engine.config import (
     QueueFullError,
     RequestTooLargeError,
 )
-from sparkinfer_cli.engine.constraint import JsonConstraint
+from sparkinfer_cli.engine.constraint import GrammarConstraint
 from sparkinfer_cli.engine.greedy_batch import GreedyBatch, default_num_threads
 from sparkinfer_cli.engine.kv_cache import CacheOps, KVCacheManager, PrefixCacheStats
 from sparkinfer_cli.engine.model_runner import ModelRunner
@@ -204,9 +204,9 @@ class ContinuousBatchEngine:
         stop_ids = frozenset(int(t) for t in (*params.stop_token_ids, *eog_ids) if t is not None)
         output = OutputStream(IncrementalDetokenizer(self.tokenizer, skip_special=True),
                               StopStringMatcher(params.stop), stop_ids)
-        constraint = JsonConstraint(params.json_schema, self.tokenizer, self.n_vocab,
-                                    params.reasoning_tokens, params.reasoning_open) \
-            if params.json_schema else None
+        constraint = GrammarConstraint(params.grammar, self.tokenizer, self.n_vocab,
+                                       params.reasoning_tokens, params.reasoning_open) \
+            if params.grammar else None
         sampler = Sampler(params, self.n_vocab, stop_ids, constraint)
         request = Request(request_id, list(prompt_ids), params, on_event, priority, arrival, output,
                           sampler)

@@ -29,10 +29,10 @@ class SamplingParams:
     # alternatives, as OpenAI's echo + logprobs returns them (None = off); such a request computes
     # its whole prompt (no prefix-cache hit) and may ask for max_tokens 0 (scoring only)
     prompt_logprobs: int | None = None
-    # structured output: the answer follows this JSON schema (JSON text; engine/constraint.py);
-    # reasoning_tokens (<think>, </think>): reasoning before it stays free, whether the prompt
-    # opened the thought (reasoning_open) or the answer opens it
-    json_schema: str | None = None
+    # constrained output: the answer follows this llguidance grammar (engine/constraint.py: a
+    # JSON schema's or a Lark grammar's); reasoning_tokens (<think>, </think>): reasoning before
+    # it stays free, whether the prompt opened the thought (reasoning_open) or the answer opens it
+    grammar: str | None = None
     reasoning_tokens: tuple[int, int] | None = None
     reasoning_open: bool = False
     # hybrid models: prompt positions where the prefix cache keeps a recurrent-state snapshot

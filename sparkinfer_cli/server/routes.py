@@ -20,7 +20,7 @@ from urllib.parse import unquote
 from sanic import Request
 from sanic.response import HTTPResponse, json, raw
 
-from sparkinfer_cli.engine.constraint import schema_grammar
+from sparkinfer_cli.engine.constraint import check_grammar, json_schema_grammar
 from sparkinfer_cli.engine.engine import EngineStats
 from sparkinfer_cli.server.async_engine import AsyncEngine, Generation
 from sparkinfer_cli.server.config import ServerConfig
@@ -333,12 +333,13 @@ def _structured_output(state: ServerState, schema: str | None,
     if schema is None:
         return {}
     try:
-        schema_grammar(schema, state.tokenizer, state.vocab_size)
+        grammar = check_grammar(json_schema_grammar(schema), state.tokenizer, state.vocab_size)
     except ValueError as exc:
-        raise invalid(str(exc), "response_format", "invalid_json_schema") from None
+        raise invalid(f"the JSON schema is not supported: {exc}", "response_format",
+                      "invalid_json_schema") from None
     ids = [state.tokenizer.token_to_id.get(t) for t in (THINK_OPEN, THINK_CLOSE)]
     reasoning = (ids[0], ids[1]) if None not in ids and thinking_open is not None else None
-    return {"json_schema": schema, "reasoning_tokens": reasoning,
+    return {"grammar": grammar, "reasoning_tokens": reasoning,
             "reasoning_open": bool(thinking_open)}
 
 
