@@ -21,7 +21,7 @@ from sparkinfer_cli.engine.config import (
     QueueFullError,
     RequestTooLargeError,
 )
-from sparkinfer_cli.engine.constraint import GrammarConstraint
+from sparkinfer_cli.engine.constraint import GrammarConstraint, check_grammar
 from sparkinfer_cli.engine.greedy_batch import GreedyBatch, default_num_threads
 from sparkinfer_cli.engine.kv_cache import CacheOps, KVCacheManager, PrefixCacheStats
 from sparkinfer_cli.engine.model_runner import ModelRunner
@@ -138,6 +138,11 @@ class ContinuousBatchEngine:
             self._inbox.append(request)
             self._lock.notify()
         return request.request_id
+
+    def check_grammar(self, grammar: str) -> str:
+        """The grammar, once it compiles for this vocabulary (what SamplingParams.grammar may
+        hold); ValueError naming the problem when it does not."""
+        return check_grammar(grammar, self.tokenizer, self.n_vocab)
 
     def abort(self, request_id: str) -> None:
         """Ends the request (final event "abort") and frees its KV within one engine step."""

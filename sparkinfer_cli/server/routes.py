@@ -20,7 +20,7 @@ from urllib.parse import unquote
 from sanic import Request
 from sanic.response import HTTPResponse, json, raw
 
-from sparkinfer_cli.engine.constraint import check_grammar, json_schema_grammar
+from sparkinfer_cli.engine.constraint import json_schema_grammar, lark_grammar
 from sparkinfer_cli.engine.engine import EngineStats
 from sparkinfer_cli.server.async_engine import AsyncEngine, Generation
 from sparkinfer_cli.server.config import ServerConfig
@@ -42,6 +42,7 @@ from sparkinfer_cli.server.responses import (
 )
 from sparkinfer_cli.server.sse_framing import OPENAI_CHAT_SSE, SseFraming
 from sparkinfer_cli.server.stream_router import THINK_CLOSE, THINK_OPEN, prompt_opens_thinking
+from sparkinfer_cli.server.tool_call_grammar import tool_call_grammar
 from sparkinfer_cli.server.tool_calls import forced_call_prefix, uses_xml_format
 
 log = logging.getLogger(__name__)
@@ -74,8 +75,11 @@ class ServerState:
         """Thinking models name <think> in their template or vocabulary."""
         if not self.config.parse_reasoning:
             return False
-        return THINK_OPEN in (getattr(self.template, "source", "") or "") or \
-            self.tokenizer.id_of(THINK_OPEN) is not None
+        return THINK_OPEN in self.template_source or self.tokenizer.id_of(THINK_OPEN) is not None
+
+    @property
+    def template_source(self) -> str:
+        return getattr(self.template, "source", "") or ""
 
 
 def _state(request: Request) -> ServerState:
@@ -250,10 +254,12 @@ async def respond_to_chat(request: Request, chat: ChatCompletionRequest,
     max_tokens = _max_tokens(state, chat.max_tokens, len(prompt_ids))
     header = ResponseHeader(f"chatcmpl-{uuid.uuid4().hex}", chat.model or state.config.model_name)
     builder = adapt(ChatResponse(header, chat, state, len(prompt_ids), thinking_open, forced))
-    may_reason = thinking_open or chat.template_kwargs.get("enable_thinking") is not False
+    # a forced call starts in the prompt, after any thought it opened
+    may_reason = not forced and (thinking_open or
+                                 chat.template_kwargs.get("enable_thinking") is not False)
     extra = {"snapshot_positions": _messages_end(state, chat, prompt, prompt_ids),
-             **_structured_output(state, chat.response_schema,
-                                  thinking_open if may_reason else None)}
+             **_constrained_output(state, _chat_grammar(state, chat),
+                                   thinking_open if may_reason else None)}
     choices = [(prompt_ids, replace(chat.sampling.to_params(max_tokens, i, chat.top_logprobs),
                                     **extra)) for i in range(chat.n)]
     return await _respond(request, state.engine.generate(choices, header.id), builder, chat.stream,
@@ -269,7 +275,8 @@ async def completions(request: Request) -> HTTPResponse | None:
     request.ctx.streaming = req.stream
     prompts = [_completion_prompt(state, p, req.suffix) for p in req.prompts]
     header = ResponseHeader(f"cmpl-{uuid.uuid4().hex}", req.model or state.config.model_name)
-    structured = _structured_output(state, req.response_schema, None)
+    structured = _constrained_output(state, _response_format_grammar(state, req.response_schema),
+                                     None)
     choices = []
     for ids in prompts:
         max_tokens = _max_tokens(state, req.max_tokens, len(ids))
@@ -311,8 +318,7 @@ def _chat_prompt(state: ServerState, chat: ChatCompletionRequest) -> tuple[str, 
     thinking_open = prompt_opens_thinking(prompt)
     if chat.tool_choice != "required":
         return prompt, thinking_open, ""
-    forced = forced_call_prefix(uses_xml_format(getattr(state.template, "source", "") or ""),
-                                chat.forced_tool)
+    forced = forced_call_prefix(uses_xml_format(state.template_source), chat.forced_tool)
     forced = f"{THINK_CLOSE}\n\n{forced}" if thinking_open else forced
     return prompt + forced, thinking_open, forced
 
@@ -324,20 +330,43 @@ def count_chat_prompt_tokens(state: ServerState, chat: ChatCompletionRequest) ->
     return len(state.tokenizer.encode(prompt))
 
 
-def _structured_output(state: ServerState, schema: str | None,
-                       thinking_open: bool | None) -> dict[str, Any]:
-    """SamplingParams fields for response_format's schema (checked here, so that a schema the
-    grammar engine refuses is a 400 naming response_format). thinking_open: None where the answer
-    may not reason; else whether the prompt opened a thought (if not, the answer may open one):
-    the reasoning stays free text and the schema applies after </think>."""
-    if schema is None:
-        return {}
+def _chat_grammar(state: ServerState, chat: ChatCompletionRequest) -> str | None:
+    """The grammar a chat answer follows: with tools, its tool calls' (tool_call_grammar: the
+    content, where there may be some, as response_format asks); else response_format's."""
+    answer = _response_format_grammar(state, chat.response_schema)
+    if not chat.tools:
+        return answer
+    lark = tool_call_grammar(chat.tools, tool_choice=chat.tool_choice,
+                             forced_tool=chat.forced_tool, parallel=chat.parallel_tool_calls,
+                             xml_format=uses_xml_format(state.template_source),
+                             answer_schema=chat.response_schema)
     try:
-        grammar = check_grammar(json_schema_grammar(schema), state.tokenizer, state.vocab_size)
+        return state.engine.engine.check_grammar(lark_grammar(lark))
+    except ValueError as exc:
+        raise invalid(f"the tools' parameters cannot be enforced: {exc}", "tools",
+                      "invalid_function_parameters") from None
+
+
+def _response_format_grammar(state: ServerState, schema: str | None) -> str | None:
+    """response_format's JSON schema as a grammar, checked here so that a schema the grammar
+    engine refuses is a 400 naming response_format."""
+    if schema is None:
+        return None
+    try:
+        return state.engine.engine.check_grammar(json_schema_grammar(schema))
     except ValueError as exc:
         raise invalid(f"the JSON schema is not supported: {exc}", "response_format",
                       "invalid_json_schema") from None
-    ids = [state.tokenizer.token_to_id.get(t) for t in (THINK_OPEN, THINK_CLOSE)]
+
+
+def _constrained_output(state: ServerState, grammar: str | None,
+                        thinking_open: bool | None) -> dict[str, Any]:
+    """SamplingParams fields that hold the answer to a grammar. thinking_open: None where the
+    answer may not reason; else whether the prompt opened a thought (if not, the answer may open
+    one): the reasoning stays free text and the grammar applies after </think>."""
+    if grammar is None:
+        return {}
+    ids = [state.tokenizer.id_of(t) for t in (THINK_OPEN, THINK_CLOSE)]
     reasoning = (ids[0], ids[1]) if None not in ids and thinking_open is not None else None
     return {"grammar": grammar, "reasoning_tokens": reasoning,
             "reasoning_open": bool(thinking_open)}

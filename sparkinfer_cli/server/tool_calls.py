@@ -101,14 +101,26 @@ def uses_xml_format(template_source: str) -> bool:
     return "<function=" in template_source
 
 
+def call_opening(xml_format: bool, name: str) -> str:
+    """How the template writes a call of `name` after '<tool_call>\n', up to its arguments."""
+    return f"<function={name}>\n" if xml_format else f'{{"name": {json.dumps(name)}, "arguments": '
+
+
+def call_closing(xml_format: bool) -> str:
+    """How the template ends a call after its arguments."""
+    return f"</function>\n{TOOL_CALL_CLOSE}" if xml_format else f"}}\n{TOOL_CALL_CLOSE}"
+
+
 def forced_call_prefix(xml_format: bool, name: str | None) -> str:
     """Text appended to the prompt so generation starts inside a tool call (tool_choice
     'required'), or inside a call of one named function."""
-    if name is None:
-        return f"{TOOL_CALL_OPEN}\n"
-    if xml_format:
-        return f"{TOOL_CALL_OPEN}\n<function={name}>\n"
-    return f'{TOOL_CALL_OPEN}\n{{"name": {json.dumps(name)}, "arguments": '
+    return f"{TOOL_CALL_OPEN}\n" + (call_opening(xml_format, name) if name is not None else "")
+
+
+def is_text_parameter(schema: Mapping[str, Any] | None) -> bool:
+    """Whether the XML form carries this parameter's value as raw text (its type allows a
+    string); any other value is JSON there."""
+    return "string" in _types(schema)
 
 
 def arguments_for_template(arguments: str | dict[str, Any]) -> dict[str, Any] | str:
@@ -211,17 +223,20 @@ def _strip_line_breaks(value: str) -> str:
 
 def _typed_value(value: str, schema: Mapping[str, Any] | None) -> Any:
     """A string parameter stays text; anything else is read as JSON when it parses."""
-    kinds = (schema or {}).get("type")
-    kinds = set(kinds) if isinstance(kinds, list) else {kinds}
-    if "string" in kinds:
+    if is_text_parameter(schema):
         return value
     try:
         return json.loads(value, parse_constant=_reject_constant)
     except ValueError:
         lowered = value.strip().lower()
-        if "boolean" in kinds and lowered in ("true", "false"):
+        if "boolean" in _types(schema) and lowered in ("true", "false"):
             return lowered == "true"
         return value
+
+
+def _types(schema: Mapping[str, Any] | None) -> set[Any]:
+    kinds = (schema or {}).get("type")
+    return set(kinds) if isinstance(kinds, list) else {kinds}
 
 
 def _reject_constant(name: str) -> Any:

@@ -171,6 +171,9 @@ class FakeEngine:
                                self.total_blocks, self.max_queue_depth, self.accepting,
                                block_size=self.block_size, max_num_seqs=self.max_num_seqs)
 
+    def check_grammar(self, grammar: str) -> str:
+        return grammar  # the fake's replies are scripted: no grammar holds them
+
     def flush_prefix_cache(self) -> Future[int]:
         """The fake keeps no prefix cache: a flush frees nothing, and is counted."""
         with self.lock:
