@@ -5,9 +5,9 @@ then spends most of its time there (attention work grows with the square of its 
 kernel takes the same inputs and rows and does both products with mma.sync m16n8k16 (f16 inputs,
 f32 sums), the way llama.cpp's and FlashAttention-2's kernels do:
 
-- A block owns ROWS = 64 query rows, packed as attention_prefill packs them: the G = n_heads / n_kv
-  q heads that share one kv head times 64 / G consecutive tokens, so every staged K/V tile serves
-  all of a kv head's query heads. Its 4 warps own 16 rows each.
+- A block owns ROWS query rows (128 at head_dim 128, 64 at 256), packed as attention_prefill packs
+  them: the G = n_heads / n_kv q heads that share one kv head times ROWS / G consecutive tokens,
+  so every staged K/V tile serves all of a kv head's query heads. A warp owns 16 rows.
 - Q (scaled, rounded to f16) is staged once and held in registers as A fragments.
 - Per tile of KT keys, K and V rows are staged in shared memory as they lie in the cache (row
   stride padded by 16 bytes so that ldmatrix's 8 rows hit distinct banks); then each warp computes
@@ -16,7 +16,7 @@ f32 sums), the way llama.cpp's and FlashAttention-2's kernels do:
   the row's 4 lanes at the end), rescales O, and adds P·V with P taken straight from S's
   accumulators (an m16n8 C tile pair is an m16k16 A fragment) and V read by ldmatrix .trans.
 - A tile of rows may hold the end of one sequence and the start of the next: the block runs once
-  per run of rows with one sequence (attention_prefill's group_end / setup_group).
+  per run of rows with one sequence (attention_prefill's group_end / query_rows).
 
 Scores use q·scale rounded to f16 and P rounded to f16 (as llama.cpp's tensor-core flash attention
 does); the softmax statistics and O stay float32.
@@ -28,15 +28,14 @@ import functools
 import math
 
 import numpy as np
-from numba import cuda, float32, int64, uint32
+from numba import cuda, float32, int32, int64, uint32
 
 from sparkinfer_cli.kernels.cuda.attention_prefill import (
     MASKED,
-    ROWS,
     checked_inputs,
     group_end,
     key_rows,
-    setup_group,
+    query_rows,
 )
 from sparkinfer_cli.kernels.cuda.intrinsics import (
     IS_SIMULATOR,
@@ -54,12 +53,17 @@ from sparkinfer_cli.kernels.cuda.launch import cdiv
 from sparkinfer_cli.kernels.cuda.mma_gemm import mma_into
 from sparkinfer_cli.kernels.cuda.warp import shfl_xor
 
-WARPS = ROWS // 16  # a warp per 16 query rows
-THREADS = 32 * WARPS
 # keys a tile: the K and V tiles (padded rows) must fit the 48 KiB of static shared memory
 KEYS_A_TILE = {128: 64, 256: 32}
 HEAD_DIMS = tuple(KEYS_A_TILE)
-_LAUNCH_BOUNDS = {} if IS_SIMULATOR else {"launch_bounds": (THREADS, 1)}
+# query rows a block: as many as Q staged in the K and V tiles' space holds (the more rows share
+# a staged tile, the fewer loads a multiply-add); a warp per 16 rows
+ROWS = {d: 2 * kt for d, kt in KEYS_A_TILE.items()}
+MAX_GROUP = min(ROWS.values())  # q heads a kv head: whole tokens in every block's rows
+
+
+def _threads(head_dim: int) -> int:
+    return 32 * ROWS[head_dim] // 16
 
 
 def _row_words(head_dim: int) -> int:
@@ -73,14 +77,16 @@ def _flash_kernel(head_dim: int):
     row_words = _row_words(head_dim)
     row_bytes = 4 * row_words
     v_at = kt * row_words  # word where the V tile starts (the K tile at 0)
+    tile_words = 2 * v_at
     chunks = head_dim // 8  # 16-byte chunks of a cached row
     d16, k16 = head_dim // 16, kt // 16
     n_s, n_o, n_q = 4 * kt // 8, 4 * head_dim // 8, 4 * d16
+    rows, threads = ROWS[head_dim], _threads(head_dim)
 
     @device_function(numba_inline=True)
     def stage_q(tiles, q, qrow_sh, scale):
-        """Rows 0..ROWS-1 of the tiles ← scale·Q rounded to f16 (zeros for rows not live)."""
-        for i in range(cuda.threadIdx.x, ROWS * chunks, THREADS):
+        """The block's rows of the tiles ← scale·Q rounded to f16 (zeros for rows not live)."""
+        for i in range(cuda.threadIdx.x, rows * chunks, threads):
             r, c = i // chunks, i % chunks
             off = qrow_sh[r]
             at = r * row_words + 4 * c
@@ -99,7 +105,7 @@ def _flash_kernel(head_dim: int):
     def stage_kv(tiles, k_cache, v_cache, krow_sh):
         """The K tile at word 0 and the V tile at v_at ← the cached rows of the tile's keys
         (zeros past the last key: a zero V row times p = 0 adds nothing)."""
-        for i in range(cuda.threadIdx.x, kt * chunks, THREADS):
+        for i in range(cuda.threadIdx.x, kt * chunks, threads):
             j, c = i // chunks, i % chunks
             off = krow_sh[j]
             at = j * row_words + 4 * c
@@ -178,22 +184,20 @@ def _flash_kernel(head_dim: int):
                 out[off + 8 * nd + 2 * t] = o[4 * nd + 2 * half] * inv
                 out[off + 8 * nd + 2 * t + 1] = o[4 * nd + 2 * half + 1] * inv
 
-    @kernel(fastmath=True, **_LAUNCH_BOUNDS)
+    @kernel(fastmath=True, **({} if IS_SIMULATOR else {"launch_bounds": (threads, 1)}))
     def flash(q, k_cache, v_cache, block_table, max_blocks, row_seq, seq_lens, n_rows, n_kv,
               block_size, scale, out):
         chain_start()
         n_heads = q.size // (n_rows * head_dim)
         group = n_heads // n_kv
-        base = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * (ROWS // group)  # longest tiles first
-        n_tok, kv_head = min(ROWS // group, n_rows - base), cuda.blockIdx.y
+        base = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * (rows // group)  # longest tiles first
+        n_tok, kv_head = min(rows // group, n_rows - base), cuda.blockIdx.y
         warp, lane = cuda.threadIdx.x >> 5, cuda.threadIdx.x & 31
         g, t = lane >> 2, lane & 3
-        tiles = cuda.shared.array(2 * kt * row_words, uint32, alignment=LDMATRIX_ALIGN)
+        tiles = cuda.shared.array(tile_words, uint32, alignment=LDMATRIX_ALIGN)
         krow_sh = cuda.shared.array(kt, int64)
-        qrow_sh = cuda.shared.array(ROWS, int64)
-        lim_sh = cuda.shared.array(ROWS, np.int32)
-        m_sh = cuda.shared.array(ROWS, float32)  # setup_group's; this kernel keeps its own
-        l_sh = cuda.shared.array(ROWS, float32)
+        qrow_sh = cuda.shared.array(rows, int64)
+        lim_sh = cuda.shared.array(rows, int32)
         qf = cuda.local.array(n_q, uint32)  # the warp's Q rows as A fragments, k16 chunks
         s = cuda.local.array(n_s, float32)  # S, then P, of the warp's rows × the tile's keys
         o = cuda.local.array(n_o, float32)  # O of the warp's rows × head_dim
@@ -201,8 +205,8 @@ def _flash_kernel(head_dim: int):
         while a < n_tok:
             b = group_end(row_seq, base, a, n_tok)
             cuda.syncthreads()  # the previous run is done with the shared arrays
-            kend = setup_group(qrow_sh, lim_sh, m_sh, l_sh, seq_lens, base, a, b, n_heads,
-                               kv_head, group, head_dim)
+            kend = query_rows(qrow_sh, lim_sh, rows, seq_lens, base, a, b, n_heads, kv_head,
+                              group, head_dim)
             table = row_seq[base + a] * max_blocks
             cuda.syncthreads()
             stage_q(tiles, q, qrow_sh, scale)
@@ -246,7 +250,7 @@ def _flash_kernel(head_dim: int):
 def supports(n_heads: int, n_kv: int, head_dim: int, cache_dtype) -> bool:
     """Whether this kernel takes the shape and cache (else attention_prefill's float32 kernel)."""
     return (head_dim in HEAD_DIMS and np.dtype(cache_dtype) == np.float16
-            and n_heads % n_kv == 0 and ROWS % (n_heads // n_kv) == 0)
+            and n_heads % n_kv == 0 and MAX_GROUP % (n_heads // n_kv) == 0)
 
 
 def flash_prefill_attention(q, k_cache, v_cache, block_table, seq_lens, out,
@@ -260,10 +264,10 @@ def flash_prefill_attention(q, k_cache, v_cache, block_table, seq_lens, out,
                                     scale)
     if not supports(n_heads, n_kv, head_dim, k_cache.dtype) or scales is not None:
         raise ValueError(f"tensor-core prefill attention takes an f16 cache, head_dim in "
-                         f"{HEAD_DIMS} and n_heads / n_kv dividing {ROWS}; got {k_cache.dtype}, "
-                         f"head_dim {head_dim}, {n_heads} / {n_kv} heads")
-    grid = (cdiv(n_rows, ROWS // (n_heads // n_kv)), n_kv)
-    _flash_kernel(head_dim)[grid, THREADS, stream](
+                         f"{HEAD_DIMS} and n_heads / n_kv dividing {MAX_GROUP}; got "
+                         f"{k_cache.dtype}, head_dim {head_dim}, {n_heads} / {n_kv} heads")
+    grid = (cdiv(n_rows, ROWS[head_dim] // (n_heads // n_kv)), n_kv)
+    _flash_kernel(head_dim)[grid, _threads(head_dim), stream](
         q.reshape(q.size), k_cache.reshape(k_cache.size), v_cache.reshape(v_cache.size),
         block_table.reshape(block_table.size), block_table.shape[1], row_seq, seq_lens, n_rows,
         n_kv, block_size, float32(scale), out.reshape(out.size))

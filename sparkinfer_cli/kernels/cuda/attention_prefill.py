@@ -155,23 +155,33 @@ def group_end(row_seq, base, a, n_tok):
 
 
 @device_function
-def setup_group(qrow_sh, lim_sh, m_sh, l_sh, seq_lens, base, a, b, n_heads, kv_head, group,
-                 head_dim):
-    """Per query row of the run [a, b): offset of its q / out vector (-1: not live), its number
-    of visible keys (seq_len, 0 when not live) and empty softmax state; returns the run's key
-    count."""
+def query_rows(qrow_sh, lim_sh, n_block_rows, seq_lens, base, a, b, n_heads, kv_head, group,
+               head_dim):
+    """Per query row of a block of n_block_rows, for the run of tokens [a, b): offset of its q /
+    out vector (-1: not live) and its number of visible keys (seq_len, 0 when not live); returns
+    the run's key count."""
     tid = cuda.threadIdx.x
-    if tid < ROWS:
+    if tid < n_block_rows:
         t = tid // group
-        live = tid < group * (ROWS // group) and a <= t < b
+        live = tid < group * (n_block_rows // group) and a <= t < b
         qrow_sh[tid] = ((base + t) * n_heads + kv_head * group + tid % group) * int64(head_dim) \
             if live else int64(-1)
         lim_sh[tid] = seq_lens[base + t] if live else 0
-        m_sh[tid], l_sh[tid] = float32(MASKED), float32(0.0)
     kend = 0
     for t in range(a, b):
         kend = max(kend, seq_lens[base + t])
     return kend
+
+
+@device_function
+def _setup_group(qrow_sh, lim_sh, m_sh, l_sh, seq_lens, base, a, b, n_heads, kv_head, group,
+                 head_dim):
+    """query_rows for this kernel's ROWS, and their softmax state emptied."""
+    tid = cuda.threadIdx.x
+    if tid < ROWS:
+        m_sh[tid], l_sh[tid] = float32(MASKED), float32(0.0)
+    return query_rows(qrow_sh, lim_sh, ROWS, seq_lens, base, a, b, n_heads, kv_head, group,
+                      head_dim)
 
 
 @device_function
@@ -420,7 +430,7 @@ def _prefill_kernel(head_dim: int, kind: int):
         while a < n_tok:
             b = group_end(row_seq, base, a, n_tok)
             cuda.syncthreads()  # the previous run is done with the row arrays
-            kend = setup_group(qrow_sh, lim_sh, m_sh, l_sh, seq_lens, base, a, b, n_heads,
+            kend = _setup_group(qrow_sh, lim_sh, m_sh, l_sh, seq_lens, base, a, b, n_heads,
                                 kv_head, group, head_dim)
             table = row_seq[base + a] * max_blocks
             cuda.syncthreads()
