@@ -87,6 +87,7 @@ class ContinuousBatchEngine:
         self._inbox: list[Request] = []
         self._aborts: list[str] = []
         self._cache_flushes: list[Future[int]] = []
+        self._is_aborting_waiting = False
         self._live_ids: set[str] = set()  # submitted and not finished (the queue depth)
         self._accepting, self._stopping = True, False
         self._arrivals = itertools.count()
@@ -150,6 +151,14 @@ class ContinuousBatchEngine:
             if request_id in self._live_ids:
                 self._aborts.append(request_id)
                 self._lock.notify()
+
+    def abort_waiting(self) -> None:
+        """Ends every request not started yet (queued: no KV, no token; final event "abort")
+        within one engine step, so a draining server can send them elsewhere; the running ones
+        go on."""
+        with self._lock:
+            self._is_aborting_waiting = True
+            self._lock.notify()
 
     def stats(self) -> EngineStats:
         with self._lock:
@@ -294,7 +303,7 @@ class ContinuousBatchEngine:
                 not all(s.needs_logits for s in output.sequences):
             return 1
         with self._lock:
-            if self._inbox or self._aborts:
+            if self._inbox or self._aborts or self._is_aborting_waiting:
                 return 1
         requests = [self.scheduler.requests[s.request_id] for s in output.sequences]
         return min([limit] + [r.params.max_tokens - r.num_output_tokens for r in requests])
@@ -418,27 +427,32 @@ class ContinuousBatchEngine:
             self.timings.add("decode" if output.is_decode_only else "mixed",
                              time.perf_counter() - started, self.runner.last_forward_s)
 
-    def _wait_for_commands(self) -> tuple[list[Request], list[str], list[Future[int]]] | None:
-        """Sleeps while idle, then takes the submissions, aborts and cache flushes. None: time
-        to exit."""
+    def _wait_for_commands(self) -> tuple[list[Request], list[str], list[Future[int]],
+                                          bool] | None:
+        """Sleeps while idle, then takes the submissions, aborts, cache flushes and whether to
+        abort the waiting requests. None: time to exit."""
         with self._lock:
             while not (self._inbox or self._aborts or self._cache_flushes or
-                       self.scheduler.has_unfinished):
+                       self._is_aborting_waiting or self.scheduler.has_unfinished):
                 if self._stopping:
                     return None
                 self._lock.wait()
             inbox, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, []
             flushes, self._cache_flushes = self._cache_flushes, []
-        return inbox, aborts, flushes
+            abort_waiting, self._is_aborting_waiting = self._is_aborting_waiting, False
+        return inbox, aborts, flushes, abort_waiting
 
     def _apply_commands(self, inbox: list[Request], aborts: list[str],
-                        flushes: list[Future[int]]) -> None:
+                        flushes: list[Future[int]], abort_waiting: bool) -> None:
         for request in inbox:
             self.scheduler.add(request)
         for request_id in aborts:
             if request_id in self.scheduler.requests:
                 self._finish(self.scheduler.requests[request_id], "abort")
+        if abort_waiting:
+            for request in list(self.scheduler.waiting):
+                self._finish(request, "abort", "aborted before it started")
         for flushed in flushes:
             flushed.set_result(self.kv.prefix_cache.clear())
         if self.config.request_timeout_s:

@@ -397,6 +397,25 @@ def test_failing_callback_aborts_only_its_request(engines):
     assert engine.stats().free_kv_blocks == engine.stats().total_kv_blocks
 
 
+def test_abort_waiting_ends_the_queued_requests_and_lets_the_running_one_finish(engines):
+    model = FakeModel()
+    model.before_forward = lambda batch: time.sleep(0.005)
+    engine, sink = engines(model, ctx=64), Collector()
+    running = engine.submit([1] * 10, greedy(30), sink)  # 5 of the 8 KV blocks
+    while not sink.events[running]:
+        time.sleep(0.001)
+    queued = [engine.submit([2] * 10, greedy(30), sink) for _ in range(2)]  # wait for KV
+    engine.abort_waiting()
+    for request_id in queued:
+        final = sink.final(request_id)
+        assert final.finish_reason == "abort" and final.num_output_tokens == 0
+        assert final.scheduled_at is None
+    assert sink.final(running).finish_reason == "length"
+    assert len(sink.tokens(running)) == 30
+    later = engine.submit([3] * 10, greedy(2), sink)  # the abort applied once, not for good
+    assert sink.final(later).finish_reason == "length"
+
+
 def test_shutdown_finishes_in_flight_requests_and_refuses_new_ones(engines):
     engine, sink = engines(), Collector()
     ids = [engine.submit(p, greedy(20), sink) for p in _prompts(6)]
