@@ -12,7 +12,9 @@ follow that function's `parameters` schema.
 
 The templates write one newline between calls. Qwen3's arguments are a JSON object (%json of the
 schema); Qwen3.5's are <parameter=...> blocks in the schema's property order, the required ones
-present, a string value as raw text (one of its enum, if it has one) and any other as JSON.
+present, a string value as raw text (its minLength and maxLength hold, its pattern and format
+do not), a boolean as JSON or Python writes it, one of an enum's values as the template writes
+it, and any other value as JSON.
 Schema keywords llguidance does not implement are ignored (lenient) rather than refused: agents
 send large tool schemas, and the rest of each schema still holds.
 """
@@ -37,6 +39,8 @@ CALL_OPENED = f"{TOOL_CALL_OPEN}\n"
 NEXT_CALL = f"\n{TOOL_CALL_OPEN}\n"
 PARAMETER_OPENING = "<parameter={}>\n"
 PARAMETER_END = "\n</parameter>\n"
+# Qwen3.5's template writes a boolean argument as Python does (True); JSON's spelling reads too
+BOOLEANS = ("true", "false", "True", "False")
 # Free text; an XML string value also never holds what would end it early for the parser. A
 # lazy lexeme ends at its first match, so text_then_call ends at the first <tool_call>.
 TERMINALS = rf"""
@@ -54,8 +58,10 @@ def tool_call_grammar(tools: Sequence[Mapping[str, Any]], *, tool_choice: str,
     renders: a named tool_choice renders only that function). answer_schema: response_format's
     JSON schema, which an answer that calls nothing follows ('auto' only)."""
     functions = [tool["function"] for tool in tools]
-    rules = [f"args_{i}: {_arguments(function.get('parameters') or OBJECT, xml_format)}"
-             for i, function in enumerate(functions)]
+    rules: list[str] = []
+    for i, function in enumerate(functions):
+        arguments = _arguments(function.get("parameters") or OBJECT, xml_format, i, rules)
+        rules.append(f"args_{i}: {arguments}")
     closing = _literal(call_closing(xml_format))
     if forced_tool is not None:  # the prompt opened the call of the one rendered function
         return _grammar(f"args_0 {closing}", rules)
@@ -76,7 +82,9 @@ def _grammar(start: str, rules: list[str]) -> str:
     return "\n".join([f"start: {start}", *rules, TERMINALS])
 
 
-def _arguments(parameters: Mapping[str, Any], xml_format: bool) -> str:
+def _arguments(parameters: Mapping[str, Any], xml_format: bool, index: int,
+               rules: list[str]) -> str:
+    """Function `index`'s arguments (rules: where the rules they need go)."""
     if not xml_format:
         return _json_value(parameters, TOOL_SCHEMA_OPTIONS)
     properties = parameters.get("properties")
@@ -84,21 +92,33 @@ def _arguments(parameters: Mapping[str, Any], xml_format: bool) -> str:
     # $ref inside a property points into the root's definitions: each value's schema takes them
     definitions = {k: parameters[k] for k in ("$defs", "definitions") if k in parameters}
     blocks = []
-    for name, schema in (properties.items() if isinstance(properties, Mapping) else ()):
+    for j, (name, schema) in enumerate(properties.items()
+                                       if isinstance(properties, Mapping) else ()):
         schema = {**schema, **definitions} if isinstance(schema, Mapping) else definitions
-        block = f"({_literal(PARAMETER_OPENING.format(name))} {_xml_value(schema)})"
+        value = _xml_value(schema, f"{index}_{j}", rules)
+        block = f"({_literal(PARAMETER_OPENING.format(name))} {value})"
         blocks.append(block if name in required else f"{block}?")
     return " ".join(blocks) or '""'
 
 
-def _xml_value(schema: Mapping[str, Any]) -> str:
-    """A parameter's value and the end of its block."""
+def _xml_value(schema: Mapping[str, Any], name: str, rules: list[str]) -> str:
+    """A parameter's value and the end of its block (rules: where a bounded text's go)."""
+    if isinstance(schema.get("enum"), list):  # the template writes a string raw, all else JSON
+        return _one_of([v if isinstance(v, str) else json.dumps(v) for v in schema["enum"]])
+    if schema.get("type") == "boolean":
+        return _one_of(BOOLEANS)
     if not is_text_parameter(schema):
         return f"{_json_value(schema, TOOL_SCHEMA_OPTIONS)} {_literal(PARAMETER_END)}"
-    choices = [v for v in schema.get("enum", ()) if isinstance(v, str)]
-    if not choices:
+    shortest, longest = schema.get("minLength", 0), schema.get("maxLength", "")
+    if not shortest and longest == "":
         return "xml_text_value"
-    return "(" + " | ".join(_literal(v) for v in choices) + f") {_literal(PARAMETER_END)}"
+    rules.append(f"XML_TEXT_{name}: /(?s:.{{{shortest},{longest}}})/ & XML_TEXT")
+    rules.append(f"xml_text_value_{name}[lazy]: XML_TEXT_{name} {_literal(PARAMETER_END)}")
+    return f"xml_text_value_{name}"
+
+
+def _one_of(texts: Sequence[str]) -> str:
+    return "(" + " | ".join(_literal(text) for text in texts) + f") {_literal(PARAMETER_END)}"
 
 
 def _json_value(schema: Mapping[str, Any], options: Mapping[str, Any]) -> str:
