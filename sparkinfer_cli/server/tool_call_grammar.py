@@ -74,7 +74,7 @@ def tool_call_grammar(tools: Sequence[Mapping[str, Any]], *, tool_choice: str,
     if answer_schema is not None:
         answer = _json_value(json.loads(answer_schema), COMPACT_JSON)
         return _grammar(f"{answer} | {_literal(CALL_OPENED)} {calls}", rules)
-    line_break = _literal("\n")  # the templates' after <tool_call>
+    line_break = _literal("\n")  # the templates write one after <tool_call>
     return _grammar(f"TEXT | text_then_call {line_break} {calls}", rules)
 
 
@@ -104,9 +104,9 @@ def _arguments(parameters: Mapping[str, Any], xml_format: bool, index: int,
 def _xml_value(schema: Mapping[str, Any], name: str, rules: list[str]) -> str:
     """A parameter's value and the end of its block (rules: where a bounded text's go)."""
     if isinstance(schema.get("enum"), list):  # the template writes a string raw, all else JSON
-        return _one_of([v if isinstance(v, str) else json.dumps(v) for v in schema["enum"]])
+        return _value_among([v if isinstance(v, str) else json.dumps(v) for v in schema["enum"]])
     if schema.get("type") == "boolean":
-        return _one_of(BOOLEANS)
+        return _value_among(BOOLEANS)
     if not is_text_parameter(schema):
         return f"{_json_value(schema, TOOL_SCHEMA_OPTIONS)} {_literal(PARAMETER_END)}"
     shortest, longest = schema.get("minLength", 0), schema.get("maxLength", "")
@@ -117,7 +117,8 @@ def _xml_value(schema: Mapping[str, Any], name: str, rules: list[str]) -> str:
     return f"xml_text_value_{name}"
 
 
-def _one_of(texts: Sequence[str]) -> str:
+def _value_among(texts: Sequence[str]) -> str:
+    """One of these texts, then the end of the parameter's block."""
     return "(" + " | ".join(_literal(text) for text in texts) + f") {_literal(PARAMETER_END)}"
 
 
