@@ -71,14 +71,21 @@ def lark_grammar(lark: str) -> str:
     return _llguidance().LLMatcher.grammar_from_lark(lark)
 
 
+@functools.lru_cache(maxsize=64)
+def _compiled(grammar: str, tokenizer: Tokenizer, n_vocab: int) -> Any:
+    """A matcher at the start of the grammar (in error state if it does not compile), compiled
+    once: compiling a request's tools takes milliseconds, and an agent resends the same tools
+    every turn; each request copies it."""
+    return _llguidance().LLMatcher(grammar_tokenizer(tokenizer, n_vocab), grammar, log_level=0)
+
+
 def check_grammar(grammar: str, tokenizer: Tokenizer, n_vocab: int) -> str:
     """The grammar, once llguidance has compiled it for this vocabulary; ValueError naming the
     problem (the first line of llguidance's message: the rest quotes the grammar) when it
     cannot."""
-    is_error, messages = _llguidance().LLMatcher.validate_grammar_with_warnings(
-        grammar, grammar_tokenizer(tokenizer, n_vocab))
-    if is_error:
-        raise ValueError(messages[0].splitlines()[0])
+    matcher = _compiled(grammar, tokenizer, n_vocab)
+    if matcher.is_error():
+        raise ValueError(matcher.get_error().splitlines()[0])
     return grammar
 
 
@@ -92,8 +99,7 @@ class GrammarConstraint:
         templates), or the prompt has opened one already (reasoning_open: Qwen3.5 / 3.6); the
         grammar applies from the token after the close."""
         self.n_vocab = n_vocab
-        self._matcher = _llguidance().LLMatcher(grammar_tokenizer(tokenizer, n_vocab), grammar,
-                                                log_level=0)
+        self._matcher = _compiled(grammar, tokenizer, n_vocab).deep_copy()
         self._think = reasoning_tokens
         self._thinking = reasoning_tokens is not None and reasoning_open
         self._first = True
