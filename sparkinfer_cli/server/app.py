@@ -30,6 +30,7 @@ from sparkinfer_cli.server.responses import TokenTexts
 log = logging.getLogger(__name__)
 
 FORCE_EXIT_SLACK_S = 5.0  # after the grace period, app.stop() gets this long before os._exit
+CUT_REPORT_S = 1.0  # after the grace period, how long the requests cut get to send their 503
 _app_numbers = itertools.count()
 
 ROUTES: tuple[tuple[Any, str, str], ...] = (
@@ -182,8 +183,10 @@ def _as_api_error(exc: Exception) -> ApiError:
 
 
 def serve(app: Sanic, config: ServerConfig) -> None:
-    """Serve until SIGTERM/SIGINT, then drain: new generation requests get 503, in-flight ones
-    finish, the process exits; after shutdown_grace_s it force-exits. A second signal exits now."""
+    """Serve until SIGTERM/SIGINT, then drain: new generation requests and those not started yet
+    get 503 with Retry-After (a router retries them elsewhere), running ones finish, the process
+    exits; those still running after shutdown_grace_s end with a 503 (an SSE error event on a
+    stream). A second signal exits now."""
     app.register_listener(_install_signal_handlers, "after_server_start")
     app.run(host=config.host, port=config.port, single_process=True, access_log=False,
             motd=False, register_sys_signals=False)
@@ -203,15 +206,16 @@ async def _drain_and_stop(app: Sanic) -> None:
         log.warning("second shutdown signal: exiting now")
         os._exit(1)
     grace = state.config.shutdown_grace_s
-    log.info("shutdown signal: draining %d in-flight requests (grace %.0f s)",
-             state.engine.num_in_flight, grace)
+    log.info("shutdown signal: draining %d in-flight requests (grace %g s); those not started "
+             "get 503", state.engine.num_in_flight, grace)
     state.engine.begin_drain()
     timer = threading.Timer(grace + FORCE_EXIT_SLACK_S, os._exit, args=(1,))
     timer.daemon = True
     timer.start()
     if not await state.engine.wait_idle(grace):
-        log.warning("grace period over with %d requests in flight; stopping anyway",
+        log.warning("grace period over with %d requests in flight; ending them with 503",
                     state.engine.num_in_flight)
+        await state.engine.cut_in_flight(CUT_REPORT_S)
     app.stop()
 
 
@@ -252,7 +256,9 @@ def run_server(model_path: str | Path, host: str | None = None, port: int | None
     try:
         serve(app, server_config)
     finally:
-        engine.shutdown(wait=False)
+        # NOTE: the drain ended every request, so the engine thread stops within a step; exiting
+        # under it would interrupt a forward pass
+        engine.shutdown(wait=True)
 
 
 def default_model_name(gguf: Any) -> str:

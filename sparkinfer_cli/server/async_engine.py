@@ -3,7 +3,8 @@
 It owns everything about a request's life that is not HTTP: admission (503 while draining, engine
 errors → 429/400/503), one asyncio queue per HTTP request fed from the engine thread through a
 LoopRelay, the request deadline (504), cancel-on-disconnect (abort on close) and the drain that
-graceful shutdown waits for. Route handlers only iterate a `Generation`.
+graceful shutdown waits for (queued requests 503 at once, running ones until the grace ends, then
+503 too). Route handlers only iterate a `Generation`.
 """
 
 from __future__ import annotations
@@ -79,13 +80,16 @@ class AsyncEngine:
         return ApiError(503, message, type="service_unavailable_error", code=code,
                         headers={"Retry-After": str(self.retry_after_s)})
 
+    def shutting_down(self, message: str) -> ApiError:
+        """The 503 of a draining server: a router that sees it retries on another replica."""
+        return self.unavailable(message, "server_shutting_down")
+
     def generate(self, choices: Sequence[tuple[list[int], SamplingParams]],
                  request_id: str) -> Generation:
         """Submit one engine request per (prompt ids, params) choice; raises ApiError if the
         engine refuses any (the ones already submitted are aborted)."""
         if self.is_draining:
-            raise self.unavailable("the server is shutting down and accepts no new requests",
-                                   "server_shutting_down")
+            raise self.shutting_down("the server is shutting down and accepts no new requests")
         deadline = time.monotonic() + self.request_timeout_s if self.request_timeout_s else None
         generation = Generation(self, len(choices), deadline)
         for index, (prompt_ids, params) in enumerate(choices):
@@ -101,7 +105,18 @@ class AsyncEngine:
             self._idle.set()
 
     def begin_drain(self) -> None:
+        """From now on new generation requests get 503, and so do those the engine has not
+        started yet (their Generation sees "abort"); the running ones go on."""
         self.is_draining = True
+        self.engine.abort_waiting()
+
+    async def cut_in_flight(self, timeout_s: float) -> bool:
+        """Ends every generation still in flight with a 503 (an SSE error event where a stream
+        is under way); True once their handlers have all reported it, False after timeout_s."""
+        for generation in list(self._in_flight):
+            generation.interrupt(self.shutting_down("the server shut down before the request "
+                                                    "finished"))
+        return await self.wait_idle(timeout_s)
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """True once no generation is in flight; False if timeout_s passed first."""
@@ -165,6 +180,8 @@ class Generation:
     async def __aiter__(self) -> AsyncIterator[tuple[int, Any]]:
         while self._running:
             index, event = await self._next()
+            if isinstance(event, ApiError):  # interrupt(): `async with` closes it once reported
+                raise event
             self._observe(index, event)
             if event.finish_reason is not None:
                 del self._running[index]
@@ -188,6 +205,9 @@ class Generation:
         self.close()
         if reason == "timeout":
             raise _timeout_error()
+        if reason == "abort" and self._owner.is_draining:  # AsyncEngine.begin_drain
+            raise self._owner.shutting_down("the server is shutting down and did not start "
+                                            "this request")
         if reason == "abort":
             raise self._owner.unavailable("the request was aborted by the server",
                                           "request_aborted")
@@ -196,6 +216,11 @@ class Generation:
                            code="unsatisfiable_sampling")
         raise ApiError(500, f"generation failed: {event.error or reason}", type="server_error",
                        code="generation_failed")
+
+    def interrupt(self, error: ApiError) -> None:
+        """Iterating raises `error` after the events already received. The generation stays in
+        flight until closed, so that AsyncEngine.wait_idle covers its handler reporting it."""
+        self._queue.put_nowait((-1, error))
 
     def _observe(self, index: int, event: Any) -> None:
         metrics = self._owner.metrics

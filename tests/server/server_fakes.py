@@ -211,6 +211,11 @@ class FakeEngine:
             self.aborts.add(request_id)
             self.lock.notify_all()
 
+    def abort_waiting(self) -> None:
+        with self.lock:
+            for request in list(self.waiting):
+                self._finish(request, "abort")
+
     # ---- engine thread
     def _loop(self) -> None:
         while True:

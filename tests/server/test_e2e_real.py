@@ -275,6 +275,21 @@ def test_queue_full_and_timeout_with_the_real_engine() -> None:
         wait_until(lambda: kv_is_free(server.url), 10)
 
 
+def test_a_stream_cut_by_the_grace_period_gets_an_error_event_and_the_engine_stops_cleanly(
+        ) -> None:
+    with start_real_server(SPARKINFER_SHUTDOWN_GRACE_S="0.5") as server:
+        with httpx.stream("POST", f"{server.url}/v1/completions", timeout=REQUEST_S,
+                          json={"prompt": GOLDENS["prompt_short"], "max_tokens": 4000,
+                                "temperature": 0, "stream": True}) as response:
+            lines = response.iter_lines()
+            first = next(lines)
+            server.signal(signal.SIGTERM)
+            events, done = sse_json("\n".join([first, *lines]) + "\n\n")
+        assert not done and events[-1]["error"]["code"] == "server_shutting_down"
+        assert server.wait(15) == 0  # no forced exit
+        assert "Traceback" not in server.output()  # nor a forward pass cut by the exit
+
+
 def test_sigterm_during_a_stream_finishes_it_then_exits(real) -> None:
     """Runs last: it shuts the module's server down."""
     with httpx.stream("POST", f"{real.url}/v1/completions", timeout=REQUEST_S,
