@@ -14,6 +14,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import ujson
+
 from sparkinfer_cli.engine.sampling_params import SamplingParams
 from sparkinfer_cli.server.tool_calls import arguments_for_template
 
@@ -23,6 +25,7 @@ RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "add_generation_prompt", "docum
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
 _TOKEN_ID_KEY = re.compile(r"\s*[0-9]{1,10}\s*")  # ASCII digits only: int() also takes "²", "١"
+_SURROGATE = re.compile("[\ud800-\udfff]")  # left after parsing only where unpaired
 
 
 class ApiError(Exception):
@@ -104,22 +107,33 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
     if not raw:
         raise invalid("the request body is empty; expected a JSON object", None, "invalid_json")
     try:
-        body = json.loads(raw)
-    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        # strict: json.loads would let UTF-8-encoded surrogates through ("surrogatepass")
+        text = raw.decode(json.detect_encoding(raw))
+        # NOTE: ujson nests 1,024 levels wherever it runs; json.loads only as deep as the
+        # recursion limit allows below the handler's own frames (~940 in a Sanic handler)
+        body = ujson.loads(text)
+    except ValueError as exc:  # UnicodeDecodeError and ujson.JSONDecodeError are ValueErrors
         raise invalid(f"the request body is not valid JSON: {exc}", None, "invalid_json") from None
-    if b"\\u" in raw:  # only escapes can make a lone UTF-16 surrogate, which no tokenizer takes
-        _check_no_lone_surrogates(body)
+    if "\\u" in text and _has_lone_surrogate(body):  # only escapes are left to make one
+        raise invalid("the request body holds a lone UTF-16 surrogate escape (\\ud800-\\udfff "
+                      "without its pair), which is not text", None, "invalid_json")
     return _require_object(body)
 
 
-def _check_no_lone_surrogates(body: Any) -> None:
-    try:
-        json.dumps(body, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        raise invalid("the request body holds a lone UTF-16 surrogate escape (\\ud800-\\udfff "
-                      "without its pair), which is not text", None, "invalid_json") from None
-    except RecursionError:
-        raise invalid("the request body is nested too deeply", None, "invalid_json") from None
+def _has_lone_surrogate(body: Any) -> bool:
+    """Whether a key or string in the parsed body holds an unpaired UTF-16 surrogate, which no
+    tokenizer takes; walked without recursion, as bodies nest up to 1,024 levels."""
+    pending = [body]
+    while pending:
+        value = pending.pop()
+        if isinstance(value, dict):
+            pending += value.keys()
+            pending += value.values()
+        elif isinstance(value, list):
+            pending += value
+        elif isinstance(value, str) and _SURROGATE.search(value):
+            return True
+    return False
 
 
 # ---------------------------------------------------------------- sampling (chat and completions)
@@ -294,7 +308,11 @@ def parse_response_format(value: Any) -> str | None:
     if not isinstance(schema, dict):
         raise invalid("'response_format.json_schema' must be an object whose 'schema' is a JSON "
                       "schema object", "response_format")
-    return json.dumps(schema)
+    try:
+        return json.dumps(schema)
+    except RecursionError:  # the body may nest deeper than json.dumps can go from here
+        raise invalid("'response_format.json_schema.schema' is nested too deeply",
+                      "response_format") from None
 
 
 def _parse_template_kwargs(body: Mapping[str, Any]) -> dict[str, Any]:

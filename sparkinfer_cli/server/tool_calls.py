@@ -129,7 +129,7 @@ def arguments_for_template(arguments: str | dict[str, Any]) -> dict[str, Any] | 
         return arguments
     try:
         parsed = json.loads(arguments)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested deeper than json.loads can go
         return arguments
     return parsed if isinstance(parsed, dict) else arguments
 

@@ -101,6 +101,51 @@ def test_bad_bodies_found_by_fuzzing_are_400(server, body) -> None:
     assert_openai_error(response, 400)
 
 
+@pytest.mark.parametrize("path, raw", [
+    ("chat/completions", b'{"messages": [{"role": "user", "content": "a\xed\xa0\x80b"}]}'),
+    ("completions", b'{"prompt": "a\xed\xa0\x80b"}'),
+], ids=["content", "prompt"])
+def test_a_surrogate_sent_as_utf8_bytes_is_400(server, path, raw) -> None:
+    # a lone surrogate encoded as if it were a code point (CESU-8): not UTF-8
+    response = httpx.post(f"{server.base_url}/{path}", content=raw,
+                          headers={"content-type": "application/json"})
+    assert assert_openai_error(response, 400)["code"] == "invalid_json"
+
+
+def with_field_nested(body: dict, field: str, depth: int) -> bytes:
+    """body with one more field: an object nested depth levels deep."""
+    nested = '{"a": ' * depth + "1" + "}" * depth
+    return (json.dumps(body)[:-1] + f', "{field}": {nested}}}').encode()
+
+
+@pytest.mark.parametrize("path, body", [
+    ("chat/completions", {"messages": user("x")}),
+    ("completions", {"prompt": "x"}),
+    ("responses", {"input": "x"}),
+    ("messages", {"messages": user("x"), "max_tokens": 5}),
+])
+def test_an_unknown_field_nested_980_deep_is_ignored(server, path, body) -> None:
+    response = httpx.post(f"{server.base_url}/{path}", content=with_field_nested(body, "x", 980),
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize("raw", [
+    with_field_nested({"messages": user("x")}, "x", 2000),
+    # nested deeper than json.dumps / json.loads can go from a handler, but within the body limit
+    json.dumps({"messages": user("x"), "response_format": {
+        "type": "json_schema", "json_schema": {"name": "n", "schema": "SCHEMA"}}}).replace(
+        '"SCHEMA"', '{"a": ' * 1015 + "1" + "}" * 1015).encode(),
+    json.dumps({"messages": [*user("x"), {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "1", "type": "function",
+         "function": {"name": "f", "arguments": '{"a": ' * 1020 + "1" + "}" * 1020}}]}]}).encode(),
+], ids=["unknown field", "response_format schema", "tool call arguments"])
+def test_bodies_nested_too_deep_to_use_are_400(server, raw) -> None:
+    response = httpx.post(f"{server.base_url}/chat/completions", content=raw,
+                          headers={"content-type": "application/json"})
+    assert_openai_error(response, 400)
+
+
 def test_a_prompt_nested_hundreds_of_lists_deep_is_400(server) -> None:
     prompt: list = [1]
     for _ in range(900):
