@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 FORCE_EXIT_SLACK_S = 5.0  # after the grace period, app.stop() gets this long before os._exit
 CUT_REPORT_S = 1.0  # after the grace period, how long the requests cut get to send their 503
+REFUSED_BODY_DRAIN_BYTES = 64 * 1024 * 1024  # read past max_request_bytes to deliver the 413
 _app_numbers = itertools.count()
 
 ROUTES: tuple[tuple[Any, str, str], ...] = (
@@ -82,12 +83,13 @@ def create_app(engine: Any, tokenizer: Any, chat_template: Any,
                                        async_engine.metrics, int(time.time()),
                                        TokenTexts(tokenizer))
     for handler, uri, method in ROUTES:
-        # POST handlers read their body themselves, under the read timeout (routes.read_body);
-        # routes are named by path, since one handler may serve several
-        app.add_route(handler, uri, methods=[method], stream=method == "POST", name=uri)
+        # every route streams: Sanic buffers no body; POST handlers read theirs themselves (the
+        # read timeout and max_request_bytes: routes.read_body); routes are named by path, since
+        # one handler may serve several
+        app.add_route(handler, uri, methods=[method], stream=True, name=uri)
         if uri in UNPREFIXED_ALIASES:
-            app.add_route(handler, uri.removeprefix(V1), methods=[method],
-                          stream=method == "POST", name=uri.removeprefix(V1))
+            app.add_route(handler, uri.removeprefix(V1), methods=[method], stream=True,
+                          name=uri.removeprefix(V1))
     app.error_handler.add(Exception, _error_response)
     if config.cors_origins:
         app.on_request(_answer_cors_preflight)  # first: a preflight carries no API key
@@ -97,7 +99,10 @@ def create_app(engine: Any, tokenizer: Any, chat_template: Any,
 
 
 def _configure_transport(app: Sanic, config: ServerConfig) -> None:
-    app.config.REQUEST_MAX_SIZE = config.max_request_bytes
+    # NOTE: routes.read_body refuses a body over max_request_bytes (413); Sanic's limit is how
+    # much more it then reads and drops, as closing with unread bytes resets the connection and a
+    # client still sending the body never sees the 413
+    app.config.REQUEST_MAX_SIZE = config.max_request_bytes + REFUSED_BODY_DRAIN_BYTES
     app.config.REQUEST_TIMEOUT = config.read_timeout_s  # Sanic resets it on every byte received
     # NOTE: Sanic's response timeout also runs while a non-streaming generation computes, so it is
     # off; stalled writes are bounded per send by write_timeout_s in routes._stream.

@@ -3,6 +3,7 @@ test that malformed bodies only ever get 4xx OpenAI errors while the server stay
 
 from __future__ import annotations
 
+import http.client
 import json
 import socket
 import time
@@ -76,6 +77,23 @@ def test_unknown_route_method_and_oversized_body(make_server) -> None:
     assert_openai_error(httpx.post(f"{srv.base_url}/chat/completions", json={"messages": big}),
                         413)
     assert chat(srv.url).status_code == 200
+
+
+def test_a_body_far_over_the_limit_gets_its_413_not_a_reset(make_server) -> None:
+    # a client writes the whole body before it reads (http.client does): closing the connection
+    # with megabytes unread would reset it, and the client would never see the 413
+    srv = make_server(config={"max_request_bytes": 4096})
+    message = json.dumps({"role": "user", "content": "hello"}).encode()
+    body = b'{"messages": [' + b", ".join([message] * 600_000) + b"]}"  # 20 MB
+    pieces = [body[i:i + 65536] for i in range(0, len(body), 65536)]
+    connection = http.client.HTTPConnection("127.0.0.1", int(srv.url.rsplit(":", 1)[1]), timeout=30)
+    for content, chunked in ((body, False), (pieces, True)):  # one connection: it stays usable
+        connection.request("POST", "/v1/chat/completions", body=content, encode_chunked=chunked,
+                           headers={"content-type": "application/json"})
+        response = connection.getresponse()
+        assert response.status == 413
+        assert json.loads(response.read())["error"]["code"] == "request_too_large"
+    connection.close()
 
 
 def test_read_timeout_drops_a_stalled_request(make_server) -> None:
