@@ -36,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-KERNEL_MODULES = ("activation", "attention", "attention_input", "attention_mma",
+KERNEL_MODULES = ("activation", "attention", "attention_flash", "attention_input", "attention_mma",
                   "attention_prefill", "embedding", "expert_route", "gated_delta", "mma_gemm",
                   "mmq_q8", "model_ops", "moe", "norm", "quant_gemv", "sampling")
 PACKAGE = "sparkinfer_cli.kernels.cuda"
