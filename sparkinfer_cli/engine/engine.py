@@ -34,6 +34,7 @@ from sparkinfer_cli.engine.speculative import accepted_drafts
 from sparkinfer_cli.engine.step_timings import StepTimings
 from sparkinfer_cli.engine.stop import StopStringMatcher
 from sparkinfer_cli.model.backend import ModelBackend
+from sparkinfer_cli.model.batch import SamplingRows
 from sparkinfer_cli.tokenizer.detokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
@@ -321,9 +322,9 @@ class ContinuousBatchEngine:
         except Exception as exc:  # a failed pass ends the requests still running
             self._fail(requests, exc)
 
-    def _device_picks(self, output: SchedulerOutput) -> tuple[bool, np.ndarray | None]:
+    def _device_picks(self, output: SchedulerOutput) -> tuple[bool, SamplingRows | None]:
         """(whether the model picks every sampling sequence's token on its device, their
-        sampling rows (Sampler.device_row), or None when all are plain greedy: the argmax)."""
+        draws (Sampler.device_draw), or None when all are plain greedy: the argmax)."""
         if not self.runner.can_pick_greedy:
             return False, None
         wanted = [self.scheduler.requests[s.request_id].sampler for s in output.sequences
@@ -336,7 +337,7 @@ class ContinuousBatchEngine:
         limit = self.runner.max_sample_top_k
         if not all(x.can_sample_on_device(limit) for x in samplers):
             return False, None
-        return True, np.stack([x.device_row() for x in samplers])
+        return True, SamplingRows.of([x.device_draw() for x in samplers])
 
     def _greedy_tokens(self, requests: list[Request], rows: list[np.ndarray]) -> list[int | None]:
         """The plain greedy rows' tokens, sampled together; None for the other rows."""

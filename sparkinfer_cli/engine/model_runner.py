@@ -14,7 +14,7 @@ import numpy as np
 from sparkinfer_cli.engine.kv_cache import CacheOps
 from sparkinfer_cli.engine.scheduler import ScheduledSequence, SchedulerOutput
 from sparkinfer_cli.model.backend import ModelBackend, ModelCache
-from sparkinfer_cli.model.batch import SequenceBatch
+from sparkinfer_cli.model.batch import SamplingRows, SequenceBatch
 
 
 class ModelRunner:
@@ -38,23 +38,16 @@ class ModelRunner:
         return self.model.max_sample_top_k
 
     def run_device_picks(self, output: SchedulerOutput,
-                         rows: np.ndarray | None = None) -> dict[str, np.ndarray]:
+                         rows: SamplingRows | None = None) -> dict[str, np.ndarray]:
         """request id → the token (a 0-d array) of the same sequences as run(), picked by the
-        model: the argmax, or drawn by rows (one per sequence that samples: Sampler.device_row)
+        model: the argmax, or drawn by rows (one per sequence that samples: Sampler.device_draw)
         where given. Only the ids leave the device, not num_seqs × n_vocab floats."""
         if rows is None:
             return self._run(output, self.model.forward_greedy)
+        # the sequences that sample take their draws; the others the argmax (their ids unused)
+        sampling = [i for i, s in enumerate(output.sequences) if s.needs_logits]
         return self._run(output, lambda batch, cache: self.model.forward_sampled(
-            batch, cache, self._per_sequence(output, rows)))
-
-    @staticmethod
-    def _per_sequence(output: SchedulerOutput, rows: np.ndarray) -> np.ndarray:
-        """rows of the sequences that sample, spread over all of the pass's sequences (the
-        others: argmax, their ids unused)."""
-        full = np.zeros((len(output.sequences), rows.shape[1]))  # (num_seqs, 5)
-        full[:, 2] = 1.0  # top_p
-        full[[i for i, s in enumerate(output.sequences) if s.needs_logits]] = rows
-        return full
+            batch, cache, rows.spread(len(output.sequences), sampling)))
 
     @property
     def max_decode_steps(self) -> int:

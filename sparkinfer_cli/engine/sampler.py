@@ -40,6 +40,7 @@ import numpy as np
 
 from sparkinfer_cli.engine.sampling_params import SamplingParams
 from sparkinfer_cli.engine.truncation import Workspace, choose, thread_workspace, top_positions
+from sparkinfer_cli.model.batch import DeviceDraw
 
 REPETITION_WINDOW = 64  # llama.cpp's penalty_last_n default
 BAN_BIAS = -100.0  # OpenAI: "-100 should result in a ban"
@@ -118,18 +119,18 @@ class Sampler:
 
     def can_sample_on_device(self, max_top_k: int) -> bool:
         """Whether a device sampler that keeps the max_top_k best logits (CudaModel.
-        forward_sampled) picks what sample() would from device_row(): plain greedy, or a top-k
+        forward_sampled) picks what sample() would from device_draw(): plain greedy, or a top-k
         of at most max_top_k with no logprobs, penalties or bias."""
         p = self.params
         return self.is_plain_greedy or (not p.logprobs and not self.may_touch_logits
                                         and self.constraint is None and 1 <= p.top_k <= max_top_k)
 
-    def device_row(self) -> np.ndarray:
-        """(temperature, top_k, top_p, min_p, u) of this token for the device sampler; u is drawn
-        from this request's generator as sample() draws it (none for greedy)."""
+    def device_draw(self) -> DeviceDraw:
+        """This token's draw for the device sampler; u is drawn from this request's generator as
+        sample() draws it (none for greedy)."""
         p = self.params
         u = 0.0 if p.is_greedy else self._rng.random()
-        return np.array([p.temperature, p.top_k, p.top_p, p.min_p, u])
+        return DeviceDraw(p.temperature, p.top_k, p.top_p, p.min_p, u)
 
     def sample(self, logits: np.ndarray, prompt_ids: Sequence[int],
                output_ids: Sequence[int]) -> SampleResult:

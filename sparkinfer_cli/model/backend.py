@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from sparkinfer_cli.model.batch import SequenceBatch
+from sparkinfer_cli.model.batch import SamplingRows, SequenceBatch
 
 if TYPE_CHECKING:
     from sparkinfer_cli.model.config import ModelConfig
@@ -60,9 +60,8 @@ class ModelBackend(ABC):
         raise NotImplementedError(f"{type(self).__name__} picks no tokens on a device")
 
     def forward_sampled(self, batch: SequenceBatch, cache: ModelCache,
-                        rows: np.ndarray) -> np.ndarray:
-        """(num_seqs,) ids drawn on the device by per-sequence sampling rows
-        (max_sample_top_k > 0)."""
+                        rows: SamplingRows) -> np.ndarray:
+        """(num_seqs,) ids drawn on the device by each sequence's draw (max_sample_top_k > 0)."""
         raise NotImplementedError(f"{type(self).__name__} samples no tokens on a device")
 
     def decode_greedy(self, batch: SequenceBatch, cache: ModelCache,

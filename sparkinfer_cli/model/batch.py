@@ -10,7 +10,9 @@ and writes them.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -93,3 +95,48 @@ class SequenceBatch:
         ids = np.asarray(token_ids, dtype=np.int32)
         return cls(ids, [start], [len(ids)], [np.asarray(block_table, dtype=np.int32)],
                    [state_slot], all_logits)
+
+
+class DeviceDraw(NamedTuple):
+    """How an on-device sampler picks one sequence's token (kernels/cuda/sampling.py): the host
+    Sampler's truncation and draw for this uniform u; temperature 0 = the argmax."""
+
+    temperature: float
+    top_k: int  # 0: the whole vocabulary
+    top_p: float
+    min_p: float
+    uniform: float  # u in [0, 1)
+
+
+ARGMAX = DeviceDraw(0.0, 0, 1.0, 0.0, 0.0)
+
+
+@dataclass(frozen=True)
+class SamplingRows:
+    """A pass's DeviceDraw per sequence, as columns (what the device copies)."""
+
+    temperature: np.ndarray  # (n,) float32
+    top_k: np.ndarray  # (n,) int32
+    top_p: np.ndarray  # (n,) float32
+    min_p: np.ndarray  # (n,) float32
+    uniform: np.ndarray  # (n,) float32
+
+    @classmethod
+    def of(cls, draws: Sequence[DeviceDraw]) -> SamplingRows:
+        t, k, p, m, u = zip(*draws) if draws else ((),) * 5
+        return cls(np.array(t, np.float32), np.array(k, np.int32), np.array(p, np.float32),
+                   np.array(m, np.float32), np.array(u, np.float32))
+
+    def __len__(self) -> int:
+        return len(self.temperature)
+
+    def __iter__(self) -> Iterator[DeviceDraw]:
+        for values in zip(self.temperature, self.top_k, self.top_p, self.min_p, self.uniform):
+            yield DeviceDraw(*values)
+
+    def spread(self, n: int, at: Sequence[int]) -> SamplingRows:
+        """Rows for n sequences: these at positions `at`, the argmax at the others."""
+        draws = [ARGMAX] * n
+        for i, draw in zip(at, self):
+            draws[i] = draw
+        return SamplingRows.of(draws)

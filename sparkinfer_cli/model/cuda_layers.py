@@ -192,7 +192,8 @@ class CudaAttention:
                                 ws.slot_mapping, neox=cfg.rope_style == ROPE_NEOX,
                                 scales=cache.kv_scales(li), stream=stream)
         out = ws.act("attn.out", H * D)
-        args = (q, cache.k[li], cache.v[li], ws.block_tables, ws.seq_lens, out.f.reshape(rows, H, D))
+        args = (q, cache.k[li], cache.v[li], ws.block_tables, ws.seq_lens,
+                out.f.reshape(rows, H, D))
         options = {"stream": stream, "row_seq": ws.row_seq, "scales": cache.kv_scales(li)}
         fused_q8 = None  # the q8 activations the attention kernel fills itself
         if ws.multi_token and attention_flash.supports(H, H_kv, D, cache.k[li].dtype):

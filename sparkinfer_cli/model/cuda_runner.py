@@ -47,7 +47,7 @@ from sparkinfer_cli.kernels.cuda.intrinsics import IS_SIMULATOR
 from sparkinfer_cli.kernels.cuda.model_ops import gather_rows
 from sparkinfer_cli.model.backend import ModelBackend
 from sparkinfer_cli.model.base import CausalLM, DecoderLayer
-from sparkinfer_cli.model.batch import SequenceBatch
+from sparkinfer_cli.model.batch import SamplingRows, SequenceBatch
 from sparkinfer_cli.model.config import ModelConfig
 from sparkinfer_cli.model.cuda_cache import CudaModelCache
 from sparkinfer_cli.model.cuda_layers import CudaAttention, CudaGatedDeltaNet, CudaMoE, CudaSwiGLU
@@ -179,12 +179,11 @@ class CudaModel(ModelBackend):
         return self.forward_sampled(batch, cache, None)
 
     def forward_sampled(self, batch: SequenceBatch, cache: CudaModelCache,
-                        rows: np.ndarray | None) -> np.ndarray:
+                        rows: SamplingRows | None) -> np.ndarray:
         """The token id (num_seqs,) int32 each sequence's logits give, picked on the device
-        inside the pass as forward_greedy's argmax: rows (num_seqs, 5) = temperature, top_k,
-        top_p, min_p and a uniform u in [0, 1) per sequence (kernels/cuda/sampling.py: the host
-        Sampler's choice for the same u where sampling.supports_exactly; temperature 0 =
-        argmax); None = argmax on all."""
+        inside the pass as forward_greedy's argmax: by each sequence's DeviceDraw
+        (kernels/cuda/sampling.py: the host Sampler's choice for the same u where
+        sampling.supports_exactly; temperature 0 = argmax); None = argmax on all."""
         p = self._pass(batch, cache, greedy=True, sampling_rows=rows)
         picks = p.ws.sampling(p.logit_rows, self.output.n_rows)
         copy_to_host_async(picks.ids_host[0], picks.ids, self.stream)

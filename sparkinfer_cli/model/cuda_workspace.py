@@ -24,7 +24,7 @@ from sparkinfer_cli.kernels.cuda.driver_calls import copy_to_device_async
 from sparkinfer_cli.kernels.cuda.expert_route import ExpertRoute
 from sparkinfer_cli.kernels.cuda.graphs import CapturedGraph, is_side_stream, side_stream
 from sparkinfer_cli.kernels.cuda.launch import next_pow2
-from sparkinfer_cli.model.batch import SequenceBatch
+from sparkinfer_cli.model.batch import ARGMAX, SamplingRows, SequenceBatch
 from sparkinfer_cli.model.cuda_cache import CudaModelCache, device_zeros
 from sparkinfer_cli.model.cuda_weights import DeviceLinear, StackedLinears
 
@@ -92,10 +92,9 @@ class DeviceSampling:
         self.ids_host = cuda.pinned_array((MAX_QUEUED_STEPS, n_rows), np.int32)
         self.workspace = sampling.SamplingWorkspace(n_rows, n_vocab)
 
-    def stage(self, rows: np.ndarray | None, stream) -> None:
-        """Queue this pass's sampling rows (n, 5): temperature, top_k, top_p, min_p, uniform for
-        the first n rows, argmax on the rest; None: argmax on all (copied only after a pass that
-        sampled)."""
+    def stage(self, rows: SamplingRows | None, stream) -> None:
+        """Queue this pass's draws for the first len(rows) rows, argmax on the rest; None: argmax
+        on all (copied only after a pass that sampled)."""
         if rows is None and self._is_greedy:
             return
         self._fill(rows)
@@ -103,13 +102,14 @@ class DeviceSampling:
         copy_to_device_async(self._top_k, self._top_k_host, stream)
         self._is_greedy = rows is None
 
-    def _fill(self, rows: np.ndarray | None) -> None:
+    def _fill(self, rows: SamplingRows | None) -> None:
         f, k = self._floats_host, self._top_k_host
-        f[0], f[1], f[2], f[3], k[:] = 0.0, 1.0, 0.0, 0.0, 0
+        f[0], f[1], f[2], f[3], k[:] = ARGMAX.temperature, ARGMAX.top_p, ARGMAX.min_p, 0.0, \
+            ARGMAX.top_k
         if rows is not None:
             n = len(rows)
-            f[0, :n], k[:n], f[1, :n], f[2, :n], f[3, :n] = (rows[:, 0], rows[:, 1], rows[:, 2],
-                                                             rows[:, 3], rows[:, 4])
+            f[0, :n], k[:n], f[1, :n], f[2, :n], f[3, :n] = (rows.temperature, rows.top_k,
+                                                             rows.top_p, rows.min_p, rows.uniform)
 
     @property
     def nbytes(self) -> int:

@@ -16,7 +16,7 @@ import numpy as np
 
 from sparkinfer_cli.engine.request import RequestStatus
 from sparkinfer_cli.model.backend import ModelBackend
-from sparkinfer_cli.model.batch import SequenceBatch
+from sparkinfer_cli.model.batch import SamplingRows, SequenceBatch
 from sparkinfer_cli.tokenizer.tokenizer import Tokenizer, TokenType, byte_level_encode
 
 # 26 letters, a space-letter token per letter, 2 halves of "é", then control tokens.
@@ -155,13 +155,13 @@ class FakeDeviceModel(FakeModel):
     def __init__(self, hybrid: bool = False):
         super().__init__(hybrid)
         self.decode_steps: list[int] = []  # n_steps of each decode_greedy call
-        self.sampled_rows: list[np.ndarray] = []  # the rows of each forward_sampled call
+        self.sampled_rows: list[SamplingRows] = []  # the rows of each forward_sampled call
 
     def forward_greedy(self, batch: SequenceBatch, cache: FakeCache) -> np.ndarray:
         return self.forward(batch, cache).argmax(axis=1).astype(np.int32)  # (num_seqs,)
 
     def forward_sampled(self, batch: SequenceBatch, cache: FakeCache,
-                        rows: np.ndarray) -> np.ndarray:
+                        rows: SamplingRows) -> np.ndarray:
         self.sampled_rows.append(rows)
         logits = self.forward(batch, cache)  # (num_seqs, n_vocab)
         return np.array([_pick(row, *params) for row, params in zip(logits, rows)], np.int32)

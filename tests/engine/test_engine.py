@@ -714,6 +714,6 @@ def test_sampled_requests_pick_on_the_device_what_the_host_would(engines):
         engine.shutdown()
     assert outputs[FakeModel] == outputs[FakeDeviceModel]
     assert [len(tokens) for _, tokens in outputs[FakeModel]] == [q.max_tokens for q in params]
-    rows = np.concatenate(model.sampled_rows)  # the device's rows, over both device-only phases
-    assert set(rows[rows[:, 0] > 0][:, 1]) == {5.0, 3.0}  # only the two narrow top-k requests
+    draws = [d for rows in model.sampled_rows for d in rows]  # over both device-only phases
+    assert {d.top_k for d in draws if d.temperature > 0} == {5, 3}  # the two narrow top-k ones
     assert len({tuple(t) for _, t in outputs[FakeModel][:2]}) == 2

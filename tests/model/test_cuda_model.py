@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from sparkinfer_cli.gguf_file import GGUFFile
-from sparkinfer_cli.model.batch import SequenceBatch
+from sparkinfer_cli.model.batch import DeviceDraw, SamplingRows, SequenceBatch
 from sparkinfer_cli.model.config import ModelConfig
 from sparkinfer_cli.model.loader import load_model
 
@@ -307,7 +307,8 @@ def test_forward_sampled_picks_what_the_host_sampler_picks_from_the_logits() -> 
     model = _tiny("qwen3", "Q8_0", exact=False)
     prompt = _goldens("qwen3")["prompt_long"]
     prompts = [prompt[:20], prompt[30:37], prompt[50:83]]
-    rows = np.array([[0.8, 20, 0.9, 0.0, 0.3], [1.2, 64, 1.0, 0.05, 0.7], [0.6, 7, 0.5, 0.1, 0.95]])
+    rows = SamplingRows.of([DeviceDraw(0.8, 20, 0.9, 0.0, 0.3), DeviceDraw(1.2, 64, 1.0, 0.05, 0.7),
+                            DeviceDraw(0.6, 7, 0.5, 0.1, 0.95)])
     picks = {}
     for mode in ("logits", "sampled"):
         cache = model.create_cache(12, BLOCK_SIZE, 3)

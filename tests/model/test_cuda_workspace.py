@@ -79,6 +79,7 @@ def test_a_queued_decode_pass_stages_its_inputs_and_takes_device_token_ids():
 
 
 def test_device_sampling_stages_a_pass_rows_then_argmax_again():
+    from sparkinfer_cli.model.batch import DeviceDraw, SamplingRows
     from sparkinfer_cli.model.cuda_workspace import DeviceSampling
 
     sampling = DeviceSampling(4, 300)
@@ -88,7 +89,8 @@ def test_device_sampling_stages_a_pass_rows_then_argmax_again():
 
     greedy = [[0.0] * 4, [0] * 4, [1.0] * 4, [0.0] * 4, [0.0] * 4]
     assert params() == greedy
-    sampling.stage(np.array([[0.5, 20, 0.9, 0.05, 0.25], [0.0, 0, 1.0, 0.0, 0.0]]), 0)
+    sampling.stage(SamplingRows.of([DeviceDraw(0.5, 20, 0.9, 0.05, 0.25),
+                                    DeviceDraw(0.0, 0, 1.0, 0.0, 0.0)]), 0)
     assert params() == [[0.5, 0, 0, 0], [20, 0, 0, 0], [np.float32(0.9), 1, 1, 1],
                         [np.float32(0.05), 0, 0, 0], [0.25, 0, 0, 0]]
     sampling.stage(None, 0)
@@ -114,3 +116,16 @@ def test_a_pass_uploads_the_tables_of_its_sequences_and_a_scratch_row_after_them
     assert tables[1].tolist() == [9] * 10
     assert ws.slot_mapping.copy_to_host()[:6].tolist() == [7 * 4 + 2, 7 * 4 + 3] + \
         [3 * 4 + i for i in range(4)]
+
+
+def test_sampling_rows_spread_draws_over_a_pass_and_argmax_elsewhere():
+    """The engine's draws for the sequences that sample, placed at their positions in the pass;
+    the other sequences take the argmax draw."""
+    from sparkinfer_cli.model.batch import ARGMAX, DeviceDraw, SamplingRows
+
+    draws = [DeviceDraw(0.7, 5, 0.9, 0.0, 0.125), DeviceDraw(1.1, 3, 1.0, 0.05, 0.5)]
+    spread = SamplingRows.of(draws).spread(4, [1, 3])
+    assert len(spread) == 4
+    assert [d.top_k for d in spread] == [ARGMAX.top_k, 5, ARGMAX.top_k, 3]
+    np.testing.assert_array_equal(spread.uniform, np.float32([0.0, 0.125, 0.0, 0.5]))
+    assert spread.temperature.dtype == np.float32 and spread.top_k.dtype == np.int32

@@ -185,11 +185,10 @@ def _setup_group(qrow_sh, lim_sh, m_sh, l_sh, seq_lens, base, a, b, n_heads, kv_
 
 
 @device_function
-def key_rows(krow_sh, n_keys, block_table, table, k0, kend, block_size, n_kv, kv_head,
-             head_dim):
-    """krow_sh[j] = element offset of key k0 + j's row in the cache (-1 past kend), j < n_keys."""
+def _key_rows(krow_sh, block_table, table, k0, kend, block_size, n_kv, kv_head, head_dim):
+    """krow_sh[j] = element offset of key k0 + j's row in the cache (-1 past kend)."""
     tid = cuda.threadIdx.x
-    if tid < n_keys:
+    if tid < KT:
         key = k0 + tid
         blk = int64(block_table[table + key // block_size]) if key < kend else int64(0)
         krow_sh[tid] = ((blk * block_size + key % block_size) * n_kv + kv_head) * head_dim \
@@ -380,7 +379,7 @@ def _key_tile_step(head_dim: int, kind: int):
         m_sh, l_sh, ref_sh, corr_sh = softmax_sh
         ty, tx, r0, lq = thread
         cuda.syncthreads()  # the previous tile is done with krow_sh
-        key_rows(krow_sh, KT, block_table, table, k0, kend, block_size, n_kv, kv_head, head_dim)
+        _key_rows(krow_sh, block_table, table, k0, kend, block_size, n_kv, kv_head, head_dim)
         _scores(s, buf, q, qrow_sh, kv[0], scales[0], krow_sh, kind, scale, head_dim, ty, tx)
         _softmax_tile(s, lim, red_sh, m_sh, l_sh, ref_sh, corr_sh, p_sh, k0, ty, tx)
         rescale(acc, corr_sh, r0)
