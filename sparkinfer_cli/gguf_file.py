@@ -147,7 +147,7 @@ class GGUFFile:
 
     # ---- parsing -------------------------------------------------------------------------------
     def _parse(self) -> None:
-        cur = _Cursor(memoryview(self._mmap), self.path)
+        cur = _Cursor(memoryview(self._mmap.data), self.path)
         if len(self._mmap) < 4 or bytes(cur.take(4)) != GGUF_MAGIC:
             raise GGUFError(f"{self.path}: not a GGUF file (bad magic)")
         version = cur.scalar("I")

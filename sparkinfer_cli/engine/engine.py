@@ -251,10 +251,11 @@ class ContinuousBatchEngine:
         self.scheduler.update_from_output(output)
         checked = [(s, results.pop(s.request_id)) for s in output.sequences if s.num_drafts]
         requests = [self.scheduler.requests[request_id] for request_id in results]
-        rows = list(results.values())  # logits, or the tokens the model picked
-        tokens = [int(t) for t in rows] if on_device else self._greedy_tokens(requests, rows)
-        for request, row, token in zip(requests, rows, tokens):
-            self._append_sample(request, row, token)
+        outputs = list(results.values())  # logits, or the tokens the model picked
+        tokens = [int(t) for t in outputs] if on_device else \
+            self._greedy_tokens(requests, outputs)
+        for request, logits, token in zip(requests, outputs, tokens):
+            self._append_sample(request, None if on_device else logits, token)
         for seq, draft_rows in checked:
             self._append_checked(self.scheduler.requests[seq.request_id], seq, draft_rows)
         return output
@@ -355,8 +356,11 @@ class ContinuousBatchEngine:
         state_is_current: no queued pass runs past this one (Scheduler.finish)."""
         try:
             assert request.sampler is not None
-            result = SampleResult(token, None) if token is not None else \
-                request.sampler.sample(logits, request.prompt_ids, request.output_ids)
+            if token is not None:
+                result = SampleResult(token, None)
+            else:
+                assert logits is not None  # a row the model did not pick has its logits
+                result = request.sampler.sample(logits, request.prompt_ids, request.output_ids)
             reason = request.append_sample(result)
         except UnsatisfiableSampling as exc:  # the request's settings, not a fault: no traceback
             self._finish(request, "rejected", str(exc))

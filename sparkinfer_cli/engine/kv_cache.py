@@ -223,7 +223,7 @@ class KVCacheManager:
     def pin_prefix(self) -> None:
         """The configured prefix's KV (and state) is computed: make it a pinned resume point."""
         assert self.prefix is not None
-        ids, keys = self.prefix_token_ids, []
+        ids, keys = self.prefix_token_ids, list[bytes]()
         full = len(ids) // self.block_size
         self.prefix_cache.index_blocks(ids, keys, self.prefix.block_ids, 0, full)
         self.prefix_cache.add_point(ids, keys, self.prefix.block_ids, len(ids),

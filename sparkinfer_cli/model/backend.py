@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 import numpy as np
 
@@ -32,7 +32,12 @@ class ModelCache(Protocol):
     def reset_state(self, slot: int) -> None: ...
 
 
-class ModelBackend(ABC):
+CacheT = TypeVar("CacheT", bound=ModelCache)
+
+
+class ModelBackend(ABC, Generic[CacheT]):
+    """A model the engine runs, over caches of type CacheT that only it creates."""
+
     config: ModelConfig
     max_pass_tokens: int = 0  # the most tokens one forward pass takes (0 = no limit)
     max_queued_steps: int = 1  # decode passes decode_greedy queues per call (1 = it has none)
@@ -44,27 +49,27 @@ class ModelBackend(ABC):
 
     @abstractmethod
     def create_cache(self, num_blocks: int, block_size: int,
-                     num_state_slots: int) -> ModelCache: ...
+                     num_state_slots: int) -> CacheT: ...
 
     @abstractmethod
-    def forward(self, batch: SequenceBatch, cache: ModelCache) -> np.ndarray:
+    def forward(self, batch: SequenceBatch, cache: CacheT) -> np.ndarray:
         """Logits (num_seqs, n_vocab) of each sequence's last new token, or (N, n_vocab) of
         every new token when batch.all_logits."""
 
-    def prepare(self, cache: ModelCache, max_seqs: int, max_pass_tokens: int) -> None:
+    def prepare(self, cache: CacheT, max_seqs: int, max_pass_tokens: int) -> None:
         """Compiles or captures every pass of up to max_seqs sequences and max_pass_tokens
         tokens before the engine serves (nothing to do by default)."""
 
-    def forward_greedy(self, batch: SequenceBatch, cache: ModelCache) -> np.ndarray:
+    def forward_greedy(self, batch: SequenceBatch, cache: CacheT) -> np.ndarray:
         """(num_seqs,) argmax ids of forward's rows, picked on the device (picks_on_device)."""
         raise NotImplementedError(f"{type(self).__name__} picks no tokens on a device")
 
-    def forward_sampled(self, batch: SequenceBatch, cache: ModelCache,
-                        rows: SamplingRows) -> np.ndarray:
+    def forward_sampled(self, batch: SequenceBatch, cache: CacheT,
+                        rows: SamplingRows | None) -> np.ndarray:
         """(num_seqs,) ids drawn on the device by each sequence's draw (max_sample_top_k > 0)."""
         raise NotImplementedError(f"{type(self).__name__} samples no tokens on a device")
 
-    def decode_greedy(self, batch: SequenceBatch, cache: ModelCache,
+    def decode_greedy(self, batch: SequenceBatch, cache: CacheT,
                       n_steps: int) -> Iterator[np.ndarray]:
         """The argmax ids of n_steps decode passes, each fed the previous pass's ids on the
         device (max_queued_steps > 1)."""

@@ -40,7 +40,7 @@ class DecoderLayer:
         return x + self.ffn(self.ffn_norm(x))
 
 
-class CausalLM(ModelBackend):
+class CausalLM(ModelBackend[ModelCache]):
     """Base of every architecture (the CPU backend); subclasses implement `build_layer`."""
 
     scores_drafts = True  # short pieces attend row by row (layers.ROW_ATTENTION_TOKENS)
@@ -92,7 +92,7 @@ class CausalLM(ModelBackend):
         return self.output(self.output_norm(x[batch.logit_rows()]))  # (rows, n_vocab)
 
 
-def _find(root: object, kind: type) -> list:
+def _find(root: object, kind: type | tuple[type, ...]) -> list:
     """Every `kind` instance reachable from root through attributes and lists (each once)."""
     found, seen, stack = [], set(), [root]
     while stack:

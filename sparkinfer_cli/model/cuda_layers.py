@@ -107,7 +107,7 @@ class CudaMoE:
     def _route(self, ws: Workspace, stream) -> ExpertRoute | None:
         """Prefills: this pass's slots sorted by expert into tensor-core GEMM tiles. None for
         decode: per-slot GEMVs measured faster than GEMVs per expert tile at 64 sequences
-        (bench/cuda_gemv_bench.py: a slot's expert re-read comes from L2)."""
+        (bench/probes/cuda_gemv_bench.py: a slot's expert re-read comes from L2)."""
         if not ws.uses_mma(ws.n_rows, self.gate.matrix, experts=True):
             return None
         n_slots = ws.n_rows * self.k
@@ -201,6 +201,7 @@ class CudaAttention:
         elif ws.multi_token and attention_prefill.supports(H, H_kv, D):  # share K/V tiles
             attention_prefill.prefill_attention(*args, **options)
         else:  # one query per sequence: keys split over blocks
+            assert ws.attn is not None  # a workspace of a model with attention layers
             fused_q8 = None if self.gated else out.q
             attention.paged_decode_attention(*args, ws.attn, act=fused_q8, **options)
         if self.gated:

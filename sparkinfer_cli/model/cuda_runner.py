@@ -98,7 +98,7 @@ class QueuedPass(NamedTuple):
     kind: str  # "decode" (a decode pass's graph replay) | "other"
 
 
-class CudaModel(ModelBackend):
+class CudaModel(ModelBackend[CudaModelCache]):
     max_pass_tokens = MAX_PASS_TOKENS  # the engine keeps each step's tokens within this
     max_queued_steps = MAX_QUEUED_STEPS  # decode passes decode_greedy queues at once
     max_sample_top_k = sampling.MAX_CANDIDATES  # forward_sampled is exact for 1 ≤ top_k ≤ this

@@ -13,7 +13,14 @@ from dataclasses import dataclass, field
 import numpy as np
 from numba import cuda
 from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+)
 
 from sparkinfer_cli.ggml_types import GGMLType
 from sparkinfer_cli.kernels.cpu.quant import dequantize
@@ -53,7 +60,7 @@ class Uploader:
     """Uploads tensors, counting bytes; `progress` advances by each tensor's host size."""
     exact: bool
     progress: Progress | None = None
-    task: int | None = None
+    task: TaskID | None = None
     n_bytes: int = 0
     n_tensors: int = 0
     stream: object = field(default_factory=lambda: cuda.default_stream())
@@ -61,7 +68,7 @@ class Uploader:
     def _advance(self, n_bytes: int) -> None:
         self.n_bytes += n_bytes
         self.n_tensors += 1
-        if self.progress is not None:
+        if self.progress is not None and self.task is not None:
             self.progress.update(self.task, advance=n_bytes)
 
     def _host_matrix(self, t: QTensor) -> tuple[np.ndarray, GGMLType]:

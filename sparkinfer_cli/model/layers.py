@@ -69,9 +69,10 @@ class Linear:
 
 def fuse_decode(linears: list[Linear]) -> PackedMatvec | None:
     """One decode call for linears that read the same x (all switched to int8 decode)."""
-    if any(lin.packed is None for lin in linears):
+    packed = [lin.packed for lin in linears]
+    if any(p is None for p in packed):
         return None
-    return PackedMatvec([lin.packed for lin in linears], [lin.bias for lin in linears])
+    return PackedMatvec([p for p in packed if p is not None], [lin.bias for lin in linears])
 
 
 class Embedding:
@@ -140,7 +141,7 @@ class Attention:
         q = q.reshape(N, cfg.n_head, cfg.head_dim)
         k = k.reshape(N, cfg.n_head_kv, cfg.head_dim)
         v = v.reshape(N, cfg.n_head_kv, cfg.head_dim)
-        if self.attn_q_norm is not None:
+        if self.attn_q_norm is not None and self.attn_k_norm is not None:
             q, k = self.attn_q_norm(q), self.attn_k_norm(k)
         q = decode_ops.rope(q, fwd.positions, cfg.n_rot, cfg.rope_base, cfg.rope_style)
         k = decode_ops.rope(k, fwd.positions, cfg.n_rot, cfg.rope_base, cfg.rope_style)

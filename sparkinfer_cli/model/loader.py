@@ -9,6 +9,7 @@ from pathlib import Path
 
 from sparkinfer_cli import env
 from sparkinfer_cli.gguf_file import GGUFFile
+from sparkinfer_cli.model.backend import ModelBackend
 from sparkinfer_cli.model.base import CausalLM
 from sparkinfer_cli.model.config import ModelConfig
 from sparkinfer_cli.model.packed_cache import use_cached_int8_decode
@@ -18,7 +19,7 @@ log = logging.getLogger(__name__)
 
 
 def load_model(path: str | Path | GGUFFile, device: str = "cpu", *,
-               int8_decode: bool = False, kv_int8: bool = False) -> CausalLM:
+               int8_decode: bool = False, kv_int8: bool = False) -> ModelBackend:
     """int8_decode (CPU): decode steps quantize activations to int8 like llama.cpp, ~2x faster;
     off, every op is float32 (what the oracle tests check to 1e-3).
     kv_int8 (CUDA): int8 KV cache with a scale per 32 values (SPARKINFER_KV_INT8), half of F16's
@@ -46,7 +47,7 @@ def checked_config(gguf: GGUFFile) -> ModelConfig:
 
 
 def load_runtime_model(gguf: GGUFFile, device: str, environ: Mapping[str, str] | None = None,
-                       report: Callable[[str], None] = lambda _: None) -> CausalLM:
+                       report: Callable[[str], None] = lambda _: None) -> ModelBackend:
     """The model as generate / serve / bench run it: int8 decode on the CPU over packed records
     kept in the user's cache between runs (packed_cache); on CUDA an int8 KV cache when
     SPARKINFER_KV_INT8 is set (the CPU cache stays float32, and a warning says so). `report`
@@ -57,6 +58,6 @@ def load_runtime_model(gguf: GGUFFile, device: str, environ: Mapping[str, str] |
                     "float32")
     report(f"loading {gguf.path.name}")
     model = load_model(gguf, device, kv_int8=kv_int8 and device == "cuda")
-    if device == "cpu":
+    if isinstance(model, CausalLM):  # the CPU model
         use_cached_int8_decode(model, gguf.path, report=report)
     return model

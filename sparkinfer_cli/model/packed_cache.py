@@ -104,7 +104,7 @@ def _write(out, weights: Mapping[str, PackedWeight], source: str) -> None:
         entries[name] = {"offset": offset, "shape": list(w.records.shape), "ne0": w.ne0,
                          "type": _ggml_type(w)}
         offset += w.records.nbytes
-        crc = zlib.crc32(np.ascontiguousarray(w.records), crc)
+        crc = zlib.crc32(np.ascontiguousarray(w.records).data, crc)
     header = json.dumps({"version": FORMAT_VERSION, "source": source, "size": offset,
                          "crc32": crc, "entries": entries}).encode()
     out.write(_LENGTH.pack(len(header)) + header)
@@ -143,7 +143,7 @@ def _entries(header: dict, mapped: np.ndarray, data_start: int,
             raise ValueError(f"{name} changed")
         start = data_start + e["offset"]
         records = mapped[start:start + rows * row_bytes].reshape(rows, row_bytes)
-        crc = zlib.crc32(records, crc)
+        crc = zlib.crc32(records.data, crc)
         yield name, PackedWeight(records, e["ne0"], LAYOUTS[e["type"]])
     if crc != header["crc32"]:
         raise ValueError("checksum mismatch")

@@ -43,8 +43,7 @@ class Weights:
         self.gguf = gguf
         self.taken: set[str] = set()
         # NextN/MTP blocks past the trunk are never executed (ARCHITECTURES.md §4.3)
-        self.ignored = {n for n in gguf.tensors if _block_index(n) is not None
-                        and _block_index(n) >= n_layer}
+        self.ignored = {n for n in gguf.tensors if _block_index(n) >= n_layer}
 
     def has(self, name: str) -> bool:
         return name in self.gguf.tensors
@@ -78,6 +77,7 @@ def expect_shape(gguf: GGUFFile, name: str, shape: tuple[int, ...] | None) -> Te
     return info
 
 
-def _block_index(name: str) -> int | None:
+def _block_index(name: str) -> int:
+    """The block a tensor belongs to; -1 for tensors outside the blocks."""
     m = re.match(r"blk\.(\d+)\.", name)
-    return int(m.group(1)) if m else None
+    return int(m.group(1)) if m else -1

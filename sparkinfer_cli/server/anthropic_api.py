@@ -11,6 +11,7 @@ is_messages_path).
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from sanic import Request
@@ -231,8 +232,9 @@ def _chat_tool_choice(choice: Any) -> tuple[Any, bool]:
 class MessagesBuilder:
     """Chat builder's deltas → Anthropic stream events, and the message they fold to."""
 
-    def __init__(self, chat: ChatResponse, stop_sequences: list[str] | None, tokenizer: Any):
-        self.chat, self.stop_sequences, self.tokenizer = chat, stop_sequences or [], tokenizer
+    def __init__(self, chat: ChatResponse, stop_sequences: Sequence[str] | None, tokenizer: Any):
+        self.chat, self.stop_sequences, self.tokenizer = chat, list(stop_sequences or ()), \
+            tokenizer
         self.recent_ids: list[int] = []  # the last tokens, where a stop string would be
         self.id = f"msg_{chat.header.id.removeprefix('chatcmpl-')}"
         self.blocks = OutputBlocks(chat)

@@ -84,7 +84,7 @@ class PrefixCacheCollector(Collector):
     def collect(self) -> Any:
         cache = self._stats().prefix_cache
         queried, hit = (cache.queried_tokens, cache.hit_tokens) if cache else (0, 0)
-        families = [
+        families: list[CounterMetricFamily | GaugeMetricFamily] = [
             CounterMetricFamily(f"{PREFIX}_prefix_cache_queries",
                                 "prompt tokens looked up in the prefix cache", value=queried),
             CounterMetricFamily(f"{PREFIX}_prefix_cache_hits",

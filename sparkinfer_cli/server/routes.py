@@ -14,10 +14,11 @@ import logging
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
 from urllib.parse import unquote
 
 from sanic import Request
+from sanic.http import Http
 from sanic.response import HTTPResponse, json, raw
 
 from sparkinfer_cli.engine.constraint import json_schema_grammar, lark_grammar
@@ -98,10 +99,11 @@ async def read_body(request: Request) -> bytes:
         raise _too_large(config.max_request_bytes)
     if request.stream is None:
         return request.body or b""
-    chunks, size = [], 0
+    stream = cast(Http, request.stream)  # the HTTP/1.1 protocol reads the body (Http.read)
+    chunks, size = list[bytes](), 0
     while True:
         try:
-            chunk = await asyncio.wait_for(request.stream.read(), config.read_timeout_s)
+            chunk = await asyncio.wait_for(stream.read(), config.read_timeout_s)
         except asyncio.TimeoutError:
             raise ApiError(408, "the request body stalled for longer than the read timeout",
                            type="timeout_error", code="request_timeout") from None

@@ -78,7 +78,7 @@ class StreamRouter:
         """Flush what was held back: the generation ended, so no marker can complete any more."""
         out = RoutedText()
         if self._state == UNTAGGED_CALL:
-            calls = parse_untagged_tool_call(self._buffer, self._tools)
+            calls = parse_untagged_tool_call(self._buffer, self._tools or ())
             if calls:
                 out.tool_calls, self._buffer = calls, ""
                 return out
@@ -121,7 +121,7 @@ class StreamRouter:
         could_start = self._state == CONTENT and bool(self._tools) and \
             not self._answer_started and bool(self._buffer.strip())
         return (could_start or self._state == UNTAGGED_CALL) and \
-            may_be_untagged_tool_call(self._buffer, self._tools)
+            may_be_untagged_tool_call(self._buffer, self._tools or ())
 
     def _route_as_text(self) -> None:
         """The held answer is not one untagged call after all: it is content (and markers)."""

@@ -156,7 +156,7 @@ def _parse_json_head(text: str) -> list[ToolCall] | None:
     way (finish_reason 'length')."""
     head = _JSON_CALL_HEAD.match(text)
     name = _json_string(head.group(1)) if head else None
-    if name is None:
+    if head is None or name is None:
         return None
     arguments = _before_unmatched_close(text[head.end():]).strip() if head.group(2) else ""
     return [ToolCall(new_tool_call_id(), name, _uniform_arguments(arguments))]

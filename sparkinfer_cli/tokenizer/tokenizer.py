@@ -164,8 +164,9 @@ class Tokenizer:
         self.chat_template = chat_template
         self.token_types = self._effective_types(token_types)
         self._check_byte_tokens()
-        eog_extra = {self._checked_id(eot_id), self._checked_id(eom_id)} - {None}
-        self.eog_ids = frozenset(self._eog_by_text() | eog_extra | ({self.eos_id} - {None}))
+        eog_extra = {i for i in (self._checked_id(eot_id), self._checked_id(eom_id), self.eos_id)
+                     if i is not None}
+        self.eog_ids = frozenset(self._eog_by_text() | eog_extra)
         self._bytes: list[bytes | None] = [None] * self.vocab_size  # filled on first use
         self._hf = self._build_hf(merges)
         self._encode_lock = threading.Lock()
@@ -253,10 +254,10 @@ class Tokenizer:
         return b""  # UNUSED and undefined types print nothing
 
     def _build_hf(self, merges: Sequence[str]) -> HFTokenizer:
-        pairs = [tuple(m.split(" ", 1)) for m in merges]
-        malformed = next((m for m, pair in zip(merges, pairs) if len(pair) != 2), None)
+        malformed = next((m for m in merges if " " not in m), None)
         if malformed is not None:
             raise ValueError(f"the merge {malformed!r} is not two tokens separated by a space")
+        pairs = [(left, right) for left, right in (m.split(" ", 1) for m in merges)]
         bpe = models.BPE(self.token_to_id, pairs, unk_token=None, continuing_subword_prefix="",
                          end_of_word_suffix="", fuse_unk=False, byte_fallback=False,
                          ignore_merges=self.rule.ignore_merges)
@@ -289,9 +290,9 @@ class Tokenizer:
     def fill_in_the_middle(self, prefix: str, suffix: str) -> list[int] | None:
         """A fill-in-the-middle prompt (prefix-suffix-middle order, as llama.cpp's infill and
         Qwen2.5-Coder use), or None when the vocabulary lacks the three markers."""
-        markers = [next((self.token_to_id[t] for t in group if t in self.token_to_id), None)
+        markers = [next((self.token_to_id[t] for t in group if t in self.token_to_id), -1)
                    for group in _FIM_MARKERS]
-        if None in markers:
+        if -1 in markers:
             return None
         pre, suf, mid = markers
         bos = [self.bos_id] if self.add_bos and self.bos_id is not None else []
