@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from sparkinfer_cli.gguf_file import GGUFError, UnusableModelError
 
@@ -15,7 +15,7 @@ SUPPORTED_ARCHITECTURES = (
     "llama", "qwen2", "qwen3", "qwen3moe", "qwen3next", "qwen35", "qwen35moe")
 HYBRID_ARCHITECTURES = ("qwen3next", "qwen35", "qwen35moe")
 ROPE_NORMAL, ROPE_NEOX = "normal", "neox"  # normal: adjacent pairs (llama); neox: halves
-_REQUIRED = object()
+_T = TypeVar("_T", int, float)
 
 
 @dataclass(frozen=True)
@@ -155,23 +155,27 @@ class _ArchKeys:
     def __init__(self, gguf: GGUFFile, arch: str):
         self.gguf, self.arch = gguf, arch
 
-    def _value(self, suffix: str, kind: type, default: object) -> object:
-        value = self.gguf.typed(f"{self.arch}.{suffix}", kind)
-        if value is None and default is _REQUIRED:
+    def _default(self, suffix: str, default: _T | None) -> _T:
+        """The value of an absent key: its default; None: the key is required."""
+        if default is None:
             raise UnusableModelError(
                 f"{self.gguf.path}: metadata key {self.arch}.{suffix} is missing")
-        return default if value is None else value
+        return default
 
-    def integer(self, suffix: str, default: object = _REQUIRED, minimum: int = 1) -> int:
-        value = self._value(suffix, int, default)
-        if value is not default and value < minimum:  # type: ignore[operator]
+    def integer(self, suffix: str, default: int | None = None, minimum: int = 1) -> int:
+        """The key's integer, at least minimum; its default when absent (None: required)."""
+        value = self.gguf.typed(f"{self.arch}.{suffix}", int)
+        if value is None:
+            return self._default(suffix, default)
+        if value < minimum:
             raise GGUFError(f"{self.gguf.path}: metadata key {self.arch}.{suffix} is {value}; "
                             f"it must be at least {minimum}")
-        return int(value)  # type: ignore[call-overload]
+        return int(value)
 
-    def number(self, suffix: str, default: object = _REQUIRED) -> float:
-        """A finite number > 0 (epsilons, frequency bases)."""
-        value = float(self._value(suffix, float, default))  # type: ignore[arg-type]
+    def number(self, suffix: str, default: float | None = None) -> float:
+        """A finite number > 0 (epsilons, frequency bases); default as integer's."""
+        found = self.gguf.typed(f"{self.arch}.{suffix}", float)
+        value = float(self._default(suffix, default) if found is None else found)
         if not (math.isfinite(value) and value > 0):
             raise GGUFError(f"{self.gguf.path}: metadata key {self.arch}.{suffix} is {value}; "
                             "it must be a finite number above 0")

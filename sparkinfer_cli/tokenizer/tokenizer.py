@@ -285,7 +285,7 @@ class Tokenizer:
         with self._encode_lock:
             self._hf.encode_special_tokens = not parse_special
             ids = self._hf.encode(text, add_special_tokens=False).ids
-        return [self.bos_id, *ids] if self.add_bos else ids  # type: ignore[list-item]
+        return [self.bos_id, *ids] if self.add_bos and self.bos_id is not None else ids
 
     def fill_in_the_middle(self, prefix: str, suffix: str) -> list[int] | None:
         """A fill-in-the-middle prompt (prefix-suffix-middle order, as llama.cpp's infill and
