@@ -59,7 +59,7 @@ case "${1:-tests}" in
     run gpu_model.log 330 python3 -m pytest -m gpu tests/model/test_cuda_model.py \
       -k "(exact_decode and (Q4_K_M or F32)) or greedy_ids or batched" \
       -q -p no:cacheprovider ;;
-  queued)  # session 11: queued decode passes and device sampling against step-by-step / host
+  queued)  # queued decode passes and device sampling against step-by-step / host
     run gpu_queued.log 500 python3 -m pytest -m gpu tests/model/test_cuda_model.py \
       -k "queued_decode or forward_sampled" -q -p no:cacheprovider ;;
   oracle)
@@ -69,31 +69,31 @@ case "${1:-tests}" in
   kernels)
     for b in cuda_mma_bench cuda_attention_bench cuda_decode_attention_bench cuda_delta_bench \
         cuda_gemv_bench; do
-      run "$b.log" 70 python3 "bench/$b.py"
+      run "$b.log" 70 python3 "bench/probes/$b.py"
     done ;;
-  gemm)  # session 14: the tensor-core GEMMs' leaner inner loops
+  gemm)
     run gpu_gemm.log 200 python3 -m pytest -m gpu tests/kernels/test_cuda_mmq_q8.py \
       tests/kernels/test_cuda_mma_gemm.py tests/kernels/test_cuda_attention.py \
       tests/kernels/test_cuda_embedding.py -q -p no:cacheprovider
     run gpu_model_tc.log 240 python3 -m pytest -m gpu tests/model/test_cuda_model.py \
       -k "tensor_cores_in_a_batched or (q8_top1 and True) or batched_decode_equals" \
       -q -p no:cacheprovider
-    run gemv_batch.log 100 python3 bench/cuda_gemv_bench.py --batch-only
-    run mma.log 100 python3 bench/cuda_mma_bench.py
-    run decode_attention.log 100 python3 bench/cuda_decode_attention_bench.py --heads 0 ;;
+    run gemv_batch.log 100 python3 bench/probes/cuda_gemv_bench.py --batch-only
+    run mma.log 100 python3 bench/probes/cuda_mma_bench.py
+    run decode_attention.log 100 python3 bench/probes/cuda_decode_attention_bench.py --heads 0 ;;
   profile)
-    P=bench/cuda_kernel_profile.py
+    P=bench/probes/cuda_kernel_profile.py
     run prof_b1.log 150 python3 $P qwen3.6-35b-a3b "$OUT/prof_b1.json" --steps 10 --trace
     run prof_b64.log 150 python3 $P qwen3.6-35b-a3b "$OUT/prof_b64.json" --steps 5 --batch 64 --ctx 128
     run prof_pf.log 120 python3 $P qwen3.6-35b-a3b "$OUT/prof_pf.json" --steps 2 --prefill 4096 --ctx 0
-    run host_b1.log 120 python3 bench/cuda_host_profile.py qwen3.6-35b-a3b ;;
+    run host_b1.log 120 python3 bench/probes/cuda_host_profile.py qwen3.6-35b-a3b ;;
   bench36)
     run bench36.log 560 python3 -m sparkinfer_cli bench --synthetic qwen3.6-35b-a3b --device cuda \
       --ctx 512 --ctx 32768 --concurrency 8 --concurrency 64 --out "$OUT/bench" ;;
   bench30)
     run bench30.log 560 python3 -m sparkinfer_cli bench --synthetic qwen3-30b-a3b --device cuda \
       --ctx 512 --ctx 32768 --concurrency 1 --out "$OUT/bench" ;;
-  pdl)  # session 15: programmatic dependent launches (SPARKINFER_CUDA_PDL)
+  pdl)  # programmatic dependent launches (SPARKINFER_CUDA_PDL) off, then on
     for on in 0 1; do
       export SPARKINFER_CUDA_PDL=$on; run "bench30_pdl$on.log" 200 python3 -m sparkinfer_cli bench \
         --synthetic qwen3-30b-a3b --device cuda --ctx 512 --concurrency 1 --out "$OUT/bench_pdl$on"
@@ -101,19 +101,19 @@ case "${1:-tests}" in
     run gpu_pdl_tests.log 200 python3 -m pytest -m gpu tests/kernels/test_cuda_graphs.py \
       tests/model/test_cuda_model.py -k "graphs or (exact_decode and Q4_K_M) or batched_decode_equals" \
       -q -p no:cacheprovider ;;
-  moe)  # session 15: the MoE models on chained launches
+  moe)
     run gpu_moe.log 260 python3 -m pytest -m gpu tests/model/test_cuda_model.py \
       -k "moe and (exact_decode or batched_decode or q8_top1 or greedy_ids)" -q -p no:cacheprovider
-    run trace30.log 150 python3 bench/cuda_kernel_profile.py qwen3-30b-a3b "$OUT/trace30.json" \
+    run trace30.log 150 python3 bench/probes/cuda_kernel_profile.py qwen3-30b-a3b "$OUT/trace30.json" \
       --steps 10 --trace
     run bench30.log 150 python3 -m sparkinfer_cli bench --synthetic qwen3-30b-a3b --device cuda \
       --ctx 512 --concurrency 1 --out "$OUT/bench" ;;
-  ab30)  # session 16: a baseline tree and this one in one call
+  ab30)  # baseline trees and this one, on one machine
     for tree in ${BASE:-}; do  # BASE: one or more folders, each holding a sparkinfer_cli
       [ -d "$tree/sparkinfer_cli" ] || { echo "BASE=<folders holding sparkinfer_cli>" >&2; exit 2; }
     done
     # each from inside its tree: `python3 -m` imports the current directory's package first,
-    # whatever PYTHONPATH says (session 16's first baselines ran this tree twice so)
+    # whatever PYTHONPATH says
     for tree in ${BASE:-} .; do
       (cd "$tree" && name=$(basename "$PWD") && PYTHONPATH=$S:$PWD && \
         python3 -c "import sparkinfer_cli; print('imported', sparkinfer_cli.__file__)" && \
@@ -121,7 +121,7 @@ case "${1:-tests}" in
           --device cuda --ctx 512 --concurrency 1 --out "$OUT/bench_$name")
     done ;;
   trace30)
-    run trace30.log 200 python3 bench/cuda_kernel_profile.py qwen3-30b-a3b "$OUT/trace30.json" \
+    run trace30.log 200 python3 bench/probes/cuda_kernel_profile.py qwen3-30b-a3b "$OUT/trace30.json" \
       --steps 10 --trace
-    run host30.log 150 python3 bench/cuda_host_profile.py qwen3-30b-a3b ;;
+    run host30.log 150 python3 bench/probes/cuda_host_profile.py qwen3-30b-a3b ;;
 esac

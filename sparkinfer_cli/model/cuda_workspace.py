@@ -30,14 +30,13 @@ from sparkinfer_cli.model.cuda_weights import DeviceLinear, StackedLinears
 
 MAX_COLS = qg.MAX_COLS
 # Passes of at least this many tokens run the MoE experts as grouped tensor-core GEMMs (tokens
-# sorted by expert). A GEMM block walks all of k (~2 µs a 32-wide step on the H200): a decode
-# batch gives an expert ~2 tokens, and the per-slot GEMVs finish first.
+# sorted by expert). A GEMM block walks all of k, a few µs a step: a decode batch gives an expert
+# ~2 tokens, and the per-slot GEMVs finish first.
 EXPERTS_MMA_MIN_ROWS = 256
 # Dense linears of at least this many tokens run as tensor-core GEMMs, splitting k over the grid's
 # z when the row blocks alone do not fill the GPU (mma_gemm.k_splits): each weight is dequantized
 # once per token tile, where the GEMV re-reads and re-dequantizes its matrix once per 8 tokens
-# (64 sequences, Qwen3.6 shape: a GDN input projection took 210 µs as GEMVs; the output
-# projection 8.8 ms of a 43 ms step).
+# (what that cost at 64 sequences: bench/results/2026-11-30-cuda-decode-latency.md).
 LINEAR_MMA_MIN_ROWS = 32
 INT_FIELDS = ("token_ids", "positions", "seq_lens", "slot_mapping", "row_seq", "state_slots",
               "seq_lo", "seq_n", "logit_rows")

@@ -517,10 +517,10 @@ def heads_per_block(n_heads: int, n_kv: int, kind: int = KV_F16) -> int:
     return heads
 
 
-# Measured on the H200 (bench/cuda_decode_attention_bench.py, Qwen3.6 shape, one sequence):
-# 1 / 2 / 4 heads a block took 13.0 / 16.4 / 24.8 µs after 512 tokens and 132 / 103 / 116 µs
-# after 32,768 (64 splits; 128 splits: 144 / 116 / 121): a block is bound by its own chain of
-# latencies and instructions more than by the K/V traffic that sharing saves.
+# Two heads a block, not four: a block is bound by its own chain of latencies and instructions
+# more than by the K/V traffic that sharing saves, so four heads ran slower at short and long
+# contexts alike (bench/probes/cuda_decode_attention_bench.py; figures in the decode write-up,
+# bench/results/2026-11-30-cuda-decode-latency.md).
 MAX_BLOCK_HEADS = 2
 MAX_SPLITS = CHUNK  # splits per query row a workspace holds (the merge weighs them in CHUNK floats)
 # This module's kernel takes at most 64: 128 splits ran slower above (attention_mma's kernel,

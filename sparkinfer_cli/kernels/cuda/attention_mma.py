@@ -15,7 +15,7 @@ of the split with its own online softmax:
 Then the warps' (max, sum, Σ p·V) merge into the split's partial (attention.py's layout). A
 second kernel merges a row's split partials, one block per (row, head, MERGE_DIMS dims): the
 merge spread over many blocks, not left to the last split's block (one block reading 8 heads ×
-64 splits of partials took longer than the scan; bench/cuda_decode_attention_bench.py).
+64 splits of partials took longer than the scan itself).
 Scores use q·scale rounded to f16 (as llama.cpp's tensor-core flash attention does); the softmax
 and P·V stay float32.
 """
@@ -51,9 +51,10 @@ from sparkinfer_cli.kernels.cuda.warp import shfl_xor
 
 MAX_GROUP = 8  # query heads a kv head may serve here (one n8 tile)
 TILE_KEYS = 16  # keys a warp scores at once (the mma's m)
-# Blocks a launch aims for (kv heads × rows × splits; attention.py's is 1024). Measured on the
-# H200 after 32,768 tokens (bench/cuda_decode_attention_bench.py, µs at 64 / 128 splits):
-# Qwen3.6, 2 kv heads: 61.4 / 50.7; Qwen3-30B, 4 kv heads: 44.6 / 53.9.
+# Blocks a launch aims for (kv heads × rows × splits; attention.py's is 1024): at long contexts
+# more splits help a model of few kv heads and cost one of more (more partials to merge); this
+# is the best compromise between the Qwen3.6 and Qwen3-30B shapes after 32,768 tokens
+# (bench/probes/cuda_decode_attention_bench.py).
 SPLIT_BLOCKS = 256
 MERGE_DIMS = 64  # output dims of one head a merge block sums (2 a lane; 2 q8 blocks)
 _MERGE_LOADS = 4  # splits whose partials a merge lane has in flight at once

@@ -2,18 +2,17 @@
 NVVM, kernels launched as programmatic dependents of the kernel before them.
 
 numba's own inlining (`inline=True`, at the level of its IR) retypes the callee at every call
-site: the decode-attention kernel took ~120 s to compile that way and ~10 s with NVVM's
-alwaysinline (`forceinline`), to the same instruction mix and no spills; all 50 kernels the kernel
-tests launch: 386 → 76 s (bench/cuda_compile_check.py compiles every kernel the simulator tests
-launch, for sm_90, without a GPU). The simulator's jit takes no forceinline: it runs the Python
-functions as they are.
+site, which made the large kernels compile several times slower than NVVM's alwaysinline
+(`forceinline`) does, to the same instruction mix and no spills (figures in
+bench/results/2026-11-30-cuda-decode-latency.md; bench/probes/cuda_compile_check.py compiles
+every kernel the simulator tests launch, for sm_90, without a GPU). The simulator's jit takes no
+forceinline: it runs the Python functions as they are.
 
 Fast math: numba's IR inlining lowered a callee under its caller's flags; through NVVM a device
-function keeps its own. Most callers are fastmath kernels, and a precise callee there cost 13 % of
-the RMSNorm kernel's time (div.full for the q8 scale division, libdevice expf) and 4 % of decode
-attention's (H200, Qwen3.6 shape, 32k context): device functions are fastmath unless they say
-otherwise. Those that must order ±inf exactly (fastmath assumes no infinities) pass
-fastmath=False.
+function keeps its own. Most callers are fastmath kernels, where a precise callee is slow
+(div.full for the q8 scale division in RMSNorm, libdevice expf in decode attention): device
+functions are fastmath unless they say otherwise. Those that must order ±inf exactly (fastmath
+assumes no infinities) pass fastmath=False.
 """
 
 from __future__ import annotations
@@ -47,10 +46,10 @@ def kernel(fn=None, **options):
     """@kernel or @kernel(fastmath=True, ...): a cuda.jit kernel launched as a programmatic
     dependent (PDL, sm_90) of the kernel before it on its stream, eagerly and in CUDA graphs.
 
-    A decode step is ~600 launches of a few µs each; between two plain launches the GPU idles
-    while the next grid starts (~1 µs: the trace's gaps, and each kernel's own start). A chained
-    kernel is launched while its predecessor still runs, its blocks wait on the SMs, and go the
-    moment the predecessor's writes are visible (H200, Qwen3-30B decode: 278 → 310 tok/s). For
+    A decode step is hundreds of launches of a few µs each; between two plain launches the GPU
+    idles while the next grid starts. A chained kernel is launched while its predecessor still
+    runs, its blocks wait on the SMs, and go the moment the predecessor's writes are visible
+    (what that gains a decode step: bench/results/2026-11-30-cuda-decode-latency.md). For
     that the body must begin with `chain_start()` (intrinsics), checked here: a chained kernel
     that touched memory before it would race with its predecessor. SPARKINFER_CUDA_PDL=0
     launches every kernel plainly."""

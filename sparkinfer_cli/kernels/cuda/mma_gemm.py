@@ -10,9 +10,10 @@ y[slot, r] = Σ_k W[mat][r, k] · x[xrow(slot), k] (+ bias[r])   (mma.sync m16n8
   other). Staging dequantizes each weight row's 16-element piece straight from the GGUF bytes to
   f16 and converts the float32 activations to f16.
 - BN: 64 or 128 (dense); grouped tiles also 16 or 32 (`expert_tile`: a mixed serving step routes
-  a few tokens to each expert, and a 64-token tile would multiply mostly padding). A block of such
-  a tile stages 2-4 k steps between two barriers (`_stages`): its next steps' loads all go out before the
-  warps multiply the current ones, since a tile of few tokens waits on loads, not on the mma.
+  a few tokens to each expert, and a 64-token tile would multiply mostly padding). A block of
+  such a tile stages 2-4 k steps between two barriers (`_stages`): its next steps' loads all go
+  out before the warps multiply the current ones, since a tile of few tokens waits on loads, not
+  on the mma.
 - 8 warps as WARPS_M × WARPS_N, a warp owning (BM / WARPS_M) rows × min(BN, 32) tokens, i.e. MT
   m16 tiles × NT n8 tiles of f32 accumulators.
 - Fused SwiGLU (`up=`): the 128 staged rows are 64 gate rows and the same 64 rows of `up`,
@@ -72,14 +73,14 @@ ROW_STRIDE = 4 * ROW_WORDS
 TOKEN_TILES = (16, 32, 64, 128)  # BN choices: grouped tiles of a few tokens, dense 64 / 128
 DENSE_TILES = TOKEN_TILES[-2:]
 STAGE_CHOICES = (4, 2)  # k steps a grouped block stages between barriers, if k and smem allow
-MAX_STAGED_TILE = 32  # larger tiles keep the double-buffered walk (staged: spills, 1.3-1.6× slower)
+MAX_STAGED_TILE = 32  # larger tiles keep the double-buffered walk (staged, they spill registers)
 MAX_STATIC_SHARED = 48 * 1024  # bytes of static shared memory a block may declare
 _MAGIC = float32(8388608.0)  # 2^23: the float with bits 0x4B000000
-# Split-K, as measured on the H200 (132 SMs; bench/cuda_gemv_bench.py --batch-only, 64 tokens):
-# 16 row blocks (2048 rows, k 4096) took 186 µs whole and 37 µs in 16 k ranges; 97 row blocks
-# (12,352 rows, k 2048) took 92 µs whole and 108 µs in 6 ranges (more blocks a SM slow each one's
-# steps, and the partials cost a write and a read). So: grids under SPLIT_BELOW_BLOCKS blocks
-# split k up to SPLIT_TARGET_BLOCKS blocks.
+# Split-K: a grid of few row blocks leaves most of the GPU's 132 SMs idle while each block walks
+# all of k, so splitting k pays; a grid of ~100 row blocks already fills them, and splitting it
+# only adds blocks an SM and the partials' write and read. So: grids under SPLIT_BELOW_BLOCKS
+# blocks split k up to SPLIT_TARGET_BLOCKS blocks (measured with bench/probes/cuda_gemv_bench.py
+# --batch-only; figures in bench/results/2026-11-30-cuda-decode-latency.md).
 SPLIT_BELOW_BLOCKS = 64
 SPLIT_TARGET_BLOCKS = 256
 MAX_K_SPLITS = 16
@@ -701,8 +702,9 @@ def expert_tile(n_slots: int, n_expert: int) -> int:
     smallest token tile that holds twice an expert's mean share (staged tiles) or its mean
     share, so that most experts fit one tile (each further tile dequantizes the expert's
     weights again) while a tile computes little padding (a few tokens an expert are what mixed
-    serving steps meet). Measured on the H200 at Qwen3.6's 256 experts (bench/cuda_mma_bench.py):
-    2 / 8 / 16 slots an expert ran fastest in tiles of 16 / 16 / 32, 64 in 64, 128 in 128."""
+    serving steps meet). The rule follows which tile ran fastest per mean share on the H200
+    (bench/probes/cuda_mma_bench.py, bench/results/2026-12-03-qwen3.6-35b-a3b-cuda-expert-tiles.md).
+    """
     return next((t for t in TOKEN_TILES
                  if t * n_expert >= (2 if t <= MAX_STAGED_TILE else 1) * n_slots),
                 TOKEN_TILES[-1])

@@ -1,6 +1,6 @@
 """Compile every CUDA kernel that a set of simulator tests launches, for sm_90, without a GPU.
 
-    python bench/cuda_compile_check.py [--out DIR] [pytest args, default: tests/kernels]
+    python bench/probes/cuda_compile_check.py [--out DIR] [pytest args, default: tests/kernels]
 
 Phase 1 runs the tests under NUMBA_ENABLE_CUDASIM=1 and records each kernel launch: the kernel
 factory and parameters that built it (or its module-level name) and its argument types. Phase 2,

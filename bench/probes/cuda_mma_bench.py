@@ -1,6 +1,6 @@
 """TFLOP/s of the tensor-core prefill GEMM (mma_gemm) at the Qwen3.6-35B-A3B prefill shapes.
 
-    python bench/cuda_mma_bench.py [--tokens 4096] [--reps 20] [--types Q4_K,Q8_0]
+    python bench/probes/cuda_mma_bench.py [--tokens 4096] [--reps 20] [--types Q4_K,Q8_0]
 
 Dense: x (tokens, 2048) @ W (4096 | 512, 2048)ᵀ per weight type, and the fused SwiGLU at 512 rows.
 Grouped (MoE): tokens × top-8 slots over 256 experts, gate+up fused (2048 → 512) and down

@@ -1,6 +1,6 @@
 """Prefill attention GPU time: the tensor-core kernel (flash), float32 tiled, decode.
 
-    python bench/cuda_attention_bench.py [--tokens 4096 32768] [--kernels flash tiled decode]
+    python bench/probes/cuda_attention_bench.py [--tokens 4096 32768] [--kernels flash tiled decode]
         [--reps 5] [--json OUT.json]
 
 One sequence of `tokens` new tokens (no cached prefix), causal, float16 paged KV cache (block size

@@ -1,6 +1,6 @@
 """GPU time of the MoE expert GEMVs (one per slot, slot_mat = expert ids) and of batch-1 GEMVs.
 
-    PYTHONPATH=. python bench/cuda_gemv_bench.py [--json OUT.json]     (repo root, on the GPU)
+    PYTHONPATH=. python bench/probes/cuda_gemv_bench.py [--json OUT.json]   (repo root, on a GPU)
 
 Each case is a CUDA graph of REPEATS launches, replayed REPLAYS times between two CUDA events;
 launches rotate over weight copies totalling ≥ ROTATE_BYTES (> the 50 MB L2) so every call streams

@@ -1,6 +1,7 @@
 """What a step that carries a prefill costs on the GPU, against a decode step and a lone prefill.
 
-    python bench/cuda_mixed_step_probe.py <preset> OUT.json [--decodes 0 64] [--prompts 16 128 512]
+    python bench/probes/cuda_mixed_step_probe.py <preset> OUT.json [--decodes 0 64]
+        [--prompts 16 128 512]
         [--profile 64:128]
 
 For each (D decodes, P prompt tokens): the first pass (compile / capture, if any) and the median of

@@ -3,7 +3,7 @@ swept over the kernels (attention_mma's tensor-core kernel serving a kv head's q
 attention.py's with 1 / 2 / 4 query heads a block) × splits per row, each output checked against
 the numpy reference.
 
-    PYTHONPATH=. python bench/cuda_decode_attention_bench.py [--json OUT.json]   (on the GPU)
+    PYTHONPATH=. python bench/probes/cuda_decode_attention_bench.py [--json OUT.json]   (on the GPU)
 
 Rows: batch 1 after 512 / 32,768 tokens (Qwen3.6-35B-A3B: 16 q / 2 kv heads, head_dim 256;
 Qwen3-30B-A3B: 32 / 4, 128) and 64 sequences of 256 tokens (the throughput figure's depth).
@@ -21,7 +21,7 @@ import json
 import numpy as np
 from numba import cuda
 
-from bench.cuda_gemv_bench import ROTATE_BYTES, gpu_us
+from bench.probes.cuda_gemv_bench import ROTATE_BYTES, gpu_us
 from sparkinfer_cli.kernels.cuda import attention, attention_mma
 from sparkinfer_cli.kernels.cuda.launch import cdiv
 

@@ -1,6 +1,6 @@
 """Where the host time of a batch-1 decode step goes (cProfile over graph-replayed steps).
 
-    python bench/cuda_host_profile.py <preset> [--ctx 512] [--steps 200]
+    python bench/probes/cuda_host_profile.py <preset> [--ctx 512] [--steps 200]
 
 Prints the step's wall time with and without the profiler's overhead and the functions that
 take the most host time (tottime), so host work can be told apart from GPU time.

@@ -1,7 +1,8 @@
 """GPU time per kernel of one decode step (graph replays) or one prefill, read through CUPTI.
 
-    python bench/cuda_kernel_profile.py <preset> OUT.json [--ctx 512] [--steps 20] [--batch 1]
-    python bench/cuda_kernel_profile.py <preset> OUT.json --prefill 4096 [--steps 2]
+    python bench/probes/cuda_kernel_profile.py <preset> OUT.json [--ctx 512] [--steps 20]
+        [--batch 1]
+    python bench/probes/cuda_kernel_profile.py <preset> OUT.json --prefill 4096 [--steps 2]
 
 --batch B: B sequences of ctx tokens each decode together. --prefill N: one eager forward of N new
 tokens (after ctx cached ones) per step instead of decode steps.

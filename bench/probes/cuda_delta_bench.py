@@ -1,6 +1,6 @@
 """GPU time of the Gated DeltaNet recurrent kernels at the Qwen3.6-35B-A3B shape (one layer).
 
-    python bench/cuda_delta_bench.py [--tokens 4096] [--batch 64] [--reps 20]
+    python bench/probes/cuda_delta_bench.py [--tokens 4096] [--batch 64] [--reps 20]
 
 Cases, as CudaGatedDeltaNet launches them (seq_lo / seq_n / state_slots hold n_rows entries, the
 unused ones zero): a prefill of --tokens rows in one sequence, and a decode step of --batch

@@ -1,6 +1,6 @@
 """Decode speed through HTTP (streaming chat completions) against the server's own engine timing.
 
-    python bench/http_overhead.py PRESET OUT.json [--device cuda] [--streams 1,32]
+    python bench/probes/http_overhead.py PRESET OUT.json [--device cuda] [--streams 1,32]
 
 Starts `sparkinfer serve` on a synthetic preset (written on first use), sends N concurrent greedy
 streaming requests per round, and records per round: client-side tokens/s (first to last SSE chunk),
