@@ -127,13 +127,18 @@ def _messages(messages: Any) -> list[dict[str, Any]]:
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         role = message.get("role") if isinstance(message, dict) else None
-        if role not in ("user", "assistant"):
-            raise invalid(f"{where}.role must be 'user' or 'assistant'", f"{where}.role")
+        if role not in ("user", "assistant", "system"):
+            raise invalid(f"{where}.role must be 'user', 'assistant' or 'system'",
+                          f"{where}.role")
         content = message.get("content")
         blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
         if not isinstance(blocks, list):
             raise invalid(f"{where}.content must be a string or a list of content blocks",
                           f"{where}.content", "invalid_type")
+        if role == "system":  # Claude Code sends these between turns: a system message there
+            out.append({"role": "system",
+                        "content": "\n".join(_texts(blocks, f"{where}.content"))})
+            continue
         convert = _assistant_turn if role == "assistant" else _user_turn
         out += convert(blocks, f"{where}.content")
     return out

@@ -110,6 +110,16 @@ def test_the_billing_system_block_stays_out_of_the_prompt(server) -> None:
     assert last_prompt(server).startswith("<|im_start|>system\nYou are a coding agent.")
 
 
+def test_a_system_message_between_turns_is_rendered_in_place(server) -> None:
+    # Claude Code (2.1) sends one after the first user turn (its agent list)
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "system", "content": [{"type": "text", "text": "Agents: none."}]},
+                {"role": "user", "content": "again"}]
+    client(server).messages.create(model="m", max_tokens=20, messages=messages)
+    assert "<|im_start|>user\nhi<|im_end|>\n<|im_start|>system\nAgents: none.<|im_end|>\n" \
+        "<|im_start|>user\nagain<|im_end|>" in last_prompt(server)
+
+
 def test_count_tokens_counts_the_rendered_prompt(server) -> None:
     count = client(server).messages.count_tokens(model="m", messages=user("hello"))
     client(server).messages.create(model="m", max_tokens=5, messages=user("hello"))
