@@ -1,4 +1,4 @@
-"""ModelConfig: the hyperparameters of a GGUF model, read once from metadata (ARCHITECTURES.md)."""
+"""ModelConfig: the hyperparameters of a GGUF model, read once from metadata."""
 
 from __future__ import annotations
 

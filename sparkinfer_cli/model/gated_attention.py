@@ -1,4 +1,4 @@
-"""Gated full attention of the hybrids (qwen35, qwen35moe, qwen3next; ARCHITECTURES.md §4.4.1).
+"""Gated full attention of the hybrids (qwen35, qwen35moe, qwen3next; llama.cpp's build_layer_attn).
 
 Like qwen3 attention (per-head q/k RMSNorm, NEOX RoPE on the first n_rot dims of each head), except
 that attn_q also yields an output gate, and the attention output is multiplied by sigmoid(gate)

@@ -1,4 +1,4 @@
-"""The Gated DeltaNet mixer of qwen35 / qwen35moe / qwen3next (ARCHITECTURES.md §4.4.2).
+"""The Gated DeltaNet mixer of qwen35 / qwen35moe / qwen3next (llama.cpp's delta-net-base.cpp).
 
 Per token, in GGUF head order:
 

@@ -1,4 +1,4 @@
-"""Mixture-of-experts FFN of qwen3moe / qwen35moe / qwen3next (ARCHITECTURES.md §3.3, §4.4.4).
+"""Mixture-of-experts FFN of qwen3moe / qwen35moe / qwen3next (llama.cpp's build_moe_ffn).
 
     p = softmax(ffn_gate_inp · y) over all experts;  top-k;  w = p_sel / max(Σ p_sel, 6.1e-5)
     moe = Σ_i w_i · down_e(silu(gate_e(y)) ⊙ up_e(y))           e = sel_i, only the k selected

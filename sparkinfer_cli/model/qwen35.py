@@ -3,8 +3,8 @@
 Layer i is a Gated DeltaNet layer or a gated full-attention layer (config.recurrent_layers, from
 attention.recurrent_layers or every full_attention_interval-th layer); each is followed by
 post_attention_norm and the FFN, dense SwiGLU here. The converter reorders V heads to tiled order,
-so v-head h reads q/k head h mod H_k (ARCHITECTURES.md §4.3). IMROPE with text positions (p,p,p,0)
-equals NEOX RoPE on the first n_rot dims (§1.3).
+so v-head h reads q/k head h mod H_k (llama.cpp's conversion). IMROPE with text positions
+(p,p,p,0) equals NEOX RoPE on the first n_rot dims.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """qwen35moe (Qwen3.5-35B-A3B, Qwen3.6-35B-A3B): qwen35's hybrid layers with a routed MoE FFN and a
-sigmoid-gated shared expert in every layer (ARCHITECTURES.md §4.4.4)."""
+sigmoid-gated shared expert in every layer (llama.cpp's src/models/qwen35moe.cpp)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """qwen3moe (Qwen3-30B-A3B): qwen3's attention (per-head q/k RMSNorm, NEOX RoPE) with a routed MoE
-FFN in every layer and no shared expert (ARCHITECTURES.md §3)."""
+FFN in every layer and no shared expert (llama.cpp's src/models/qwen3moe.cpp)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """qwen3next (Qwen3-Next-80B-A3B, Qwen3-Coder-Next): qwen35moe's layers, but the GGUF keeps HF's
-grouped V-head order, so v-head h reads q/k head h / (H_v/H_k) (ARCHITECTURES.md §4.3). Its GDN
+grouped V-head order, so v-head h reads q/k head h / (H_v/H_k) (llama.cpp's qwen3next.cpp). Its GDN
 layers have a fused ssm_ba and, in older files, a fused ssm_in (split at load)."""
 
 from __future__ import annotations

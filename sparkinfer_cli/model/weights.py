@@ -42,7 +42,7 @@ class Weights:
     def __init__(self, gguf: GGUFFile, n_layer: int):
         self.gguf = gguf
         self.taken: set[str] = set()
-        # NextN/MTP blocks past the trunk are never executed (ARCHITECTURES.md §4.3)
+        # NextN/MTP blocks past the trunk are never executed (multi-token prediction heads)
         self.ignored = {n for n in gguf.tensors if _block_index(n) >= n_layer}
 
     def has(self, name: str) -> bool:

@@ -1,6 +1,7 @@
 """Gated DeltaNet on the CPU: causal conv + SiLU, q/k L2 norm, and the delta-rule state update.
 
-ARCHITECTURES.md §4.4.2–4.4.3. The state of v-head h is S_h (dk × dv, HF index S[i][j]) in float32,
+As llama.cpp's delta-net (src/models/delta-net-base.cpp) and HF's torch_recurrent_gated_delta_rule.
+The state of v-head h is S_h (dk × dv, HF index S[i][j]) in float32,
 stored as `state[h, i, j]`. Per token, with kh the q/k head of v-head h:
 
     S_h ← exp(g_h)·S_h;  δ = β_h·(v_h − S_hᵀ k_kh);  S_h ← S_h + k_kh ⊗ δ;  o_h = S_hᵀ q_kh/√dk

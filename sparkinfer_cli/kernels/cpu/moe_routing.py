@@ -1,4 +1,4 @@
-"""MoE router: softmax over all experts, top-k, renormalise (ARCHITECTURES.md §3.3), and the
+"""MoE router: softmax over all experts, top-k, renormalise (llama.cpp's build_moe_ffn), and the
 token grouping a grouped expert GEMM needs in prefill.
 
 Ties: llama.cpp's CPU `ggml_top_k` is `std::partial_sort` with `a > b` (no tie rule; upstream's

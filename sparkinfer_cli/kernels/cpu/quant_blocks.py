@@ -4,7 +4,8 @@ A block is n_sub sub-blocks of `block // n_sub` elements. `scales(raw, r, o, lut
 the header of the block at unit offset o of row r into sc[j] (scale) and of[j] (offset) and
 returns one aux int (Q5's 32 high bits); `q(raw, r, o, aux, lut, j, i)` is the quant value of
 element i of sub-block j, as float32. The weight is sc[j] * q (+ of[j]), formed exactly as ggml
-forms it (d*sc first, ...), hence bit-exact with gguf.quants. Layouts: docs/GGUF.md §2.
+forms it (d*sc first, ...), hence bit-exact with gguf.quants. Layouts: ggml's ggml-common.h
+(block_q4_K, ...), dequantized as gguf-py's gguf/quants.py does.
 
 Writing rules that keep the callers' inner loops vectorized (AVX2, no fastmath):
 - numba widens integer arithmetic to int64, which has no AVX2 float conversion: small integer

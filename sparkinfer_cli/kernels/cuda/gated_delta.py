@@ -2,9 +2,10 @@
 
 State layout per slot: conv (conv_dim, K-1) float32 (oldest sample first); recurrent
 (H_v, dv, dk) float32 = S[h][j][i], i (the k index) contiguous, so the lanes owning value column j
-read its dk rows coalesced (ARCHITECTURES.md §4.5). Sequences address their state through
-state_slots[seq]. The *_step kernels run one token per sequence; the *_seq kernels (what the model
-launches, prefill and decode) run each sequence's rows seq_lo[s] .. + seq_n[s].
+read its dk rows coalesced (llama.cpp's ggml state has the same order: HF's S transposed).
+Sequences address their state through state_slots[seq]. The *_step kernels run one token per
+sequence; the *_seq kernels (what the model launches, prefill and decode) run each sequence's rows
+seq_lo[s] .. + seq_n[s].
 """
 
 from __future__ import annotations

@@ -484,8 +484,8 @@ def lanes_per_row(ggml_type: GGMLType, k: int, n_rows: int) -> int:
     GEMVs of more than LANE_BUDGET lanes (n_rows, × slots, times lanes a row) take several waves
     of blocks: there a row's lanes halve (to MIN_LANES, at most MAX_UNITS_A_LANE units a lane)
     until the GEMV fits the budget and its units split evenly over a row's lanes. Fewer, busier
-    lanes keep more loads in flight each (H200, Qwen3-30B shapes: the LM head 158 → 124 µs at 4
-    lanes, the experts' gate+up 10.0 → 7.4 at 16, their k=768 down 6.3 → 5.4 at 4)."""
+    lanes keep more loads in flight each, which made the LM head and the experts' GEMVs faster on
+    the H200 (bench/probes/cuda_gemv_bench.py)."""
     n_units = units_per_row(ggml_type, k)
     lanes = next_pow2(min(n_units, 32))
     if n_rows * lanes <= LANE_BUDGET:
