@@ -35,6 +35,12 @@ _SAME_FIELDS = ("model", "stream", "temperature", "top_p", "top_k", "seed",
                 "repetition_penalty")
 _UNSTORED = ("previous_response_id", "conversation")  # need a response store we do not keep
 _ITEM_PREFIXES = {REASONING: "rs", TEXT: "msg", "tool_call": "fc"}
+# tools the provider runs itself (OpenAI's servers): none runs here, so they are left out of the
+# prompt rather than refused (Codex CLI offers web_search by default); forcing one is a 400
+_HOSTED_TOOLS = ("web_search", "file_search", "code_interpreter", "image_generation",
+                 "computer_use", "mcp", "tool_search")
+# a namespace tool's functions are flattened to chat functions named namespace + this + name
+NAMESPACE_SEPARATOR = "__"
 
 
 @counted
@@ -59,7 +65,8 @@ def chat_body_of_response_request(body: dict[str, Any]) -> dict[str, Any]:
     chat = {k: body[k] for k in _SAME_FIELDS if body.get(k) is not None}
     chat["messages"] = _instructions(body.get("instructions")) + _messages(body.get("input"))
     chat["max_tokens"] = body.get("max_output_tokens")
-    chat["tools"] = [_chat_tool(i, t) for i, t in enumerate(body.get("tools") or [])] or None
+    chat["tools"] = [c for i, t in enumerate(body.get("tools") or [])
+                     for c in _chat_tools(i, t)] or None
     chat["tool_choice"] = _chat_tool_choice(body.get("tool_choice"))
     chat["response_format"] = _response_format(_object_or_empty(body, "text").get("format"))
     effort = _object_or_empty(body, "reasoning").get("effort")
@@ -138,8 +145,11 @@ def _reasoning_text(item: dict[str, Any]) -> str:
 
 
 def _history_call(item: dict[str, Any], where: str) -> dict[str, Any]:
+    name = _string(item, "name", where)
+    if isinstance(item.get("namespace"), str):
+        name = item["namespace"] + NAMESPACE_SEPARATOR + name
     return {"id": _string(item, "call_id", where), "type": "function",
-            "function": {"name": _string(item, "name", where),
+            "function": {"name": name,
                          "arguments": _string(item, "arguments", where)}}
 
 
@@ -163,19 +173,42 @@ def _text_of(content: Any, where: str) -> str:
     return "\n".join(p["text"] for p in parts)
 
 
-def _chat_tool(index: int, tool: Any) -> dict[str, Any]:
-    if not isinstance(tool, dict) or tool.get("type") != "function":
-        raise invalid(f"tools[{index}] must be a function tool; built-in tools (web search, "
-                      "file search, ...) are not available here", f"tools[{index}]",
-                      "unsupported_value")
+def _chat_tools(index: int, tool: Any) -> list[dict[str, Any]]:
+    """A function tool → one chat function; a namespace tool → its functions, each named
+    namespace__name; a hosted tool → none (it cannot run here)."""
+    kind = tool.get("type") if isinstance(tool, dict) else None
+    if isinstance(kind, str) and kind.startswith(_HOSTED_TOOLS):
+        return []
+    if kind == "namespace" and isinstance(tool.get("tools"), list):
+        prefix = f"{tool.get('name')}{NAMESPACE_SEPARATOR}"
+        return [{**c, "function": {**c["function"], "name": prefix + c["function"]["name"]}}
+                for t in tool["tools"] for c in _chat_tools(index, t)]
+    if kind != "function":
+        raise invalid(f"tools[{index}] must be a function or namespace tool; a {kind!r} tool is "
+                      "not available here", f"tools[{index}]", "unsupported_value")
     function = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
-    return {"type": "function", "function": function}
+    return [{"type": "function", "function": function}]
+
+
+def namespaced_functions(tools: Any) -> dict[str, tuple[Any, Any]]:
+    """The flattened name of each namespace tool's function → (namespace, name)."""
+    return {f"{t.get('name')}{NAMESPACE_SEPARATOR}{f.get('name')}": (t.get("name"), f.get("name"))
+            for t in tools or [] if isinstance(t, dict) and t.get("type") == "namespace"
+            and isinstance(t.get("tools"), list)
+            for f in t["tools"] if isinstance(f, dict)}
 
 
 def _chat_tool_choice(choice: Any) -> Any:
     """{"type": "function", "name": f} → chat's {"type": "function", "function": {"name": f}}."""
     if isinstance(choice, dict) and choice.get("type") == "function":
-        return {"type": "function", "function": {"name": choice.get("name")}}
+        name = choice.get("name")
+        if isinstance(choice.get("namespace"), str):
+            name = choice["namespace"] + NAMESPACE_SEPARATOR + str(name)
+        return {"type": "function", "function": {"name": name}}
+    if isinstance(choice, dict):
+        raise invalid(f"tool_choice {{'type': {choice.get('type')!r}}} names a tool that is not "
+                      "available here; force a function tool", "tool_choice",
+                      "unsupported_value")
     return choice
 
 
@@ -199,6 +232,7 @@ class ResponsesBuilder:
         self.created_at = int(time.time())
         self.blocks = OutputBlocks(chat)
         self.sequence_number = 0
+        self.namespaced = namespaced_functions(body.get("tools"))
 
     def push(self, index: int, event: Any) -> list[dict[str, Any]]:
         out = [] if self.sequence_number else [self._lifecycle("response.created"),
@@ -266,9 +300,9 @@ class ResponsesBuilder:
                             "part": _text_part("")}]
         if event.action == DELTA:
             return [_delta_event(block.kind, where, event.delta)]
-        return [*_done_events(block, where), {"type": "response.output_item.done",
-                                              "output_index": block.index,
-                                              "item": self._item(block)}]
+        item = self._item(block)
+        return [*_done_events(block, where, item.get("name")),
+                {"type": "response.output_item.done", "output_index": block.index, "item": item}]
 
     def _item_id(self, block: Block) -> str:
         return f"{_ITEM_PREFIXES[block.kind]}_{self.hex}_{block.index}"
@@ -283,8 +317,11 @@ class ResponsesBuilder:
         if block.kind == TEXT:
             return {**item, "type": "message", "role": "assistant",
                     "content": [] if opened else [_text_part(text)]}
-        return {**item, "type": "function_call", "call_id": block.call_id, "name": block.name,
+        call = {**item, "type": "function_call", "call_id": block.call_id, "name": block.name,
                 "arguments": text}
+        if block.name in self.namespaced:
+            call["namespace"], call["name"] = self.namespaced[block.name]
+        return call
 
 
 def _text_part(text: str) -> dict[str, Any]:
@@ -301,7 +338,7 @@ def _delta_event(kind: str, where: dict[str, Any], delta: str) -> dict[str, Any]
     return {"type": "response.function_call_arguments.delta", **where, "delta": delta}
 
 
-def _done_events(block: Block, where: dict[str, Any]) -> list[dict[str, Any]]:
+def _done_events(block: Block, where: dict[str, Any], name: Any) -> list[dict[str, Any]]:
     if block.kind == REASONING:
         return [{"type": "response.reasoning_text.done", **where, "content_index": 0,
                  "text": block.text}]
@@ -310,5 +347,5 @@ def _done_events(block: Block, where: dict[str, Any]) -> list[dict[str, Any]]:
                  "text": block.text, "logprobs": []},
                 {"type": "response.content_part.done", **where, "content_index": 0,
                  "part": _text_part(block.text)}]
-    return [{"type": "response.function_call_arguments.done", **where, "name": block.name,
+    return [{"type": "response.function_call_arguments.done", **where, "name": name,
              "arguments": block.text}]

@@ -81,6 +81,33 @@ def test_a_function_call_round_trips_through_function_call_output(server) -> Non
     assert "<tool_response>\nsunny\n</tool_response>" in prompt
 
 
+# what Codex CLI 0.171 offers by default: a namespace tool (its sub-agent functions) and the hosted
+# web_search, beside plain functions
+CODEX_TOOLS = [WEATHER_TOOL, {"type": "namespace", "name": "agents", "description": "Sub-agents",
+                              "tools": [{**WEATHER_TOOL, "name": "spawn"}]},
+               {"type": "web_search", "external_web_access": False}]
+
+
+def test_hosted_tools_are_left_out_and_namespace_tools_flattened(make_server) -> None:
+    reply = '<tool_call>\n{"name": "agents__spawn", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    server = make_server(reply=lambda prompt, params: reply)
+    sdk = client(server)
+    with sdk.responses.stream(model="m", input="go", tools=CODEX_TOOLS) as stream:
+        events = list(stream)
+        first = stream.get_final_response()
+    prompt = last_prompt(server)
+    assert '"name": "get_weather"' in prompt and '"name": "agents__spawn"' in prompt
+    assert "web_search" not in prompt
+    call, = first.output
+    assert (call.type, call.name, call.namespace) == ("function_call", "spawn", "agents")
+    done, = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert done.name == "spawn"
+    history = [{"role": "user", "content": "go"}, call.model_dump(exclude_none=True),
+               {"type": "function_call_output", "call_id": call.call_id, "output": "spawned"}]
+    sdk.responses.create(model="m", input=history, tools=CODEX_TOOLS)
+    assert '{"name": "agents__spawn", "arguments": {"city": "Oslo"}}' in last_prompt(server)
+
+
 def test_tool_choice_names_the_function_to_call(server) -> None:
     response = client(server).responses.create(
         model="m", input="anything", tools=[WEATHER_TOOL],
@@ -110,7 +137,9 @@ def test_reasoning_effort_none_turns_thinking_off_and_stored_fields_are_ignored(
     ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
     ({"input": []}, "input"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0]"),
-    ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0]"),
+    ({"input": "hi", "tools": [{"type": "custom", "name": "apply_patch"}]}, "tools[0]"),
+    ({"input": "hi", "tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search"}},
+     "tool_choice"),
     ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input[0].content"),
 ])
 def test_requests_it_cannot_honour_are_400s_naming_the_field(server, body, param) -> None:
