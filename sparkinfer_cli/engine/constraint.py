@@ -7,12 +7,17 @@ lives here). response_format's JSON schema is one such grammar; the tool calls o
 Thinking-aware: an answer that reasons first (its prompt opened a thought, or its first token
 opens one) writes free text until its `</think>` token, and the grammar applies from the token
 after it.
+
+Off the critical path: once a token is consumed, the mask of the next one is computed on a worker
+thread while the model runs the pass that produces that token's logits (the engine thread waits on
+the device or the CPU kernels meanwhile), so sampling finds it ready.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -71,6 +76,13 @@ def lark_grammar(lark: str) -> str:
     return _llguidance().LLMatcher.grammar_from_lark(lark)
 
 
+@functools.cache
+def _mask_workers() -> ThreadPoolExecutor:
+    """The threads that compute next-token masks ahead (llguidance computes one in well under
+    a pass's time, so two serve a full batch)."""
+    return ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-mask")
+
+
 @functools.lru_cache(maxsize=64)
 def _compiled(grammar: str, tokenizer: Tokenizer, n_vocab: int) -> Any:
     """A matcher at the start of the grammar (in error state if it does not compile), compiled
@@ -103,21 +115,35 @@ class GrammarConstraint:
         self._think = reasoning_tokens
         self._thinking = reasoning_tokens is not None and reasoning_open
         self._first = True
+        self._next_bits: Future | None = None  # the next token's bitmask, being computed
+
+    @property
+    def is_computing_ahead(self) -> bool:
+        """Whether the next token's mask is being (or has been) computed on a worker thread."""
+        return self._next_bits is not None
 
     def allowed(self) -> np.ndarray | None:
         """(n_vocab,) bool: the tokens the grammar allows next (all False once it cannot be
         continued); None while the answer is free (reasoning)."""
         if self._thinking:
             return None
-        bits = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
+        ahead, self._next_bits = self._next_bits, None
+        raw = ahead.result() if ahead is not None else self._matcher.compute_bitmask()
+        bits = np.frombuffer(raw, dtype=np.uint8)
         mask = np.unpackbits(bits, bitorder="little")[:self.n_vocab].astype(bool)
         if self._first and self._think is not None:
             mask[self._think[0]] = True  # the answer may open a thought first
         return mask
 
     def consume(self, token_id: int) -> None:
+        """Advance past the sampled token; start computing the next token's mask."""
+        if self._next_bits is not None:  # no worker reads the matcher while it changes
+            self._next_bits.result()
+            self._next_bits = None
         first, self._first = self._first, False
         if self._think is not None and (self._thinking or first and token_id == self._think[0]):
             self._thinking = token_id != self._think[1]
-            return
-        self._matcher.consume_token(token_id)  # NOTE: a refused token leaves it in error state
+        else:
+            self._matcher.consume_token(token_id)  # NOTE: a refused token leaves it in error
+        if not self._thinking and not self._matcher.is_stopped():
+            self._next_bits = _mask_workers().submit(self._matcher.compute_bitmask)

@@ -12,6 +12,7 @@ import json
 import anthropic
 import httpx
 import jsonschema
+import numpy as np
 import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -277,3 +278,23 @@ def test_a_tool_schema_the_grammar_engine_cannot_take_is_a_400(qwen3) -> None:
     response = httpx.post(f"{qwen3.url}/v1/chat/completions", json={
         "model": "m", "messages": ASK, "max_tokens": 4, "tools": bad, "tool_choice": "required"})
     assert assert_openai_error(response, 400)["param"] == "tools"
+
+
+def test_the_next_mask_is_computed_ahead_and_equals_one_computed_on_demand(model) -> None:
+    """After each token the next token's mask is already being computed (on a worker thread,
+    while the model would run its pass); masks taken ahead equal those of a constraint that is
+    consumed several tokens at a time before it is asked (its pending work joined first)."""
+    tokenizer, template = model
+    _, answer = rendered_answer(template, CALLS[:1])
+    lark = tool_call_grammar(TOOLS, tool_choice="auto", forced_tool=None, parallel=False,
+                             xml_format=uses_xml_format(template.source))
+    ids = tokenizer.encode(answer)
+    ahead, batched = constraint_for(tokenizer, lark, None), constraint_for(tokenizer, lark, None)
+    for i, token_id in enumerate(ids):
+        mask = ahead.allowed()
+        if i % 3 == 2:  # the other constraint is asked only every third token
+            np.testing.assert_array_equal(batched.allowed(), mask)
+        assert mask[token_id]
+        ahead.consume(token_id)
+        batched.consume(token_id)
+        assert ahead.is_computing_ahead or i == len(ids) - 1  # none once the grammar is done
