@@ -80,3 +80,19 @@ def causal_reference(b: PagedBatch) -> np.ndarray:
             p = np.exp(z - z.max())
             out[r, h] = p @ vals[:, h // group] / p.sum()
     return out
+
+
+# the attention shapes of the Qwen3.6-35B-A3B and Qwen3-30B-A3B models: (n_heads, n_kv, head_dim)
+REAL_SHAPES = {"qwen3.6": (16, 2, 256), "qwen3-30b": (32, 4, 128)}
+
+
+def real_shape_batch(rng, n_heads: int, n_kv: int, head_dim: int) -> PagedBatch:
+    """One 4,096-row pass of two sequences, one after a 1,000-token cached prefix."""
+    return make_batch(rng, starts=[0, 1000], new_tokens=[1500, 2596], n_heads=n_heads,
+                      n_kv=n_kv, head_dim=head_dim, block_size=16, dtype=np.float16)
+
+
+def reference_rows(b: PagedBatch, rows: np.ndarray) -> np.ndarray:
+    """causal_reference of the query rows `rows` only (the whole pass takes minutes)."""
+    return causal_reference(PagedBatch(b.q[rows], b.k_cache, b.v_cache, b.scales, b.block_table,
+                                       b.row_seq[rows], b.seq_lens[rows], b.keys, b.values))

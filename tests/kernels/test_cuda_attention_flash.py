@@ -6,8 +6,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from numba import cuda
+from paged_batches import (
+    REAL_SHAPES,
+    PagedBatch,
+    causal_reference,
+    make_batch,
+    real_shape_batch,
+    reference_rows,
+)
 
-from paged_batches import PagedBatch, causal_reference, make_batch
 from sparkinfer_cli.kernels.cuda.attention_flash import flash_prefill_attention, supports
 from sparkinfer_cli.kernels.cuda.attention_prefill import prefill_attention
 
@@ -55,15 +62,11 @@ def test_flash_prefill_refuses_what_it_does_not_take():
 # The real shapes, one 4096-row pass of two sequences (one after a 1000-token cached prefix),
 # against the float32 kernel and a float64 reference on sampled rows.
 @pytest.mark.gpu
-@pytest.mark.parametrize("n_heads, n_kv, head_dim", [(16, 2, 256), (32, 4, 128)],
-                         ids=["qwen3.6", "qwen3-30b"])
-def test_flash_prefill_real_shapes(n_heads, n_kv, head_dim):
+@pytest.mark.parametrize("shape", REAL_SHAPES)
+def test_flash_prefill_real_shapes(shape):
     rng = np.random.default_rng(11)
-    b = make_batch(rng, starts=[0, 1000], new_tokens=[1500, 2596], n_heads=n_heads, n_kv=n_kv,
-                   head_dim=head_dim, block_size=16, dtype=np.float16)
+    b = real_shape_batch(rng, *REAL_SHAPES[shape])
     out = run(flash_prefill_attention, b)
     np.testing.assert_allclose(out, run(prefill_attention, b), **TOL)
     sample = rng.choice(len(b.row_seq), 16, replace=False)
-    ref = causal_reference(PagedBatch(b.q[sample], b.k_cache, b.v_cache, None, b.block_table,
-                                      b.row_seq[sample], b.seq_lens[sample], b.keys, b.values))
-    np.testing.assert_allclose(out[sample], ref, **TOL)
+    np.testing.assert_allclose(out[sample], reference_rows(b, sample), **TOL)

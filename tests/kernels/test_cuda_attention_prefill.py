@@ -7,7 +7,14 @@ from unittest import mock
 import numpy as np
 import pytest
 from numba import cuda
-from paged_batches import PagedBatch, causal_reference, make_batch
+from paged_batches import (
+    REAL_SHAPES,
+    PagedBatch,
+    causal_reference,
+    make_batch,
+    real_shape_batch,
+    reference_rows,
+)
 
 from sparkinfer_cli.kernels.cuda import attention, attention_mma
 from sparkinfer_cli.kernels.cuda.attention_prefill import prefill_attention, supports
@@ -79,19 +86,15 @@ def test_prefill_rejects_mismatched_output():
 # The real shapes, one 4096-row pass of two sequences (one after a 1000-token cached prefix),
 # against the decode-split kernel the model runs today and a float64 reference on sampled rows.
 @pytest.mark.gpu
-@pytest.mark.parametrize("n_heads, n_kv, head_dim", [(16, 2, 256), (32, 4, 128)],
-                         ids=["qwen3.6", "qwen3-30b"])
-def test_prefill_real_shapes_match_decode_kernel(n_heads, n_kv, head_dim):
+@pytest.mark.parametrize("shape", REAL_SHAPES)
+def test_prefill_real_shapes_match_decode_kernel(shape):
     rng = np.random.default_rng(7)
-    b = make_batch(rng, starts=[0, 1000], new_tokens=[1500, 2596], n_heads=n_heads, n_kv=n_kv,
-                   head_dim=head_dim, block_size=16, dtype=np.float16)
+    b = real_shape_batch(rng, *REAL_SHAPES[shape])
     out = run_prefill(b)
     rows = np.arange(len(b.row_seq))
     np.testing.assert_allclose(out, run_decode(b, rows), rtol=1e-4, atol=2e-5)
     sample = rng.choice(rows, 16, replace=False)
-    ref = causal_reference(PagedBatch(b.q[sample], b.k_cache, b.v_cache, None, b.block_table,
-                                      b.row_seq[sample], b.seq_lens[sample], b.keys, b.values))
-    np.testing.assert_allclose(out[sample], ref, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(out[sample], reference_rows(b, sample), rtol=1e-4, atol=1e-5)
 
 
 def test_supports_names_the_shapes_the_kernel_takes() -> None:
