@@ -66,7 +66,7 @@ async def count_tokens(request: Request) -> HTTPResponse:
     state = request.app.ctx.state
     body = parse_json_body(await read_body(request))
     chat = parse_chat(state, chat_body_of_messages_request({**body, "max_tokens": 1}))
-    return json_response({"input_tokens": count_chat_prompt_tokens(state, chat)})
+    return json_response({"input_tokens": await count_chat_prompt_tokens(state, chat)})
 
 
 def is_messages_path(path: str) -> bool:

@@ -14,7 +14,7 @@ import logging
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 from urllib.parse import unquote
 
 from sanic import Request
@@ -49,6 +49,8 @@ from sparkinfer_cli.server.tool_calls import forced_call_prefix, uses_xml_format
 log = logging.getLogger(__name__)
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -185,8 +187,9 @@ async def tokenize(request: Request) -> HTTPResponse:
     body = parse_json_body(await read_body(request))
     text = parse_tokenize_request(body)
     if text is None:
-        text, _, _ = _chat_prompt(state, parse_chat(state, body))
-    ids = state.tokenizer.encode(text)
+        chat = parse_chat(state, body)
+        text, _, _ = await off_event_loop(_chat_prompt, state, chat)
+    ids = await off_event_loop(state.tokenizer.encode, text)
     return json({"count": len(ids), "tokens": ids, "max_context": state.max_context})
 
 
@@ -251,18 +254,18 @@ async def respond_to_chat(request: Request, chat: ChatCompletionRequest,
     wraps the chat builder in one that speaks their shapes, `framing` puts those on the wire."""
     state = _state(request)
     request.ctx.streaming = chat.stream
-    prompt, thinking_open, forced = _chat_prompt(state, chat)
-    prompt_ids = state.tokenizer.encode(prompt)
-    max_tokens = _max_tokens(state, chat.max_tokens, len(prompt_ids))
+    prompt = await off_event_loop(_tokenized_chat_prompt, state, chat)
+    max_tokens = _max_tokens(state, chat.max_tokens, len(prompt.ids))
     header = ResponseHeader(f"chatcmpl-{uuid.uuid4().hex}", chat.model or state.config.model_name)
-    builder = adapt(ChatResponse(header, chat, state, len(prompt_ids), thinking_open, forced))
+    builder = adapt(ChatResponse(header, chat, state, len(prompt.ids), prompt.thinking_open,
+                                 prompt.forced))
     # a forced call starts in the prompt, after any thought it opened
-    may_reason = not forced and (thinking_open or
-                                 chat.template_kwargs.get("enable_thinking") is not False)
-    extra = {"snapshot_positions": _messages_end(state, chat, prompt, prompt_ids),
+    may_reason = not prompt.forced and (prompt.thinking_open or
+                                        chat.template_kwargs.get("enable_thinking") is not False)
+    extra = {"snapshot_positions": prompt.snapshot_positions,
              **_constrained_output(state, _chat_grammar(state, chat),
-                                   thinking_open if may_reason else None)}
-    choices = [(prompt_ids, replace(chat.sampling.to_params(max_tokens, i, chat.top_logprobs),
+                                   prompt.thinking_open if may_reason else None)}
+    choices = [(prompt.ids, replace(chat.sampling.to_params(max_tokens, i, chat.top_logprobs),
                                     **extra)) for i in range(chat.n)]
     return await _respond(request, state.engine.generate(choices, header.id), builder, chat.stream,
                           framing)
@@ -275,7 +278,8 @@ async def completions(request: Request) -> HTTPResponse | None:
                                    default_temperature=state.config.default_temperature,
                                    vocab_size=state.vocab_size, max_n=state.config.max_n)
     request.ctx.streaming = req.stream
-    prompts = [_completion_prompt(state, p, req.suffix) for p in req.prompts]
+    prompts = await off_event_loop(
+        lambda: [_completion_prompt(state, p, req.suffix) for p in req.prompts])
     header = ResponseHeader(f"cmpl-{uuid.uuid4().hex}", req.model or state.config.model_name)
     structured = _constrained_output(state, _response_format_grammar(state, req.response_schema),
                                      None)
@@ -296,6 +300,7 @@ def _completion_prompt(state: ServerState, prompt: str | list[int],
     """The prompt's ids; with a suffix, a fill-in-the-middle prompt of the two."""
     if isinstance(prompt, list):
         return prompt
+    refuse_certain_overflow(state, prompt + (suffix or ""), "prompt")
     if suffix is None:
         return state.tokenizer.encode(prompt)
     ids = state.tokenizer.fill_in_the_middle(prompt, suffix)
@@ -325,11 +330,50 @@ def _chat_prompt(state: ServerState, chat: ChatCompletionRequest) -> tuple[str, 
     return prompt + forced, thinking_open, forced
 
 
-def count_chat_prompt_tokens(state: ServerState, chat: ChatCompletionRequest) -> int:
+async def count_chat_prompt_tokens(state: ServerState, chat: ChatCompletionRequest) -> int:
     """The tokens of the prompt a chat request generates from (the Messages API's
     count_tokens)."""
-    prompt, _, _ = _chat_prompt(state, chat)
-    return len(state.tokenizer.encode(prompt))
+    prompt, _, _ = await off_event_loop(_chat_prompt, state, chat)
+    return len(await off_event_loop(state.tokenizer.encode, prompt))
+
+
+@dataclass(frozen=True)
+class TokenizedChatPrompt:
+    ids: list[int]
+    thinking_open: bool  # the prompt opens a thought
+    forced: str  # the forced tool-call text the prompt ends with, if any
+    snapshot_positions: tuple[int, ...]  # see _messages_end
+
+
+def _tokenized_chat_prompt(state: ServerState,
+                           chat: ChatCompletionRequest) -> TokenizedChatPrompt:
+    """Render and tokenize a chat request's prompt (seconds for a prompt of megabytes: call it
+    off the event loop)."""
+    prompt, thinking_open, forced = _chat_prompt(state, chat)
+    refuse_certain_overflow(state, prompt, "messages")
+    ids = state.tokenizer.encode(prompt)
+    return TokenizedChatPrompt(ids, thinking_open, forced,
+                               _messages_end(state, chat, prompt, ids))
+
+
+def refuse_certain_overflow(state: ServerState, text: str, param: str) -> None:
+    """400 context_length_exceeded, before tokenizing, for a text that must have more tokens than
+    the context holds: no token stands for more than max_token_bytes bytes of text, so the byte
+    length gives a lower bound on the token count at once (a 10 MB body of repeated messages
+    would otherwise take seconds of tokenization just to be refused)."""
+    text_bytes = len(text.encode("utf-8", errors="replace"))  # "?" for a surrogate: still a bound
+    fewest_tokens = -(-text_bytes // state.tokenizer.max_token_bytes)
+    if fewest_tokens >= state.max_context:
+        raise ApiError(400, f"the prompt has at least {fewest_tokens} tokens, but the context "
+                            f"limit is {state.max_context} tokens", param=param,
+                       code="context_length_exceeded")
+
+
+async def off_event_loop(compute: Callable[..., T], *args: Any) -> T:
+    """compute(*args) on a worker thread. Rendering and tokenizing a long prompt takes seconds; on
+    the event loop that would stall every other connection (the tokenizer releases the GIL)."""
+    return await asyncio.get_running_loop().run_in_executor(None, functools.partial(compute,
+                                                                                    *args))
 
 
 def _chat_grammar(state: ServerState, chat: ChatCompletionRequest) -> str | None:

@@ -7,6 +7,7 @@ llama.cpp's `src/llama-vocab.cpp`. No NFC normalization is applied, like llama.c
 
 from __future__ import annotations
 
+import functools
 import re
 import threading
 from collections.abc import Mapping, Sequence
@@ -284,8 +285,25 @@ class Tokenizer:
         (USER_DEFINED ones always, as in llama.cpp). BOS is prepended if the GGUF asks for it."""
         with self._encode_lock:
             self._hf.encode_special_tokens = not parse_special
-            ids = self._hf.encode(text, add_special_tokens=False).ids
+            # NOTE: encode_batch, unlike encode, releases the GIL while it runs, so that a server
+            # tokenizing a long prompt on a worker thread keeps its event loop answering.
+            ids = self._hf.encode_batch([text], add_special_tokens=False)[0].ids
         return [self.bos_id, *ids] if self.add_bos and self.bos_id is not None else ids
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The most text bytes one token can stand for: len(text.encode()) / max_token_bytes is
+        a lower bound on len(encode(text)) that costs no tokenization."""
+        return max(map(self._matched_bytes, range(self.vocab_size)), default=1)
+
+    def _matched_bytes(self, token_id: int) -> int:
+        """How many bytes of input text the token can match: special and added tokens match their
+        literal text, the others their byte-level spelling decoded."""
+        text = self.tokens[token_id]
+        if self.token_types[token_id] in (TokenType.CONTROL, TokenType.USER_DEFINED,
+                                          TokenType.UNKNOWN):
+            return len(text.encode("utf-8"))
+        return len(byte_level_decode(text))  # longer than matched where not byte-level: safe
 
     def fill_in_the_middle(self, prefix: str, suffix: str) -> list[int] | None:
         """A fill-in-the-middle prompt (prefix-suffix-middle order, as llama.cpp's infill and

@@ -56,6 +56,7 @@ class CharTokenizer:
     """One token per Unicode code point; vocabulary = all code points."""
 
     vocab_size = 0x110000
+    max_token_bytes = 4  # a code point's UTF-8 length at most
     bos_id = None
     eos_id = 0
     eog_ids = frozenset({0})
