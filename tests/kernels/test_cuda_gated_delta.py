@@ -7,6 +7,7 @@ import pytest
 from numba import cuda
 
 from sparkinfer_cli.kernels.cuda import gated_delta as gd
+from sparkinfer_cli.kernels.delta_rule_reference import fused_step
 
 
 def test_conv_silu_step_shifts_state():
@@ -42,7 +43,7 @@ def test_delta_rule_step_matches_reference_for_both_head_maps(n_seqs, n_k, n_v, 
                            cuda.to_device(ssm_a), cuda.to_device(dt_bias), dev_state,
                            cuda.to_device(np.arange(n_seqs, dtype=np.int32)), out, n_k_heads=n_k,
                            head_map_mod=head_map_mod, eps=1e-6)
-        ref_out, ref_state = gd.delta_rule_step_reference(u, a, b, ssm_a, dt_bias, state, n_k,
+        ref_out, ref_state = fused_step(u, a, b, ssm_a, dt_bias, state, n_k,
                                                           head_map_mod, 1e-6)
         np.testing.assert_allclose(out.copy_to_host(), ref_out, rtol=1e-4, atol=1e-5)
         np.testing.assert_allclose(dev_state.copy_to_host(), ref_state, rtol=1e-4, atol=1e-5)
@@ -96,12 +97,12 @@ def _delta_inputs(rng, rows: int, n_k: int, n_v: int, dk: int, dv: int, slots: i
 
 
 def _delta_seq_reference(u, a, b, ssm_a, dt_bias, state, slots, lo, n, n_k, head_map_mod):
-    """Sequence s's rows lo[s] .. + n[s] through delta_rule_step_reference one token at a time."""
+    """Sequence s's rows lo[s] .. + n[s] through the reference (fused_step) one token at a time."""
     out = np.zeros((u.shape[0], state.shape[1], state.shape[2]))  # (rows, H_v, dv)
     new_state = state.astype(np.float64).copy()
     for s in range(len(n)):
         for r in range(lo[s], lo[s] + n[s]):
-            o, st = gd.delta_rule_step_reference(u[r:r + 1], a[r:r + 1], b[r:r + 1], ssm_a,
+            o, st = fused_step(u[r:r + 1], a[r:r + 1], b[r:r + 1], ssm_a,
                                                  dt_bias, new_state[slots[s]][None], n_k,
                                                  head_map_mod, 1e-6)
             out[r], new_state[slots[s]] = o[0], st[0]

@@ -1,4 +1,5 @@
-"""Gated DeltaNet CPU kernels vs float64 numpy references written here (ARCHITECTURES.md §4.4.2)."""
+"""Gated DeltaNet CPU kernels vs float64 numpy references (the delta rule's is shared with the
+CUDA kernels' tests: kernels/delta_rule_reference.py)."""
 
 from __future__ import annotations
 
@@ -11,25 +12,9 @@ from sparkinfer_cli.kernels.cpu.gated_delta import (
     gated_delta_recurrent,
     l2_normalize,
 )
+from sparkinfer_cli.kernels.delta_rule_reference import delta_rule
 
 H_K, H_V, DK, DV = 2, 4, 16, 8
-
-
-def reference_delta_rule(q, k, v, g, beta, state, head_map):
-    """float64, straight from the spec: decay, δ = β(v − Sᵀk), S += k⊗δ, o = Sᵀq/sqrt(dk)."""
-    q, k, v, g, beta = (x.astype(np.float64) for x in (q, k, v, g, beta))
-    S = state.astype(np.float64).copy()  # (H_v, dk, dv)
-    T, n_k, dk = q.shape
-    n_v = v.shape[1]
-    out = np.zeros(v.shape)
-    for h in range(n_v):
-        kh = h % n_k if head_map == "mod" else h // (n_v // n_k)
-        for t in range(T):
-            S[h] *= np.exp(g[t, h])
-            delta = beta[t, h] * (v[t, h] - S[h].T @ k[t, kh])
-            S[h] += np.outer(k[t, kh], delta)
-            out[t, h] = S[h].T @ q[t, kh] / np.sqrt(dk)
-    return out, S
 
 
 def random_gdn_inputs(T, seed):
@@ -47,7 +32,7 @@ def random_gdn_inputs(T, seed):
 @pytest.mark.parametrize("T", [1, 5, 64, 100, 200])
 def test_recurrent_and_chunked_match_float64_reference(T, head_map):
     q, k, v, g, beta, state0 = random_gdn_inputs(T, seed=T)
-    want_o, want_S = reference_delta_rule(q, k, v, g, beta, state0, head_map)
+    want_o, want_S = delta_rule(q, k, v, g, beta, state0, head_map == "mod")
     s_rec, s_chk = state0.copy(), state0.copy()
     o_rec = gated_delta_recurrent(q, k, v, g, beta, s_rec, head_map)
     o_chk = gated_delta_chunked(q, k, v, g, beta, s_chk, head_map, chunk=64)
@@ -66,7 +51,7 @@ def test_recurrent_and_chunked_match_float64_reference(T, head_map):
 @pytest.mark.parametrize("chunk", [1, 7, 16])
 def test_chunked_handles_any_chunk_size(chunk):
     q, k, v, g, beta, state0 = random_gdn_inputs(37, seed=3)
-    want_o, want_S = reference_delta_rule(q, k, v, g, beta, state0, "mod")
+    want_o, want_S = delta_rule(q, k, v, g, beta, state0, True)
     state = state0.copy()
     o = gated_delta_chunked(q, k, v, g, beta, state, "mod", chunk=chunk)
     err = max(np.abs(o - want_o).max(), np.abs(state - want_S).max())
@@ -76,7 +61,7 @@ def test_chunked_handles_any_chunk_size(chunk):
 def test_decode_steps_continue_a_chunked_prefill():
     """Prefill by chunks, then one token at a time: same as one reference pass over everything."""
     q, k, v, g, beta, state0 = random_gdn_inputs(70, seed=11)
-    want_o, _ = reference_delta_rule(q, k, v, g, beta, state0, "div")
+    want_o, _ = delta_rule(q, k, v, g, beta, state0, False)
     state = state0.copy()
     outs = [gated_delta_chunked(q[:67], k[:67], v[:67], g[:67], beta[:67], state, "div")]
     for t in range(67, 70):

@@ -418,6 +418,7 @@ def test_delta_rule_seq_equals_reference_steps() -> None:
     from numba import cuda
 
     from sparkinfer_cli.kernels.cuda import gated_delta as gd
+    from sparkinfer_cli.kernels.delta_rule_reference import fused_step
 
     rng = np.random.default_rng(2)
     n_k, n_v, dk, dv, rows = 1, 2, 32, 4, 3  # seq 0 = rows 0..1 in slot 1, seq 1 = row 2 in slot 0
@@ -434,7 +435,7 @@ def test_delta_rule_seq_equals_reference_steps() -> None:
     expect, new_state = np.zeros((rows, n_v, dv)), state.astype(np.float64).copy()
     for s in range(2):
         for r in range(lo[s], lo[s] + n[s]):
-            o, st = gd.delta_rule_step_reference(u[r:r + 1], a[r:r + 1], b[r:r + 1], ssm_a, dt,
+            o, st = fused_step(u[r:r + 1], a[r:r + 1], b[r:r + 1], ssm_a, dt,
                                                  new_state[slots[s]][None], n_k, True, 1e-6)
             expect[r], new_state[slots[s]] = o[0], st[0]
     np.testing.assert_allclose(out.copy_to_host(), expect, rtol=1e-4, atol=1e-5)

@@ -182,31 +182,6 @@ def delta_rule_step(u, a, b, ssm_a, dt_bias, state, state_slots, out, *, n_k_hea
         out.reshape(out.size))
 
 
-def delta_rule_step_reference(u, a, b, ssm_a, dt_bias, state, n_k_heads, head_map_mod, eps):
-    """float64 numpy twin of delta_rule_step, state (n_seqs, H_v, dv, dk) → (out, new state)."""
-    n_seqs, n_v_heads, dv, dk = state.shape
-    key_dim = n_k_heads * dk
-    s = state.astype(np.float64).copy()
-    out = np.zeros((n_seqs, n_v_heads, dv))
-    for n in range(n_seqs):
-        q = u[n, :key_dim].reshape(n_k_heads, dk).astype(np.float64)
-        k = u[n, key_dim:2 * key_dim].reshape(n_k_heads, dk).astype(np.float64)
-        v = u[n, 2 * key_dim:].reshape(n_v_heads, dv).astype(np.float64)
-        q = q / np.sqrt((q * q).sum(1, keepdims=True) + eps)
-        k = k / np.sqrt((k * k).sum(1, keepdims=True) + eps)
-        t = a[n].astype(np.float64) + dt_bias
-        decay = np.exp(ssm_a * np.where(t > 20, t, np.log1p(np.exp(np.minimum(t, 20)))))
-        beta = 1 / (1 + np.exp(-b[n].astype(np.float64)))
-        for h in range(n_v_heads):
-            kh = h % n_k_heads if head_map_mod else h // (n_v_heads // n_k_heads)
-            sh = s[n, h] * decay[h]  # (dv, dk) = S[j][i]
-            delta = beta[h] * (v[h] - sh @ k[kh])
-            sh += np.outer(delta, k[kh])
-            s[n, h] = sh
-            out[n, h] = sh @ q[kh] / np.sqrt(dk)
-    return out, s
-
-
 # ------------------------------------------------------------- whole sequences (prefill + decode)
 # Sequence s owns rows seq_lo[s] .. seq_lo[s] + seq_n[s] − 1 of the token-major inputs (decode is
 # the case seq_n = 1); entries with seq_n = 0 (the workspace pads to n_rows entries) are skipped.
