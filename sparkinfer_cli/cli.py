@@ -78,14 +78,17 @@ def inspect(file: str = typer.Argument(..., help="A GGUF file, or a demo model n
                                                   "(qwen2.5-coder-0.5b, smollm2-135m)."),
             ctx: Optional[int] = typer.Option(None, "--ctx", min=1,
                                               help="KV cache size for the memory estimate."),
+            device: str = typer.Option("auto", "--device",
+                                       help="auto | cpu | cuda: whose KV cache to count."),
             as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")):
     """Report what a GGUF holds and the memory it needs; exit 1 if the engine cannot run it."""
+    from sparkinfer_cli.device import pick_device
     from sparkinfer_cli.gguf_file import GGUFError, GGUFFile
     from sparkinfer_cli.hub import HubError, local_file
     from sparkinfer_cli.inspect_report import build_report, render_report
     try:
-        report = build_report(GGUFFile(local_file(file)), ctx)
-    except (GGUFError, HubError) as exc:
+        report = build_report(GGUFFile(local_file(file)), ctx, pick_device(device))
+    except (GGUFError, HubError, ValueError) as exc:
         _fail(str(exc))
     if as_json:
         print(json.dumps(report, indent=2))

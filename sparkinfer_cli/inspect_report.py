@@ -17,18 +17,17 @@ from rich.markup import escape
 from rich.table import Table
 
 from sparkinfer_cli.gguf_file import GGUFError, GGUFFile, UnusableModelError
-from sparkinfer_cli.kv_budget import state_pool_bytes
+from sparkinfer_cli.kv_budget import kv_bytes_per_value, kv_cache_type, state_pool_bytes
 from sparkinfer_cli.model.config import ModelConfig
 from sparkinfer_cli.preflight import check_loadable
 from sparkinfer_cli.tokenizer.tokenizer import check_metadata_types
 from sparkinfer_cli.units import format_bytes, format_count
 
-KV_BYTES_PER_VALUE = 2  # F16 KV cache
 
-
-def build_report(gguf: GGUFFile, ctx: int | None = None) -> dict[str, Any]:
-    """Raises GGUFError for a malformed file (hostile counts, impossible values), which has
-    nothing trustworthy to report."""
+def build_report(gguf: GGUFFile, ctx: int | None = None, device: str = "cuda") -> dict[str, Any]:
+    """device: whose KV cache the memory estimate counts (kv_budget.kv_cache_type). Raises
+    GGUFError for a malformed file (hostile counts, impossible values), which has nothing
+    trustworthy to report."""
     if ctx is not None and ctx < 1:
         raise ValueError(f"ctx must be at least 1, got {ctx}")
     warnings: list[str] = []
@@ -45,7 +44,7 @@ def build_report(gguf: GGUFFile, ctx: int | None = None) -> dict[str, Any]:
         "quantization": quant_histogram(gguf),
         "tokenizer": tokenizer_section(gguf),
         "chat_template": _chat_template_section(gguf),
-        "memory": memory_section(gguf, config, ctx),
+        "memory": memory_section(gguf, config, ctx, device),
         "warnings": warnings,
         "engine_error": engine_error,  # why generate / serve would refuse the file, or None
     }
@@ -159,18 +158,22 @@ def _chat_template_section(gguf: GGUFFile) -> dict[str, Any]:
     return {"present": isinstance(template, str), "length": len(template or "")}
 
 
-def memory_section(gguf: GGUFFile, config: ModelConfig | None, ctx: int | None) -> dict[str, Any]:
-    """Weights + F16 KV for `ctx` tokens (default: the trained context) + one sequence's
-    recurrent state (hybrid models)."""
+def memory_section(gguf: GGUFFile, config: ModelConfig | None, ctx: int | None,
+                   device: str) -> dict[str, Any]:
+    """Weights + the device's KV cache for `ctx` tokens (default: the trained context) + the
+    state slots of a hybrid model."""
     weights = sum(t.n_bytes for t in gguf.tensors.values())
+    kv_type = kv_cache_type(device)
     if config is None:
-        return {"ctx": ctx, "weights_bytes": weights, "kv_bytes_per_token": None,
-                "kv_cache_bytes": None, "recurrent_state_bytes": None, "total_bytes": weights}
+        return {"ctx": ctx, "weights_bytes": weights, "kv_cache_type": kv_type,
+                "kv_bytes_per_token": None, "kv_cache_bytes": None,
+                "recurrent_state_bytes": None, "total_bytes": weights}
     ctx = config.context_length if ctx is None else ctx
-    per_token = config.kv_bytes_per_token(KV_BYTES_PER_VALUE)
+    per_token = config.kv_bytes_per_token(kv_bytes_per_value(device))
     state = config.recurrent_state_bytes() if config.is_hybrid else 0
     state_pool = state_pool_bytes(config)
-    return {"ctx": ctx, "weights_bytes": weights, "kv_bytes_per_token": per_token,
+    return {"ctx": ctx, "weights_bytes": weights, "kv_cache_type": kv_type,
+            "kv_bytes_per_token": per_token,
             "kv_cache_bytes": per_token * ctx, "recurrent_state_bytes": state,
             "state_pool_bytes": state_pool,
             "total_bytes": weights + per_token * ctx + state_pool}
@@ -248,7 +251,7 @@ def _special_token_text(token_id: int | None, text: str | None) -> str:
 def _memory_rows(mem: dict[str, Any]) -> list[tuple[str, str]]:
     rows = [("weights", format_bytes(mem["weights_bytes"]))]
     if mem["kv_cache_bytes"] is not None:
-        rows.append((f"KV cache, {mem['ctx']:,} tokens (F16)",
+        rows.append((f"KV cache, {mem['ctx']:,} tokens ({mem['kv_cache_type']})",
                      f"{format_bytes(mem['kv_cache_bytes'])} "
                      f"({format_bytes(mem['kv_bytes_per_token'])}/token)"))
     if mem["recurrent_state_bytes"]:

@@ -29,12 +29,20 @@ class KVPool:
     note: str  # for the user when the pool was capped, else ""
 
 
-def kv_bytes_per_value(device: str, environ: Mapping[str, str] | None = None) -> float:
+def kv_cache_type(device: str, environ: Mapping[str, str] | None = None) -> str:
     """The cache the device really allocates: float32 on the CPU; F16 on CUDA, or int8 with a
     float32 scale per 32 values under SPARKINFER_KV_INT8."""
     if device != "cuda":
-        return 4.0
-    return 1 + 4 / 32 if env.SPARKINFER_KV_INT8.get(environ) else 2.0
+        return "float32"
+    return "int8" if env.SPARKINFER_KV_INT8.get(environ) else "F16"
+
+
+_BYTES_PER_VALUE = {"float32": 4.0, "F16": 2.0, "int8": 1 + 4 / 32}
+
+
+def kv_bytes_per_value(device: str, environ: Mapping[str, str] | None = None) -> float:
+    """Bytes a cached K or V value takes in kv_cache_type's cache."""
+    return _BYTES_PER_VALUE[kv_cache_type(device, environ)]
 
 
 def available_memory_bytes(device: str) -> int | None:
