@@ -1,8 +1,9 @@
 """Scale-out behind the routers people use: two `sparkinfer serve` replicas of the tiny qwen3 GGUF
 (CPU, 127.0.0.1) behind vllm-router and behind smg, each a Rust binary from PyPI (the `routers`
-extra). Round-robin spreads requests evenly, a killed replica costs no request, the routers'
-load views carry our /get_load and /v1/loads figures, and a flush through the router reaches
-every replica's prefix cache. Skipped where a router's binary is not on PATH."""
+extra). Round-robin spreads requests evenly, a killed replica costs no request, nor does one
+drained by SIGTERM under a burst (the routers retry its 503s elsewhere), the routers' load views
+carry our /get_load and /v1/loads figures, and a flush through the router reaches every replica's
+prefix cache. Skipped where a router's binary is not on PATH."""
 
 from __future__ import annotations
 
@@ -43,20 +44,23 @@ def router_path(binary: str) -> str | None:
     return shutil.which(binary) or shutil.which(binary, path=str(Path(sys.executable).parent))
 
 
-def start_replica() -> ProcessServer:
+def start_replica(env: dict[str, str] | None = None) -> ProcessServer:
     return ProcessServer(["-m", "sparkinfer_cli", "serve", "-m", str(MODEL), "--device", "cpu",
-                          "--alias", SERVED_NAME], {"CTX": str(REPLICA_CTX)}, STARTUP_S)
+                          "--alias", SERVED_NAME], {"CTX": str(REPLICA_CTX), **(env or {})},
+                         STARTUP_S)
 
 
 class RouterProcess:
     """A router binary on free ports over the given workers; ready once it lists our model."""
 
-    def __init__(self, binary: str, worker_urls: list[str], policy: str):
+    def __init__(self, binary: str, worker_urls: list[str], policy: str,
+                 options: tuple[str, ...] = ()):
         self.binary, self.port = binary, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         args = [router_path(binary), *ROUTER_SUBCOMMAND[binary], "--host", "127.0.0.1",
                 "--port", str(self.port), "--prometheus-port", str(free_port()),
-                "--policy", policy, *ROUTER_OPTIONS[binary], "--worker-urls", *worker_urls]
+                "--policy", policy, *ROUTER_OPTIONS[binary], *options,
+                "--worker-urls", *worker_urls]
         self._log = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen(args, cwd=REPO_ROOT, stdout=self._log,
                                      stderr=subprocess.STDOUT, text=True)
@@ -73,10 +77,11 @@ class RouterProcess:
         except httpx.TransportError:
             return False
 
-    def complete(self, prompt: str, headers: dict[str, str] | None = None) -> httpx.Response:
+    def complete(self, prompt: str, headers: dict[str, str] | None = None,
+                 **fields) -> httpx.Response:
         return httpx.post(f"{self.url}/v1/completions", timeout=REQUEST_S, headers=headers,
                           json={"model": SERVED_NAME, "prompt": prompt, "max_tokens": 4,
-                                "temperature": 0})
+                                "temperature": 0, **fields})
 
     def output(self) -> str:
         self._log.seek(0)
@@ -197,3 +202,47 @@ def test_requests_still_succeed_with_one_replica_killed(router_binary, replicas)
             assert requests_served(survivor) - before == 8
         finally:
             router.stop()
+
+
+# the drained replica's pool: 64 KV blocks, room for two of the burst's requests (26 blocks each,
+# prompt + max_tokens reserved at admission), so the rest of its share waits in its queue
+DRAINED_CTX, BURST, BURST_TOKENS = 1024, 16, 400
+# retry the drained replica's 503s (both routers retry a 503 on another worker by default, up to
+# 5 attempts: made explicit, with room to spare);
+# smg's worker overload protection would leave the small replica out once its two requests hold
+# 0.8 of its KV, so that nothing ever waits there
+RETRIES = ("--retry-max-retries", "10", "--retry-initial-backoff-ms", "50",
+           "--retry-max-backoff-ms", "1000")
+DRAIN_OPTIONS = {"vllm-router": RETRIES,
+                 "smg": (*RETRIES, "--disable-worker-overload-protection")}
+
+
+def test_sigterm_to_one_replica_loses_no_request(router_binary, replicas) -> None:
+    """A burst of 16 through the router, 8 to a replica that can run only two at once; SIGTERM
+    to it while some of its requests wait: it answers those with 503 + Retry-After at once and
+    finishes the running ones, and the router retries the 503s (and, once it has exited, the
+    refused connections) on the survivor. Every client request gets its 200."""
+    survivor = replicas[0]
+    with start_replica({"CTX": str(DRAINED_CTX)}) as victim:
+        router = RouterProcess(router_binary, [survivor.url, victim.url], "round_robin",
+                               DRAIN_OPTIONS[router_binary])
+        try:
+            before = requests_served(survivor)
+            with ThreadPoolExecutor(BURST) as pool:
+                futures = [pool.submit(router.complete, f"burst {i}", max_tokens=BURST_TOKENS,
+                                       ignore_eos=True) for i in range(BURST)]
+                wait_until(lambda: waiting(victim) > 0, REQUEST_S)
+                victim.signal(signal.SIGTERM)
+                responses = [f.result() for f in futures]
+            assert [r.status_code for r in responses] == [200] * BURST, \
+                [r.text for r in responses if r.status_code != 200]
+            assert all(r.json()["usage"]["completion_tokens"] == BURST_TOKENS for r in responses)
+            assert victim.wait(REQUEST_S) == 0
+            # the survivor took its own eight and the victim's queued ones
+            assert requests_served(survivor) - before > BURST // 2
+        finally:
+            router.stop()
+
+
+def waiting(replica: ProcessServer) -> int:
+    return httpx.get(f"{replica.url}/v1/loads").json()["loads"][0]["num_waiting_reqs"]
