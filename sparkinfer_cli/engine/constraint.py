@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from sparkinfer_cli.model.batch import mask_words
+
 if TYPE_CHECKING:
     from sparkinfer_cli.tokenizer.tokenizer import Tokenizer
 
@@ -122,18 +124,26 @@ class GrammarConstraint:
         """Whether the next token's mask is being (or has been) computed on a worker thread."""
         return self._next_bits is not None
 
-    def allowed(self) -> np.ndarray | None:
-        """(n_vocab,) bool: the tokens the grammar allows next (all False once it cannot be
-        continued); None while the answer is free (reasoning)."""
+    def allowed_words(self) -> np.ndarray | None:
+        """(mask_words(n_vocab),) uint32: a bit per token the grammar allows next (bit j of word
+        w: token 32w + j; none once it cannot be continued); None while the answer is free
+        (reasoning)."""
         if self._thinking:
             return None
         ahead, self._next_bits = self._next_bits, None
         raw = ahead.result() if ahead is not None else self._matcher.compute_bitmask()
-        bits = np.frombuffer(raw, dtype=np.uint8)
-        mask = np.unpackbits(bits, bitorder="little")[:self.n_vocab].astype(bool)
-        if self._first and self._think is not None:
-            mask[self._think[0]] = True  # the answer may open a thought first
-        return mask
+        words = np.frombuffer(raw, dtype=np.uint32)[:mask_words(self.n_vocab)].copy()
+        if self._first and self._think is not None:  # the answer may open a thought first
+            think = self._think[0]
+            words[think >> 5] |= np.uint32(1 << (think & 31))
+        return words
+
+    def allowed(self) -> np.ndarray | None:
+        """allowed_words as (n_vocab,) bool."""
+        words = self.allowed_words()
+        if words is None:
+            return None
+        return np.unpackbits(words.view(np.uint8), bitorder="little")[:self.n_vocab].astype(bool)
 
     def consume(self, token_id: int) -> None:
         """Advance past the sampled token; start computing the next token's mask."""

@@ -27,7 +27,7 @@ from sparkinfer_cli.engine.kv_cache import CacheOps, KVCacheManager, PrefixCache
 from sparkinfer_cli.engine.model_runner import ModelRunner
 from sparkinfer_cli.engine.policy import create_policy
 from sparkinfer_cli.engine.request import OutputStream, Request, RequestEvent
-from sparkinfer_cli.engine.sampler import Sampler, SampleResult, UnsatisfiableSampling
+from sparkinfer_cli.engine.sampler import Sampler, UnsatisfiableSampling
 from sparkinfer_cli.engine.sampling_params import SamplingParams
 from sparkinfer_cli.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from sparkinfer_cli.engine.speculative import accepted_drafts
@@ -338,7 +338,10 @@ class ContinuousBatchEngine:
         limit = self.runner.max_sample_top_k
         if not all(x.can_sample_on_device(limit) for x in samplers):
             return False, None
-        return True, SamplingRows.of([x.device_draw() for x in samplers])
+        masks = [x.device_mask() for x in samplers]
+        if any(m is not None and not m.any() for m in masks):  # a grammar with no way on: the
+            return False, None  # host sampler ends the request with its error
+        return True, SamplingRows.of([x.device_draw() for x in samplers], masks)
 
     def _greedy_tokens(self, requests: list[Request], rows: list[np.ndarray]) -> list[int | None]:
         """The plain greedy rows' tokens, sampled together; None for the other rows."""
@@ -357,7 +360,7 @@ class ContinuousBatchEngine:
         try:
             assert request.sampler is not None
             if token is not None:
-                result = SampleResult(token, None)
+                result = request.sampler.take(token)
             else:
                 assert logits is not None  # a row the model did not pick has its logits
                 result = request.sampler.sample(logits, request.prompt_ids, request.output_ids)

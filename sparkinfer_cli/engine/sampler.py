@@ -85,6 +85,7 @@ class TokenConstraint(Protocol):
     """What the sampler asks of a structured-output matcher (engine/constraint.py)."""
 
     def allowed(self) -> np.ndarray | None: ...
+    def allowed_words(self) -> np.ndarray | None: ...
     def consume(self, token_id: int) -> None: ...
 
 
@@ -119,11 +120,22 @@ class Sampler:
 
     def can_sample_on_device(self, max_top_k: int) -> bool:
         """Whether a device sampler that keeps the max_top_k best logits (CudaModel.
-        forward_sampled) picks what sample() would from device_draw(): plain greedy, or a top-k
-        of at most max_top_k with no logprobs, penalties or bias."""
+        forward_sampled) picks what sample() would from device_draw() and device_mask(): greedy
+        or a top-k of at most max_top_k, with no logprobs, penalties or bias."""
         p = self.params
         return self.is_plain_greedy or (not p.logprobs and not self.may_touch_logits
-                                        and self.constraint is None and 1 <= p.top_k <= max_top_k)
+                                        and (p.is_greedy or 1 <= p.top_k <= max_top_k))
+
+    def device_mask(self) -> np.ndarray | None:
+        """The uint32 mask words of the tokens this token may be (constraint.allowed_words);
+        None: any token."""
+        return self.constraint.allowed_words() if self.constraint is not None else None
+
+    def take(self, token_id: int) -> SampleResult:
+        """A token picked elsewhere (on the device, or by GreedyBatch) as this token's sample."""
+        if self.constraint is not None:
+            self.constraint.consume(token_id)
+        return SampleResult(token_id, None)
 
     def device_draw(self) -> DeviceDraw:
         """This token's draw for the device sampler; u is drawn from this request's generator as

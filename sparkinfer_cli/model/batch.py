@@ -109,23 +109,34 @@ class DeviceDraw(NamedTuple):
 
 
 ARGMAX = DeviceDraw(0.0, 0, 1.0, 0.0, 0.0)
+ALL_ALLOWED = np.uint32(0xFFFFFFFF)  # a mask word that refuses none of its 32 tokens
+
+
+def mask_words(n_vocab: int) -> int:
+    """u32 words of a mask of allowed tokens: bit j of word w is token 32w + j (llguidance's
+    bitmask read as little-endian words)."""
+    return -(-n_vocab // 32)
 
 
 @dataclass(frozen=True)
 class SamplingRows:
-    """A pass's DeviceDraw per sequence, as columns (what the device copies)."""
+    """A pass's DeviceDraw per sequence, as columns (what the device copies), and the tokens a
+    structured answer's grammar allows each sequence (None: every token, on every row)."""
 
     temperature: np.ndarray  # (n,) float32
     top_k: np.ndarray  # (n,) int32
     top_p: np.ndarray  # (n,) float32
     min_p: np.ndarray  # (n,) float32
     uniform: np.ndarray  # (n,) float32
+    allowed: np.ndarray | None = None  # (n, mask_words(n_vocab)) uint32
 
     @classmethod
-    def of(cls, draws: Sequence[DeviceDraw]) -> SamplingRows:
+    def of(cls, draws: Sequence[DeviceDraw],
+           masks: Sequence[np.ndarray | None] | None = None) -> SamplingRows:
+        """masks: per draw, its uint32 mask words or None (every token)."""
         t, k, p, m, u = zip(*draws) if draws else ((),) * 5
         return cls(np.array(t, np.float32), np.array(k, np.int32), np.array(p, np.float32),
-                   np.array(m, np.float32), np.array(u, np.float32))
+                   np.array(m, np.float32), np.array(u, np.float32), _stacked(masks))
 
     def __len__(self) -> int:
         return len(self.temperature)
@@ -135,8 +146,24 @@ class SamplingRows:
             yield DeviceDraw(*values)
 
     def spread(self, n: int, at: Sequence[int]) -> SamplingRows:
-        """Rows for n sequences: these at positions `at`, the argmax at the others."""
-        draws = [ARGMAX] * n
-        for i, draw in zip(at, self):
+        """Rows for n sequences: these at positions `at`, the argmax over every token at the
+        others."""
+        draws: list[DeviceDraw] = [ARGMAX] * n
+        masks: list[np.ndarray | None] = [None] * n
+        for j, (i, draw) in enumerate(zip(at, self)):
             draws[i] = draw
-        return SamplingRows.of(draws)
+            masks[i] = None if self.allowed is None else self.allowed[j]
+        return SamplingRows.of(draws, masks)
+
+
+def _stacked(masks: Sequence[np.ndarray | None] | None) -> np.ndarray | None:
+    """The rows' masks as one (n, words) array, every token allowed where a row has none; None
+    when no row has one."""
+    if masks is None or all(m is None for m in masks):
+        return None
+    words = next(len(m) for m in masks if m is not None)
+    out = np.full((len(masks), words), ALL_ALLOWED, np.uint32)
+    for i, m in enumerate(masks):
+        if m is not None:
+            out[i] = m
+    return out

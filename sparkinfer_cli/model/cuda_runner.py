@@ -309,7 +309,7 @@ class CudaModel(ModelBackend[CudaModelCache]):
         if greedy:
             g = ws.sampling(logit_rows, self.output.n_rows)
             sampling.sample(logits.reshape(logit_rows, -1), *g.params, g.ids, g.workspace,
-                            stream=s)
+                            stream=s, allowed=g.allowed)
 
     def _logits(self, ws: Workspace, logit_rows: int):
         cols = min(logit_rows, ws.cols)

@@ -24,7 +24,13 @@ from sparkinfer_cli.kernels.cuda.driver_calls import copy_to_device_async
 from sparkinfer_cli.kernels.cuda.expert_route import ExpertRoute
 from sparkinfer_cli.kernels.cuda.graphs import CapturedGraph, is_side_stream, side_stream
 from sparkinfer_cli.kernels.cuda.launch import next_pow2
-from sparkinfer_cli.model.batch import ARGMAX, SamplingRows, SequenceBatch
+from sparkinfer_cli.model.batch import (
+    ALL_ALLOWED,
+    ARGMAX,
+    SamplingRows,
+    SequenceBatch,
+    mask_words,
+)
 from sparkinfer_cli.model.cuda_cache import CudaModelCache, device_zeros
 from sparkinfer_cli.model.cuda_weights import DeviceLinear, StackedLinears
 
@@ -73,8 +79,8 @@ class Act:
 
 
 class DeviceSampling:
-    """sampling.sample's per-row inputs and its output ids (n_rows,): argmax (temperature 0) on
-    every row until `stage` uploads a pass's sampling rows."""
+    """sampling.sample's per-row inputs and its output ids (n_rows,): argmax (temperature 0) over
+    every token on every row until `stage` uploads a pass's sampling rows (and grammar masks)."""
 
     def __init__(self, n_rows: int, n_vocab: int):
         # temperature, top_p, min_p, uniform; and top_k: pinned staging and their device copies
@@ -86,6 +92,11 @@ class DeviceSampling:
         f = self._floats
         self.params = (f[0], self._top_k, f[1], f[2], f[3])  # sampling.sample's argument order
         self._is_greedy = True
+        # a bit per token a row may pick (structured answers); all set on the other rows
+        self._allowed_host = cuda.pinned_array((n_rows, mask_words(n_vocab)), np.uint32)
+        self._allowed_host[:] = ALL_ALLOWED
+        self.allowed = cuda.to_device(self._allowed_host)
+        self._is_masked = False
         self.ids = cuda.device_array(n_rows, np.int32)
         # where the ids come back: a row per queued decode step
         self.ids_host = cuda.pinned_array((MAX_QUEUED_STEPS, n_rows), np.int32)
@@ -100,6 +111,13 @@ class DeviceSampling:
         copy_to_device_async(self._floats, self._floats_host, stream)
         copy_to_device_async(self._top_k, self._top_k_host, stream)
         self._is_greedy = rows is None
+        masks = None if rows is None else rows.allowed
+        if masks is not None or self._is_masked:
+            self._allowed_host[:] = ALL_ALLOWED
+            if masks is not None:
+                self._allowed_host[:len(masks)] = masks
+            copy_to_device_async(self.allowed, self._allowed_host, stream)
+            self._is_masked = masks is not None
 
     def _fill(self, rows: SamplingRows | None) -> None:
         f, k = self._floats_host, self._top_k_host
@@ -113,7 +131,8 @@ class DeviceSampling:
     @property
     def nbytes(self) -> int:
         ws = self.workspace
-        return sum(a.nbytes for a in (self._floats, self._top_k, self.ids, ws.cand_v, ws.cand_i))
+        return sum(a.nbytes for a in (self._floats, self._top_k, self.allowed, self.ids, ws.cand_v,
+                                      ws.cand_i))
 
 
 class Workspace:

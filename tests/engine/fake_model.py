@@ -164,6 +164,9 @@ class FakeDeviceModel(FakeModel):
                         rows: SamplingRows) -> np.ndarray:
         self.sampled_rows.append(rows)
         logits = self.forward(batch, cache)  # (num_seqs, n_vocab)
+        if rows.allowed is not None:  # the grammar masks' refused tokens out
+            allowed = np.unpackbits(rows.allowed.view(np.uint8), axis=1, bitorder="little")
+            logits = np.where(allowed[:, :logits.shape[1]].astype(bool), logits, -np.inf)
         return np.array([_pick(row, *params) for row, params in zip(logits, rows)], np.int32)
 
     def decode_greedy(self, batch: SequenceBatch, cache: FakeCache, n_steps: int):

@@ -690,6 +690,32 @@ def test_sampled_requests_decode_one_pass_a_step(engines):
     assert model.decode_steps == []
 
 
+def test_constrained_requests_pick_on_the_device_what_the_host_would(engines):
+    """Requests held to a grammar (greedy and top-k sampled) on a host-sampling model and on
+    one that picks on its device with the grammar's masks: identical outputs, every one in the
+    grammar, and the device got a mask for every constrained row."""
+    from sparkinfer_cli.engine.constraint import lark_grammar
+
+    grammar = lark_grammar('start: /[abc]+( [abc]+)*/')
+    params = [SamplingParams(max_tokens=12, ignore_eos=True, grammar=grammar, temperature=0.0),
+              SamplingParams(max_tokens=12, ignore_eos=True, grammar=grammar, temperature=0.9,
+                             top_k=3, seed=5),
+              SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0)]  # unconstrained
+    prompts = _prompts(len(params))
+    outputs = {}
+    for model in (FakeModel(), FakeDeviceModel()):
+        engine, sink = engines(model, start=False, max_num_seqs=8), Collector()
+        ids = [engine.submit(p, q, sink) for p, q in zip(prompts, params)]
+        engine.start()
+        outputs[type(model)] = [(sink.final(i).finish_reason, sink.tokens(i)) for i in ids]
+        engine.shutdown()
+    assert outputs[FakeModel] == outputs[FakeDeviceModel]
+    for _, tokens in outputs[FakeModel][:2]:
+        assert len(tokens) == 12 and set(TOKENIZER.decode(tokens)) <= set("abc ")
+    masked = [rows.allowed for rows in model.sampled_rows]
+    assert masked and all(m is not None and len(m) >= 2 for m in masked)
+
+
 def test_sampled_requests_pick_on_the_device_what_the_host_would(engines):
     """The same seeded requests on a host-sampling model and on one that samples on its device
     (FakeDeviceModel.forward_sampled: the host's rules, u from the request's own generator):

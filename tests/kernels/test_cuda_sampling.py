@@ -71,6 +71,38 @@ def test_sampling_picks_what_the_host_sampler_picks(n_vocab, widest, rng):
     assert _host_choice(logits[3], float(temperature[3]), 8, 1.0, 0.0, 0.95)[0] != got[3]
 
 
+def mask_words(allowed: np.ndarray) -> np.ndarray:
+    """(rows, n_vocab) bool → the kernel's (rows, words) uint32 bit masks (bit j of word w:
+    token 32w + j), as llguidance writes them."""
+    bits = np.pad(allowed, ((0, 0), (0, -allowed.shape[1] % 32)))
+    return np.packbits(bits, axis=1, bitorder="little").view(np.uint32)
+
+
+def test_a_mask_keeps_refused_tokens_out_of_greedy_and_sampled_picks(rng):
+    """The same rows with each row's best tokens refused: the device picks what the host
+    sampler picks from the logits with the refused ones at -inf (and never a refused id)."""
+    n_vocab = 300
+    logits, temperature, top_k, top_p, min_p, uniform = _rows(n_vocab, rng, 8)
+    allowed = rng.random((N_ROWS, n_vocab)) < 0.6
+    allowed[np.arange(N_ROWS), logits.argmax(axis=1)] = False  # the unmasked pick is refused
+    masked = np.where(allowed, logits, -np.inf).astype(np.float32)
+    out = cuda.device_array(N_ROWS, np.int32)
+    ws = sampling.SamplingWorkspace(N_ROWS, n_vocab)
+    arrays = (logits, temperature, top_k, top_p, min_p, uniform)
+    sampling.sample(*(cuda.to_device(a) for a in arrays), out, ws,
+                    allowed=cuda.to_device(mask_words(allowed)))
+    got = out.copy_to_host()
+    assert allowed[np.arange(N_ROWS), got].all()
+    compared = 0
+    for r, params in enumerate(zip(*arrays[1:])):
+        t, k, p, m, u = (float(x) for x in params)
+        token, margin = _host_choice(masked[r], t, int(k), p, m, u)
+        if margin > BOUNDARY:
+            assert got[r] == token, f"row {r}: device {got[r]}, host {token}"
+            compared += 1
+    assert compared >= N_ROWS - 1
+
+
 def test_wide_top_k_is_not_exact():
     assert not sampling.supports_exactly(0.7, 0)
     assert not sampling.supports_exactly(0.7, sampling.MAX_CANDIDATES + 1)

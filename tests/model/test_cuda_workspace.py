@@ -118,6 +118,21 @@ def test_a_pass_uploads_the_tables_of_its_sequences_and_a_scratch_row_after_them
         [3 * 4 + i for i in range(4)]
 
 
+def test_device_sampling_stages_grammar_masks_then_allows_every_token_again():
+    from sparkinfer_cli.model.batch import ALL_ALLOWED, ARGMAX, SamplingRows
+    from sparkinfer_cli.model.cuda_workspace import DeviceSampling
+
+    sampling = DeviceSampling(3, 70)  # 3 mask words a row
+    assert (sampling.allowed.copy_to_host() == ALL_ALLOWED).all()
+    mask = np.array([5, 0, 1 << 3], np.uint32)  # tokens 0, 2 and 67
+    sampling.stage(SamplingRows.of([ARGMAX, ARGMAX], [None, mask]), 0)
+    staged = sampling.allowed.copy_to_host()
+    np.testing.assert_array_equal(staged[1], mask)
+    assert (staged[[0, 2]] == ALL_ALLOWED).all()
+    sampling.stage(SamplingRows.of([ARGMAX]), 0)  # a pass without grammars
+    assert (sampling.allowed.copy_to_host() == ALL_ALLOWED).all()
+
+
 def test_sampling_rows_spread_draws_over_a_pass_and_argmax_elsewhere():
     """The engine's draws for the sequences that sample, placed at their positions in the pass;
     the other sequences take the argmax draw."""

@@ -6,7 +6,9 @@ and top-p and min-p trim them by the host Sampler's rules (engine/sampler.py: to
 1, min-p against the best logit); the host-supplied uniform u ∈ [0, 1) then draws from
 softmax(kept / T) walking the kept ids in ascending order, as the host's cumulative search does.
 For 1 ≤ top_k ≤ MAX_CANDIDATES this is exactly the host's choice (`supports_exactly`); a wider
-top-k would need candidates this kernel does not keep. Two kernels:
+top-k would need candidates this kernel does not keep. A structured answer's grammar masks the
+vocabulary first: `allowed` holds a bit per token (bit j of word w: token 32w + j), tokens whose
+bit is clear are never candidates. Two kernels:
   1. grid (n_chunks, n_seqs): each block finds the k best of its vocabulary chunk by k rounds of
      "block argmax strictly below the previous pick";
   2. grid (n_seqs,): the same over the n_chunks·k candidates, then the cut and the draw.
@@ -36,15 +38,19 @@ def _before(v, i, best_v, best_i):
 
 
 @device_function(fastmath=False)
-def _block_best_below(vals, ids, base, n, id_offset, prev_v, prev_i, sm_v, sm_i):
+def _block_best_below(vals, ids, base, n, id_offset, prev_v, prev_i, sm_v, sm_i, allowed,
+                      allowed_at):
     """Best (value, id) among vals[base:base+n] ranking strictly after (prev_v, prev_i).
 
-    id of entry t is ids[base + t] when ids is non-empty, else id_offset + t. All threads get it.
+    id of entry t is ids[base + t] when ids is non-empty, else id_offset + t. When allowed is
+    non-empty, only ids whose bit is set in allowed[allowed_at:] take part. All threads get it.
     """
     best_v, best_i = float32(-math.inf), int32(2147483647)
     for t in range(cuda.threadIdx.x, n, cuda.blockDim.x):
         v = vals[base + t]
         i = ids[base + t] if ids.size > 0 else int32(id_offset + t)
+        if allowed.size > 0 and (allowed[allowed_at + (i >> 5)] >> (i & 31)) & 1 == 0:
+            continue
         if _before(prev_v, prev_i, v, i) and _before(v, i, best_v, best_i):
             best_v, best_i = v, i
     for offset in (16, 8, 4, 2, 1):
@@ -70,7 +76,8 @@ def _n_candidates(temperature, top_k):
 
 
 @kernel
-def _chunk_topk_kernel(logits, n_vocab, chunk, no_ids, temperature, top_k, cand_v, cand_i):
+def _chunk_topk_kernel(logits, n_vocab, chunk, no_ids, temperature, top_k, allowed, cand_v,
+                       cand_i):
     chain_start()
     # candidates (n_seqs, n_chunks, MAX_CANDIDATES); slots past k stay -inf
     c, seq = cuda.blockIdx.x, cuda.blockIdx.y
@@ -84,7 +91,8 @@ def _chunk_topk_kernel(logits, n_vocab, chunk, no_ids, temperature, top_k, cand_
     for r in range(MAX_CANDIDATES):
         if r < k:
             prev_v, prev_i = _block_best_below(logits, no_ids, seq * n_vocab + start, n, start,
-                                               prev_v, prev_i, sm_v, sm_i)
+                                               prev_v, prev_i, sm_v, sm_i, allowed,
+                                               seq * mask_words(n_vocab))
         if cuda.threadIdx.x == 0:
             cand_v[out + r] = prev_v if r < k else float32(-math.inf)
             cand_i[out + r] = prev_i if r < k else int32(2147483647)
@@ -152,7 +160,7 @@ def _final_kernel(cand_v, cand_i, n_cand, temperature, top_k, top_p, min_p, unif
     prev_v, prev_i = float32(math.inf), int32(-1)
     for r in range(k):
         prev_v, prev_i = _block_best_below(cand_v, cand_i, seq * n_cand, n_cand, 0, prev_v, prev_i,
-                                           sm_v, sm_i)
+                                           sm_v, sm_i, cand_i[:0], 0)  # stage 1 masked them
         if cuda.threadIdx.x == 0:
             best_v[r], best_i[r] = prev_v, prev_i
     if cuda.threadIdx.x == 0:
@@ -161,6 +169,12 @@ def _final_kernel(cand_v, cand_i, n_cand, temperature, top_k, top_p, min_p, unif
         else:
             kept = _kept_count(best_v, k, top_p[seq], min_p[seq])
             out_ids[seq] = _draw_in_id_order(best_v, best_i, kept, temp, uniform[seq])
+
+
+@device_function
+def mask_words(n_vocab):
+    """u32 words of one sequence's mask of allowed tokens."""
+    return (n_vocab + 31) // 32
 
 
 def supports_exactly(temperature: float, top_k: int) -> bool:
@@ -178,13 +192,20 @@ class SamplingWorkspace:
         self.cand_v = cuda.device_array(n, np.float32)  # (n_seqs, n_chunks, MAX_CANDIDATES)
         self.cand_i = cuda.device_array(n, np.int32)
         self.no_ids = cuda.device_array(0, np.int32)
+        self.no_mask = cuda.device_array(0, np.uint32)
 
 
 def sample(logits, temperature, top_k, top_p, min_p, uniform, out_ids, ws: SamplingWorkspace,
-           stream=0) -> None:
+           stream=0, allowed=None) -> None:
     """logits (n_seqs, n_vocab) f32; per-sequence float32 temperature/top_p/min_p/uniform, int32
-    top_k (0 = MAX_CANDIDATES) → out_ids int32 (n_seqs,). Logits should already carry penalties."""
+    top_k (0 = MAX_CANDIDATES) → out_ids int32 (n_seqs,). Logits should already carry penalties.
+    allowed: uint32 (n_seqs, mask_words(n_vocab)), a bit per token that may be picked (each row
+    must allow one); None: every token."""
     n_seqs, n_vocab = logits.shape
+    if allowed is None:
+        allowed = ws.no_mask
+    else:
+        check_array("allowed", allowed, np.uint32, (n_seqs, cdiv(n_vocab, 32)))
     check_array("logits", logits, np.float32)
     for name, arr, dtype in (("temperature", temperature, np.float32), ("top_k", top_k, np.int32),
                              ("top_p", top_p, np.float32), ("min_p", min_p, np.float32),
@@ -194,8 +215,8 @@ def sample(logits, temperature, top_k, top_p, min_p, uniform, out_ids, ws: Sampl
     if cdiv(n_vocab, CHUNK) != ws.n_chunks or ws.cand_v.size < n_cand:
         raise ValueError("sampling workspace was sized for another vocabulary or batch")
     _chunk_topk_kernel[(ws.n_chunks, n_seqs), THREADS, stream](
-        logits.reshape(logits.size), n_vocab, CHUNK, ws.no_ids, temperature, top_k, ws.cand_v,
-        ws.cand_i)
+        logits.reshape(logits.size), n_vocab, CHUNK, ws.no_ids, temperature, top_k,
+        allowed.reshape(allowed.size), ws.cand_v, ws.cand_i)
     _final_kernel[n_seqs, THREADS, stream](
         ws.cand_v, ws.cand_i, ws.n_chunks * MAX_CANDIDATES, temperature, top_k, top_p, min_p,
         uniform, out_ids)
