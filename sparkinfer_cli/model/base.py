@@ -43,7 +43,7 @@ class DecoderLayer:
 class CausalLM(ModelBackend[ModelCache]):
     """Base of every architecture (the CPU backend); subclasses implement `build_layer`."""
 
-    scores_drafts = True  # short pieces attend row by row (layers.ROW_ATTENTION_TOKENS)
+    scores_drafts = True  # every token attends row by row (layers.Attention.attend)
 
     def __init__(self, gguf: GGUFFile, config: ModelConfig):
         self.config = config

@@ -20,11 +20,6 @@ from sparkinfer_cli.model.cache import ModelCache
 from sparkinfer_cli.model.config import ModelConfig
 from sparkinfer_cli.model.weights import QTensor, Weights
 
-# prompt pieces of at most this many tokens attend row by row, as decodes do (a verify pass of
-# speculative drafts, a prompt's short last piece after a prefix-cache hit): the tokens' numbers
-# are then those one-at-a-time decoding gives
-ROW_ATTENTION_TOKENS = 8
-
 
 class Linear:
     """y = x · Wᵀ (+ b) with W in its GGUF encoding. x: (T, in) → (T, out)."""
@@ -148,22 +143,21 @@ class Attention:
         return q, k, v
 
     def attend(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, fwd: Forward) -> np.ndarray:
-        """Write k, v into each sequence's cache, attend, return (N, H·D). Pieces of up to
-        ROW_ATTENTION_TOKENS tokens (decodes, drafts to verify) attend row by row through the
-        decode kernel, so a token's numbers do not depend on how many came with it."""
+        """Write k, v into each sequence's cache, attend, return (N, H·D). Every token attends
+        on its own through the decode kernel, over exactly the keys before it, so its numbers
+        are those of one-at-a-time decoding whatever piece of its prompt it came in: the step
+        budget cuts prompts where the server's load puts the cut, and a prefix-cache hit starts
+        them at a block, so a kernel chosen by the piece (a BLAS product over the piece's rows
+        and keys sums by its shape) made greedy answers depend on the load. On 2 cores the row
+        kernel also prefills a 512- or 2,048-token prompt faster than that product did."""
         cache, li = fwd.cache, fwd.cache.attn_index[self.layer]
-        short = [s for s in fwd.spans if s.hi - s.lo <= ROW_ATTENTION_TOKENS]
-        for s in short:  # NOTE: every row's k, v first: a row reads the rows before it
+        for s in fwd.spans:  # NOTE: every row's k, v first: a row reads the rows before it
             if s.hi - s.lo > 1:
                 cache.write_kv(self.layer, s.block_table, s.start, k[s.lo:s.hi], v[s.lo:s.hi])
-        rows = [(r, s.block_table, s.start + r - s.lo) for s in short for r in range(s.lo, s.hi)]
+        rows = [(r, s.block_table, s.start + r - s.lo) for s in fwd.spans
+                for r in range(s.lo, s.hi)]
         out = decode_ops.attend_paged(q, k, v, cache.k[li], cache.v[li], [r[0] for r in rows],
                                       [r[1] for r in rows], [r[2] for r in rows])
-        for s in fwd.spans:
-            if s.hi - s.lo > ROW_ATTENTION_TOKENS:
-                cache.write_kv(self.layer, s.block_table, s.start, k[s.lo:s.hi], v[s.lo:s.hi])
-                keys, values = cache.read_kv(self.layer, s.block_table, s.end)
-                out[s.lo:s.hi] = ops.causal_attention(q[s.lo:s.hi], keys, values, s.start)
         return out.reshape(len(q), -1)
 
     def __call__(self, x: np.ndarray, fwd: Forward) -> np.ndarray:
