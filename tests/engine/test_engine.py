@@ -547,6 +547,7 @@ def tiny_qwen3():
         (TINY / "qwen3.goldens.json").read_text())
 
 
+@pytest.mark.slow
 def test_tiny_qwen3_batched_outputs_equal_solo_outputs(tiny_qwen3):
     """18 concurrent requests (greedy and seeded sampling) produce exactly their solo outputs, with
     and without a shared prefix; the solo outputs of the golden prompts are llama.cpp's greedy."""
@@ -589,6 +590,7 @@ N_TINY = 8  # tokens per request: the CPU reference model takes ~10 ms a step
 @pytest.mark.parametrize("family, quant", [("qwen3", "Q8_0"), ("qwen3", "Q4_K_M"),
                                            ("qwen3moe", "Q8_0"), ("qwen35", "Q8_0"),
                                            ("qwen35moe", "Q4_K_M"), ("qwen3next", "Q8_0")])
+@pytest.mark.slow
 def test_quantized_outputs_do_not_depend_on_what_shares_the_pass(family, quant):
     """The runtime CPU model: 12 prompts prefilled in one pass of ~200 rows and decoded together
     give bit-identical logprobs to each prompt run alone (a pass of ≤ 20 rows; an expert sees

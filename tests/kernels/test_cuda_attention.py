@@ -92,6 +92,7 @@ def run(kv: PagedKV, q, seq_lens, ws, out=None, row_seq=None, act=None) -> np.nd
     # 8 and 1 hold keys)
     pytest.param(16, 4, 128, 32, (512, 33), 32768, CHUNK, marks=pytest.mark.gpu),  # Qwen3-30B
 ])
+@pytest.mark.slow
 def test_paged_decode_matches_reference(block_size, n_kv, head_dim, n_heads, lens, max_context,
                                         split_len):
     rng = np.random.default_rng(4)
@@ -111,6 +112,7 @@ def test_paged_decode_matches_reference(block_size, n_kv, head_dim, n_heads, len
     # warp 0's second pass holding one live split and three masked
     (2, 1, 128, (2100,), 2100),
 ])
+@pytest.mark.slow
 def test_query_heads_of_a_kv_head_on_tensor_cores(n_heads, n_kv, head_dim, lens, max_context):
     assert attention_mma.tensor_core_group(n_heads, n_kv, attention.KV_F16, head_dim)
     rng = np.random.default_rng(11)
@@ -120,6 +122,7 @@ def test_query_heads_of_a_kv_head_on_tensor_cores(n_heads, n_kv, head_dim, lens,
     np.testing.assert_allclose(run(kv, q, lens, ws), kv.reference(q, lens), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_tensor_core_kernel_rows_of_some_splits_and_none_with_q8_output():
     """A row of 200 keys (4 of its 16 splits hold 64-key rounds: the others exit, the merge weighs
     4) beside a row of none (0, and 0 in q8), the output also as q8; then the same rows at 70
@@ -163,6 +166,7 @@ def test_workspace_splits_cover_max_context_in_rounds():
     assert attention.DecodeWorkspace(1, 1, 32, 8, split_len=4).max_splits == 1
 
 
+@pytest.mark.slow
 def test_a_small_cache_still_plans_a_split_for_each_round_of_the_tensor_core_kernel():
     # a workspace for 548 tokens (the bench's after 512) plans 9 splits, so 512 keys run as 8
     # splits of one round (attention_mma's ROUND_KEYS) as with a 32k cache, not 4 of two: each
@@ -200,6 +204,7 @@ def test_a_launch_takes_fewer_splits_when_its_rows_fill_the_gpu():
     (np.int8, 2, 128, 2, (100,)),  # q8_0: attends like its dequantized values
     (np.float32, 1, 64, 4, (150,)),  # 2 query heads a block over float32 K/V
 ])
+@pytest.mark.slow
 def test_cache_types(dtype, n_kv, head_dim, n_heads, lens):
     rng = np.random.default_rng(10)
     kv = PagedKV(rng, lens, 16, n_kv, head_dim, dtype)
@@ -223,6 +228,7 @@ def test_replays_reuse_the_workspace_as_the_context_grows():
         assert not ws.arrivals.copy_to_host().any()
 
 
+@pytest.mark.slow
 def test_rows_attend_to_their_own_lengths():
     """Query rows sharing a sequence's block-table row through row_seq, with 200 keys (2
     splits) and 1 key, beside a row of another sequence with no keys at all (its output is 0)."""

@@ -39,6 +39,7 @@ def run(kernel, b: PagedBatch) -> np.ndarray:
     (128, 2, 1, [0, 60], [20, 9]),
     (256, 8, 1, [0, 40], [3, 4]),
 ])
+@pytest.mark.slow
 def test_flash_prefill_matches_causal_reference(head_dim, n_heads, n_kv, starts, new_tokens,
                                                 rng):
     b = make_batch(rng, starts, new_tokens, n_heads=n_heads, n_kv=n_kv, head_dim=head_dim,

@@ -14,6 +14,7 @@ from sparkinfer_cli.kernels.cuda.norm import rms_norm_reference
 
 @pytest.mark.parametrize("style, with_norm, kv_dtype", [
     ("neox", True, np.float16), ("normal", False, np.float32), ("neox", False, np.float32)])
+@pytest.mark.slow
 def test_norm_rope_and_store_match_the_unfused_ops(style, with_norm, kv_dtype):
     rng = np.random.default_rng(8)
     n_tok, n_heads, n_kv, d, n_rot, eps = 3, 4, 2, 32, 16, 1e-6

@@ -49,12 +49,14 @@ def run_decode(b: PagedBatch, rows: np.ndarray) -> np.ndarray:
     (np.float16, 4, [0, 60], [12, 20]),
     (np.int8, 6, [0, 70], [5, 14]),
 ])
+@pytest.mark.slow
 def test_prefill_matches_causal_reference(dtype, n_heads, starts, new_tokens, rng):
     b = make_batch(rng, starts, new_tokens, n_heads=n_heads, n_kv=2, head_dim=64, block_size=16,
                    dtype=dtype)
     np.testing.assert_allclose(run_prefill(b), causal_reference(b), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_prefill_matches_decode_kernel(rng):
     b = make_batch(rng, [0, 60], [12, 20], n_heads=4, n_kv=2, head_dim=64, block_size=16,
                    dtype=np.float16)

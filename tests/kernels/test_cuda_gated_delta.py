@@ -30,6 +30,7 @@ def test_conv_silu_step_shifts_state():
     (1, 1, 2, 32, 8),
     pytest.param(3, 16, 32, 128, 128, marks=pytest.mark.gpu),  # Qwen3.6 GDN
 ])
+@pytest.mark.slow
 def test_delta_rule_step_matches_reference_for_both_head_maps(n_seqs, n_k, n_v, dk, dv):
     rng = np.random.default_rng(9)
     u = rng.standard_normal((n_seqs, 2 * n_k * dk + n_v * dv)).astype(np.float32)
@@ -62,6 +63,7 @@ def _conv_seq_reference(mixed, conv_w, state, slots, lo, n):
     return out, new_state
 
 
+@pytest.mark.slow
 def test_conv_silu_seq_blocks_of_several_rows_split_sequences():
     """512 rows → 4 rows a block: sequence starts and their first K − 1 rows fall across block
     edges; lengths 1 and 2 (< K − 1) keep part of the old state; rows nobody owns stay as they
@@ -119,6 +121,7 @@ def _run_delta_seq(u, a, b, ssm_a, dt_bias, state, slots, lo, n, n_k, head_map_m
 
 
 @pytest.mark.parametrize("head_map_mod", [True, False])
+@pytest.mark.slow
 def test_delta_rule_seq_runs_sequences_from_their_rows_and_slots(head_map_mod):
     """Odd and even lengths (both prefetch buffers end a sequence), a length-1 sequence, an empty
     entry between sequences, columns past dv (dv = 6: 8 lane groups, 2 idle) and an untouched
@@ -137,6 +140,7 @@ def test_delta_rule_seq_runs_sequences_from_their_rows_and_slots(head_map_mod):
     np.testing.assert_array_equal(new_state[3], state[3])
 
 
+@pytest.mark.slow
 def test_delta_rule_seq_long_sequence_and_more_entries_than_grid_rows():
     """A 30-token sequence keeps its state in registers throughout (dk = 64: two float4s a
     lane); with 66 sequence entries (model padding) grid row 1 also runs entry 65."""

@@ -121,6 +121,7 @@ def _check(got, x, w, up=None, bias=None):
     (GGMLType.Q6_K, 9, 40),  # 64-token tile
     (GGMLType.F32, 64, 128),  # exact tiles
 ])
+@pytest.mark.slow
 def test_matmul_matches_dequantized_reference(ggml_type, n_tok, n_rows, rng):
     k = 256
     w, w_ref = _weights(ggml_type, 1, n_rows, k, rng)
@@ -143,6 +144,7 @@ def test_matmul_splits_rows_over_outputs_and_adds_bias(rng):
         mg.matmul(w, cuda.to_device(x), ys[:2])
 
 
+@pytest.mark.slow
 def test_matmul_fused_swiglu_over_two_row_blocks(rng):
     k, n_rows, n_tok = 64, 70, 70  # 64 output rows per block → 2 blocks; a 128-token tile
     gate, gate_ref = _weights(GGMLType.Q5_0, 1, n_rows, k, rng)
@@ -154,6 +156,7 @@ def test_matmul_fused_swiglu_over_two_row_blocks(rng):
 
 
 @pytest.mark.parametrize("swiglu", [False, True])
+@pytest.mark.slow
 def test_matmul_splits_k_when_the_grid_is_small(swiglu, rng):
     # 13 k steps in 3 ranges of 4, 4 and 5 (MIN_SPLIT_STEPS 4); rows in 2 output parts + bias
     k, parts, n_tok = 13 * mg.BK, (40, 30), 9
@@ -219,6 +222,7 @@ def _run_grouped(ggml_type, n_expert, n_rows, k, slot_expert, slot_x, n_x, tile,
 
 
 @pytest.mark.parametrize("tile, k", [(64, 64), (16, 128), (32, 64)])
+@pytest.mark.slow
 def test_grouped_matmul_routes_slots_to_their_expert(tile, k, rng):
     # expert 0: no slots, expert 1: 100 slots (several tiles), expert 2: 30 slots; k of 4 / 2
     # steps: staged 4 / 2 at a time

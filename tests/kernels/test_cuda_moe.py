@@ -17,6 +17,7 @@ from sparkinfer_cli.kernels.cuda import moe
     pytest.param(64, 256, 8, marks=pytest.mark.gpu),  # Qwen3.6
     pytest.param(64, 128, 8, marks=pytest.mark.gpu),  # Qwen3-30B
     pytest.param(5, 1024, 8, marks=pytest.mark.gpu)])
+@pytest.mark.slow
 def test_router_topk_softmax_renormalised_with_ties_to_lower_index(n_tokens, n_experts, k):
     rng = np.random.default_rng(4)
     logits = rng.standard_normal((n_tokens, n_experts)).astype(np.float32)

@@ -104,6 +104,7 @@ def test_gemv_slots_pick_expert_matrices_and_activation_groups():
 
 @pytest.mark.parametrize("ggml_type, k", [(GGMLType.Q4_K, 256), (GGMLType.F32, 1024)],
                          ids=["rows", "split rows"])
+@pytest.mark.slow
 def test_gemv_loops_over_row_blocks_past_the_grid_limit(monkeypatch, ggml_type, k):
     # a grid.y of 2 stands in for CUDA's 65,535: each block takes row blocks y, y + 2, ...
     monkeypatch.setattr(qg, "MAX_GRID_Y", 2)
@@ -120,6 +121,7 @@ def test_gemv_loops_over_row_blocks_past_the_grid_limit(monkeypatch, ggml_type, 
 
 @pytest.mark.parametrize("ggml_type, k", [(GGMLType.F32, 1024), (GGMLType.Q8_0, 8192)],
                          ids=["F32", "Q8_0"])
+@pytest.mark.slow
 def test_gemv_splits_few_long_rows_over_the_blocks_warps(ggml_type, k):
     rng = np.random.default_rng(15)
     n_rows, n_cols = 3, 2
@@ -220,6 +222,7 @@ def test_gemv_with_two_rows_a_lane(monkeypatch, ggml_type, k, n_rows, swiglu):
     (GGMLType.Q6_K, 768, 4),  # 12 units: 16 lanes → 4 (3 units each: they split evenly)
     (GGMLType.Q8_0, 512, 4),  # 16 units
 ], ids=["Q4_K", "Q6_K uneven", "Q8_0"])
+@pytest.mark.slow
 def test_gemv_with_rows_narrowed_to_fewer_lanes(monkeypatch, ggml_type, k, lanes):
     # a GEMV past the lane budget (the LM head, many expert slots): fewer lanes a row, each
     # looping over several units; 13 rows over 3 slots leave a block's last rows past the end

@@ -49,6 +49,7 @@ def _rows(n_vocab: int, rng: np.random.Generator, widest: int) -> tuple[np.ndarr
 
 @pytest.mark.parametrize("n_vocab, widest", [
     (300, 8), pytest.param(248320, sampling.MAX_CANDIDATES, marks=pytest.mark.gpu)])
+@pytest.mark.slow
 def test_sampling_picks_what_the_host_sampler_picks(n_vocab, widest, rng):
     arrays = _rows(n_vocab, rng, widest)
     out = cuda.device_array(N_ROWS, np.int32)
@@ -78,6 +79,7 @@ def mask_words(allowed: np.ndarray) -> np.ndarray:
     return np.packbits(bits, axis=1, bitorder="little").view(np.uint32)
 
 
+@pytest.mark.slow
 def test_a_mask_keeps_refused_tokens_out_of_greedy_and_sampled_picks(rng):
     """The same rows with each row's best tokens refused: the device picks what the host
     sampler picks from the logits with the refused ones at -inf (and never a refused id)."""

@@ -442,6 +442,7 @@ def test_delta_rule_seq_equals_reference_steps() -> None:
     np.testing.assert_allclose(dev_state.copy_to_host(), new_state, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_prefill_rows_attend_causally_through_row_seq() -> None:
     """T query rows of a sequence share its block table (row_seq), each sees positions ≤ its own."""
     from numba import cuda

@@ -22,6 +22,8 @@ import pytest
 from sparkinfer_cli.model.batch import SequenceBatch
 from sparkinfer_cli.model.loader import load_model
 
+pytestmark = pytest.mark.slow  # real demo models, each run through llama.cpp-checked passes
+
 MODELS = {"qwen25coder": "qwen2.5-coder-0.5b", "smollm2": "smollm2-135m"}
 TOL = 1e-3
 # llama.cpp's top-1 margin from which the int8 decode must pick as it does: on a 2-core AVX-512

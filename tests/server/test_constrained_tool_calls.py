@@ -31,6 +31,8 @@ from sparkinfer_cli.server.tool_calls import forced_call_prefix, uses_xml_format
 from sparkinfer_cli.tokenizer.chat_template import ChatTemplate
 from sparkinfer_cli.tokenizer.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.slow  # server processes and grammars over generated tool sets
+
 MODELS = {"qwen3": FIXTURES / "qwen3-Q8_0.gguf",
           "qwen35": FIXTURES.parent / "qwen35" / "qwen35-Q8_0.gguf"}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]

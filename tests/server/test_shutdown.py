@@ -12,6 +12,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import httpx
+import pytest
 from server_harness import ProcessServer, fake_server, sse_json
 from test_admission import assert_openai_error, wait_until
 
@@ -53,6 +54,7 @@ def capacity(server: ProcessServer) -> dict[str, Any]:
     return httpx.get(f"{server.url}/v1/capacity").json()
 
 
+@pytest.mark.slow
 def test_sigterm_refuses_queued_requests_at_once_and_finishes_the_running_one() -> None:
     # 25 KV blocks of 16 tokens: the stream holds 19 of them, the two others wait for KV
     env = {"FAKE_TOKEN_DELAY_S": "0.02", "SPARKINFER_SHUTDOWN_GRACE_S": "20", "CTX": "400"}
