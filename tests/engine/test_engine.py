@@ -692,6 +692,20 @@ def test_sampled_requests_decode_one_pass_a_step(engines):
     assert model.decode_steps == []
 
 
+def _on_host_and_device(engines, params: list[SamplingParams]):
+    """({model class: (finish reason, tokens) of each request}, the device model): the same
+    requests, submitted together, on a host-sampling FakeModel and a FakeDeviceModel."""
+    prompts = _prompts(len(params))
+    outputs = {}
+    for model in (FakeModel(), FakeDeviceModel()):
+        engine, sink = engines(model, start=False, max_num_seqs=8), Collector()
+        ids = [engine.submit(p, q, sink) for p, q in zip(prompts, params)]
+        engine.start()
+        outputs[type(model)] = [(sink.final(i).finish_reason, sink.tokens(i)) for i in ids]
+        engine.shutdown()
+    return outputs, model
+
+
 def test_constrained_requests_pick_on_the_device_what_the_host_would(engines):
     """Requests held to a grammar (greedy and top-k sampled) on a host-sampling model and on
     one that picks on its device with the grammar's masks: identical outputs, every one in the
@@ -703,14 +717,7 @@ def test_constrained_requests_pick_on_the_device_what_the_host_would(engines):
               SamplingParams(max_tokens=12, ignore_eos=True, grammar=grammar, temperature=0.9,
                              top_k=3, seed=5),
               SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0)]  # unconstrained
-    prompts = _prompts(len(params))
-    outputs = {}
-    for model in (FakeModel(), FakeDeviceModel()):
-        engine, sink = engines(model, start=False, max_num_seqs=8), Collector()
-        ids = [engine.submit(p, q, sink) for p, q in zip(prompts, params)]
-        engine.start()
-        outputs[type(model)] = [(sink.final(i).finish_reason, sink.tokens(i)) for i in ids]
-        engine.shutdown()
+    outputs, model = _on_host_and_device(engines, params)
     assert outputs[FakeModel] == outputs[FakeDeviceModel]
     for _, tokens in outputs[FakeModel][:2]:
         assert len(tokens) == 12 and set(TOKENIZER.decode(tokens)) <= set("abc ")
@@ -732,14 +739,7 @@ def test_sampled_requests_pick_on_the_device_what_the_host_would(engines):
               sampled(temperature=0.0),
               sampled(4, temperature=0.8, seed=9),  # top_k 0: the host
               sampled(4, temperature=0.8, top_k=5, seed=10, logprobs=True)]  # the host
-    prompts = _prompts(len(params))
-    outputs = {}
-    for model in (FakeModel(), FakeDeviceModel()):
-        engine, sink = engines(model, start=False, max_num_seqs=8), Collector()
-        ids = [engine.submit(p, q, sink) for p, q in zip(prompts, params)]
-        engine.start()
-        outputs[type(model)] = [(sink.final(i).finish_reason, sink.tokens(i)) for i in ids]
-        engine.shutdown()
+    outputs, model = _on_host_and_device(engines, params)
     assert outputs[FakeModel] == outputs[FakeDeviceModel]
     assert [len(tokens) for _, tokens in outputs[FakeModel]] == [q.max_tokens for q in params]
     draws = [d for rows in model.sampled_rows for d in rows]  # over both device-only phases

@@ -75,18 +75,42 @@ class ThreadServer:
         await self._server.after_stop()
 
 
-class ProcessServer:
+class LoggedProcess:
+    """A process run from the repository root, its output in a temporary file (a pipe nobody
+    drains could block it); `stop` sends stop_signal, then kills it if it lingers."""
+
+    stop_signal = signal.SIGTERM
+
+    def __init__(self, args: list[str], env: dict[str, str] | None = None):
+        self._log = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen(args, env=env, cwd=REPO_ROOT, stdout=self._log,
+                                     stderr=subprocess.STDOUT, text=True)
+
+    def output(self) -> str:
+        self._log.seek(0)
+        return self._log.read()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(self.stop_signal)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self._log.close()
+
+
+class ProcessServer(LoggedProcess):
     """`python <script> ...` with PORT set; ready once GET /health answers."""
 
     def __init__(self, args: list[str], env: dict[str, str] | None = None,
                  startup_timeout_s: float = 60.0):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        full_env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "HOST": "127.0.0.1",
-                    "PORT": str(self.port), **(env or {})}
-        self._log = tempfile.TemporaryFile(mode="w+")  # a pipe nobody drains could block it
-        self.proc = subprocess.Popen([sys.executable, *args], env=full_env, cwd=REPO_ROOT,
-                                     stdout=self._log, stderr=subprocess.STDOUT, text=True)
+        super().__init__([sys.executable, *args],
+                         {**os.environ, "PYTHONPATH": str(REPO_ROOT), "HOST": "127.0.0.1",
+                          "PORT": str(self.port), **(env or {})})
         self._wait_ready(startup_timeout_s)
 
     def _wait_ready(self, timeout_s: float) -> None:
@@ -107,20 +131,6 @@ class ProcessServer:
 
     def wait(self, timeout_s: float) -> int:
         return self.proc.wait(timeout_s)
-
-    def output(self) -> str:
-        self._log.seek(0)
-        return self._log.read()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        self._log.close()
 
     def __enter__(self) -> ProcessServer:
         return self

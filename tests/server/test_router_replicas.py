@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import shutil
 import signal
-import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
-from server_harness import REPO_ROOT, ProcessServer, free_port
+from server_harness import LoggedProcess, ProcessServer, free_port
 from test_admission import metric, wait_until
 
 MODEL = Path(__file__).resolve().parents[1] / "fixtures" / "tiny" / "qwen3" / "qwen3-Q8_0.gguf"
@@ -50,8 +48,10 @@ def start_replica(env: dict[str, str] | None = None) -> ProcessServer:
                          STARTUP_S)
 
 
-class RouterProcess:
+class RouterProcess(LoggedProcess):
     """A router binary on free ports over the given workers; ready once it lists our model."""
+
+    stop_signal = signal.SIGINT  # smg drains first; both routers ignore SIGTERM for a while
 
     def __init__(self, binary: str, worker_urls: list[str], policy: str,
                  options: tuple[str, ...] = ()):
@@ -61,9 +61,7 @@ class RouterProcess:
                 "--port", str(self.port), "--prometheus-port", str(free_port()),
                 "--policy", policy, *ROUTER_OPTIONS[binary], *options,
                 "--worker-urls", *worker_urls]
-        self._log = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen(args, cwd=REPO_ROOT, stdout=self._log,
-                                     stderr=subprocess.STDOUT, text=True)
+        super().__init__(args)
         try:
             wait_until(self._lists_our_model, ROUTER_STARTUP_S)
         except AssertionError:
@@ -83,20 +81,6 @@ class RouterProcess:
                           json={"model": SERVED_NAME, "prompt": prompt, "max_tokens": 4,
                                 "temperature": 0, **fields})
 
-    def output(self) -> str:
-        self._log.seek(0)
-        return self._log.read()
-
-    def stop(self) -> None:
-        """SIGINT (smg drains first), then SIGKILL: both ignore SIGTERM for a while."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        self._log.close()
 
 
 @pytest.fixture(params=["vllm-router", "smg"])
