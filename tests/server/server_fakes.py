@@ -20,6 +20,7 @@ from sparkinfer_cli.engine.config import EngineStoppedError, QueueFullError, Req
 from sparkinfer_cli.engine.engine import EngineStats, RequestEvent
 from sparkinfer_cli.engine.sampler import TokenLogprob
 
+GATE_S = 60.0  # the longest a gated prefill waits (a test that forgets to open the gate)
 THINK_REPLY = "<think>\nThe user wants a greeting.\n</think>\n\nHello there!"
 JSON_TOOL_REPLY = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
                    '</tool_call>')
@@ -133,11 +134,15 @@ class FakeEngine:
     def __init__(self, reply: Callable[[str, Any], str] = scripted_reply, *, ctx: int = 4096,
                  block_size: int = 16, max_queue_depth: int = 0, max_output_tokens: int = 4096,
                  request_timeout_s: float = 0.0, token_delay_s: float = 0.0,
-                 prefill_delay_s: float = 0.0, max_num_seqs: int = 64):
+                 prefill_delay_s: float = 0.0, max_num_seqs: int = 64,
+                 prefill_gate: threading.Event | None = None):
+        """prefill_gate: a request's first step waits until it is set (a prompt still being
+        read), at most GATE_S."""
         self.reply, self.ctx, self.block_size = reply, ctx, block_size
         self.max_queue_depth, self.max_output_tokens = max_queue_depth, max_output_tokens
         self.request_timeout_s, self.token_delay_s = request_timeout_s, token_delay_s
         self.prefill_delay_s, self.max_num_seqs = prefill_delay_s, max_num_seqs
+        self.prefill_gate = prefill_gate
         self.total_blocks = ctx // block_size
         self.free_blocks = self.total_blocks
         self.waiting: list[_FakeRequest] = []
@@ -264,6 +269,8 @@ class FakeEngine:
 
     def _step(self, request: _FakeRequest) -> None:
         if request.first_token_at is None:
+            if self.prefill_gate is not None:
+                self.prefill_gate.wait(GATE_S)
             time.sleep(self.prefill_delay_s)
             request.first_token_at = time.monotonic()
         output, stop_at = self._planned_output(request)

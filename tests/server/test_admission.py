@@ -6,6 +6,7 @@ from __future__ import annotations
 import http.client
 import json
 import socket
+import threading
 import time
 
 import httpx
@@ -194,6 +195,28 @@ def test_stream_disconnect_aborts_and_frees_kv(make_server) -> None:
     wait_until(lambda: kv_is_free(srv.url))
     assert metric(srv.url, 'sparkinfer_requests_by_outcome_total{outcome="cancelled"}') == 1
     assert srv.state.engine.num_in_flight == 0
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_hangs_up_before_the_first_token_aborts_its_request(make_server,
+                                                                          stream) -> None:
+    """A client that leaves while its prompt is still being read (nothing written to it yet)
+    gets its request aborted then, not once the first token is ready: the prefill here waits
+    until the test opens its gate, after the abort must have arrived."""
+    gate = threading.Event()
+    srv = make_server(prefill_gate=gate)
+    host, port = srv.url.removeprefix("http://").split(":")
+    body = json.dumps({"messages": LONG, "stream": stream}).encode()
+    try:
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                         b"Content-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            wait_until(lambda: srv.engine.running)  # submitted, its prefill held
+        wait_until(lambda: srv.engine.aborts)
+    finally:
+        gate.set()
+    wait_until(lambda: len(srv.engine.aborted) == 1)
 
 
 def test_non_streaming_disconnect_aborts(make_server) -> None:
