@@ -74,3 +74,9 @@ def pypi_asset():
     from sparkinfer_cli.demo_models import asset_path
 
     return asset_path
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The fast tier first, then the tests marked slow (each in collection order): a plain
+    `pytest`, CI's command, reports a fast-tier failure within minutes."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is not None)
