@@ -189,6 +189,9 @@ SPARKINFER_KV_INT8: EnvVar[bool | None] = EnvVar(
 SPARKINFER_CUDA_PDL: EnvVar[bool] = EnvVar(
     "SPARKINFER_CUDA_PDL", parse_bool, True,
     "launch each CUDA kernel while the one before it runs (programmatic dependent launch, sm_90+)")
+SPARKINFER_STEP_TRACE: EnvVar[str] = EnvVar(
+    "SPARKINFER_STEP_TRACE", str, "",
+    "file the engine appends one JSON line per step to: what it carried and what it cost")
 SPARKINFER_TOKENIZER_URL: EnvVar[str | None] = EnvVar(
     "SPARKINFER_TOKENIZER_URL", str, None, "override where the tokenizer is downloaded from")
 
@@ -201,7 +204,7 @@ ALL_VARS: tuple[EnvVar, ...] = (
     SPARKINFER_READ_TIMEOUT_S, SPARKINFER_WRITE_TIMEOUT_S, SPARKINFER_SERVER_PREFIX_TOKEN_FILE,
     SPARKINFER_SERVER_PREFIX_TOKEN_IDS, SPARKINFER_PREFIX_CACHE, SPARKINFER_PREFIX_CACHE_SNAPSHOTS,
     SPARKINFER_SPEC_TOKENS, SPARKINFER_KV_INT8, SPARKINFER_CUDA_PDL,
-    SPARKINFER_TOKENIZER_URL,
+    SPARKINFER_STEP_TRACE, SPARKINFER_TOKENIZER_URL,
 )
 
 

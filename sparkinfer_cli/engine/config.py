@@ -52,6 +52,7 @@ class EngineConfig:
     # n-gram speculative decoding: drafted tokens a plain-greedy decode step checks at once, on
     # models that score drafts (ModelBackend.scores_drafts; not hybrid ones); 0 = off
     spec_tokens: int = 0
+    step_trace: str = ""  # file that gets one JSON line per step (StepTrace); "" = none
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prefix_token_ids", tuple(int(t) for t in self.prefix_token_ids))

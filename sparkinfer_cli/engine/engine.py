@@ -31,7 +31,7 @@ from sparkinfer_cli.engine.sampler import Sampler, UnsatisfiableSampling
 from sparkinfer_cli.engine.sampling_params import SamplingParams
 from sparkinfer_cli.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from sparkinfer_cli.engine.speculative import accepted_drafts
-from sparkinfer_cli.engine.step_timings import StepTimings
+from sparkinfer_cli.engine.step_timings import StepTimings, StepTrace
 from sparkinfer_cli.engine.stop import StopStringMatcher
 from sparkinfer_cli.model.backend import ModelBackend
 from sparkinfer_cli.model.batch import SamplingRows
@@ -83,6 +83,8 @@ class ContinuousBatchEngine:
         self._can_speculate = bool(config.spec_tokens and model.scores_drafts and
                                    not model.config.is_hybrid)
         self.timings = StepTimings()
+        self._trace = StepTrace(config.step_trace) if config.step_trace else None
+        self._last_passes = 1  # decode passes the last step queued
         self.greedy = GreedyBatch(config.sampling_threads or default_num_threads())
         self._lock = threading.Condition()
         self._inbox: list[Request] = []
@@ -234,12 +236,14 @@ class ContinuousBatchEngine:
     def step(self) -> SchedulerOutput:
         """One iteration: schedule, run the model, sample, update, report. Returns what ran."""
         output = self.scheduler.schedule()
+        self._last_passes = 1
         if output.needs_all_logits:
             self._run_prompt_logits(output)
             return output
         on_device, rows = self._device_picks(output)
         n_steps = self._num_decode_steps(output) if on_device and rows is None else 1
         if n_steps > 1:
+            self._last_passes = n_steps
             self._run_decode_steps(self.scheduler.extend_decodes(output, n_steps), n_steps)
             return output
         try:
@@ -415,25 +419,33 @@ class ContinuousBatchEngine:
                 commands = self._wait_for_commands()
                 if commands is None:
                     self.greedy.shutdown()
+                    if self._trace is not None:
+                        self._trace.close()
                     return
                 started = time.perf_counter()  # NOTE: busy time only; idle waits are excluded
+                started_cpu = time.thread_time()
                 self._apply_commands(*commands)
                 if self.scheduler.has_unfinished:
-                    self._timed_step(started)
+                    self._timed_step(started, started_cpu)
             except Exception as exc:  # an engine bug: end what is in flight, keep serving
                 log.exception("engine step failed")
                 for request in list(self.scheduler.requests.values()):
                     self._finish(request, "error", f"engine failure: {exc}")
 
-    def _timed_step(self, started: float) -> None:
+    def _timed_step(self, started: float, started_cpu: float) -> None:
         self.runner.last_forward_s = 0.0
         output = self.step()
         if output.is_empty:
             with self._lock:  # NOTE: nothing can run until a request ends or is aborted
                 self._lock.wait(IDLE_POLL_S)
         elif output.sequences:
-            self.timings.add("decode" if output.is_decode_only else "mixed",
-                             time.perf_counter() - started, self.runner.last_forward_s)
+            step_s = time.perf_counter() - started
+            self.timings.add("decode" if output.is_decode_only else "mixed", step_s,
+                             self.runner.last_forward_s)
+            if self._trace is not None:
+                self._trace.write([len(s.token_ids) - s.num_drafts for s in output.sequences],
+                                  self._last_passes, step_s, self.runner.last_forward_s,
+                                  time.thread_time() - started_cpu)
 
     def _wait_for_commands(self) -> tuple[list[Request], list[str], list[Future[int]],
                                           bool] | None:

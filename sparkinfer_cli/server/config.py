@@ -100,6 +100,7 @@ def build_engine_config(ctx: int | None, trained_context_length: int,
         "prefix_cache": env.SPARKINFER_PREFIX_CACHE.get(environ),
         "prefix_snapshots": env.SPARKINFER_PREFIX_CACHE_SNAPSHOTS.get(environ),
         "spec_tokens": env.SPARKINFER_SPEC_TOKENS.get(environ),
+        "step_trace": env.SPARKINFER_STEP_TRACE.get(environ),
     }
     values.update(overrides)
     return EngineConfig(**values)

@@ -532,6 +532,26 @@ def test_step_timings_split_forward_from_engine_time(engines):
     assert 0 < overhead < 1
 
 
+def test_step_trace_writes_each_step_as_it_ran(engines, tmp_path):
+    trace = tmp_path / "steps.jsonl"
+    model = FakeModel()
+    engine, sink = engines(model, step_trace=str(trace)), Collector()
+    prompts = _prompts(3)
+    ids = [engine.submit(p, greedy(5), sink) for p in prompts]
+    for request_id in ids:
+        sink.final(request_id)
+    wait_idle(engine)
+    engine.shutdown(wait=True)  # the last step's line follows its events
+    steps = [json.loads(line) for line in trace.read_text().splitlines()]
+    timings = engine.stats().step_timings
+    assert len(steps) == timings.steps["decode"] + timings.steps["mixed"]
+    assert sum(s["prefill_tokens"] for s in steps) == sum(len(p) for p in prompts if len(p) > 1)
+    assert sum(s["decodes"] * s["passes"] for s in steps) >= 3 * 4  # tokens after the first
+    assert all(s["kind"] == ("mixed" if s["prefills"] else "decode") for s in steps)
+    assert [s["t"] for s in steps] == sorted(s["t"] for s in steps)
+    assert all(0 <= s["forward_ms"] <= s["step_ms"] and s["cpu_ms"] >= 0 for s in steps)
+
+
 # ---- the real tiny model ------------------------------------------------------------------------
 TINY = Path(__file__).parents[1] / "fixtures" / "tiny" / "qwen3"
 
