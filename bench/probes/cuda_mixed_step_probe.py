@@ -2,12 +2,14 @@
 
     python bench/probes/cuda_mixed_step_probe.py <preset> OUT.json [--decodes 0 64]
         [--prompts 16 128 512]
-        [--profile 64:128]
+        [--profile 64:128] [--split 1]
 
 For each (D decodes, P prompt tokens): the first pass (compile / capture, if any) and the median of
 later passes of one forward_greedy over D sequences at position ~CTX plus one prompt of P tokens at
 position 0, split into host time until the GPU work is queued and total time. --profile D:P also
 lists that pass's kernels (CUPTI through PyTorch's profiler, as cuda_kernel_profile.py).
+--split K: the P prompt tokens are K prompts of P / K tokens each, as a burst of clients sends them
+to the batched scheduler.
 """
 from __future__ import annotations
 
@@ -34,14 +36,15 @@ MAX_BLOCKS_PER_SEQ = 160  # 2,560 tokens
 
 
 class MixedPasses:
-    """A cache with max_decodes decoding sequences (prefilled once) and one prompt slot."""
+    """A cache with max_decodes decoding sequences (prefilled once) and `split` prompt slots."""
 
-    def __init__(self, model, max_decodes: int):
-        self.model, self.rng = model, np.random.default_rng(0)
-        n = max_decodes + 1
+    def __init__(self, model, max_decodes: int, split: int = 1):
+        self.model, self.rng, self.split = model, np.random.default_rng(0), split
+        n = max_decodes + split
         self.cache = model.create_cache(n * MAX_BLOCKS_PER_SEQ, 16, n)
         self.tables = [np.arange(MAX_BLOCKS_PER_SEQ, dtype=np.int32) + i * MAX_BLOCKS_PER_SEQ
-                       for i in range(n)]  # the last one: the prompt's
+                       for i in range(n)]  # the last `split`: the prompts'
+        self.first_prompt_slot = max_decodes
         for i in range(max_decodes):
             self.model.forward(SequenceBatch.single(self._ids(CTX), 0, self.tables[i], i),
                                self.cache)
@@ -50,9 +53,10 @@ class MixedPasses:
         return self.rng.integers(0, self.model.config.n_vocab, n).astype(np.int32)  # (n,)
 
     def batch(self, decodes: int, prompt: int) -> SequenceBatch:
-        """decodes sequences one token on, then (prompt > 0) one prompt from position 0."""
+        """decodes sequences one token on, then (prompt > 0) `split` prompts from position 0."""
+        piece = prompt // self.split
         seqs = [(1, CTX, i) for i in range(decodes)] + \
-            ([(prompt, 0, len(self.tables) - 1)] if prompt else [])
+            [(piece, 0, self.first_prompt_slot + j) for j in range(self.split) if piece]
         lens, starts, slots = (list(x) for x in zip(*seqs))
         return SequenceBatch(self._ids(sum(lens)), starts, lens,
                              [self.tables[i] for i in slots], slots)
@@ -88,11 +92,12 @@ def main() -> None:
     ap.add_argument("--decodes", type=int, nargs="+", default=[0, 64])
     ap.add_argument("--prompts", type=int, nargs="+", default=[16, 128, 512, 2048])
     ap.add_argument("--profile", default="64:128")
+    ap.add_argument("--split", type=int, default=1)
     args = ap.parse_args()
     t0 = time.perf_counter()
     model = load_model(ensure_synthetic(args.preset, Console(stderr=True)), "cuda")
     print(f"loaded in {time.perf_counter() - t0:.1f} s", flush=True)
-    passes = MixedPasses(model, max(args.decodes))
+    passes = MixedPasses(model, max(args.decodes), args.split)
     results = []
     for decodes in args.decodes:
         for prompt in [0, *args.prompts] if decodes else args.prompts:
@@ -105,7 +110,8 @@ def main() -> None:
     print(f"kernels of D={d} P={p}: {sum(k['us_per_step'] for k in kernels):.0f} µs")
     for k in kernels[:25]:
         print(f"  {k['us_per_step']:9.1f} µs {k['per_step']:6.1f}×  {k['name']}")
-    Path(args.out).write_text(json.dumps({"preset": args.preset, "ctx": CTX, "passes": results,
+    Path(args.out).write_text(json.dumps({"preset": args.preset, "ctx": CTX, "split": args.split,
+                                          "passes": results,
                                           "profile": {"decodes": d, "prompt": p,
                                                       "kernels": kernels}}, indent=1))
 

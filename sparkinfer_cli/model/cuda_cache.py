@@ -4,9 +4,11 @@ Same contract as model/cache.py's ModelCache (block tables, state slots, copy/re
 scratch block and one scratch state slot past the engine's range: the padding rows of a decode
 graph's batch-size bucket write and read there, never in a block or slot the engine owns.
 
-Layouts (kernels/cuda): K/V per attention layer (num_blocks + 1, block_size, n_kv, head_dim) f16
-(f32 for exact runs, as the CPU cache and the oracle fixtures keep it; int8 with a float32 scale per
-32 values in k_scales / v_scales under SPARKINFER_KV_INT8);
+Each kind of buffer is one pool over all layers of its kind, (layers, ...), which the model's
+kernels read through per-layer views. Layouts (kernels/cuda): K/V per attention layer
+(num_blocks + 1, block_size, n_kv, head_dim) f16 (f32 for exact runs, as the CPU cache and the
+oracle fixtures keep it; int8 with a float32 scale per 32 values in k_scales / v_scales under
+SPARKINFER_KV_INT8);
 conv state per GDN layer (slots + 1, conv_dim, K − 1) f32; delta state (slots + 1, H_v, d_v, d_k)
 f32 (value column j, key index i contiguous: transposed from the CPU cache's (H_v, d_k, d_v)).
 """
@@ -20,8 +22,19 @@ import numpy as np
 from numba import cuda
 from numba.cuda.cudadrv.driver import device_memset
 
+from sparkinfer_cli.kernels.cuda import pool_entries
 from sparkinfer_cli.kernels.cuda.intrinsics import IS_SIMULATOR
 from sparkinfer_cli.model.config import ModelConfig
+
+
+def _pool(n_layers: int, entry_shape: tuple[int, ...], dtype) -> Any:
+    """A zeroed pool (n_layers, *entry_shape), or None without layers of its kind."""
+    return device_zeros((n_layers, *entry_shape), dtype) if n_layers else None
+
+
+def _layers(pool, n_layers: int) -> list:
+    """The per-layer views of a pool ([] for None)."""
+    return [pool[i] for i in range(n_layers)] if pool is not None else []
 
 
 def device_zeros(shape: tuple[int, ...], dtype) -> Any:  # a numba device array
@@ -35,7 +48,7 @@ def device_zeros(shape: tuple[int, ...], dtype) -> Any:  # a numba device array
 
 class CudaModelCache:
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, num_state_slots: int,
-                 kv_dtype=np.float16):
+                 kv_dtype=np.float16, stream=0):
         if num_blocks < 1 or block_size < 1:
             raise ValueError("a model cache needs at least one block of at least one token")
         self.config = config
@@ -44,19 +57,27 @@ class CudaModelCache:
         self.scratch_block, self.scratch_slot = num_blocks, num_state_slots
         kv_shape = (num_blocks + 1, block_size, config.n_head_kv, config.head_dim)
         self.attn_index = {layer: i for i, layer in enumerate(config.attention_layers)}
-        self.k = [device_zeros(kv_shape, kv_dtype) for _ in self.attn_index]
-        self.v = [device_zeros(kv_shape, kv_dtype) for _ in self.attn_index]
         scale_shape = (*kv_shape[:3], config.head_dim // 32)  # int8 KV: a scale per 32 values
         is_int8 = np.dtype(kv_dtype) == np.int8
-        self.k_scales = [device_zeros(scale_shape, np.float32) for _ in self.k if is_int8]
-        self.v_scales = [device_zeros(scale_shape, np.float32) for _ in self.v if is_int8]
         self.rec_index = {layer: i for i, layer in enumerate(config.recurrent_layer_ids)}
         K, C, H_v = config.ssm_conv_kernel, config.ssm_conv_dim, config.ssm_n_v_heads
         d_v = config.ssm_inner_size // max(H_v, 1)
         slots = num_state_slots + 1
-        self.conv_state = [device_zeros((slots, C, K - 1), np.float32) for _ in self.rec_index]
-        self.delta_state = [device_zeros((slots, H_v, d_v, config.ssm_d_state), np.float32)
-                            for _ in self.rec_index]
+        # one array per kind over all its layers (pool_entries copies an entry in one launch);
+        # the model's kernels take the per-layer views
+        n_attn, n_rec = len(self.attn_index), len(self.rec_index)
+        kv_pools = [_pool(n_attn, kv_shape, kv_dtype), _pool(n_attn, kv_shape, kv_dtype)]
+        kv_pools += [_pool(n_attn, scale_shape, np.float32) for _ in range(2 * is_int8)]
+        state_pools = [_pool(n_rec, (slots, C, K - 1), np.float32),
+                       _pool(n_rec, (slots, H_v, d_v, config.ssm_d_state), np.float32)]
+        self._kv_pools = [pool_entries.flat_pool(p) for p in kv_pools if p is not None]
+        self._state_pools = [pool_entries.flat_pool(p) for p in state_pools if p is not None]
+        k_pool, v_pool, *scale_pools = kv_pools
+        self.k, self.v = _layers(k_pool, n_attn), _layers(v_pool, n_attn)
+        scales: list[list] = [_layers(p, n_attn) for p in scale_pools] or [[], []]
+        self.k_scales, self.v_scales = scales
+        self.conv_state, self.delta_state = (_layers(p, n_rec) for p in state_pools)
+        self.stream = stream  # where copies and resets queue: the model's passes' stream
         self.steps: dict = {}  # CudaModel's per-bucket workspaces and graphs (they point in here)
 
     @property
@@ -76,20 +97,15 @@ class CudaModelCache:
                 "state_pool": sum(a.nbytes for a in self.conv_state + self.delta_state)}
 
     def copy_blocks(self, src: Sequence[int], dst: Sequence[int]) -> None:
-        for pool in self.k + self.v + self.k_scales + self.v_scales:
+        for pool in self._kv_pools:
             for s, d in zip(src, dst):
-                pool[d].copy_to_device(pool[s])
+                pool_entries.copy_entry(pool, s, d, self.stream)
 
     def copy_state(self, src_slot: int, dst_slot: int) -> None:
-        for pool in self.conv_state + self.delta_state:
-            pool[dst_slot].copy_to_device(pool[src_slot])
+        for pool in self._state_pools:
+            pool_entries.copy_entry(pool, src_slot, dst_slot, self.stream)
 
-    def reset_state(self, slot: int, stream=0) -> None:
-        """Zeroes the slot's recurrent state in every layer; on a stream, queued there (a memset
-        on the default stream would wait for the model's stream and block the host each time)."""
-        for pool in self.conv_state + self.delta_state:
-            view = pool[slot]
-            if IS_SIMULATOR:
-                view[...] = 0
-            else:
-                device_memset(view, 0, view.nbytes, stream=stream)
+    def reset_state(self, slot: int) -> None:
+        """Zeroes the slot's recurrent state in every layer."""
+        for pool in self._state_pools:
+            pool_entries.zero_entry(pool, slot, self.stream)

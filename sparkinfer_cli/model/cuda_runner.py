@@ -157,7 +157,7 @@ class CudaModel(ModelBackend[CudaModelCache]):
     def create_cache(self, num_blocks: int, block_size: int,
                      num_state_slots: int) -> CudaModelCache:
         cache = CudaModelCache(self.config, num_blocks, block_size, num_state_slots,
-                               self.kv_dtype)
+                               self.kv_dtype, self.stream)
         if self.console is not None:
             mem = self.memory_report(cache)
             self.console.print("CUDA memory: " + ", ".join(f"{k} {v / 2**30:.2f} GiB"
@@ -247,7 +247,7 @@ class CudaModel(ModelBackend[CudaModelCache]):
         if self.config.is_hybrid:  # a sequence at position 0 has no history, whatever its slot held
             for start, slot in zip(batch.start_positions, batch.state_slots or [0]):
                 if start == 0:
-                    cache.reset_state(slot, self.stream)
+                    cache.reset_state(slot)
         ws = self._workspace(cache, row_bucket(len(batch.token_ids)))
         on_host = self.token_embd is None
         ws.fill(batch, self.embedding(batch.token_ids) if on_host else None, step)
