@@ -65,8 +65,8 @@ def download(repo: str = typer.Argument("unsloth/Qwen3.6-35B-A3B-GGUF",
              dir: Optional[Path] = typer.Option(None, "--dir",
                                                  help="Directory instead of the cache.")):
     """Download a GGUF (resumable) and print its local path."""
-    from sparkinfer_cli.hub import HubError
-    from sparkinfer_cli.hub import download as hub_download
+    from sparkinfer_cli.hub.download import HubError
+    from sparkinfer_cli.hub.download import download as hub_download
     try:
         print(hub_download(repo, file, dir))
     except HubError as exc:
@@ -82,10 +82,10 @@ def inspect(file: str = typer.Argument(..., help="A GGUF file, or a demo model n
                                        help="auto | cpu | cuda: whose KV cache to count."),
             as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")):
     """Report what a GGUF holds and the memory it needs; exit 1 if the engine cannot run it."""
+    from sparkinfer_cli.app.inspect_report import build_report, render_report
     from sparkinfer_cli.device import pick_device
-    from sparkinfer_cli.gguf_file import GGUFError, GGUFFile
-    from sparkinfer_cli.hub import HubError, local_file
-    from sparkinfer_cli.inspect_report import build_report, render_report
+    from sparkinfer_cli.gguf.reader import GGUFError, GGUFFile
+    from sparkinfer_cli.hub.download import HubError, local_file
     try:
         report = build_report(GGUFFile(local_file(file)), ctx, pick_device(device))
     except (GGUFError, HubError, ValueError) as exc:
@@ -126,8 +126,8 @@ def generate(prompt: Optional[str] = typer.Argument(
              device: str = typer.Option("auto", "--device", help="auto | cpu | cuda")):
     """Stream one answer to the terminal (or chat with -i); statistics go to stderr. Ctrl-C
     exits with 130."""
+    from sparkinfer_cli.app.run import GenerateRequest
     from sparkinfer_cli.engine.sampling_params import SamplingParams
-    from sparkinfer_cli.run import GenerateRequest
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                 top_k=top_k, min_p=min_p, repetition_penalty=repeat_penalty,
@@ -156,7 +156,7 @@ def _prompt_text(prompt: Optional[str], interactive: bool) -> Optional[str]:
 
 def _run(request) -> int:
     """run_generate's exit code, 130 when Ctrl-C comes before the answer streams."""
-    from sparkinfer_cli.run import EXIT_INTERRUPTED, run_generate
+    from sparkinfer_cli.app.run import EXIT_INTERRUPTED, run_generate
     try:
         return run_generate(request, err)
     except KeyboardInterrupt:
@@ -203,8 +203,8 @@ def bench(model: Optional[str] = typer.Option(None, "-m", "--model", help=MODEL_
     """Measure prefill and decode speed, or (--serve) the server's; write results (md + json +
     png) under the user's data directory (--out bench/results: the repo's), never over an
     earlier run's."""
-    from sparkinfer_cli.bench import BenchRequest, run_bench
-    from sparkinfer_cli.bench_serve import ServeBenchRequest, run_serve_bench
+    from sparkinfer_cli.bench.runner import BenchRequest, run_bench
+    from sparkinfer_cli.bench.serve import ServeBenchRequest, run_serve_bench
     from sparkinfer_cli.paths import bench_results_dir
     command, out_dir = " ".join(["sparkinfer"] + sys.argv[1:]), out_dir or bench_results_dir()
     try:
@@ -240,10 +240,10 @@ def serve(model: Optional[str] = typer.Option(None, "-m", "--model", help=MODEL_
                    "($SPARKINFER_CORS_ORIGINS; default: CORS off)."),
           device: str = typer.Option("auto", "--device", help="auto | cpu | cuda")):
     """OpenAI-compatible HTTP server."""
+    from sparkinfer_cli.app.preflight import check_serve
+    from sparkinfer_cli.app.serve_banner import banner_line
     from sparkinfer_cli.env import parse_origins
-    from sparkinfer_cli.hub import HubError, resolve_model
-    from sparkinfer_cli.preflight import check_serve
-    from sparkinfer_cli.serve_banner import banner_line
+    from sparkinfer_cli.hub.download import HubError, resolve_model
     from sparkinfer_cli.server.app import run_server
     try:
         origins = None if cors_origins is None else parse_origins(cors_origins)

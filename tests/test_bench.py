@@ -17,19 +17,19 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from sparkinfer_cli.bench import BenchRequest, run_bench
-from sparkinfer_cli.bench_measure import Settings, decode_throughput
-from sparkinfer_cli.bench_report import (
+from sparkinfer_cli.bench.measure import Settings, decode_throughput
+from sparkinfer_cli.bench.report import (
     BenchReport,
     ResultRow,
     report_json,
     report_markdown,
     write_report,
 )
-from sparkinfer_cli.bench_roofline import MachinePeaks, ModelCost, cpu_info, roofline
-from sparkinfer_cli.gguf_file import GGUFFile
+from sparkinfer_cli.bench.roofline import MachinePeaks, ModelCost, cpu_info, roofline
+from sparkinfer_cli.bench.runner import BenchRequest, run_bench
+from sparkinfer_cli.gguf.reader import GGUFFile
+from sparkinfer_cli.gguf.synthetic import tensor_plan, write_synthetic
 from sparkinfer_cli.model.config import ModelConfig
-from sparkinfer_cli.synthetic import tensor_plan, write_synthetic
 
 COMMAND = "sparkinfer bench --synthetic tiny-qwen3 --device cpu --ctx 16"
 EXPECTED_ROWS = [("prefill", 16, 1), ("decode", 16, 1), ("throughput", 16, 1),
@@ -157,7 +157,7 @@ def test_decode_throughput_counts_only_the_span_where_all_decode():
 
 
 def test_gpu_peaks_come_from_the_design_table(monkeypatch):
-    from sparkinfer_cli import bench_roofline
+    from sparkinfer_cli.bench import roofline as bench_roofline
 
     monkeypatch.setattr(bench_roofline, "gpu_name", lambda: "NVIDIA H200")
     peaks = bench_roofline.gpu_peaks()
@@ -167,8 +167,8 @@ def test_gpu_peaks_come_from_the_design_table(monkeypatch):
 
 
 def test_results_of_a_demo_model_file_are_filed_under_its_demo_name(tmp_path):
-    from sparkinfer_cli.bench import resolve_bench_model
-    from sparkinfer_cli.demo_models import DEMO_MODELS
+    from sparkinfer_cli.bench.runner import resolve_bench_model
+    from sparkinfer_cli.hub.demo_models import DEMO_MODELS
 
     path = tmp_path / DEMO_MODELS["qwen2.5-coder-0.5b"].filename
     path.write_bytes(b"GGUF")
@@ -262,8 +262,8 @@ def test_cli_reports_a_bad_preset_cleanly():
 
 
 def test_decode_host_time_is_the_mean_over_its_graph_replays():
-    from sparkinfer_cli.bench_measure import _HostTime
-    from sparkinfer_cli.model.cuda_runner import StepTimes
+    from sparkinfer_cli.backend.cuda.model import StepTimes
+    from sparkinfer_cli.bench.measure import _HostTime
 
     model = SimpleNamespace(times=StepTimes())
     model.times.add("decode", 0.5, 1.0)  # before the figure: not counted
@@ -279,8 +279,8 @@ def test_decode_on_a_queuing_model_times_runs_of_passes(monkeypatch):
     """A model with decode_greedy (CudaModel's queued passes) is timed as the engine runs it:
     consecutive runs of max_queued_steps passes from the depth on, a step = a run's time / its
     passes."""
-    from sparkinfer_cli import bench_measure
-    from sparkinfer_cli.bench_measure import DepthBench
+    from sparkinfer_cli.bench import measure as bench_measure
+    from sparkinfer_cli.bench.measure import DepthBench
 
     runs = []
 
@@ -324,7 +324,7 @@ def test_a_second_run_of_the_same_day_gets_a_time_suffix(tmp_path, monkeypatch):
 def test_bench_writes_under_the_user_data_dir_unless_told(monkeypatch, tmp_path):
     from typer.testing import CliRunner
 
-    from sparkinfer_cli import bench as bench_module
+    from sparkinfer_cli.bench import runner as bench_module
     from sparkinfer_cli.cli import app
 
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))

@@ -17,8 +17,8 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from sparkinfer_cli.bench_serve import ServeBenchRequest, run_serve_bench
-from sparkinfer_cli.bench_serve_client import (
+from sparkinfer_cli.bench.serve import ServeBenchRequest, run_serve_bench
+from sparkinfer_cli.bench.serve_client import (
     Endpoint,
     PromptSource,
     RequestTiming,
@@ -29,7 +29,7 @@ from sparkinfer_cli.bench_serve_client import (
     run_together,
     stream_completion,
 )
-from sparkinfer_cli.bench_serve_report import percentile, summarize
+from sparkinfer_cli.bench.serve_report import percentile, summarize
 from sparkinfer_cli.cli import app
 
 sys.path.insert(0, str(Path(__file__).parent / "server"))
@@ -262,6 +262,6 @@ def test_bench_serve_on_the_tiny_model_starts_measures_and_stops_the_server(tmp_
 
 
 def is_listening(url: str) -> bool:
-    from sparkinfer_cli.bench_serve_server import is_ready
+    from sparkinfer_cli.bench.serve_server import is_ready
 
     return is_ready(url)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from sparkinfer_cli.chat import Conversation
-from sparkinfer_cli.gguf_file import GGUFFile
+from sparkinfer_cli.app.chat import Conversation
+from sparkinfer_cli.gguf.reader import GGUFFile
 from sparkinfer_cli.tokenizer.tokenizer import Tokenizer
 
 

@@ -8,7 +8,7 @@ import numpy as np
 from typer.testing import CliRunner
 
 from sparkinfer_cli.cli import app
-from sparkinfer_cli.gguf_file import GGUFFile
+from sparkinfer_cli.gguf.reader import GGUFFile
 from sparkinfer_cli.tokenizer.tokenizer import Tokenizer
 
 runner = CliRunner()
@@ -63,7 +63,7 @@ def test_generate_bad_input_is_a_clear_error(fixtures_dir):
 
 
 def test_inspect_takes_a_demo_model_name_and_shows_its_path(monkeypatch, fixtures_dir):
-    from sparkinfer_cli import hub
+    from sparkinfer_cli.hub import download as hub
 
     tiny = fixtures_dir / "tiny/qwen3/qwen3-Q8_0.gguf"
     monkeypatch.setattr(hub, "fetch_demo_model", lambda name: tiny)

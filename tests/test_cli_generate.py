@@ -8,7 +8,7 @@ import re
 import pytest
 from typer.testing import CliRunner
 
-from sparkinfer_cli import generate as generate_module
+from sparkinfer_cli.app import generate as generate_module
 from sparkinfer_cli.cli import app
 from sparkinfer_cli.engine.sampling_params import SamplingParams
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from sparkinfer_cli import demo_models
-from sparkinfer_cli.demo_models import AssetError, PyPIAsset, fetch, pip_error_line
+from sparkinfer_cli.hub import demo_models
+from sparkinfer_cli.hub.demo_models import AssetError, PyPIAsset, fetch, pip_error_line
 
 PAYLOAD = bytes(range(256)) * 4096  # 1 MiB
 

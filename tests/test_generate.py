@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from numba.core.registry import CPUDispatcher
 
+from sparkinfer_cli.app.generate import GenerationSession, GenerationStats, build_prompt
 from sparkinfer_cli.engine.sampling_params import SamplingParams
-from sparkinfer_cli.generate import GenerationSession, GenerationStats, build_prompt
-from sparkinfer_cli.gguf_file import GGUFFile
+from sparkinfer_cli.gguf.reader import GGUFFile
 from sparkinfer_cli.kernels.cpu import llvm_jit
 from sparkinfer_cli.model.loader import load_runtime_model
 from sparkinfer_cli.tokenizer.tokenizer import Tokenizer

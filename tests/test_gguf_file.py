@@ -8,7 +8,7 @@ import gguf
 import numpy as np
 import pytest
 
-from sparkinfer_cli.gguf_file import GGUFError, GGUFFile
+from sparkinfer_cli.gguf.reader import GGUFError, GGUFFile
 from sparkinfer_cli.model.loader import load_model
 
 TINY = "tiny/qwen3/qwen3-Q4_K_M.gguf"

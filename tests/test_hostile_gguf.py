@@ -18,10 +18,10 @@ from gguf_corpus import CORRUPTIONS, Reached, V, reach, write_tiny
 from typer.testing import CliRunner
 
 from sparkinfer_cli import kv_budget
+from sparkinfer_cli.app.inspect_report import build_report
+from sparkinfer_cli.app.preflight import check_loadable
 from sparkinfer_cli.cli import app
-from sparkinfer_cli.gguf_file import GGUFError, GGUFFile
-from sparkinfer_cli.inspect_report import build_report
-from sparkinfer_cli.preflight import check_loadable
+from sparkinfer_cli.gguf.reader import GGUFError, GGUFFile
 
 runner = CliRunner()
 MiB = 1024 ** 2
@@ -29,7 +29,7 @@ MiB = 1024 ** 2
 
 @pytest.fixture(autouse=True)
 def no_generation_or_engine(monkeypatch):
-    monkeypatch.setattr("sparkinfer_cli.generate.GenerationSession", reach)
+    monkeypatch.setattr("sparkinfer_cli.app.generate.GenerationSession", reach)
     monkeypatch.setattr("sparkinfer_cli.engine.engine.ContinuousBatchEngine", reach)
     monkeypatch.delenv("CTX", raising=False)
 

@@ -14,9 +14,9 @@ from urllib.parse import unquote, urlsplit
 import pytest
 from huggingface_hub import constants
 
-from sparkinfer_cli import hub
-from sparkinfer_cli.demo_models import DEFAULT_DEMO_MODEL
-from sparkinfer_cli.hub import HubError, download, resolve_model, select_files
+from sparkinfer_cli.hub import download as hub
+from sparkinfer_cli.hub.demo_models import DEFAULT_DEMO_MODEL
+from sparkinfer_cli.hub.download import HubError, download, resolve_model, select_files
 
 UNSLOTH_LISTING = [
     ".gitattributes", "README.md", "mmproj-F16.gguf",

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from sparkinfer_cli.gguf_file import GGUFFile
-from sparkinfer_cli.inspect_report import build_report, render_report
+from sparkinfer_cli.app.inspect_report import build_report, render_report
+from sparkinfer_cli.gguf.reader import GGUFFile
 
 TINY = Path(__file__).parent / "fixtures" / "tiny"
 TINY_FILES = sorted(TINY.glob("*/*.gguf"))

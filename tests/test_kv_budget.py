@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from sparkinfer_cli import kv_budget
-from sparkinfer_cli.gguf_file import GGUFFile
+from sparkinfer_cli.gguf.reader import GGUFFile
 from sparkinfer_cli.model.config import ModelConfig
 
 TINY = Path(__file__).parent / "fixtures" / "tiny"

@@ -7,10 +7,10 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from sparkinfer_cli import hub
+from sparkinfer_cli.app.serve_banner import banner_line, base_url
 from sparkinfer_cli.cli import app
 from sparkinfer_cli.engine.config import EngineConfig
-from sparkinfer_cli.serve_banner import banner_line, base_url
+from sparkinfer_cli.hub import download as hub
 from sparkinfer_cli.server import app as server_app
 from sparkinfer_cli.server.config import ServerConfig
 

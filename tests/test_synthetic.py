@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from sparkinfer_cli import synthetic as S
-from sparkinfer_cli.ggml_types import COMPUTE_TYPES, GGMLType
-from sparkinfer_cli.gguf_file import GGUFFile
+from sparkinfer_cli.gguf import synthetic as S
+from sparkinfer_cli.gguf.ggml_types import COMPUTE_TYPES, GGMLType
+from sparkinfer_cli.gguf.reader import GGUFFile
 from sparkinfer_cli.kernels.cpu.moe_routing import route
 from sparkinfer_cli.model.config import ModelConfig
 from sparkinfer_cli.tokenizer.detokenizer import IncrementalDetokenizer

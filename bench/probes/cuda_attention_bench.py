@@ -23,7 +23,7 @@ from numba import cuda
 from sparkinfer_cli.kernels.cuda import attention
 from sparkinfer_cli.kernels.cuda.attention_flash import flash_prefill_attention
 from sparkinfer_cli.kernels.cuda.attention_prefill import prefill_attention
-from sparkinfer_cli.kernels.cuda.launch import cdiv
+from sparkinfer_cli.kernels.cuda.runtime.launch import cdiv
 
 SHAPES = {  # name: (n_heads, n_kv, head_dim, attention layers)
     "qwen3.6-35b-a3b": (16, 2, 256, 10),

@@ -163,7 +163,7 @@ def compile_all(launches: list[dict], out_dir: Path) -> int:
 
 
 def _touches_memory_before_the_wait(py_func, ptx: str) -> bool:
-    from sparkinfer_cli.kernels.cuda import jit
+    from sparkinfer_cli.kernels.cuda.runtime import jit
 
     if not getattr(py_func, jit._CHAINED, False):
         return False

@@ -23,7 +23,7 @@ from numba import cuda
 
 from bench.probes.cuda_gemv_bench import ROTATE_BYTES, gpu_us
 from sparkinfer_cli.kernels.cuda import attention, attention_mma
-from sparkinfer_cli.kernels.cuda.launch import cdiv
+from sparkinfer_cli.kernels.cuda.runtime.launch import cdiv
 
 BLOCK_SIZE = 16
 SHAPES = {"qwen3.6": (16, 2, 256), "qwen3-30b": (32, 4, 128)}  # (n_heads, n_kv, head_dim)

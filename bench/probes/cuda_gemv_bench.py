@@ -22,12 +22,12 @@ from collections.abc import Callable
 import numpy as np
 from numba import cuda
 
-from sparkinfer_cli.ggml_types import GGMLType, row_bytes
-from sparkinfer_cli.kernels.cuda import graphs
+from sparkinfer_cli.gguf.ggml_types import GGMLType, row_bytes
 from sparkinfer_cli.kernels.cuda import mma_gemm as mg
 from sparkinfer_cli.kernels.cuda import mmq_q8 as mmq
 from sparkinfer_cli.kernels.cuda import quant_gemv as qg
-from sparkinfer_cli.kernels.cuda.launch import to_device_bytes
+from sparkinfer_cli.kernels.cuda.runtime import graphs
+from sparkinfer_cli.kernels.cuda.runtime.launch import to_device_bytes
 
 REPEATS, REPLAYS = 50, 3
 ROTATE_BYTES = 256 << 20

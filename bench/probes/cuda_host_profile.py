@@ -15,7 +15,7 @@ import time
 import numpy as np
 from rich.console import Console
 
-from sparkinfer_cli.bench import ensure_synthetic
+from sparkinfer_cli.bench.runner import ensure_synthetic
 from sparkinfer_cli.model.batch import SequenceBatch
 from sparkinfer_cli.model.loader import load_model
 

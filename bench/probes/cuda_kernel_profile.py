@@ -23,7 +23,7 @@ from collections.abc import Callable
 import numpy as np
 from rich.console import Console
 
-from sparkinfer_cli.bench import ensure_synthetic
+from sparkinfer_cli.bench.runner import ensure_synthetic
 from sparkinfer_cli.model.batch import SequenceBatch
 from sparkinfer_cli.model.loader import load_model
 

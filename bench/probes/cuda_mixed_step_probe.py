@@ -26,7 +26,7 @@ from rich.console import Console
 sys.path.insert(0, str(Path(__file__).parent))
 from cuda_kernel_profile import kernel_rows  # noqa: E402
 
-from sparkinfer_cli.bench import ensure_synthetic  # noqa: E402
+from sparkinfer_cli.bench.runner import ensure_synthetic  # noqa: E402
 from sparkinfer_cli.model.batch import SequenceBatch  # noqa: E402
 from sparkinfer_cli.model.loader import load_model  # noqa: E402
 

@@ -15,11 +15,11 @@ import argparse
 import numpy as np
 from numba import cuda
 
-from sparkinfer_cli.ggml_types import BLOCK_GEOMETRY, GGMLType
+from sparkinfer_cli.gguf.ggml_types import BLOCK_GEOMETRY, GGMLType
 from sparkinfer_cli.kernels.cuda import mma_gemm as mg
 from sparkinfer_cli.kernels.cuda.expert_route import ExpertRoute, route_experts
-from sparkinfer_cli.kernels.cuda.launch import to_device_bytes
 from sparkinfer_cli.kernels.cuda.quant_gemv import DeviceQuantMatrix
+from sparkinfer_cli.kernels.cuda.runtime.launch import to_device_bytes
 
 N_EMBD, EXPERT_FF, N_EXPERT, TOP_K = 2048, 512, 256, 8
 # byte offsets of each block's fp16 scale fields, set to sane values in the random bytes

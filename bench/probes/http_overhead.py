@@ -27,7 +27,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
-from sparkinfer_cli.bench import ensure_synthetic
+from sparkinfer_cli.bench.runner import ensure_synthetic
 
 MAX_TOKENS = 64
 

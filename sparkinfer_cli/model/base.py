@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sparkinfer_cli.gguf_file import GGUFFile
+from sparkinfer_cli.gguf.reader import GGUFFile
 from sparkinfer_cli.kernels.cpu.quant_packed import PackedWeight
 from sparkinfer_cli.model.backend import ModelBackend
 from sparkinfer_cli.model.batch import SequenceBatch

@@ -6,10 +6,10 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
-from sparkinfer_cli.gguf_file import GGUFError, UnusableModelError
+from sparkinfer_cli.gguf.reader import GGUFError, UnusableModelError
 
 if TYPE_CHECKING:
-    from sparkinfer_cli.gguf_file import GGUFFile
+    from sparkinfer_cli.gguf.reader import GGUFFile
 
 SUPPORTED_ARCHITECTURES = (
     "llama", "qwen2", "qwen3", "qwen3moe", "qwen3next", "qwen35", "qwen35moe")

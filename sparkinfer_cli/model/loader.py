@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from sparkinfer_cli import env
-from sparkinfer_cli.gguf_file import GGUFFile
+from sparkinfer_cli.gguf.reader import GGUFFile
 from sparkinfer_cli.model.backend import ModelBackend
 from sparkinfer_cli.model.base import CausalLM
 from sparkinfer_cli.model.config import ModelConfig
@@ -27,7 +27,9 @@ def load_model(path: str | Path | GGUFFile, device: str = "cpu", *,
     gguf = path if isinstance(path, GGUFFile) else GGUFFile(path)
     config = checked_config(gguf)
     if device == "cuda":
-        from sparkinfer_cli.model.cuda_runner import load_cuda_model  # imports numba.cuda only here
+        from sparkinfer_cli.backend.cuda.model import (
+            load_cuda_model,  # imports numba.cuda only here
+        )
         return load_cuda_model(gguf, config, kv_int8=kv_int8)
     if device != "cpu":
         raise ValueError(f"device {device!r} is not available in this build (use 'cpu' or 'cuda')")

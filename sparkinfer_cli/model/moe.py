@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from sparkinfer_cli.gguf_file import GGUFError
+from sparkinfer_cli.gguf.reader import GGUFError
 from sparkinfer_cli.kernels.cpu import ops
 from sparkinfer_cli.kernels.cpu.moe_routing import group_tokens_by_expert, route
 from sparkinfer_cli.kernels.cpu.quant import matmul_row_invariant

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from sparkinfer_cli.model.weights import expect_shape
 
 if TYPE_CHECKING:
-    from sparkinfer_cli.gguf_file import GGUFFile
+    from sparkinfer_cli.gguf.reader import GGUFFile
     from sparkinfer_cli.model.config import ModelConfig
 
 Shape = tuple[int, ...]

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sparkinfer_cli.ggml_types import COMPUTE_TYPES, GGMLType
-from sparkinfer_cli.gguf_file import GGUFError, GGUFFile, TensorInfo
+from sparkinfer_cli.gguf.ggml_types import COMPUTE_TYPES, GGMLType
+from sparkinfer_cli.gguf.reader import GGUFError, GGUFFile, TensorInfo
 
 
 @dataclass(frozen=True)

@@ -234,7 +234,7 @@ def run_server(model_path: str | Path, host: str | None = None, port: int | None
     is model_name, else SPARKINFER_SERVED_MODEL_NAME, else the GGUF's name. `on_listening` (the
     CLI's banner) is called once the port accepts connections."""
     from sparkinfer_cli.engine.engine import ContinuousBatchEngine, warm_up
-    from sparkinfer_cli.gguf_file import GGUFFile
+    from sparkinfer_cli.gguf.reader import GGUFFile
     from sparkinfer_cli.model.loader import load_runtime_model
     from sparkinfer_cli.tokenizer.chat_template import ChatTemplate
     from sparkinfer_cli.tokenizer.vocab_override import load_tokenizer

@@ -19,7 +19,7 @@ from tokenizers import AddedToken, Regex, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 if TYPE_CHECKING:
-    from sparkinfer_cli.gguf_file import GGUFFile
+    from sparkinfer_cli.gguf.reader import GGUFFile
 
 
 class TokenType(IntEnum):
@@ -176,7 +176,7 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, gguf: GGUFFile) -> Tokenizer:
         """The file's tokenizer; anything wrong with its tokenizer.* metadata is a GGUFError."""
-        from sparkinfer_cli.gguf_file import GGUFError
+        from sparkinfer_cli.gguf.reader import GGUFError
 
         check_metadata_types(gguf)
         try:

@@ -19,7 +19,7 @@ from typing import Any
 from tokenizers import Tokenizer as HFTokenizer
 
 from sparkinfer_cli import env
-from sparkinfer_cli.gguf_file import GGUFFile
+from sparkinfer_cli.gguf.reader import GGUFFile
 from sparkinfer_cli.tokenizer.tokenizer import Tokenizer, TokenType
 
 FETCH_TIMEOUT_S = 60

@@ -558,7 +558,7 @@ TINY = Path(__file__).parents[1] / "fixtures" / "tiny" / "qwen3"
 
 @pytest.fixture(scope="module")
 def tiny_qwen3():
-    from sparkinfer_cli.gguf_file import GGUFFile
+    from sparkinfer_cli.gguf.reader import GGUFFile
     from sparkinfer_cli.model.loader import load_model
     from sparkinfer_cli.tokenizer.tokenizer import Tokenizer
 
@@ -616,7 +616,7 @@ def test_quantized_outputs_do_not_depend_on_what_shares_the_pass(family, quant):
     give bit-identical logprobs to each prompt run alone (a pass of ≤ 20 rows; an expert sees
     a different number of rows in each). A kernel chosen by the pass size, or by the rows an
     expert gets, would change a sequence's numbers with the server's load."""
-    from sparkinfer_cli.gguf_file import GGUFFile
+    from sparkinfer_cli.gguf.reader import GGUFFile
     from sparkinfer_cli.model.loader import load_runtime_model
     from sparkinfer_cli.tokenizer.tokenizer import Tokenizer
 

@@ -16,7 +16,7 @@ from fake_model import N_VOCAB, FakeDeviceModel, FakeModel, expected_greedy, nex
 from sparkinfer_cli.engine.config import EngineConfig
 from sparkinfer_cli.engine.engine import ContinuousBatchEngine
 from sparkinfer_cli.engine.sampling_params import SamplingParams
-from sparkinfer_cli.gguf_file import GGUFFile
+from sparkinfer_cli.gguf.reader import GGUFFile
 from sparkinfer_cli.model.loader import load_runtime_model
 from sparkinfer_cli.tokenizer.tokenizer import Tokenizer
 

@@ -12,7 +12,7 @@ import functools
 import numpy as np
 from numba import cuda
 
-from sparkinfer_cli.kernels.cuda.intrinsics import LDMATRIX_ALIGN
+from sparkinfer_cli.kernels.cuda.runtime.intrinsics import LDMATRIX_ALIGN
 
 ROW_WORDS = 12  # a staged row: 32 bytes of data + 16 of padding (16-byte aligned rows)
 TILE_WORDS = 16 * ROW_WORDS  # a global constant: shared.array needs a literal size on the GPU

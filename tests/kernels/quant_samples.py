@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from sparkinfer_cli.ggml_types import BLOCK_GEOMETRY, GGMLType, row_bytes
+from sparkinfer_cli.gguf.ggml_types import BLOCK_GEOMETRY, GGMLType, row_bytes
 
 # byte offsets of each block's fp16 scale fields (d, and dmin / m where present)
 FP16_FIELDS = {

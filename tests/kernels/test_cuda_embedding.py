@@ -8,10 +8,10 @@ from gguf.quants import dequantize
 from numba import cuda
 from test_cuda_quant_gemv import random_weights
 
-from sparkinfer_cli.ggml_types import GGMLType
+from sparkinfer_cli.gguf.ggml_types import GGMLType
 from sparkinfer_cli.kernels.cuda import embedding
-from sparkinfer_cli.kernels.cuda.launch import to_device_bytes
 from sparkinfer_cli.kernels.cuda.quant_gemv import DeviceQuantMatrix
+from sparkinfer_cli.kernels.cuda.runtime.launch import to_device_bytes
 
 N_TOKENS = 5
 K = 512  # two Q*_K super-blocks, 16 legacy blocks; THREADS · PIECE = 1024 > K: one block a row

@@ -15,10 +15,11 @@ def test_graph_replay_matches_eager_and_is_cheap_on_the_host():
     from numba import cuda
     from test_cuda_quant_gemv import random_weights
 
-    from sparkinfer_cli.ggml_types import GGMLType
-    from sparkinfer_cli.kernels.cuda import activation, graphs, norm
+    from sparkinfer_cli.gguf.ggml_types import GGMLType
+    from sparkinfer_cli.kernels.cuda import activation, norm
     from sparkinfer_cli.kernels.cuda import quant_gemv as qg
-    from sparkinfer_cli.kernels.cuda.launch import to_device_bytes
+    from sparkinfer_cli.kernels.cuda.runtime import graphs
+    from sparkinfer_cli.kernels.cuda.runtime.launch import to_device_bytes
 
     rng = np.random.default_rng(11)
     k, n = 2048, 1024
@@ -65,10 +66,11 @@ def test_side_stream_branch_is_ordered_inside_a_captured_graph():
     from numba import cuda
     from test_cuda_quant_gemv import random_weights
 
-    from sparkinfer_cli.ggml_types import GGMLType
-    from sparkinfer_cli.kernels.cuda import activation, graphs
+    from sparkinfer_cli.gguf.ggml_types import GGMLType
+    from sparkinfer_cli.kernels.cuda import activation
     from sparkinfer_cli.kernels.cuda import quant_gemv as qg
-    from sparkinfer_cli.kernels.cuda.launch import to_device_bytes
+    from sparkinfer_cli.kernels.cuda.runtime import graphs
+    from sparkinfer_cli.kernels.cuda.runtime.launch import to_device_bytes
 
     rng = np.random.default_rng(12)
     k, n = 2048, 16384

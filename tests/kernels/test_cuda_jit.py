@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from sparkinfer_cli.kernels.cuda import jit
-from sparkinfer_cli.kernels.cuda.intrinsics import chain_start
+from sparkinfer_cli.kernels.cuda.runtime import jit
+from sparkinfer_cli.kernels.cuda.runtime.intrinsics import chain_start
 
 KERNELS = Path(jit.__file__).parent
 

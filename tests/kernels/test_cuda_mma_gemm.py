@@ -16,17 +16,17 @@ from gguf.quants import dequantize
 from numba import cuda
 from test_cuda_quant_gemv import random_weights
 
-from sparkinfer_cli.ggml_types import GGMLType, row_bytes
+from sparkinfer_cli.gguf.ggml_types import GGMLType, row_bytes
 from sparkinfer_cli.kernels.cuda import mma_gemm as mg
 from sparkinfer_cli.kernels.cuda.expert_route import ExpertRoute, route_experts
-from sparkinfer_cli.kernels.cuda.intrinsics import (
+from sparkinfer_cli.kernels.cuda.quant_gemv import DeviceQuantMatrix
+from sparkinfer_cli.kernels.cuda.runtime.intrinsics import (
     ldmatrix_x4,
     ldmatrix_x4_pairs,
     mma_f16_f32,
     pack_f16x2,
 )
-from sparkinfer_cli.kernels.cuda.launch import to_device_bytes
-from sparkinfer_cli.kernels.cuda.quant_gemv import DeviceQuantMatrix
+from sparkinfer_cli.kernels.cuda.runtime.launch import to_device_bytes
 
 
 # ---------------------------------------------------------------- intrinsics

@@ -14,11 +14,15 @@ from gguf.quants import dequantize
 from numba import cuda
 from test_cuda_quant_gemv import random_weights
 
-from sparkinfer_cli.ggml_types import GGMLType
+from sparkinfer_cli.gguf.ggml_types import GGMLType
 from sparkinfer_cli.kernels.cuda import mmq_q8
 from sparkinfer_cli.kernels.cuda import quant_gemv as qg
-from sparkinfer_cli.kernels.cuda.intrinsics import ldmatrix_x4_b8, ldmatrix_x4_b8_pairs, mma_s8_s32
-from sparkinfer_cli.kernels.cuda.launch import to_device_bytes
+from sparkinfer_cli.kernels.cuda.runtime.intrinsics import (
+    ldmatrix_x4_b8,
+    ldmatrix_x4_b8_pairs,
+    mma_s8_s32,
+)
+from sparkinfer_cli.kernels.cuda.runtime.launch import to_device_bytes
 
 
 # ---------------------------------------------------------------- intrinsics

@@ -7,9 +7,9 @@ import pytest
 from gguf.quants import dequantize, quantize
 from numba import cuda
 
-from sparkinfer_cli.ggml_types import COMPUTE_TYPES, GGMLType, row_bytes
+from sparkinfer_cli.gguf.ggml_types import COMPUTE_TYPES, GGMLType, row_bytes
 from sparkinfer_cli.kernels.cuda import quant_gemv as qg
-from sparkinfer_cli.kernels.cuda.launch import to_device_bytes
+from sparkinfer_cli.kernels.cuda.runtime.launch import to_device_bytes
 
 # byte offsets of the fp16 scale fields in one block, overwritten with sane values
 _SCALE_FIELDS = {

@@ -8,8 +8,8 @@ import gguf
 import numpy as np
 import pytest
 
-from sparkinfer_cli.ggml_types import BLOCK_GEOMETRY, GGMLType, row_bytes
-from sparkinfer_cli.gguf_file import GGUFFile
+from sparkinfer_cli.gguf.ggml_types import BLOCK_GEOMETRY, GGMLType, row_bytes
+from sparkinfer_cli.gguf.reader import GGUFFile
 from sparkinfer_cli.kernels.cpu.quant import (
     FUSED_MAX_TOKENS,
     SUPPORTED_TYPES,

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from quant_samples import N_ROWS, NE0, random_weight
 
-from sparkinfer_cli.ggml_types import GGMLType
+from sparkinfer_cli.gguf.ggml_types import GGMLType
 from sparkinfer_cli.kernels.cpu import llvm_jit, packed_matvec, quant
 from sparkinfer_cli.kernels.cpu.llvm_jit import has_avx2, has_vnni
 from sparkinfer_cli.kernels.cpu.packed_matvec import PackedMatvec

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from quant_samples import N_ROWS, NE0, random_weight
 
-from sparkinfer_cli.ggml_types import GGMLType
+from sparkinfer_cli.gguf.ggml_types import GGMLType
 from sparkinfer_cli.kernels.cpu.quant_repack import REPACK_TYPES, repack
 
 TYPES = sorted(GGMLType(t) for t in REPACK_TYPES)

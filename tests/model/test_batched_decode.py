@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from sparkinfer_cli.gguf.synthetic import write_synthetic
 from sparkinfer_cli.kernels.cpu.quant_packed import MAX_ROWS
 from sparkinfer_cli.model.base import CausalLM
 from sparkinfer_cli.model.batch import SequenceBatch
 from sparkinfer_cli.model.loader import load_model
-from sparkinfer_cli.synthetic import write_synthetic
 
 BLOCK_SIZE = 4
 NUM_SEQS = MAX_ROWS + 2

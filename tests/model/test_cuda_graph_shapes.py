@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from sparkinfer_cli.model.cuda_runner import (
+from sparkinfer_cli.backend.cuda.model import (
     MAX_GRAPH_ROWS,
     graph_shapes,
     logit_bucket,
 )
-from sparkinfer_cli.model.cuda_workspace import row_bucket
+from sparkinfer_cli.backend.cuda.workspace import row_bucket
 
 
 def _key(n_tokens: int, n_seqs: int) -> tuple[int, bool, int]:

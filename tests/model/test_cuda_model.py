@@ -1,4 +1,4 @@
-"""The CUDA model (model/cuda_runner.py) against llama.cpp's oracle logits and the CPU model.
+"""The CUDA model (backend/cuda/model.py) against llama.cpp's oracle logits and the CPU model.
 
 On the H200 (`pytest -m gpu tests/model/test_cuda_model.py`):
 - exact mode (F32 weights, float activations): the CPU tests' bars — max |Δlogit| ≤ 1e-3 vs
@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sparkinfer_cli.gguf_file import GGUFFile
+from sparkinfer_cli.gguf.reader import GGUFFile
 from sparkinfer_cli.model.batch import DeviceDraw, SamplingRows, SequenceBatch
 from sparkinfer_cli.model.config import ModelConfig
 from sparkinfer_cli.model.loader import load_model
@@ -51,7 +51,7 @@ CASES = [(f, v) for f in FAMILIES for v in _variants(f)]
 
 @functools.lru_cache(maxsize=4)
 def _gpu_model(path: Path, exact: bool, kv_int8: bool = False):
-    from sparkinfer_cli.model.cuda_runner import load_cuda_model
+    from sparkinfer_cli.backend.cuda.model import load_cuda_model
 
     gguf = GGUFFile(path)
     return load_cuda_model(gguf, ModelConfig.from_gguf(gguf), exact=exact, kv_int8=kv_int8)
@@ -159,7 +159,7 @@ def test_int8_kv_decode_follows_f16_kv_where_clear(family: str) -> None:
 def test_q8_top1_matches_native_llama_cpp_where_clear(family: str, variant: str,
                                                       tensor_cores: bool, monkeypatch) -> None:
     """tensor_cores: every linear of the prefill as an mma GEMM (f16 activations), not a GEMV."""
-    from sparkinfer_cli.model import cuda_workspace
+    from sparkinfer_cli.backend.cuda import workspace as cuda_workspace
 
     for name in ("EXPERTS_MMA_MIN_ROWS", "LINEAR_MMA_MIN_ROWS"):
         monkeypatch.setattr(cuda_workspace, name, 1 if tensor_cores else 1 << 30)
@@ -243,8 +243,8 @@ def test_linears_on_tensor_cores_in_a_batched_decode_graph(monkeypatch) -> None:
     like the GEMVs), others on f16 tiles (mma_gemm). The first decode step's logits (same inputs
     either way) follow the same step with the linears as GEMVs: top-1 equal where clear and close
     elsewhere. MIN_SPLIT_STEPS 1: mma_gemm splits the tiny model's k of a few steps too."""
+    from sparkinfer_cli.backend.cuda import workspace as cuda_workspace
     from sparkinfer_cli.kernels.cuda import mma_gemm
-    from sparkinfer_cli.model import cuda_workspace
 
     monkeypatch.setattr(mma_gemm, "MIN_SPLIT_STEPS", 1)
 
@@ -271,7 +271,7 @@ def test_queued_decode_passes_equal_greedy_steps_one_by_one(family: str) -> None
     """decode_greedy (passes queued at once, each fed the previous pass's ids on the device)
     picks what forward_greedy picks step by step with the host feeding the ids, for 3 sequences
     (a padded bucket of 4), over two runs of passes (graph capture, then replays)."""
-    from sparkinfer_cli.model.cuda_workspace import MAX_QUEUED_STEPS
+    from sparkinfer_cli.backend.cuda.workspace import MAX_QUEUED_STEPS
 
     model = _tiny(family, "Q8_0", exact=False)
     prompt = _goldens(family)["prompt_long"]
@@ -483,7 +483,7 @@ def test_decode_greedy_refuses_what_it_cannot_queue() -> None:
     """Checked before anything is queued (so the simulator runs no pass): a prefill piece, more
     passes than there are staging rows, block tables too short for the passes. The tiny model's
     Q8_0 token table is read on the device."""
-    from sparkinfer_cli.model.cuda_workspace import MAX_QUEUED_STEPS
+    from sparkinfer_cli.backend.cuda.workspace import MAX_QUEUED_STEPS
 
     model = _tiny("qwen3", "Q8_0", exact=False)
     assert model.token_embd is not None and model.token_embd.n_rows == model.config.n_vocab

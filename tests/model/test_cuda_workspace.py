@@ -8,10 +8,10 @@ from types import SimpleNamespace
 import numpy as np
 from gguf.quants import dequantize, quantize
 
-from sparkinfer_cli.ggml_types import GGMLType
+from sparkinfer_cli.backend.cuda.weights import Uploader
+from sparkinfer_cli.backend.cuda.workspace import Workspace
+from sparkinfer_cli.gguf.ggml_types import GGMLType
 from sparkinfer_cli.kernels.cuda import quant_gemv as qg
-from sparkinfer_cli.model.cuda_weights import Uploader
-from sparkinfer_cli.model.cuda_workspace import Workspace
 from sparkinfer_cli.model.layers import Linear
 from sparkinfer_cli.model.weights import QTensor
 
@@ -56,7 +56,7 @@ def test_a_queued_decode_pass_stages_its_inputs_and_takes_device_token_ids():
     previous pass's ids replace the placeholders on the device."""
     from numba import cuda
 
-    from sparkinfer_cli.kernels.cuda.driver_calls import copy_device_async
+    from sparkinfer_cli.kernels.cuda.runtime.driver_calls import copy_device_async
     from sparkinfer_cli.model.batch import SequenceBatch
 
     cache = SimpleNamespace(num_blocks=9, block_size=4, scratch_block=9, scratch_slot=3)
@@ -79,8 +79,8 @@ def test_a_queued_decode_pass_stages_its_inputs_and_takes_device_token_ids():
 
 
 def test_device_sampling_stages_a_pass_rows_then_argmax_again():
+    from sparkinfer_cli.backend.cuda.workspace import DeviceSampling
     from sparkinfer_cli.model.batch import DeviceDraw, SamplingRows
-    from sparkinfer_cli.model.cuda_workspace import DeviceSampling
 
     sampling = DeviceSampling(4, 300)
 
@@ -119,8 +119,8 @@ def test_a_pass_uploads_the_tables_of_its_sequences_and_a_scratch_row_after_them
 
 
 def test_device_sampling_stages_grammar_masks_then_allows_every_token_again():
+    from sparkinfer_cli.backend.cuda.workspace import DeviceSampling
     from sparkinfer_cli.model.batch import ALL_ALLOWED, ARGMAX, SamplingRows
-    from sparkinfer_cli.model.cuda_workspace import DeviceSampling
 
     sampling = DeviceSampling(3, 70)  # 3 mask words a row
     assert (sampling.allowed.copy_to_host() == ALL_ALLOWED).all()

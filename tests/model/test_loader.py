@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sparkinfer_cli.gguf_file import GGUFFile
+from sparkinfer_cli.gguf.reader import GGUFFile
 from sparkinfer_cli.model.loader import load_runtime_model
 
 TINY_QWEN3 = Path(__file__).parent.parent / "fixtures" / "tiny" / "qwen3" / "qwen3-Q8_0.gguf"

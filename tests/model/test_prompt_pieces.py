@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sparkinfer_cli.gguf_file import GGUFFile
+from sparkinfer_cli.gguf.reader import GGUFFile
 from sparkinfer_cli.model.batch import SequenceBatch
 from sparkinfer_cli.model.loader import load_runtime_model
 

@@ -16,10 +16,10 @@ import gguf
 import numpy as np
 import pytest
 
-from sparkinfer_cli.gguf_file import GGUFError, GGUFFile
+from sparkinfer_cli.gguf.reader import GGUFError, GGUFFile
+from sparkinfer_cli.gguf.synthetic import PRESETS, write_synthetic
 from sparkinfer_cli.model.batch import SequenceBatch
 from sparkinfer_cli.model.loader import load_model
-from sparkinfer_cli.synthetic import PRESETS, write_synthetic
 
 TINY = Path(__file__).parent.parent / "fixtures" / "tiny"
 TINY_PRESETS = sorted(name for name in PRESETS if name.startswith("tiny-"))

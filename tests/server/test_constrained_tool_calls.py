@@ -24,7 +24,7 @@ from test_e2e_real import tokenizer as tokenizer  # noqa: F401 (a fixture)
 from test_structured_output import NO_THINKING, schemas
 
 from sparkinfer_cli.engine.constraint import GrammarConstraint, lark_grammar
-from sparkinfer_cli.gguf_file import GGUFFile
+from sparkinfer_cli.gguf.reader import GGUFFile
 from sparkinfer_cli.server.stream_router import THINK_CLOSE, THINK_OPEN, prompt_opens_thinking
 from sparkinfer_cli.server.tool_call_grammar import tool_call_grammar
 from sparkinfer_cli.server.tool_calls import forced_call_prefix, uses_xml_format

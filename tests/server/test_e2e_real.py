@@ -15,9 +15,9 @@ import pytest
 from server_harness import ProcessServer, sse_json
 from test_admission import assert_openai_error, kv_is_free, metric, wait_until
 
-from sparkinfer_cli.bench_serve_client import connect
-from sparkinfer_cli.bench_serve_turns import run_turns
-from sparkinfer_cli.gguf_file import GGUFFile
+from sparkinfer_cli.bench.serve_client import connect
+from sparkinfer_cli.bench.serve_turns import run_turns
+from sparkinfer_cli.gguf.reader import GGUFFile
 from sparkinfer_cli.tokenizer.tokenizer import Tokenizer
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "tiny" / "qwen3"

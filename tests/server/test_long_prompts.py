@@ -74,7 +74,7 @@ def test_other_requests_are_answered_while_a_prompt_is_tokenized(make_server) ->
 def test_the_byte_bound_never_exceeds_the_real_token_count() -> None:
     from test_e2e_real import MODEL
 
-    from sparkinfer_cli.gguf_file import GGUFFile
+    from sparkinfer_cli.gguf.reader import GGUFFile
     from sparkinfer_cli.tokenizer.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_gguf(GGUFFile(MODEL))

@@ -13,7 +13,8 @@ from test_admission import assert_openai_error
 from test_chat import user
 from typer.testing import CliRunner
 
-from sparkinfer_cli import cli, env, hub
+from sparkinfer_cli import cli, env
+from sparkinfer_cli.hub import download as hub
 from sparkinfer_cli.server import app as server_app
 from sparkinfer_cli.server.config import ServerConfig
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from hf_vocab import gguf_tokenizer_metadata
 
-from sparkinfer_cli.gguf_file import GGUFFile
+from sparkinfer_cli.gguf.reader import GGUFFile
 from sparkinfer_cli.tokenizer.tokenizer import Tokenizer
 
 FIXTURES = Path(__file__).parent.parent / "fixtures"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from shared_tokenizers import FIXTURES, tokenizer_goldens
 
-from sparkinfer_cli.gguf_file import GGUFFile
+from sparkinfer_cli.gguf.reader import GGUFFile
 from sparkinfer_cli.tokenizer.vocab_override import load_tokenizer
 
 TINY_QWEN3 = FIXTURES / "tiny" / "qwen3" / "qwen3-Q8_0.gguf"

@@ -24,7 +24,7 @@ import numba
 import numpy as np
 from numba import njit
 
-from sparkinfer_cli.ggml_types import row_bytes, type_name
+from sparkinfer_cli.gguf.ggml_types import row_bytes, type_name
 from sparkinfer_cli.kernels.cpu.quant_blas import single_threaded_blas
 from sparkinfer_cli.kernels.cpu.quant_blocks import (
     BF16,

@@ -22,7 +22,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 from numba import njit
 
-from sparkinfer_cli.ggml_types import GGMLType
+from sparkinfer_cli.gguf.ggml_types import GGMLType
 
 F32, F16, BF16 = int(GGMLType.F32), int(GGMLType.F16), int(GGMLType.BF16)
 Q4_0, Q4_1 = int(GGMLType.Q4_0), int(GGMLType.Q4_1)

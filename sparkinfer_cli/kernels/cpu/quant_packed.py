@@ -34,7 +34,7 @@ from typing import Callable
 import numpy as np
 from numba import njit
 
-from sparkinfer_cli.ggml_types import BLOCK_GEOMETRY, row_bytes
+from sparkinfer_cli.gguf.ggml_types import BLOCK_GEOMETRY, row_bytes
 from sparkinfer_cli.kernels.cpu import llvm_jit
 from sparkinfer_cli.kernels.cpu.quant import _readonly
 from sparkinfer_cli.kernels.cpu.quant_blocks import Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0

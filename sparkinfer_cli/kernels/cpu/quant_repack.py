@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 from gguf.quants import Q4_K as _GGUF_Q4_K
 
-from sparkinfer_cli.ggml_types import BLOCK_GEOMETRY, row_bytes
+from sparkinfer_cli.gguf.ggml_types import BLOCK_GEOMETRY, row_bytes
 from sparkinfer_cli.kernels.cpu.quant import _readonly
 from sparkinfer_cli.kernels.cpu.quant_blocks import (
     Q4_0,

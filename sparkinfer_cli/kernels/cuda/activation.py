@@ -7,10 +7,10 @@ import math
 import numpy as np
 from numba import cuda, float32
 
-from sparkinfer_cli.kernels.cuda.intrinsics import chain_start
-from sparkinfer_cli.kernels.cuda.jit import kernel
-from sparkinfer_cli.kernels.cuda.launch import cdiv, check_array
 from sparkinfer_cli.kernels.cuda.quant_gemv import store_q8
+from sparkinfer_cli.kernels.cuda.runtime.intrinsics import chain_start
+from sparkinfer_cli.kernels.cuda.runtime.jit import kernel
+from sparkinfer_cli.kernels.cuda.runtime.launch import cdiv, check_array
 
 THREADS = 256
 

@@ -36,7 +36,8 @@ import numpy as np
 from numba import cuda, float32, int8, int32, int64
 from numba.cuda.types import float16
 
-from sparkinfer_cli.kernels.cuda.intrinsics import (
+from sparkinfer_cli.kernels.cuda.quant_gemv import store_q8
+from sparkinfer_cli.kernels.cuda.runtime.intrinsics import (
     IS_SIMULATOR,
     bits_to_f32,
     chain_start,
@@ -45,10 +46,9 @@ from sparkinfer_cli.kernels.cuda.intrinsics import (
     ld_v2_u32,
     ld_v4_u32,
 )
-from sparkinfer_cli.kernels.cuda.jit import device_function, kernel
-from sparkinfer_cli.kernels.cuda.launch import cdiv, check_array
-from sparkinfer_cli.kernels.cuda.quant_gemv import store_q8
-from sparkinfer_cli.kernels.cuda.warp import warp_max, warp_sum
+from sparkinfer_cli.kernels.cuda.runtime.jit import device_function, kernel
+from sparkinfer_cli.kernels.cuda.runtime.launch import cdiv, check_array
+from sparkinfer_cli.kernels.cuda.runtime.warp import warp_max, warp_sum
 
 CHUNK = 128  # keys scored at once: one per thread
 KV_F32, KV_F16, KV_I8 = 0, 1, 2  # cache element types

@@ -40,7 +40,8 @@ from sparkinfer_cli.kernels.cuda.attention_prefill import (
     group_end,
     query_rows,
 )
-from sparkinfer_cli.kernels.cuda.intrinsics import (
+from sparkinfer_cli.kernels.cuda.mma_gemm import mma_into
+from sparkinfer_cli.kernels.cuda.runtime.intrinsics import (
     IS_SIMULATOR,
     LDMATRIX_ALIGN,
     bits_to_f32,
@@ -51,10 +52,9 @@ from sparkinfer_cli.kernels.cuda.intrinsics import (
     ldmatrix_x4_trans,
     pack_f16x2,
 )
-from sparkinfer_cli.kernels.cuda.jit import device_function, kernel
-from sparkinfer_cli.kernels.cuda.launch import cdiv
-from sparkinfer_cli.kernels.cuda.mma_gemm import mma_into
-from sparkinfer_cli.kernels.cuda.warp import shfl_xor
+from sparkinfer_cli.kernels.cuda.runtime.jit import device_function, kernel
+from sparkinfer_cli.kernels.cuda.runtime.launch import cdiv
+from sparkinfer_cli.kernels.cuda.runtime.warp import shfl_xor
 
 # keys a tile: the K and V tiles (padded rows) must fit the 48 KiB of static shared memory
 KEYS_A_TILE = {128: 64, 256: 32}

@@ -17,10 +17,10 @@ import numpy as np
 from numba import cuda, float32, float64
 
 from sparkinfer_cli.kernels.cuda.attention import flat_scales, kv_kind, store_kv
-from sparkinfer_cli.kernels.cuda.intrinsics import chain_start
-from sparkinfer_cli.kernels.cuda.jit import device_function, kernel
-from sparkinfer_cli.kernels.cuda.launch import check_array
-from sparkinfer_cli.kernels.cuda.warp import block_sum
+from sparkinfer_cli.kernels.cuda.runtime.intrinsics import chain_start
+from sparkinfer_cli.kernels.cuda.runtime.jit import device_function, kernel
+from sparkinfer_cli.kernels.cuda.runtime.launch import check_array
+from sparkinfer_cli.kernels.cuda.runtime.warp import block_sum
 
 
 @device_function

@@ -34,7 +34,7 @@ from sparkinfer_cli.kernels.cuda.attention import (
     _split_weights,
     _store_out,
 )
-from sparkinfer_cli.kernels.cuda.intrinsics import (
+from sparkinfer_cli.kernels.cuda.runtime.intrinsics import (
     LDMATRIX_ALIGN,
     bits_to_f32,
     chain_start,
@@ -46,8 +46,8 @@ from sparkinfer_cli.kernels.cuda.intrinsics import (
     mma_f16_f32,
     pack_f16x2,
 )
-from sparkinfer_cli.kernels.cuda.jit import device_function, kernel
-from sparkinfer_cli.kernels.cuda.warp import shfl_xor
+from sparkinfer_cli.kernels.cuda.runtime.jit import device_function, kernel
+from sparkinfer_cli.kernels.cuda.runtime.warp import shfl_xor
 
 MAX_GROUP = 8  # query heads a kv head may serve here (one n8 tile)
 TILE_KEYS = 16  # keys a warp scores at once (the mma's m)

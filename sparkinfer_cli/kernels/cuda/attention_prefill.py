@@ -28,7 +28,7 @@ import numpy as np
 from numba import cuda, float32, int32, int64
 
 from sparkinfer_cli.kernels.cuda.attention import KV_F16, KV_F32, KV_I8, flat_scales, kv_kind
-from sparkinfer_cli.kernels.cuda.intrinsics import (
+from sparkinfer_cli.kernels.cuda.runtime.intrinsics import (
     IS_SIMULATOR,
     bits_to_f32,
     chain_start,
@@ -37,8 +37,8 @@ from sparkinfer_cli.kernels.cuda.intrinsics import (
     ld_v2_u32,
     ld_v4_u32,
 )
-from sparkinfer_cli.kernels.cuda.jit import device_function, kernel
-from sparkinfer_cli.kernels.cuda.launch import cdiv, check_array
+from sparkinfer_cli.kernels.cuda.runtime.jit import device_function, kernel
+from sparkinfer_cli.kernels.cuda.runtime.launch import cdiv, check_array
 
 ROWS = 64  # query rows per block: q heads of one kv head × tokens
 KT = 64  # keys per tile

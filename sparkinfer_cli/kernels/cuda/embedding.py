@@ -16,18 +16,18 @@ import functools
 import numpy as np
 from numba import cuda, float32
 
-from sparkinfer_cli.ggml_types import GGMLType
+from sparkinfer_cli.gguf.ggml_types import GGMLType
 from sparkinfer_cli.kernels.cuda import mma_gemm
 from sparkinfer_cli.kernels.cuda import quant_gemv as qg
-from sparkinfer_cli.kernels.cuda.intrinsics import (
+from sparkinfer_cli.kernels.cuda.runtime.intrinsics import (
     bits_to_f32,
     chain_start,
     f16_bits_to_f32,
     ld_u16,
     ld_u32,
 )
-from sparkinfer_cli.kernels.cuda.jit import kernel
-from sparkinfer_cli.kernels.cuda.launch import cdiv, check_array
+from sparkinfer_cli.kernels.cuda.runtime.jit import kernel
+from sparkinfer_cli.kernels.cuda.runtime.launch import cdiv, check_array
 
 PIECE = 16  # elements a thread writes
 THREADS = 64

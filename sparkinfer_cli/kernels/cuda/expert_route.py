@@ -15,10 +15,10 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, int32
 
-from sparkinfer_cli.kernels.cuda.intrinsics import IS_SIMULATOR, chain_start
-from sparkinfer_cli.kernels.cuda.jit import device_function, kernel
-from sparkinfer_cli.kernels.cuda.launch import check_array
 from sparkinfer_cli.kernels.cuda.moe import MAX_EXPERTS
+from sparkinfer_cli.kernels.cuda.runtime.intrinsics import IS_SIMULATOR, chain_start
+from sparkinfer_cli.kernels.cuda.runtime.jit import device_function, kernel
+from sparkinfer_cli.kernels.cuda.runtime.launch import check_array
 
 MAX_THREADS = 1024
 THREADS = 32 if IS_SIMULATOR else MAX_THREADS

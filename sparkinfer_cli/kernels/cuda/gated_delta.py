@@ -16,16 +16,16 @@ import math
 import numpy as np
 from numba import cuda, float32, int32, uint32
 
-from sparkinfer_cli.kernels.cuda.intrinsics import (
+from sparkinfer_cli.kernels.cuda.runtime.intrinsics import (
     IS_SIMULATOR,
     bits_to_f32,
     chain_start,
     ld_u32,
     ld_v4_u32,
 )
-from sparkinfer_cli.kernels.cuda.jit import device_function, kernel
-from sparkinfer_cli.kernels.cuda.launch import cdiv, check_array
-from sparkinfer_cli.kernels.cuda.warp import shfl_xor, warp_sum
+from sparkinfer_cli.kernels.cuda.runtime.jit import device_function, kernel
+from sparkinfer_cli.kernels.cuda.runtime.launch import cdiv, check_array
+from sparkinfer_cli.kernels.cuda.runtime.warp import shfl_xor, warp_sum
 
 THREADS = 32 if IS_SIMULATOR else 256  # conv kernels; the simulator runs a Python thread each
 WARPS = 4

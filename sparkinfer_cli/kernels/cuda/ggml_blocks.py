@@ -4,8 +4,13 @@ and bit masks."""
 
 from __future__ import annotations
 
-from sparkinfer_cli.kernels.cuda.intrinsics import f16_bits_to_f32, funnel_shift_r, ld_u16, ld_u32
-from sparkinfer_cli.kernels.cuda.jit import device_function
+from sparkinfer_cli.kernels.cuda.runtime.intrinsics import (
+    f16_bits_to_f32,
+    funnel_shift_r,
+    ld_u16,
+    ld_u32,
+)
+from sparkinfer_cli.kernels.cuda.runtime.jit import device_function
 
 M4 = 0x0F0F0F0F
 M1 = 0x01010101

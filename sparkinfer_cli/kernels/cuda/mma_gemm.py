@@ -36,7 +36,7 @@ from typing import NamedTuple
 import numpy as np
 from numba import cuda, float32, int32, int64, uint32
 
-from sparkinfer_cli.ggml_types import GGMLType
+from sparkinfer_cli.gguf.ggml_types import GGMLType
 from sparkinfer_cli.kernels.cuda import quant_gemv as qg
 from sparkinfer_cli.kernels.cuda.ggml_blocks import (
     M1,
@@ -49,7 +49,8 @@ from sparkinfer_cli.kernels.cuda.ggml_blocks import (
     words4_aligned,
     words4_unaligned,
 )
-from sparkinfer_cli.kernels.cuda.intrinsics import (
+from sparkinfer_cli.kernels.cuda.quant_gemv import DeviceQuantMatrix, store_part
+from sparkinfer_cli.kernels.cuda.runtime.intrinsics import (
     bits_to_f32,
     byte_perm,
     chain_start,
@@ -61,9 +62,8 @@ from sparkinfer_cli.kernels.cuda.intrinsics import (
     mma_f16_f32,
     pack_f16x2,
 )
-from sparkinfer_cli.kernels.cuda.jit import device_function, kernel
-from sparkinfer_cli.kernels.cuda.launch import cdiv, check_array
-from sparkinfer_cli.kernels.cuda.quant_gemv import DeviceQuantMatrix, store_part
+from sparkinfer_cli.kernels.cuda.runtime.jit import device_function, kernel
+from sparkinfer_cli.kernels.cuda.runtime.launch import cdiv, check_array
 
 BM = 128  # weight rows staged per block
 BK = 32  # k elements per pipeline step

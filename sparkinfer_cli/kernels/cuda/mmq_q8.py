@@ -29,9 +29,15 @@ import functools
 import numpy as np
 from numba import cuda, float32, int64, uint32
 
-from sparkinfer_cli.ggml_types import GGMLType
+from sparkinfer_cli.gguf.ggml_types import GGMLType
 from sparkinfer_cli.kernels.cuda.ggml_blocks import f16
-from sparkinfer_cli.kernels.cuda.intrinsics import (
+from sparkinfer_cli.kernels.cuda.mma_gemm import add_partials, output_parts
+from sparkinfer_cli.kernels.cuda.quant_gemv import (
+    DeviceQuantMatrix,
+    QuantizedActivations,
+    store_part,
+)
+from sparkinfer_cli.kernels.cuda.runtime.intrinsics import (
     IS_SIMULATOR,
     LDMATRIX_ALIGN,
     chain_start,
@@ -41,14 +47,8 @@ from sparkinfer_cli.kernels.cuda.intrinsics import (
     ldmatrix_x4_b8_pairs,
     mma_s8_s32,
 )
-from sparkinfer_cli.kernels.cuda.jit import device_function, kernel
-from sparkinfer_cli.kernels.cuda.launch import cdiv, check_array
-from sparkinfer_cli.kernels.cuda.mma_gemm import add_partials, output_parts
-from sparkinfer_cli.kernels.cuda.quant_gemv import (
-    DeviceQuantMatrix,
-    QuantizedActivations,
-    store_part,
-)
+from sparkinfer_cli.kernels.cuda.runtime.jit import device_function, kernel
+from sparkinfer_cli.kernels.cuda.runtime.launch import cdiv, check_array
 
 BM = 64  # staged weight rows a block
 BN = 64  # tokens a block (all of a pass's)

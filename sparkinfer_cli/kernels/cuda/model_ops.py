@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
-from sparkinfer_cli.kernels.cuda.intrinsics import chain_start
-from sparkinfer_cli.kernels.cuda.jit import kernel
-from sparkinfer_cli.kernels.cuda.launch import cdiv, check_array
+from sparkinfer_cli.kernels.cuda.runtime.intrinsics import chain_start
+from sparkinfer_cli.kernels.cuda.runtime.jit import kernel
+from sparkinfer_cli.kernels.cuda.runtime.launch import cdiv, check_array
 
 THREADS = 256
 

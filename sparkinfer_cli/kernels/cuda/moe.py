@@ -13,10 +13,10 @@ import math
 import numpy as np
 from numba import cuda, float32, int32
 
-from sparkinfer_cli.kernels.cuda.intrinsics import chain_start
-from sparkinfer_cli.kernels.cuda.jit import device_function, kernel
-from sparkinfer_cli.kernels.cuda.launch import cdiv, check_array, next_pow2
-from sparkinfer_cli.kernels.cuda.warp import WARP_SIZE, shfl_xor, warp_max, warp_sum
+from sparkinfer_cli.kernels.cuda.runtime.intrinsics import chain_start
+from sparkinfer_cli.kernels.cuda.runtime.jit import device_function, kernel
+from sparkinfer_cli.kernels.cuda.runtime.launch import cdiv, check_array, next_pow2
+from sparkinfer_cli.kernels.cuda.runtime.warp import WARP_SIZE, shfl_xor, warp_max, warp_sum
 
 MAX_EXPERTS = 1024  # experts a router may have (a warp's lanes hold 32 logits each at most)
 TOKENS_A_BLOCK = 4  # a warp per token

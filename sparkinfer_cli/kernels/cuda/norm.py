@@ -13,11 +13,11 @@ import math
 import numpy as np
 from numba import cuda, float32
 
-from sparkinfer_cli.kernels.cuda.intrinsics import IS_SIMULATOR, chain_start
-from sparkinfer_cli.kernels.cuda.jit import device_function, kernel
-from sparkinfer_cli.kernels.cuda.launch import cdiv, check_array
 from sparkinfer_cli.kernels.cuda.quant_gemv import store_q8
-from sparkinfer_cli.kernels.cuda.warp import block_sum
+from sparkinfer_cli.kernels.cuda.runtime.intrinsics import IS_SIMULATOR, chain_start
+from sparkinfer_cli.kernels.cuda.runtime.jit import device_function, kernel
+from sparkinfer_cli.kernels.cuda.runtime.launch import cdiv, check_array
+from sparkinfer_cli.kernels.cuda.runtime.warp import block_sum
 
 MAX_THREADS = 32 if IS_SIMULATOR else 512  # threads per row (the simulator is slow)
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from numba import cuda
 
-from sparkinfer_cli.kernels.cuda.intrinsics import chain_start
-from sparkinfer_cli.kernels.cuda.jit import kernel
-from sparkinfer_cli.kernels.cuda.launch import cdiv
+from sparkinfer_cli.kernels.cuda.runtime.intrinsics import chain_start
+from sparkinfer_cli.kernels.cuda.runtime.jit import kernel
+from sparkinfer_cli.kernels.cuda.runtime.launch import cdiv
 
 THREADS = 256
 MAX_BLOCKS = 1024  # grid-stride beyond: a 60 MB state slot needs no more to run at bandwidth

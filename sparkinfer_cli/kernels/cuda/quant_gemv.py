@@ -27,7 +27,7 @@ import math
 import numpy as np
 from numba import cuda, float32, int32, int64, uint32
 
-from sparkinfer_cli.ggml_types import BLOCK_GEOMETRY, GGMLType, row_bytes
+from sparkinfer_cli.gguf.ggml_types import BLOCK_GEOMETRY, GGMLType, row_bytes
 from sparkinfer_cli.kernels.cuda.ggml_blocks import (
     M1,
     M2,
@@ -39,7 +39,7 @@ from sparkinfer_cli.kernels.cuda.ggml_blocks import (
     words4_aligned,
     words4_unaligned,
 )
-from sparkinfer_cli.kernels.cuda.intrinsics import (
+from sparkinfer_cli.kernels.cuda.runtime.intrinsics import (
     bits_to_f32,
     byte_perm,
     chain_start,
@@ -48,9 +48,9 @@ from sparkinfer_cli.kernels.cuda.intrinsics import (
     ld_u32,
     ld_v4_u32,
 )
-from sparkinfer_cli.kernels.cuda.jit import device_function, kernel
-from sparkinfer_cli.kernels.cuda.launch import cdiv, check_array, next_pow2
-from sparkinfer_cli.kernels.cuda.warp import shfl_xor, warp_max, warp_sum
+from sparkinfer_cli.kernels.cuda.runtime.jit import device_function, kernel
+from sparkinfer_cli.kernels.cuda.runtime.launch import cdiv, check_array, next_pow2
+from sparkinfer_cli.kernels.cuda.runtime.warp import shfl_xor, warp_max, warp_sum
 
 Q8_BLOCK = 32
 WARPS_PER_BLOCK = 4

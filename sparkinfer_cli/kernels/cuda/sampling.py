@@ -21,10 +21,10 @@ import math
 import numpy as np
 from numba import cuda, float32, float64, int32
 
-from sparkinfer_cli.kernels.cuda.intrinsics import IS_SIMULATOR, chain_start
-from sparkinfer_cli.kernels.cuda.jit import device_function, kernel
-from sparkinfer_cli.kernels.cuda.launch import cdiv, check_array
-from sparkinfer_cli.kernels.cuda.warp import shfl_xor
+from sparkinfer_cli.kernels.cuda.runtime.intrinsics import IS_SIMULATOR, chain_start
+from sparkinfer_cli.kernels.cuda.runtime.jit import device_function, kernel
+from sparkinfer_cli.kernels.cuda.runtime.launch import cdiv, check_array
+from sparkinfer_cli.kernels.cuda.runtime.warp import shfl_xor
 
 MAX_CANDIDATES = 64
 THREADS = 32 if IS_SIMULATOR else 256  # kernels are blockDim-generic; the simulator is slow

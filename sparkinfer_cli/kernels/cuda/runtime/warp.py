@@ -11,14 +11,14 @@ import math
 
 from numba import cuda, float32
 
-from sparkinfer_cli.kernels.cuda.intrinsics import IS_SIMULATOR
-from sparkinfer_cli.kernels.cuda.jit import device_function
+from sparkinfer_cli.kernels.cuda.runtime.intrinsics import IS_SIMULATOR
+from sparkinfer_cli.kernels.cuda.runtime.jit import device_function
 
 WARP_SIZE = 32
 FULL_MASK = 0xFFFFFFFF
 
 if IS_SIMULATOR:
-    from sparkinfer_cli.kernels.cuda.intrinsics import lane_id, warp_exchange
+    from sparkinfer_cli.kernels.cuda.runtime.intrinsics import lane_id, warp_exchange
 
     def shfl_xor(v, offset):
         return warp_exchange(v)[lane_id() ^ offset]

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import numpy as np
 
+from sparkinfer_cli.backend.cuda.cache import CudaModelCache
+from sparkinfer_cli.backend.cuda.weights import DeviceLinear, Uploader
+from sparkinfer_cli.backend.cuda.workspace import Workspace
 from sparkinfer_cli.kernels.cuda import (
     activation,
     attention,
     attention_flash,
     attention_prefill,
     gated_delta,
-    graphs,
     mma_gemm,
     moe,
     norm,
@@ -23,10 +25,8 @@ from sparkinfer_cli.kernels.cuda import (
 from sparkinfer_cli.kernels.cuda import quant_gemv as qg
 from sparkinfer_cli.kernels.cuda.attention_input import prepare_attention_input
 from sparkinfer_cli.kernels.cuda.expert_route import ExpertRoute, route_experts
+from sparkinfer_cli.kernels.cuda.runtime import graphs
 from sparkinfer_cli.model.config import ROPE_NEOX, ModelConfig
-from sparkinfer_cli.model.cuda_cache import CudaModelCache
-from sparkinfer_cli.model.cuda_weights import DeviceLinear, Uploader
-from sparkinfer_cli.model.cuda_workspace import Workspace
 from sparkinfer_cli.model.gated_delta_net import GatedDeltaNet
 from sparkinfer_cli.model.layers import Attention, SwiGLU
 from sparkinfer_cli.model.moe import MoE

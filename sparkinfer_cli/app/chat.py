@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.markup import escape
 
-from sparkinfer_cli.generate import GenerationStats, chat_prompt
+from sparkinfer_cli.app.generate import GenerationStats, chat_prompt
 
 if TYPE_CHECKING:
-    from sparkinfer_cli.run import GenerateRequest, Loaded
+    from sparkinfer_cli.app.run import GenerateRequest, Loaded
     from sparkinfer_cli.tokenizer.tokenizer import Tokenizer
 
 HELP = "Ctrl-C stops an answer; /clear forgets the conversation; /bye or Ctrl-D ends the chat."
@@ -53,7 +53,7 @@ class Conversation:
 def run_chat(req: GenerateRequest, loaded: Loaded, err: Console) -> int:
     """Reads messages from stdin until /bye or end of input (exit 0) or Ctrl-C at the prompt
     (130); each answer streams to stdout, its speeds to stderr."""
-    from sparkinfer_cli.run import EXIT_INTERRUPTED
+    from sparkinfer_cli.app.run import EXIT_INTERRUPTED
 
     conversation = Conversation(loaded.tokenizer, req.system, req.enable_thinking,
                                 loaded.session.max_tokens)
@@ -77,7 +77,7 @@ def run_chat(req: GenerateRequest, loaded: Loaded, err: Console) -> int:
 
 def _turn(conversation: Conversation, text: str, req: GenerateRequest, loaded: Loaded,
           err: Console) -> None:
-    from sparkinfer_cli.run import report_speeds, stream_answer
+    from sparkinfer_cli.app.run import report_speeds, stream_answer
 
     try:
         ids = conversation.ask(text, req.params.max_tokens)

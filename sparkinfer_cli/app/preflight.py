@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sparkinfer_cli import env
-from sparkinfer_cli.gguf_file import GGUFError, GGUFFile
+from sparkinfer_cli.gguf.reader import GGUFError, GGUFFile
 from sparkinfer_cli.kv_budget import KVPool, fit_kv_pool
 from sparkinfer_cli.model.config import ModelConfig
 from sparkinfer_cli.model.loader import checked_config

@@ -5,8 +5,8 @@ engine-only throughput of the same model, device and loads.
 A session: the first request right after /health says ready (cold TTFT), short prompts one at a
 time (warm idle TTFT), then for each client count a warm-up round and `requests_per_client`
 requests per client in a row, then Poisson arrivals if a rate is given. Split by concern:
-bench_serve_client.py sends and times, bench_serve_report.py folds and writes,
-bench_serve_engine.py measures the engine alone.
+serve_client.py sends and times, serve_report.py folds and writes,
+serve_engine.py measures the engine alone.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from sparkinfer_cli.bench import DEVICES, BenchRequest, git_commit, resolve_bench_model
-from sparkinfer_cli.bench_serve_client import (
+from sparkinfer_cli.bench.runner import DEVICES, BenchRequest, git_commit, resolve_bench_model
+from sparkinfer_cli.bench.serve_client import (
     Endpoint,
     PromptSource,
     RequestTiming,
@@ -36,8 +36,8 @@ from sparkinfer_cli.bench_serve_client import (
     run_together,
     stream_completion,
 )
-from sparkinfer_cli.bench_serve_engine import describe_device
-from sparkinfer_cli.bench_serve_report import (
+from sparkinfer_cli.bench.serve_engine import describe_device
+from sparkinfer_cli.bench.serve_report import (
     TABLE_HEADER,
     RunFigures,
     ServeReport,
@@ -48,8 +48,8 @@ from sparkinfer_cli.bench_serve_report import (
     table_cells,
     write_serve_report,
 )
-from sparkinfer_cli.bench_serve_server import server_ctx, started_server
-from sparkinfer_cli.bench_serve_turns import (
+from sparkinfer_cli.bench.serve_server import server_ctx, started_server
+from sparkinfer_cli.bench.serve_turns import (
     TURNS_HEADER,
     TurnFigures,
     TurnsReport,
@@ -161,7 +161,7 @@ def measure_started_server(request: ServeBenchRequest, console: Console) -> Serv
 
 
 def run_turns_bench(request: ServeBenchRequest, console: Console) -> list[Path]:
-    """One conversation (bench_serve_turns.py) through a started or running server."""
+    """One conversation (serve_turns.py) through a started or running server."""
     if request.url is not None:
         endpoint = connect(request.url)
         turns, cold = conversation(request, endpoint, console)
@@ -305,13 +305,13 @@ def add_engine_figures(report: ServeReport, path: Path, request: ServeBenchReque
 
 def measure_engine(path: Path, request: ServeBenchRequest, concurrencies: list[int],
                    console: Console) -> dict:
-    command = [sys.executable, "-m", "sparkinfer_cli.bench_serve_engine", str(path),
+    command = [sys.executable, "-m", "sparkinfer_cli.bench.serve_engine", str(path),
                request.device, str(request.prompt_tokens), str(request.max_tokens),
                *map(str, concurrencies)]
     with console.status("engine-only figures (no HTTP)"):
         proc = subprocess.run(command, stdout=subprocess.PIPE, text=True, timeout=ENGINE_TIMEOUT_S)
     if proc.returncode != 0:
-        raise RuntimeError(f"bench_serve_engine exited with code {proc.returncode}")
+        raise RuntimeError(f"bench.serve_engine exited with code {proc.returncode}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 

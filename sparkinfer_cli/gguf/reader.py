@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from sparkinfer_cli.ggml_types import BLOCK_GEOMETRY, GGMLType, tensor_bytes, type_name
+from sparkinfer_cli.gguf.ggml_types import BLOCK_GEOMETRY, GGMLType, tensor_bytes, type_name
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32

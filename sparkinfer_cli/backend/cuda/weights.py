@@ -22,10 +22,10 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from sparkinfer_cli.ggml_types import GGMLType
+from sparkinfer_cli.gguf.ggml_types import GGMLType
 from sparkinfer_cli.kernels.cpu.quant import dequantize
-from sparkinfer_cli.kernels.cuda.launch import to_device_bytes
 from sparkinfer_cli.kernels.cuda.quant_gemv import MAX_PARTS, DeviceQuantMatrix
+from sparkinfer_cli.kernels.cuda.runtime.launch import to_device_bytes
 from sparkinfer_cli.model.layers import Linear
 from sparkinfer_cli.model.weights import QTensor
 

@@ -16,10 +16,10 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from sparkinfer_cli.gguf_file import GGUFError, GGUFFile, UnusableModelError
+from sparkinfer_cli.app.preflight import check_loadable
+from sparkinfer_cli.gguf.reader import GGUFError, GGUFFile, UnusableModelError
 from sparkinfer_cli.kv_budget import kv_bytes_per_value, kv_cache_type, state_pool_bytes
 from sparkinfer_cli.model.config import ModelConfig
-from sparkinfer_cli.preflight import check_loadable
 from sparkinfer_cli.tokenizer.tokenizer import check_metadata_types
 from sparkinfer_cli.units import format_bytes, format_count
 

@@ -1,9 +1,9 @@
 """`sparkinfer bench`: prefill, batch-1 decode and concurrent-decode throughput of one model on
 one device, each against its roofline; results under the user's data directory or --out
-(bench_report.py), never over an earlier run's files.
+(report.py), never over an earlier run's files.
 
-Split by concern: bench_measure.py times the figures, bench_roofline.py knows the machine's peaks
-and what a pass must move, bench_report.py writes md + json + png.
+Split by concern: measure.py times the figures, roofline.py knows the machine's peaks
+and what a pass must move, report.py writes md + json + png.
 """
 
 from __future__ import annotations
@@ -29,25 +29,25 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from sparkinfer_cli.bench_measure import (
+from sparkinfer_cli.bench.measure import (
     DepthBench,
     Measurement,
     Settings,
     measure_throughput,
     throughput_max_tokens,
 )
-from sparkinfer_cli.bench_report import (
+from sparkinfer_cli.bench.report import (
     TABLE_HEADER,
     BenchReport,
     ResultRow,
     table_cells,
     write_report,
 )
-from sparkinfer_cli.bench_roofline import MachinePeaks, ModelCost, machine_peaks, roofline
+from sparkinfer_cli.bench.roofline import MachinePeaks, ModelCost, machine_peaks, roofline
 from sparkinfer_cli.paths import bench_results_dir
 
 if TYPE_CHECKING:
-    from sparkinfer_cli.gguf_file import GGUFFile
+    from sparkinfer_cli.gguf.reader import GGUFFile
     from sparkinfer_cli.model.base import CausalLM
     from sparkinfer_cli.tokenizer.tokenizer import Tokenizer
 
@@ -63,7 +63,7 @@ SETTINGS = {
 @dataclass(frozen=True)
 class BenchRequest:
     model: str | None  # path, demo name or hub ref (None with no synthetic: the default model)
-    synthetic: str | None  # preset of sparkinfer_cli.synthetic, written on first use
+    synthetic: str | None  # preset of sparkinfer_cli.gguf.synthetic, written on first use
     device: str  # cpu | cuda
     ctx: tuple[int, ...] = ()  # prefill sizes = decode depths (empty: the device's defaults)
     concurrency: tuple[int, ...] = ()  # concurrent sequences (empty: the device's defaults)
@@ -71,7 +71,7 @@ class BenchRequest:
     command: str = "sparkinfer bench"
 
     def __post_init__(self) -> None:
-        from sparkinfer_cli.synthetic import resolve_preset
+        from sparkinfer_cli.gguf.synthetic import resolve_preset
 
         if self.model is not None and self.synthetic is not None:
             raise ValueError("give a model (-m) or a synthetic preset (--synthetic), not both")
@@ -100,9 +100,9 @@ class BenchRequest:
 
 def run_bench(request: BenchRequest, console: Console) -> list[Path]:
     """Measures, prints a table, writes the result files and returns their paths."""
-    from sparkinfer_cli.gguf_file import GGUFFile
+    from sparkinfer_cli.gguf.reader import GGUFFile
+    from sparkinfer_cli.gguf.synthetic import resolve_preset
     from sparkinfer_cli.model.config import ModelConfig
-    from sparkinfer_cli.synthetic import resolve_preset
 
     if request.synthetic is not None:  # NOTE: before writing a file of up to 22 GB
         check_fits(request, resolve_preset(request.synthetic).context_length)
@@ -140,15 +140,15 @@ def check_fits(request: BenchRequest, limit: int) -> None:
 
 # ---- model ---------------------------------------------------------------------------------------
 def synthetic_path(preset: str) -> Path:
-    from sparkinfer_cli.demo_models import cache_dir
+    from sparkinfer_cli.hub.demo_models import cache_dir
 
     return cache_dir().parent / "synthetic" / f"{preset}.gguf"
 
 
 def resolve_bench_model(request: BenchRequest, console: Console) -> tuple[Path, str]:
     """(GGUF path, the label results are filed under)."""
-    from sparkinfer_cli.demo_models import DEMO_MODELS
-    from sparkinfer_cli.hub import HubError, resolve_model
+    from sparkinfer_cli.hub.demo_models import DEMO_MODELS
+    from sparkinfer_cli.hub.download import HubError, resolve_model
 
     if request.synthetic is not None:
         return ensure_synthetic(request.synthetic, console), request.synthetic
@@ -162,7 +162,7 @@ def resolve_bench_model(request: BenchRequest, console: Console) -> tuple[Path, 
 
 
 def ensure_synthetic(preset: str, console: Console) -> Path:
-    from sparkinfer_cli.synthetic import write_synthetic
+    from sparkinfer_cli.gguf.synthetic import write_synthetic
 
     path = synthetic_path(preset)
     if path.is_file():

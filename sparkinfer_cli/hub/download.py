@@ -40,7 +40,7 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
-from sparkinfer_cli.demo_models import (
+from sparkinfer_cli.hub.demo_models import (
     DEFAULT_DEMO_MODEL,
     DEMO_MODELS,
     AssetError,

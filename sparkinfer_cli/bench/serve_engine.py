@@ -1,8 +1,8 @@
-"""The engine-only figure beside `sparkinfer bench --serve`'s: bench_measure's decode throughput
+"""The engine-only figure beside `sparkinfer bench --serve`'s: bench.measure's decode throughput
 at each concurrency, for the serving run's prompt and output lengths, in a process of its own (so
 the model's memory is gone before or after the server holds its copy).
 
-    python -m sparkinfer_cli.bench_serve_engine MODEL.gguf DEVICE PROMPT_TOKENS MAX_TOKENS N...
+    python -m sparkinfer_cli.bench.serve_engine MODEL.gguf DEVICE PROMPT_TOKENS MAX_TOKENS N...
 
 prints one JSON line: {"device": description, "figures": {N: {"tok_s", "max_tokens"}}}.
 """
@@ -14,14 +14,14 @@ import os
 import sys
 from pathlib import Path
 
-from sparkinfer_cli.bench import SETTINGS
-from sparkinfer_cli.bench_measure import (
+from sparkinfer_cli.bench.measure import (
     WINDOW_SKIP_STEPS,
     Settings,
     measure_throughput,
     throughput_max_tokens,
 )
-from sparkinfer_cli.bench_roofline import cpu_info
+from sparkinfer_cli.bench.roofline import cpu_info
+from sparkinfer_cli.bench.runner import SETTINGS
 
 
 def engine_settings(device: str, prompt_tokens: int, max_tokens: int, concurrency: int) -> Settings:
@@ -35,7 +35,7 @@ def engine_settings(device: str, prompt_tokens: int, max_tokens: int, concurrenc
 
 def describe_device(device: str) -> str:
     if device == "cuda":
-        from sparkinfer_cli.bench_roofline import gpu_name
+        from sparkinfer_cli.bench.roofline import gpu_name
 
         return gpu_name()
     return f"{cpu_info()['model name']}, {len(os.sched_getaffinity(0))} cores"
@@ -43,7 +43,7 @@ def describe_device(device: str) -> str:
 
 def engine_figures(path: Path, device: str, prompt_tokens: int, max_tokens: int,
                    concurrencies: list[int]) -> dict:
-    from sparkinfer_cli.gguf_file import GGUFFile
+    from sparkinfer_cli.gguf.reader import GGUFFile
     from sparkinfer_cli.model.loader import load_runtime_model
     from sparkinfer_cli.tokenizer.vocab_override import load_tokenizer
 

@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from sparkinfer_cli.bench_report import free_stem, result_stem
-from sparkinfer_cli.bench_serve_client import RequestTiming
+from sparkinfer_cli.bench.report import free_stem, result_stem
+from sparkinfer_cli.bench.serve_client import RequestTiming
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -44,7 +44,7 @@ class RunFigures:
     e2e_ms: dict[str, float | None]  # p50: request sent → [DONE]
     server_ttft_ms: dict[str, float | None]  # p50 of the usage blocks' ttft_ms, where sent
     first_error: str | None = None
-    engine_tok_s: float | None = None  # bench_measure's decode throughput, same concurrency
+    engine_tok_s: float | None = None  # bench.measure's decode throughput, same concurrency
     engine_concurrency: int | None = None
     engine_max_tokens: int | None = None
 
@@ -199,7 +199,7 @@ METHOD = (
     "token text; ITL: gaps between a request's chunks with token text, over all requests; stream "
     "tok/s: a request's tokens after the first over its first → last token chunk; output tokens "
     "from the final usage block. output tok/s: all output tokens over first request sent → last "
-    "one done, so it includes prefill and the ramp. engine tok/s: bench_measure's throughput "
+    "one done, so it includes prefill and the ramp. engine tok/s: bench.measure's throughput "
     "figure (the same model and device, the same concurrency and lengths, no HTTP) in its own "
     "process: output tokens/s while all sequences decode together; ratio = output / engine. "
     "Poisson loads set the engine figure at their mean number of requests in flight; below "

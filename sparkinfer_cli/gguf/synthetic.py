@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from sparkinfer_cli.ggml_types import BLOCK_GEOMETRY, COMPUTE_TYPES, GGMLType, tensor_bytes
+from sparkinfer_cli.gguf.ggml_types import BLOCK_GEOMETRY, COMPUTE_TYPES, GGMLType, tensor_bytes
 
 ARCHITECTURES = ("qwen3", "qwen3moe", "qwen35", "qwen35moe", "qwen3next", "qwen2", "llama")
 HYBRID_ARCHITECTURES = ("qwen35", "qwen35moe", "qwen3next")

@@ -4,7 +4,7 @@
     cache = model.create_cache(num_blocks, block_size, num_state_slots)   # on the device
     logits = model.forward(batch, cache)             # float32 numpy, like the CPU model
 
-A pass of N tokens runs on a workspace of the next power of two rows (cuda_workspace.py). Every
+A pass of N tokens runs on a workspace of the next power of two rows (workspace.py). Every
 pass replays a CUDA graph captured the first time its kind is seen (row bucket; one or several
 tokens a sequence; logit rows; greedy ids or logits), after one eager run: all a pass varies is
 in device buffers, and a 512-token prefill's ~680 eager launches cost more host time than its
@@ -35,24 +35,25 @@ import numpy as np
 from numba import cuda
 from rich.console import Console
 
-from sparkinfer_cli.ggml_types import GGMLType
-from sparkinfer_cli.gguf_file import GGUFFile
-from sparkinfer_cli.kernels.cuda import embedding, graphs, norm, sampling
-from sparkinfer_cli.kernels.cuda.driver_calls import (
+from sparkinfer_cli.backend.cuda.cache import CudaModelCache
+from sparkinfer_cli.backend.cuda.layers import CudaAttention, CudaGatedDeltaNet, CudaMoE, CudaSwiGLU
+from sparkinfer_cli.backend.cuda.weights import Uploader, upload_progress
+from sparkinfer_cli.backend.cuda.workspace import MAX_COLS, MAX_QUEUED_STEPS, Workspace, row_bucket
+from sparkinfer_cli.gguf.ggml_types import GGMLType
+from sparkinfer_cli.gguf.reader import GGUFFile
+from sparkinfer_cli.kernels.cuda import embedding, norm, sampling
+from sparkinfer_cli.kernels.cuda.model_ops import gather_rows
+from sparkinfer_cli.kernels.cuda.runtime import graphs
+from sparkinfer_cli.kernels.cuda.runtime.driver_calls import (
     StreamMark,
     copy_device_async,
     copy_to_host_async,
 )
-from sparkinfer_cli.kernels.cuda.intrinsics import IS_SIMULATOR
-from sparkinfer_cli.kernels.cuda.model_ops import gather_rows
+from sparkinfer_cli.kernels.cuda.runtime.intrinsics import IS_SIMULATOR
 from sparkinfer_cli.model.backend import ModelBackend
 from sparkinfer_cli.model.base import CausalLM, DecoderLayer
 from sparkinfer_cli.model.batch import SamplingRows, SequenceBatch
 from sparkinfer_cli.model.config import ModelConfig
-from sparkinfer_cli.model.cuda_cache import CudaModelCache
-from sparkinfer_cli.model.cuda_layers import CudaAttention, CudaGatedDeltaNet, CudaMoE, CudaSwiGLU
-from sparkinfer_cli.model.cuda_weights import Uploader, upload_progress
-from sparkinfer_cli.model.cuda_workspace import MAX_COLS, MAX_QUEUED_STEPS, Workspace, row_bucket
 from sparkinfer_cli.model.gated_delta_net import GatedDeltaNet
 from sparkinfer_cli.model.layers import Attention, SwiGLU
 from sparkinfer_cli.model.moe import MoE

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from cuda.bindings import driver
 
-from sparkinfer_cli.kernels.cuda.intrinsics import IS_SIMULATOR
+from sparkinfer_cli.kernels.cuda.runtime.intrinsics import IS_SIMULATOR
 
 
 def stream_handle(s) -> int:

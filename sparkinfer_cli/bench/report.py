@@ -11,8 +11,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sparkinfer_cli.bench_measure import WINDOW_SKIP_STEPS, Settings
-from sparkinfer_cli.bench_roofline import MachinePeaks, ModelCost
+from sparkinfer_cli.bench.measure import WINDOW_SKIP_STEPS, Settings
+from sparkinfer_cli.bench.roofline import MachinePeaks, ModelCost
 
 KINDS = ("prefill", "decode", "throughput")
 

@@ -18,7 +18,7 @@ from typing import IO
 
 from rich.console import Console
 
-from sparkinfer_cli.bench_serve_client import Endpoint, connect
+from sparkinfer_cli.bench.serve_client import Endpoint, connect
 from sparkinfer_cli.engine.config import EngineConfig
 
 STARTUP_TIMEOUT_S = 1200.0  # loading a 20 GB GGUF, then the server's own warm-up request
@@ -29,7 +29,7 @@ LOG_TAIL_LINES = 20
 def server_ctx(path: Path, request_tokens: int, max_concurrent: int) -> int:
     """The server's KV pool: its default (the model's context), or more where max_concurrent
     requests of request_tokens would not all fit at once."""
-    from sparkinfer_cli.gguf_file import GGUFFile
+    from sparkinfer_cli.gguf.reader import GGUFFile
     from sparkinfer_cli.model.config import ModelConfig
 
     trained = ModelConfig.from_gguf(GGUFFile(path)).context_length

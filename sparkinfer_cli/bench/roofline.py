@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from sparkinfer_cli.gguf_file import GGUFFile
+    from sparkinfer_cli.gguf.reader import GGUFFile
     from sparkinfer_cli.model.config import ModelConfig
 
 EXPERT_TENSOR = re.compile(r"_exps\.")  # routed experts (ffn_*_exps); shared experts are _shexp

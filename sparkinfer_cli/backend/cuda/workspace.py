@@ -17,13 +17,15 @@ from typing import Any
 import numpy as np
 from numba import cuda
 
+from sparkinfer_cli.backend.cuda.cache import CudaModelCache, device_zeros
+from sparkinfer_cli.backend.cuda.weights import DeviceLinear, StackedLinears
 from sparkinfer_cli.kernels.cuda import mma_gemm, mmq_q8, sampling
 from sparkinfer_cli.kernels.cuda import quant_gemv as qg
 from sparkinfer_cli.kernels.cuda.attention import DecodeWorkspace
-from sparkinfer_cli.kernels.cuda.driver_calls import copy_to_device_async
 from sparkinfer_cli.kernels.cuda.expert_route import ExpertRoute
-from sparkinfer_cli.kernels.cuda.graphs import CapturedGraph, is_side_stream, side_stream
-from sparkinfer_cli.kernels.cuda.launch import next_pow2
+from sparkinfer_cli.kernels.cuda.runtime.driver_calls import copy_to_device_async
+from sparkinfer_cli.kernels.cuda.runtime.graphs import CapturedGraph, is_side_stream, side_stream
+from sparkinfer_cli.kernels.cuda.runtime.launch import next_pow2
 from sparkinfer_cli.model.batch import (
     ALL_ALLOWED,
     ARGMAX,
@@ -31,8 +33,6 @@ from sparkinfer_cli.model.batch import (
     SequenceBatch,
     mask_words,
 )
-from sparkinfer_cli.model.cuda_cache import CudaModelCache, device_zeros
-from sparkinfer_cli.model.cuda_weights import DeviceLinear, StackedLinears
 
 MAX_COLS = qg.MAX_COLS
 # Passes of at least this many tokens run the MoE experts as grouped tensor-core GEMMs (tokens

@@ -23,7 +23,7 @@ from numba import cuda
 from numba.cuda.cudadrv.driver import device_memset
 
 from sparkinfer_cli.kernels.cuda import pool_entries
-from sparkinfer_cli.kernels.cuda.intrinsics import IS_SIMULATOR
+from sparkinfer_cli.kernels.cuda.runtime.intrinsics import IS_SIMULATOR
 from sparkinfer_cli.model.config import ModelConfig
 
 

@@ -17,8 +17,8 @@ from rich.markup import escape
 from sparkinfer_cli.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from sparkinfer_cli.generate import GenerationSession, GenerationStats
-    from sparkinfer_cli.preflight import CheckedModel
+    from sparkinfer_cli.app.generate import GenerationSession, GenerationStats
+    from sparkinfer_cli.app.preflight import CheckedModel
     from sparkinfer_cli.tokenizer.tokenizer import Tokenizer
 
 EXIT_INTERRUPTED = 130  # a shell's code for a command ended by Ctrl-C (128 + SIGINT)
@@ -55,9 +55,9 @@ class Loaded:
 
 def run_generate(req: GenerateRequest, err: Console) -> int:
     """Generated text to stdout as it comes, everything else to stderr; the exit code."""
-    from sparkinfer_cli.chat import run_chat
-    from sparkinfer_cli.generate import GenerationStats, build_prompt
-    from sparkinfer_cli.preflight import check_context
+    from sparkinfer_cli.app.chat import run_chat
+    from sparkinfer_cli.app.generate import GenerationStats, build_prompt
+    from sparkinfer_cli.app.preflight import check_context
 
     req, path = _resolve(req, err)
     checked = _read(path, err)
@@ -88,7 +88,7 @@ def _resolve(req: GenerateRequest, err: Console) -> tuple[GenerateRequest, Path]
     """The request with its device picked ("auto" probes for a GPU), and the model's file."""
     with err.status("starting"):  # the hub client's and numba's imports take a second or two
         from sparkinfer_cli.device import pick_device
-        from sparkinfer_cli.hub import resolve_model
+        from sparkinfer_cli.hub.download import resolve_model
         req = dataclasses.replace(req, device=pick_device(req.device))
 
     def announce(note: str) -> None:  # before a download, so that the user knows what comes
@@ -100,14 +100,14 @@ def _resolve(req: GenerateRequest, err: Console) -> tuple[GenerateRequest, Path]
 
 def _read(path: Path, err: Console) -> CheckedModel:
     """The file, tokenizer and template checked before the weights load."""
-    from sparkinfer_cli.preflight import check_model_file
+    from sparkinfer_cli.app.preflight import check_model_file
 
     with err.status(f"reading {escape(path.name)}"):
         return check_model_file(path)
 
 
 def _load(req: GenerateRequest, checked: CheckedModel, ctx: int, err: Console) -> Loaded:
-    from sparkinfer_cli.generate import WARM_UP_TOKENS, GenerationSession
+    from sparkinfer_cli.app.generate import WARM_UP_TOKENS, GenerationSession
     from sparkinfer_cli.model.loader import load_runtime_model
 
     ctx = min(ctx + WARM_UP_TOKENS, checked.config.context_length + WARM_UP_TOKENS)

@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sparkinfer_cli.bench_report import free_stem
-from sparkinfer_cli.bench_serve_client import PROMPT_WORDS, Endpoint, stream_chat
+from sparkinfer_cli.bench.report import free_stem
+from sparkinfer_cli.bench.serve_client import PROMPT_WORDS, Endpoint, stream_chat
 
 SAMPLE_WORDS = 32
 

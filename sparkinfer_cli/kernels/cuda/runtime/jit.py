@@ -22,7 +22,7 @@ import dis
 from numba import cuda
 
 from sparkinfer_cli import env
-from sparkinfer_cli.kernels.cuda.intrinsics import IS_SIMULATOR
+from sparkinfer_cli.kernels.cuda.runtime.intrinsics import IS_SIMULATOR
 
 _CHAINED = "_sparkinfer_chained"  # set on the Python function of every jit.kernel
 

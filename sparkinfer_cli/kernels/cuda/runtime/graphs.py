@@ -16,8 +16,8 @@ from cuda.bindings import driver
 from cuda.core import Device, Stream
 from numba import cuda
 
-from sparkinfer_cli.kernels.cuda.driver_calls import check, stream_handle
-from sparkinfer_cli.kernels.cuda.intrinsics import IS_SIMULATOR
+from sparkinfer_cli.kernels.cuda.runtime.driver_calls import check, stream_handle
+from sparkinfer_cli.kernels.cuda.runtime.intrinsics import IS_SIMULATOR
 
 
 def core_stream(numba_stream) -> Stream:

@@ -1,6 +1,6 @@
 """GEMV bandwidth on the GPU at the Qwen3.6-35B-A3B decode shapes and per quant type.
 
-python -m sparkinfer_cli.kernels.cuda.bench --out results.json
+python -m sparkinfer_cli.bench.cuda_kernels --out results.json
 GPU time per call = CUDA-event time of replaying a captured graph of many launches that rotate over
 weight copies totalling > L2 (60 MB), so every call streams its weights from HBM.
 """
@@ -14,10 +14,10 @@ import time
 import numpy as np
 from numba import cuda
 
-from sparkinfer_cli.ggml_types import GGMLType, row_bytes
-from sparkinfer_cli.kernels.cuda import graphs
+from sparkinfer_cli.gguf.ggml_types import GGMLType, row_bytes
 from sparkinfer_cli.kernels.cuda import quant_gemv as qg
-from sparkinfer_cli.kernels.cuda.launch import to_device_bytes
+from sparkinfer_cli.kernels.cuda.runtime import graphs
+from sparkinfer_cli.kernels.cuda.runtime.launch import to_device_bytes
 
 ROTATE_BYTES = 512 << 20
 EXPERTS, TOP_K = 256, 8
