@@ -159,10 +159,10 @@ def test_int8_kv_decode_follows_f16_kv_where_clear(family: str) -> None:
 def test_q8_top1_matches_native_llama_cpp_where_clear(family: str, variant: str,
                                                       tensor_cores: bool, monkeypatch) -> None:
     """tensor_cores: every linear of the prefill as an mma GEMM (f16 activations), not a GEMV."""
-    from sparkinfer_cli.backend.cuda import workspace as cuda_workspace
+    from sparkinfer_cli.backend.cuda import linears as cuda_linears
 
     for name in ("EXPERTS_MMA_MIN_ROWS", "LINEAR_MMA_MIN_ROWS"):
-        monkeypatch.setattr(cuda_workspace, name, 1 if tensor_cores else 1 << 30)
+        monkeypatch.setattr(cuda_linears, name, 1 if tensor_cores else 1 << 30)
     g, model = _goldens(family), _tiny(family, variant, exact=False)
     for prompt in ("short", "long"):
         _assert_native_top1_where_clear(family, variant, prompt,
@@ -243,7 +243,7 @@ def test_linears_on_tensor_cores_in_a_batched_decode_graph(monkeypatch) -> None:
     like the GEMVs), others on f16 tiles (mma_gemm). The first decode step's logits (same inputs
     either way) follow the same step with the linears as GEMVs: top-1 equal where clear and close
     elsewhere. MIN_SPLIT_STEPS 1: mma_gemm splits the tiny model's k of a few steps too."""
-    from sparkinfer_cli.backend.cuda import workspace as cuda_workspace
+    from sparkinfer_cli.backend.cuda import linears as cuda_linears
     from sparkinfer_cli.kernels.cuda import mma_gemm
 
     monkeypatch.setattr(mma_gemm, "MIN_SPLIT_STEPS", 1)
@@ -253,8 +253,8 @@ def test_linears_on_tensor_cores_in_a_batched_decode_graph(monkeypatch) -> None:
     prompts = [prompt[i:i + 4 + i % 5] for i in range(33)]
     group = list(range(len(prompts)))
     first_step = {}
-    for path, min_rows in (("mma", cuda_workspace.LINEAR_MMA_MIN_ROWS), ("gemv", 1 << 30)):
-        monkeypatch.setattr(cuda_workspace, "LINEAR_MMA_MIN_ROWS", min_rows)
+    for path, min_rows in (("mma", cuda_linears.LINEAR_MMA_MIN_ROWS), ("gemv", 1 << 30)):
+        monkeypatch.setattr(cuda_linears, "LINEAR_MMA_MIN_ROWS", min_rows)
         out = _decode_group(model, prompts, group, n_steps=1)
         first_step[path] = np.stack([out[i][1] for i in group])  # (33, n_vocab)
     mma, gemv = first_step["mma"], first_step["gemv"]

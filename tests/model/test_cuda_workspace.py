@@ -1,4 +1,4 @@
-"""Workspace.linears (the CUDA model's projections that share an input) in the simulator, against
+"""StackedLinears (the CUDA model's projections that share an input) in the simulator, against
 numpy on the dequantized weights."""
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def test_stacked_linears_of_several_weight_types_fill_each_members_output():
     x = rng.standard_normal((1, n_rows, k)).astype(np.float32)  # (groups, cols, k)
     ws.x.f.copy_to_device(x)
     ws.x.quantize(0)
-    outs = ws.linears(stacked, ws.x, ("a", "b", "c", "d"), 0)
+    outs = stacked(ws, ws.x, ("a", "b", "c", "d"), 0)
     q, d, _ = qg.quantize_q8_reference(x[0])
     x_q8 = (q.reshape(*d.shape, 32) * d[..., None]).reshape(x[0].shape)  # what the GEMV reads
     for member, out in zip(members, outs):

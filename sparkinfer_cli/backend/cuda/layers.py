@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 from sparkinfer_cli.backend.cuda.cache import CudaModelCache
-from sparkinfer_cli.backend.cuda.weights import DeviceLinear, Uploader
+from sparkinfer_cli.backend.cuda.linears import DeviceLinear
+from sparkinfer_cli.backend.cuda.weights import Uploader
 from sparkinfer_cli.backend.cuda.workspace import Workspace
 from sparkinfer_cli.kernels.cuda import (
     activation,
@@ -44,14 +45,14 @@ class CudaSwiGLU:
         out = ws.delta if out is None else out
         hidden = ws.act(self.name, self.gate.n_rows)
         if self.fused:
-            ws.linear(self.gate, ws.x, hidden.f, stream, up=self.up)
+            self.gate(ws, ws.x, hidden.f, stream, up=self.up)
         else:
             up = ws.buf(self.name + ".up", *hidden.f.shape)
-            ws.linear(self.gate, ws.x, hidden.f, stream)
-            ws.linear(self.up, ws.x, up, stream)
+            self.gate(ws, ws.x, hidden.f, stream)
+            self.up(ws, ws.x, up, stream)
             activation.swiglu(hidden.f, up, hidden.f, stream=stream)
         hidden.quantize(stream)
-        ws.linear(self.down, hidden, out, stream)
+        self.down(ws, hidden, out, stream)
 
     @staticmethod
     def add_norm(ws: Workspace, norm_w, eps: float, stream, act) -> None:
@@ -93,7 +94,7 @@ class CudaMoE:
 
     def _routed(self, ws: Workspace, stream) -> None:
         rows, k = ws.n_rows, self.k
-        logits = ws.linears(self.routers, ws.x, ("router", "shexp.gate"), stream,
+        logits = self.routers(ws, ws.x, ("router", "shexp.gate"), stream,
                             beside=False)[0]  # the side stream runs the shared expert
         ids, weights = self._picks(ws)
         moe.router_topk(logits.reshape(rows, self.n_expert), k, ids, weights, stream=stream)
@@ -108,7 +109,7 @@ class CudaMoE:
         """Prefills: this pass's slots sorted by expert into tensor-core GEMM tiles. None for
         decode: per-slot GEMVs measured faster than GEMVs per expert tile at 64 sequences
         (bench/probes/cuda_gemv_bench.py: a slot's expert re-read comes from L2)."""
-        if not ws.uses_mma(ws.n_rows, self.gate.matrix, experts=True):
+        if not self.gate.on_tensor_cores(ws, ws.n_rows, experts=True):
             return None
         n_slots = ws.n_rows * self.k
         tile = mma_gemm.expert_tile(n_slots, self.n_expert)
@@ -183,7 +184,7 @@ class CudaAttention:
     def __call__(self, ws: Workspace, cache: CudaModelCache, stream) -> None:
         cfg, rows = self.cfg, ws.n_rows
         H, H_kv, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
-        q, k, v, *gate = ws.linears(self.qkv, ws.x, ("attn.q", "attn.k", "attn.v", "attn.gate"),
+        q, k, v, *gate = self.qkv(ws, ws.x, ("attn.q", "attn.k", "attn.v", "attn.gate"),
                                     stream)
         q, k, v = q.reshape(rows, H, D), k.reshape(rows, H_kv, D), v.reshape(rows, H_kv, D)
         li = cache.attn_index[self.layer]
@@ -208,7 +209,7 @@ class CudaAttention:
             activation.sigmoid_mul(out.f, gate[0], out.f, stream=stream, act=out.q)
         elif fused_q8 is None:
             out.quantize(stream)
-        ws.linear(self.o, out, ws.delta, stream)
+        self.o(ws, out, ws.delta, stream)
 
 
 class CudaGatedDeltaNet:
@@ -223,7 +224,7 @@ class CudaGatedDeltaNet:
 
     def __call__(self, ws: Workspace, cache: CudaModelCache, stream) -> None:
         rows, G, C = ws.n_rows, ws.groups, ws.cols
-        mixed, z, a, b = ws.linears(self.proj, ws.x, ("gdn.mixed", "gdn.z", "gdn.a", "gdn.b"),
+        mixed, z, a, b = self.proj(ws, ws.x, ("gdn.mixed", "gdn.z", "gdn.a", "gdn.b"),
                                     stream)
         li = cache.rec_index[self.layer]
         u = ws.buf("gdn.u", rows, self.qkv_rows)
@@ -237,4 +238,4 @@ class CudaGatedDeltaNet:
         y = ws.act("gdn.y", self.z_rows)
         norm.rms_norm_silu_gate(o.reshape(G, C, -1), z, self.norm_w, y.f, self.eps, stream=stream,
                                 act=y.q)
-        ws.linear(self.out, y, ws.delta, stream)
+        self.out(ws, y, ws.delta, stream)

@@ -11,7 +11,8 @@ in device buffers, and a 512-token prefill's ~680 eager launches cost more host 
 kernels take. prepare captures every kind the engine can meet before it serves; passes with
 several tokens a sequence run attention as the tiled prefill kernel. Passes of ≥
 LINEAR_MMA_MIN_ROWS tokens (a 32-sequence decode included) run every dense linear as a
-tensor-core GEMM (f16 activations), from EXPERTS_MMA_MIN_ROWS on the MoE experts too.
+tensor-core GEMM (f16 activations), from EXPERTS_MMA_MIN_ROWS on the MoE experts too
+(linears.py).
 Token embeddings are looked up on the device (kernels/cuda/embedding.py) from the step's token
 ids, so `decode_greedy` can queue several decode passes at once, each reading the previous one's
 argmax ids on the device; tables of a type without a device lookup are read on the host.
@@ -303,10 +304,10 @@ class CudaModel(ModelBackend[CudaModelCache]):
         final = ws.act("final", self.config.n_embd, logit_rows // cols, cols)
         gather_rows(ws.x.f.reshape(ws.n_rows, -1), ws.logit_rows[:logit_rows],
                     final.f.reshape(logit_rows, -1), stream=s)
-        if ws.reads_q8(logit_rows, self.output.matrix):
+        if self.output.reads_q8(ws, logit_rows):
             final.quantize(s)
         logits = self._logits(ws, logit_rows)
-        ws.linear(self.output, final, logits, s)
+        self.output(ws, final, logits, s)
         if greedy:
             g = ws.sampling(logit_rows, self.output.n_rows)
             sampling.sample(logits.reshape(logit_rows, -1), *g.params, g.ids, g.workspace,

@@ -22,37 +22,13 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
+from sparkinfer_cli.backend.cuda.linears import DeviceLinear, StackedLinears
 from sparkinfer_cli.gguf.ggml_types import GGMLType
 from sparkinfer_cli.kernels.cpu.quant import dequantize
 from sparkinfer_cli.kernels.cuda.quant_gemv import MAX_PARTS, DeviceQuantMatrix
 from sparkinfer_cli.kernels.cuda.runtime.launch import to_device_bytes
 from sparkinfer_cli.model.layers import Linear
 from sparkinfer_cli.model.weights import QTensor
-
-
-@dataclass
-class DeviceLinear:
-    """y = W·x (+ bias) on the device; `matrix` holds n_mats stacked matrices (experts)."""
-    matrix: DeviceQuantMatrix
-    bias: object | None = None  # float32 device (n_rows,)
-
-    @property
-    def n_rows(self) -> int:
-        return self.matrix.n_rows
-
-    @property
-    def takes_float_activations(self) -> bool:
-        return self.matrix.takes_float_activations
-
-
-@dataclass
-class StackedLinears:
-    """Linears that read the same input, as few stacked matrices (one GEMV each).
-
-    stacks: (matrix holding the members' rows back to back, the members' indices in order);
-    n_rows: each member's output size, in the order the members were given."""
-    stacks: list[tuple[DeviceLinear, tuple[int, ...]]]
-    n_rows: tuple[int, ...]
 
 
 @dataclass

@@ -18,13 +18,12 @@ import numpy as np
 from numba import cuda
 
 from sparkinfer_cli.backend.cuda.cache import CudaModelCache, device_zeros
-from sparkinfer_cli.backend.cuda.weights import DeviceLinear, StackedLinears
-from sparkinfer_cli.kernels.cuda import mma_gemm, mmq_q8, sampling
 from sparkinfer_cli.kernels.cuda import quant_gemv as qg
+from sparkinfer_cli.kernels.cuda import sampling
 from sparkinfer_cli.kernels.cuda.attention import DecodeWorkspace
 from sparkinfer_cli.kernels.cuda.expert_route import ExpertRoute
 from sparkinfer_cli.kernels.cuda.runtime.driver_calls import copy_to_device_async
-from sparkinfer_cli.kernels.cuda.runtime.graphs import CapturedGraph, is_side_stream, side_stream
+from sparkinfer_cli.kernels.cuda.runtime.graphs import CapturedGraph, is_side_stream
 from sparkinfer_cli.kernels.cuda.runtime.launch import next_pow2
 from sparkinfer_cli.model.batch import (
     ALL_ALLOWED,
@@ -35,15 +34,6 @@ from sparkinfer_cli.model.batch import (
 )
 
 MAX_COLS = qg.MAX_COLS
-# Passes of at least this many tokens run the MoE experts as grouped tensor-core GEMMs (tokens
-# sorted by expert). A GEMM block walks all of k, a few µs a step: a decode batch gives an expert
-# ~2 tokens, and the per-slot GEMVs finish first.
-EXPERTS_MMA_MIN_ROWS = 256
-# Dense linears of at least this many tokens run as tensor-core GEMMs, splitting k over the grid's
-# z when the row blocks alone do not fill the GPU (mma_gemm.k_splits): each weight is dequantized
-# once per token tile, where the GEMV re-reads and re-dequantizes its matrix once per 8 tokens
-# (what that cost at 64 sequences: bench/results/2026-11-30-cuda-decode-latency.md).
-LINEAR_MMA_MIN_ROWS = 32
 INT_FIELDS = ("token_ids", "positions", "seq_lens", "slot_mapping", "row_seq", "state_slots",
               "seq_lo", "seq_n", "logit_rows")
 # Decode passes queued before the host reads the first one's ids (CudaModel.decode_greedy): each
@@ -200,25 +190,10 @@ class Workspace:
             self._bufs[key] = ExpertRoute(n_expert, n_slots, tile)
         return self._bufs[key]
 
-    def uses_mma(self, n_tokens: int, w: qg.DeviceQuantMatrix, experts: bool = False) -> bool:
-        """Whether a dense linear (experts: the MoE experts) over n_tokens rows of this pass runs
-        on tensor cores."""
-        min_rows = EXPERTS_MMA_MIN_ROWS if experts else LINEAR_MMA_MIN_ROWS
-        return self.quantized and n_tokens >= min_rows and mma_gemm.supports(w)
-
-    def reads_q8(self, n_tokens: int, w: qg.DeviceQuantMatrix) -> bool:
-        """Whether linear(w) over n_tokens rows reads the q8 activations (x.q), which the caller
-        must then have quantized: the GEMVs of quantized types and the int8 tensor-core GEMM."""
-        if not self.quantized or w.takes_float_activations:
-            return False
-        return not self.uses_mma(n_tokens, w) or mmq_q8.supports(w, n_tokens)
-
-    def gemm_partials(self, gemm, w: qg.DeviceQuantMatrix, n_tokens: int, swiglu: bool, stream):
-        """The split-K scratch of gemm.matmul(w) (gemm: mma_gemm or mmq_q8) over n_tokens rows
-        (None: it needs none): one buffer per size and stream (main / side), so linears that may
-        run at once never share one, and each exists after the first eager pass (no allocation
-        while capturing)."""
-        n = gemm.partials_size(w, n_tokens, swiglu)
+    def gemm_partials(self, n: int, stream):
+        """A split-K GEMM's scratch of n floats (None for 0): one buffer per size and stream
+        (main / side), so products that may run at once never share one, and each exists after
+        the first eager pass (no allocation while capturing)."""
         if n == 0:
             return None
         return self.buf("mma.partials.side" if is_side_stream(stream) else "mma.partials", n)
@@ -232,45 +207,6 @@ class Workspace:
         arrays += [a for q in q8 for a in (q.xq, q.xd, q.xs)]
         attn = [self.attn.part_m, self.attn.part_l, self.attn.part_acc] if self.attn else []
         return sum(a.nbytes for a in arrays + attn) + self.ints.nbytes + self.h.nbytes
-
-    # ---- GEMV ----------------------------------------------------------------------------------
-    def linear(self, lin: DeviceLinear, x: Act, y, stream, up: DeviceLinear | None = None) -> None:
-        """y (groups, cols, rows) = W·x (+ bias); up: fused silu(W·x) ⊙ (up·x).
-
-        y may be a list of arrays (groups, cols, rows_i) when `lin` stacks several linears."""
-        groups = (y[0] if isinstance(y, list) else y).shape[0]
-        n_tokens = x.f.shape[0] * x.f.shape[1]
-        if self.uses_mma(n_tokens, lin.matrix):
-            parts = [p.reshape(n_tokens, -1) for p in (y if isinstance(y, list) else [y])]
-            up_matrix = None if up is None else up.matrix
-            # Q8_0 decode batches: int8 tensor cores on the q8 activations; else f16 tiles
-            gemm, xs = ((mmq_q8, x.q) if mmq_q8.supports(lin.matrix, n_tokens)
-                        else (mma_gemm, x.f.reshape(n_tokens, -1)))
-            gemm.matmul(lin.matrix, xs, parts, bias=lin.bias, up=up_matrix, stream=stream,
-                        partials=self.gemm_partials(gemm, lin.matrix, n_tokens, up is not None,
-                                                    stream))
-            return
-        qg.gemv(lin.matrix, x.for_matrix(lin.matrix), y, slot_mat=self.zeros_i32(groups),
-                slot_x=self.iota(groups), up=None if up is None else up.matrix, bias=lin.bias,
-                stream=stream)
-
-    def linears(self, stacked: StackedLinears, x: Act, names: tuple[str, ...], stream,
-                beside: bool = True) -> list:
-        """Each member of `stacked` applied to x, into buffers named `names`: one GEMV a stack.
-
-        beside: the stacks after the first (members of other weight types) run on the side
-        stream, beside the first (each GEMV is latency-bound and leaves most of the GPU idle);
-        False where the side stream is busy with other work the caller must not wait for."""
-        outs = [self.buf(name, self.groups, self.cols, n) for name, n in zip(names, stacked.n_rows)]
-        (first, first_members), *rest = stacked.stacks
-        side = side_stream() if beside and rest else None
-        rest_stream = side.fork(stream) if side is not None else stream
-        for lin, members in rest:
-            self.linear(lin, x, [outs[i] for i in members], rest_stream)
-        self.linear(first, x, [outs[i] for i in first_members], stream)
-        if side is not None:
-            side.join(stream)
-        return outs
 
     # ---- per-step inputs -----------------------------------------------------------------------
     def fill(self, batch: SequenceBatch, embeddings: np.ndarray | None, step: int = 0) -> None:
