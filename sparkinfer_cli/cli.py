@@ -199,7 +199,11 @@ def bench(model: Optional[str] = typer.Option(None, "-m", "--model", help=MODEL_
                                     help="--serve: one conversation of N turns instead (the "
                                          "prefix cache's figure); --prompt-tokens is its start."),
           turn_tokens: int = typer.Option(200, "--turn-tokens",
-                                          help="--turns: new tokens each turn appends.")):
+                                          help="--turns: new tokens each turn appends."),
+          json_answers: bool = typer.Option(False, "--json",
+                                            help="--serve: every request asks for a JSON answer "
+                                                 "(response_format json_schema), to measure "
+                                                 "what the grammar costs against a run without.")):
     """Measure prefill and decode speed, or (--serve) the server's; write results (md + json +
     png) under the user's data directory (--out bench/results: the repo's), never over an
     earlier run's."""
@@ -214,7 +218,7 @@ def bench(model: Optional[str] = typer.Option(None, "-m", "--model", help=MODEL_
             run_serve_bench(ServeBenchRequest(
                 model, synthetic, pick_device(device), tuple(concurrency), prompt_tokens,
                 max_tokens, requests_per_client, rate, duration, url, out_dir, command,
-                turns=turns, turn_tokens=turn_tokens), err)
+                turns=turns, turn_tokens=turn_tokens, json=json_answers), err)
         else:
             run_bench(BenchRequest(model, synthetic, pick_device(device), tuple(ctx),
                                    tuple(concurrency), out_dir, command), err)

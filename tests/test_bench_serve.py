@@ -17,12 +17,13 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from sparkinfer_cli.bench.serve import ServeBenchRequest, run_serve_bench
+from sparkinfer_cli.bench.serve import JSON_RESPONSE_FORMAT, ServeBenchRequest, run_serve_bench
 from sparkinfer_cli.bench.serve_client import (
     Endpoint,
     PromptSource,
     RequestTiming,
     add_chunk,
+    completion_body,
     connect,
     poisson_arrivals,
     run_arrivals,
@@ -259,6 +260,35 @@ def test_bench_serve_on_the_tiny_model_starts_measures_and_stops_the_server(tmp_
                for r in report["runs"])
     assert report["cold"]["ttft_ms"] > 0
     assert not is_listening(report["server"]["url"])
+
+
+@pytest.mark.slow
+def test_bench_serve_json_answers_constrain_every_request_to_the_end(tmp_path):
+    """--json: every request asks for the bench's schema, whose list cannot close within the
+    answer, so the grammar constrains each of its tokens and no request ends early (ignore_eos
+    with a JSON that had closed would leave the grammar no token: a failed or short request)."""
+    result = CliRunner().invoke(app, [
+        "bench", "--serve", "-m", str(TINY_MODEL), "--device", "cpu", "--concurrency", "2",
+        "--prompt-tokens", "8", "--max-tokens", "24", "--requests-per-client", "1", "--json",
+        "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    (path,) = tmp_path.glob("*-serve.json")
+    report = json.loads(path.read_text())
+    assert report["parameters"]["request"]["response_format"] == JSON_RESPONSE_FORMAT
+    assert "a JSON answer" in path.with_suffix(".md").read_text()
+    (run,) = report["runs"]
+    assert run["output_tokens"] == 48 and run["num_failed"] == run["num_stopped_early"] == 0
+
+
+def test_only_json_runs_send_a_response_format():
+    endpoint = Endpoint("http://127.0.0.1:1", "m")
+    assert "response_format" not in completion_body(endpoint, [1], 2)
+    assert completion_body(endpoint, [1], 2, response_format=JSON_RESPONSE_FORMAT)[
+        "response_format"] == JSON_RESPONSE_FORMAT
+    plain = ServeBenchRequest(None, None, "cpu", url="http://127.0.0.1:1")
+    assert plain.response_format is None
+    assert ServeBenchRequest(None, None, "cpu", url="http://127.0.0.1:1",
+                             json=True).response_format == JSON_RESPONSE_FORMAT
 
 
 def is_listening(url: str) -> bool:

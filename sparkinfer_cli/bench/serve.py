@@ -64,6 +64,15 @@ WARM_IDLE_PROMPT_TOKENS = 16
 WARM_IDLE_REQUESTS = 3
 WARM_IDLE_MAX_TOKENS = 4
 MAX_WARMUP_CLIENTS = 64  # the engine's default max_num_seqs
+# --json: what every request asks for. A list of at least 64 short records never closes within
+# a bench's answer, so the grammar constrains every token (keys, strings, integers, punctuation)
+# and an answer cannot end before max_tokens
+JSON_RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "bench_records", "schema": {
+    "type": "object", "required": ["records"], "properties": {"records": {
+        "type": "array", "minItems": 64, "items": {
+            "type": "object", "required": ["name", "score"], "properties": {
+                "name": {"type": "string", "maxLength": 12},
+                "score": {"type": "integer", "minimum": 0, "maximum": 999}}}}}}}}
 ENGINE_TIMEOUT_S = 3600.0
 
 
@@ -84,6 +93,7 @@ class ServeBenchRequest:
     seed: int = 0
     turns: int = 0  # > 0: one conversation of this many turns instead of the loads
     turn_tokens: int = 200  # new text tokens each turn appends
+    json: bool = False  # every request asks for JSON_RESPONSE_FORMAT (the grammar's cost)
 
     def __post_init__(self) -> None:
         if self.url is None:
@@ -109,6 +119,10 @@ class ServeBenchRequest:
         """The loads of clients sent together: the given ones, the device's defaults when neither
         they nor a Poisson rate are given."""
         return self.clients or (() if self.rate else DEFAULT_CLIENTS[self.device])
+
+    @property
+    def response_format(self) -> dict | None:
+        return JSON_RESPONSE_FORMAT if self.json else None
 
     @property
     def request_tokens(self) -> int:
@@ -208,7 +222,8 @@ def new_report(request: ServeBenchRequest, label: str, model_file: str | None, m
                   "duration_s": request.duration_s if request.rate else None,
                   "seed": request.seed, "warm_idle_prompt_tokens": WARM_IDLE_PROMPT_TOKENS,
                   "request": {"temperature": 0, "ignore_eos": True, "stream": True,
-                              "stream_options": {"include_usage": True}}}
+                              "stream_options": {"include_usage": True},
+                              "response_format": request.response_format}}
     return ServeReport(label, model_file, request.device, machine, git_commit(),
                        datetime.now().astimezone().isoformat(timespec="seconds"), request.command,
                        server, parameters, {}, {})
@@ -219,7 +234,7 @@ def run_session(request: ServeBenchRequest, endpoint: Endpoint, report: ServeRep
                 console: Console) -> None:
     """Cold request, warm idle requests, then each load (a line per load as it is measured)."""
     prompts = PromptSource(endpoint, request.seed)
-    send = partial(send_one, endpoint, prompts)
+    send = partial(send_one, endpoint, prompts, request.response_format)
     report.cold = single_request(send(request.prompt_tokens, request.max_tokens))
     idle = [send(WARM_IDLE_PROMPT_TOKENS, WARM_IDLE_MAX_TOKENS) for _ in range(WARM_IDLE_REQUESTS)]
     idle_ttft = [1000 * t.ttft_s for t in idle if t.error is None and t.token_times]
@@ -232,9 +247,10 @@ def run_session(request: ServeBenchRequest, endpoint: Endpoint, report: ServeRep
     report.notes += usage_notes(report.runs)
 
 
-def send_one(endpoint: Endpoint, prompts: PromptSource, prompt_tokens: int,
-             max_tokens: int) -> RequestTiming:
-    return stream_completion(endpoint, prompts.next(prompt_tokens), max_tokens)
+def send_one(endpoint: Endpoint, prompts: PromptSource, response_format: dict | None,
+             prompt_tokens: int, max_tokens: int) -> RequestTiming:
+    return stream_completion(endpoint, prompts.next(prompt_tokens), max_tokens,
+                             response_format=response_format)
 
 
 Send = Callable[[int, int], RequestTiming]  # (prompt tokens, max tokens) → its timing

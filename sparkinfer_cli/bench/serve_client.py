@@ -112,20 +112,23 @@ def connect(url: str) -> Endpoint:
 
 # ---- one streamed request ------------------------------------------------------------------------
 def completion_body(endpoint: Endpoint, prompt: list[int] | str, max_tokens: int,
-                    ignore_eos: bool = True) -> dict:
+                    ignore_eos: bool = True, response_format: dict | None = None) -> dict:
     # NOTE: ignore_eos (vLLM's field) keeps every request max_tokens long; a server without it
     # stops at EOS, which the report counts as "stopped early"
-    return {"model": endpoint.model, "prompt": prompt, "max_tokens": max_tokens,
+    body = {"model": endpoint.model, "prompt": prompt, "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
             "ignore_eos": ignore_eos}
+    if response_format is not None:
+        body["response_format"] = response_format
+    return body
 
 
 def stream_completion(endpoint: Endpoint, prompt: list[int] | str, max_tokens: int,
-                      timeout_s: float = REQUEST_TIMEOUT_S,
-                      ignore_eos: bool = True) -> RequestTiming:
+                      timeout_s: float = REQUEST_TIMEOUT_S, ignore_eos: bool = True,
+                      response_format: dict | None = None) -> RequestTiming:
     """Sends one streaming completion and times its chunks; failures are recorded, not raised."""
-    return stream_post(endpoint, "/v1/completions",
-                       completion_body(endpoint, prompt, max_tokens, ignore_eos), timeout_s)
+    return stream_post(endpoint, "/v1/completions", completion_body(
+        endpoint, prompt, max_tokens, ignore_eos, response_format), timeout_s)
 
 
 def stream_chat(endpoint: Endpoint, messages: list[dict], max_tokens: int,

@@ -180,12 +180,18 @@ def _header_lines(report: ServeReport) -> list[str]:
             f"- model: {report.model} (`{report.model_file}`); machine: {report.machine}",
             f"- server: {server['url']}, {started}",
             f"- requests: {p['prompt_tokens']}-token prompts, {p['max_tokens']} tokens out, "
-            f"greedy, ignore_eos; clients sent together: a warm-up round, then "
+            f"greedy, ignore_eos{_json_note(p)}; clients sent together: a warm-up round, then "
             f"{p['requests_per_client']} requests each in a row" + (
                 "; Poisson arrivals: after a warm-up round of as many requests as arrive in a "
                 "second" if p["rate"] else ""),
             f"- load average (1/5/15 min) before: {_loads(report, 'before')}, after: "
             f"{_loads(report, 'after')} (the client threads share the machine with the server)"]
+
+
+def _json_note(parameters: dict) -> str:
+    """What --json added to every request (reports written before it have no such field)."""
+    return ", a JSON answer (response_format json_schema)" if \
+        parameters["request"].get("response_format") else ""
 
 
 def _loads(report: ServeReport, when: str) -> str:
