@@ -6,8 +6,10 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 from gguf.quants import dequantize, quantize
 
+from sparkinfer_cli.backend.cuda.linears import LINEAR_MMA_MIN_ROWS
 from sparkinfer_cli.backend.cuda.weights import Uploader
 from sparkinfer_cli.backend.cuda.workspace import Workspace
 from sparkinfer_cli.gguf.ggml_types import GGMLType
@@ -47,6 +49,30 @@ def test_stacked_linears_of_several_weight_types_fill_each_members_output():
             ref = x_q8.astype(np.float64) @ dequantize(w.raw, w.ggml_type).T
         np.testing.assert_allclose(out.copy_to_host().reshape(ref.shape), ref, rtol=1e-4,
                                    atol=1e-5)
+
+
+@pytest.mark.slow  # the simulator runs a GEMM block's 256 threads one by one: ~20 s each
+@pytest.mark.parametrize("ggml_type", [GGMLType.Q4_0, GGMLType.Q8_0])
+def test_a_linear_of_enough_tokens_runs_on_tensor_cores(ggml_type):
+    """32 tokens: the linear picks a tensor-core GEMM (Q4_0: mma_gemm on f16 activations; Q8_0:
+    mmq_q8 on the q8 activations, as the GEMVs read them) and computes W·x."""
+    rng = np.random.default_rng(5)
+    k, n_out, n_tokens = 256, 128, LINEAR_MMA_MIN_ROWS
+    member = quantized_linear(rng, ggml_type, n_out, k)
+    lin = Uploader(exact=False).linear(member)
+    ws = Workspace(n_tokens, SimpleNamespace(num_blocks=1), k, True, 0, 0)
+    assert lin.on_tensor_cores(ws, n_tokens) and not lin.on_tensor_cores(ws, n_tokens - 1)
+    x = rng.standard_normal((ws.groups, ws.cols, k)).astype(np.float32)
+    ws.x.f.copy_to_device(x)
+    ws.x.quantize(0)
+    y = ws.buf("y", ws.groups, ws.cols, n_out)
+    lin(ws, ws.x, y, 0)
+    rows = x.reshape(n_tokens, k)
+    if lin.reads_q8(ws, n_tokens):  # int8 tensor cores: the q8 activations
+        q, d, _ = qg.quantize_q8_reference(rows)
+        rows = (q.reshape(*d.shape, 32) * d[..., None]).reshape(rows.shape)
+    ref = rows.astype(np.float64) @ dequantize(member.weight.raw, ggml_type).T
+    np.testing.assert_allclose(y.copy_to_host().reshape(ref.shape), ref, rtol=2e-3, atol=2e-3)
 
 
 def test_a_queued_decode_pass_stages_its_inputs_and_takes_device_token_ids():
