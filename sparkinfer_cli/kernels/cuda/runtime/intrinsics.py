@@ -257,37 +257,27 @@ else:
     ld_v4_u32 = _load_intrinsic("ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];", 4,
                                 "=r,=r,=r,=r,l")
 
-    @intrinsic
-    def dp4a(typingctx, a, b, c):
-        """c + Σ a.byte[i]·b.byte[i], bytes as signed int8 (integer args truncated to 32 bits)."""
-        if not all(isinstance(t, types.Integer) for t in (a, b, c)):
-            return None
-
-        def codegen(context, builder, sig, args):
-            vals = [context.cast(builder, v, t, types.int32) for v, t in zip(args, sig.args)]
-            asm = ir.InlineAsm(ir.FunctionType(_I32, [_I32] * 3),
-                               "dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r")
-            return builder.call(asm, vals)
-        return types.int32(a, b, c), codegen
-
-    def _u32_op(ptx: str):
-        """An intrinsic (u32, u32, u32) -> u32 running one 3-operand PTX instruction."""
+    def _op3(ptx: str, ty=types.uint32):
+        """An intrinsic (int, int, int) -> ty running one 3-operand PTX instruction on 32-bit
+        registers (the integer args cast to ty)."""
         @intrinsic
         def op(typingctx, a, b, c):
             if not all(isinstance(t, types.Integer) for t in (a, b, c)):
                 return None
 
             def codegen(context, builder, sig, args):
-                vals = [context.cast(builder, v, t, types.uint32) for v, t in zip(args, sig.args)]
+                vals = [context.cast(builder, v, t, ty) for v, t in zip(args, sig.args)]
                 asm = ir.InlineAsm(ir.FunctionType(_I32, [_I32] * 3), ptx, "=r,r,r,r")
                 return builder.call(asm, vals)
-            return types.uint32(a, b, c), codegen
+            return ty(a, b, c), codegen
         return op
 
+    # c + Σ a.byte[i]·b.byte[i], bytes as signed int8 (integer args truncated to 32 bits)
+    dp4a = _op3("dp4a.s32.s32 $0, $1, $2, $3;", types.int32)
     # prmt: byte n of the result = byte (s.nibble[n] & 7) of b:a, sign-replicated if nibble bit 3
-    byte_perm = _u32_op("prmt.b32 $0, $1, $2, $3;")
+    byte_perm = _op3("prmt.b32 $0, $1, $2, $3;")
     # (hi:lo) >> min(shift, 32), the low 32 bits
-    funnel_shift_r = _u32_op("shf.r.clamp.b32 $0, $1, $2, $3;")
+    funnel_shift_r = _op3("shf.r.clamp.b32 $0, $1, $2, $3;")
 
     @intrinsic
     def f16_bits_to_f32(typingctx, h):
