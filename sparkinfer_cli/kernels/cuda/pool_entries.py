@@ -2,9 +2,9 @@
 once: one launch on the model's stream.
 
 A pool is one device array (layers, entries, ...) whose per-layer views the model's kernels read.
-Per layer and entry, a copy or memset through the driver cost a call from Python each (60 for one
-state slot of a 30-layer hybrid model, queued on the default stream, which waits for the model's
-stream every time); the engine snapshots and resets slots many times a step under load.
+A copy or memset through the driver per layer costs a call from Python each (and, on the default
+stream, a wait for the model's stream every time); under load the engine snapshots and resets
+state slots many times a step, so one launch per pool keeps that off the request path.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from sparkinfer_cli.kernels.cuda.runtime.jit import kernel
 from sparkinfer_cli.kernels.cuda.runtime.launch import cdiv
 
 THREADS = 256
-MAX_BLOCKS = 1024  # grid-stride beyond: a 60 MB state slot needs no more to run at bandwidth
+MAX_BLOCKS = 1024  # grid-stride beyond: enough blocks to copy at the memory's bandwidth
 
 
 @kernel
