@@ -69,6 +69,16 @@ def parse_port(text: str) -> int:
     return value
 
 
+def parse_new_file_path(text: str) -> str:
+    """A file path whose directory exists and may be written (the file is made on first use)."""
+    folder = Path(text).expanduser().parent
+    if not folder.is_dir():
+        raise ValueError(f"no directory {str(folder)!r} to write it in")
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"directory {str(folder)!r} is not writable")
+    return str(Path(text).expanduser())
+
+
 def parse_sched_policy(text: str) -> str:
     value = text.strip().lower()
     if value not in SCHED_POLICIES:
@@ -190,7 +200,7 @@ SPARKINFER_CUDA_PDL: EnvVar[bool] = EnvVar(
     "SPARKINFER_CUDA_PDL", parse_bool, True,
     "launch each CUDA kernel while the one before it runs (programmatic dependent launch, sm_90+)")
 SPARKINFER_STEP_TRACE: EnvVar[str] = EnvVar(
-    "SPARKINFER_STEP_TRACE", str, "",
+    "SPARKINFER_STEP_TRACE", parse_new_file_path, "",
     "file the engine appends one JSON line per step to: what it carried and what it cost")
 SPARKINFER_TOKENIZER_URL: EnvVar[str | None] = EnvVar(
     "SPARKINFER_TOKENIZER_URL", str, None, "override where the tokenizer is downloaded from")

@@ -42,10 +42,18 @@ def test_values_parse(var: env.EnvVar, raw: str, expected) -> None:
     (env.SPARKINFER_BATCH_TOKENS, "0"), (env.SPARKINFER_MAX_QUEUE_DEPTH, "-1"),
     (env.SPARKINFER_REQUEST_TIMEOUT_S, "nan"), (env.PORT, "70000"), (env.CTX, "lots"),
     (env.SPARKINFER_SERVER_PREFIX_TOKEN_IDS, "1,-2"),
+    (env.SPARKINFER_STEP_TRACE, "/no/such/folder/steps.jsonl"),
 ])
 def test_bad_values_name_the_variable(var: env.EnvVar, raw: str) -> None:
     with pytest.raises(env.EnvError, match=var.name):
         var.get({var.name: raw})
+
+
+def test_a_step_trace_goes_to_a_file_in_an_existing_folder(tmp_path) -> None:
+    path = tmp_path / "steps.jsonl"
+    var = env.SPARKINFER_STEP_TRACE
+    assert var.get({var.name: str(path)}) == str(path) and not path.exists()
+    assert var.get({}) == ""
 
 
 def test_prefix_tokens_from_file_or_ids(tmp_path) -> None:
