@@ -201,9 +201,10 @@ def bench(model: Optional[str] = typer.Option(None, "-m", "--model", help=MODEL_
           turn_tokens: int = typer.Option(200, "--turn-tokens",
                                           help="--turns: new tokens each turn appends."),
           json_answers: bool = typer.Option(False, "--json",
-                                            help="--serve: every request asks for a JSON answer "
-                                                 "(response_format json_schema), to measure "
-                                                 "what the grammar costs against a run without.")):
+                                            help="--serve: measure each load twice, plain and "
+                                                 "with every request asking for a JSON answer "
+                                                 "(response_format json_schema): what the "
+                                                 "grammar costs, on one warm server.")):
     """Measure prefill and decode speed, or (--serve) the server's; write results (md + json +
     png) under the user's data directory (--out bench/results: the repo's), never over an
     earlier run's."""

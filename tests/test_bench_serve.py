@@ -264,9 +264,10 @@ def test_bench_serve_on_the_tiny_model_starts_measures_and_stops_the_server(tmp_
 
 @pytest.mark.slow
 def test_bench_serve_json_answers_constrain_every_request_to_the_end(tmp_path):
-    """--json: every request asks for the bench's schema, whose list cannot close within the
-    answer, so the grammar constrains each of its tokens and no request ends early (ignore_eos
-    with a JSON that had closed would leave the grammar no token: a failed or short request)."""
+    """--json: each load runs plain, then with every request asking for the bench's schema,
+    whose list cannot close within the answer, so the grammar constrains each of its tokens and
+    no request ends early (ignore_eos with a JSON that had closed would leave the grammar no
+    token: a failed or short request)."""
     result = CliRunner().invoke(app, [
         "bench", "--serve", "-m", str(TINY_MODEL), "--device", "cpu", "--concurrency", "2",
         "--prompt-tokens", "8", "--max-tokens", "24", "--requests-per-client", "1", "--json",
@@ -276,8 +277,10 @@ def test_bench_serve_json_answers_constrain_every_request_to_the_end(tmp_path):
     report = json.loads(path.read_text())
     assert report["parameters"]["request"]["response_format"] == JSON_RESPONSE_FORMAT
     assert "a JSON answer" in path.with_suffix(".md").read_text()
-    (run,) = report["runs"]
-    assert run["output_tokens"] == 48 and run["num_failed"] == run["num_stopped_early"] == 0
+    plain, constrained = report["runs"]
+    assert plain["load"] == "2 clients × 1" and constrained["load"] == "2 clients × 1, JSON schema"
+    for run in (plain, constrained):
+        assert run["output_tokens"] == 48 and run["num_failed"] == run["num_stopped_early"] == 0
 
 
 def test_only_json_runs_send_a_response_format():

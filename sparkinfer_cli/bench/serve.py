@@ -73,6 +73,7 @@ JSON_RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "bench_re
             "type": "object", "required": ["name", "score"], "properties": {
                 "name": {"type": "string", "maxLength": 12},
                 "score": {"type": "integer", "minimum": 0, "maximum": 999}}}}}}}}
+JSON_LOAD_SUFFIX = ", JSON schema"  # the label of a load's constrained run
 ENGINE_TIMEOUT_S = 3600.0
 
 
@@ -234,16 +235,24 @@ def run_session(request: ServeBenchRequest, endpoint: Endpoint, report: ServeRep
                 console: Console) -> None:
     """Cold request, warm idle requests, then each load (a line per load as it is measured)."""
     prompts = PromptSource(endpoint, request.seed)
-    send = partial(send_one, endpoint, prompts, request.response_format)
+    send = partial(send_one, endpoint, prompts, None)
     report.cold = single_request(send(request.prompt_tokens, request.max_tokens))
     idle = [send(WARM_IDLE_PROMPT_TOKENS, WARM_IDLE_MAX_TOKENS) for _ in range(WARM_IDLE_REQUESTS)]
     idle_ttft = [1000 * t.ttft_s for t in idle if t.error is None and t.token_times]
     report.warm_idle = {"prompt_tokens": WARM_IDLE_PROMPT_TOKENS, "ttft_ms": idle_ttft,
                         "ttft_ms_p50": percentile(idle_ttft, 50)}
+    # --json: each load plain, then constrained, on the same warm server, so that the grammar's
+    # cost is the difference between neighbouring rows rather than between two server starts
+    sends = [("", send)]
+    if request.response_format is not None:
+        sends.append((JSON_LOAD_SUFFIX, partial(send_one, endpoint, prompts,
+                                                request.response_format)))
     for clients in request.client_counts:
-        report.runs.append(measure_together(request, send, clients, console))
+        for suffix, send_load in sends:
+            report.runs.append(measure_together(request, send_load, clients, console, suffix))
     if request.rate is not None:
-        report.runs.append(measure_poisson(request, send, request.rate, console))
+        for suffix, send_load in sends:
+            report.runs.append(measure_poisson(request, send_load, request.rate, console, suffix))
     report.notes += usage_notes(report.runs)
 
 
@@ -257,24 +266,24 @@ Send = Callable[[int, int], RequestTiming]  # (prompt tokens, max tokens) → it
 
 
 def measure_together(request: ServeBenchRequest, send: Send, clients: int,
-                     console: Console) -> RunFigures:
+                     console: Console, suffix: str = "") -> RunFigures:
     one = partial(send, request.prompt_tokens, request.max_tokens)
     with console.status(f"{clients} clients: warm-up round"):
         run_together([[one]] * clients)
-    label = f"{clients} client{'s' * (clients > 1)} × {request.requests_per_client}"
+    label = f"{clients} client{'s' * (clients > 1)} × {request.requests_per_client}{suffix}"
     with console.status(label):
         timings = run_together([[one] * request.requests_per_client] * clients)
     return announced(summarize(timings, request.max_tokens, label, clients, None), console)
 
 
 def measure_poisson(request: ServeBenchRequest, send: Send, rate: float,
-                    console: Console) -> RunFigures:
+                    console: Console, suffix: str = "") -> RunFigures:
     """Poisson arrivals after a warm-up round of as many requests as arrive in a second."""
     one = partial(send, request.prompt_tokens, request.max_tokens)
     arrivals = poisson_arrivals(rate, request.duration_s, request.seed)
     if not arrivals:
         raise ValueError(f"no request arrives in {request.duration_s:g} s at {rate:g}/s")
-    label = f"Poisson {rate:g}/s for {request.duration_s:g} s"
+    label = f"Poisson {rate:g}/s for {request.duration_s:g} s{suffix}"
     with console.status(f"{label}: warm-up round"):
         run_together([[one]] * min(MAX_WARMUP_CLIENTS, math.ceil(rate)))
     with console.status(f"{label} ({len(arrivals)} requests)"):

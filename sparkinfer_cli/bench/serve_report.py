@@ -189,9 +189,9 @@ def _header_lines(report: ServeReport) -> list[str]:
 
 
 def _json_note(parameters: dict) -> str:
-    """What --json added to every request (reports written before it have no such field)."""
-    return ", a JSON answer (response_format json_schema)" if \
-        parameters["request"].get("response_format") else ""
+    """What --json added (reports written before it have no such field)."""
+    return "; loads marked JSON schema: every request asks for a JSON answer (response_format " \
+        "json_schema)" if parameters["request"].get("response_format") else ""
 
 
 def _loads(report: ServeReport, when: str) -> str:

@@ -101,6 +101,12 @@ class LoggedProcess:
         self._log.close()
 
 
+def python_path_with_repo() -> str:
+    """The repo first, then whatever PYTHONPATH already holds (where a machine's packages were
+    installed with --target, the server process needs them too)."""
+    return os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+
+
 class ProcessServer(LoggedProcess):
     """`python <script> ...` with PORT set; ready once GET /health answers."""
 
@@ -109,7 +115,7 @@ class ProcessServer(LoggedProcess):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         super().__init__([sys.executable, *args],
-                         {**os.environ, "PYTHONPATH": str(REPO_ROOT), "HOST": "127.0.0.1",
+                         {**os.environ, "PYTHONPATH": python_path_with_repo(), "HOST": "127.0.0.1",
                           "PORT": str(self.port), **(env or {})})
         self._wait_ready(startup_timeout_s)
 

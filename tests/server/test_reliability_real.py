@@ -25,10 +25,12 @@ NUM_CONCURRENT = 24
 MAX_TOKENS = 32
 
 
-def start_server(family: str, **env: str) -> ProcessServer:
+def start_server(family: str, device: str = "cpu", **env: str) -> ProcessServer:
     model = TINY / family / f"{family}-Q8_0.gguf"
-    return ProcessServer(["-c", RUN_SERVER, str(model)],
-                         {"CTX": "4096", "SPARKINFER_MAX_QUEUE_DEPTH": "64", **env}, STARTUP_S)
+    run_server = RUN_SERVER.replace("run_server(sys.argv[1])",
+                                    f"run_server(sys.argv[1], device={device!r})")
+    return ProcessServer(["-c", run_server, str(model)],
+                         {"CTX": "4096", "SPARKINFER_MAX_QUEUE_DEPTH": "128", **env}, STARTUP_S)
 
 
 def greedy_chat(topic_index: int, stream: bool) -> dict:
@@ -62,26 +64,30 @@ async def streamed_answer(client: httpx.AsyncClient, url: str, topic_index: int,
     return content, reasoning
 
 
-async def answers_under_load(url: str) -> list[tuple[str, str] | None]:
-    """NUM_CONCURRENT streams at once; every fifth client hangs up after three chunks."""
-    async with httpx.AsyncClient(timeout=REQUEST_S) as client:
+async def answers_under_load(url: str, clients: int) -> list[tuple[str, str] | None]:
+    """That many streams at once; every fifth client hangs up after three chunks."""
+    limits = httpx.Limits(max_connections=clients)
+    async with httpx.AsyncClient(timeout=REQUEST_S, limits=limits) as client:
         return await asyncio.gather(*[
             streamed_answer(client, url, i % len(TOPICS), 3 if i % 5 == 4 else None)
-            for i in range(NUM_CONCURRENT)])
+            for i in range(clients)])
 
 
 # MoE and hybrid (delta rule) MoE; the tiny dense qwen3 answers every chat prompt alike, its
 # batches are covered by test_e2e_real's concurrent completions
 @pytest.mark.parametrize("family", ["qwen3moe", "qwen35moe"])
-def test_greedy_answers_under_load_with_disconnects_equal_each_alone(family: str) -> None:
-    with start_server(family) as server:
+@pytest.mark.parametrize(("device", "clients"), [
+    ("cpu", NUM_CONCURRENT), pytest.param("cuda", 64, marks=pytest.mark.gpu)])
+def test_greedy_answers_under_load_with_disconnects_equal_each_alone(family: str, device: str,
+                                                                      clients: int) -> None:
+    with start_server(family, device) as server:
         alone = [answer_of(httpx.post(f"{server.url}/v1/chat/completions",
                                       json=greedy_chat(i, stream=False), timeout=REQUEST_S).json())
                  for i in range(len(TOPICS))]
         assert len(set(alone)) > 1  # the prompts get different answers: a mix-up would show
-        under_load = asyncio.run(answers_under_load(server.url))
+        under_load = asyncio.run(answers_under_load(server.url, clients))
         completed = {i: answer for i, answer in enumerate(under_load) if answer is not None}
-        assert len(completed) == NUM_CONCURRENT - NUM_CONCURRENT // 5
+        assert len(completed) == clients - clients // 5
         assert {i: alone[i % len(TOPICS)] for i in completed} == completed
         wait_until(lambda: kv_is_free(server.url), 30)  # the hung-up streams freed their blocks
 
