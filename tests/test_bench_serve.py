@@ -17,7 +17,13 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from sparkinfer_cli.bench.serve import JSON_RESPONSE_FORMAT, ServeBenchRequest, run_serve_bench
+from sparkinfer_cli.bench.serve import (
+    ENGINE_MAX_SEQS,
+    JSON_RESPONSE_FORMAT,
+    ServeBenchRequest,
+    engine_concurrency,
+    run_serve_bench,
+)
 from sparkinfer_cli.bench.serve_client import (
     Endpoint,
     PromptSource,
@@ -30,7 +36,7 @@ from sparkinfer_cli.bench.serve_client import (
     run_together,
     stream_completion,
 )
-from sparkinfer_cli.bench.serve_report import percentile, summarize
+from sparkinfer_cli.bench.serve_report import RunFigures, percentile, summarize
 from sparkinfer_cli.cli import app
 
 sys.path.insert(0, str(Path(__file__).parent / "server"))
@@ -156,6 +162,20 @@ def test_summarize_counts_and_rates():
     assert figures.stream_tok_s["min"] == pytest.approx(3 / 0.4)  # the second: 3 tokens in 0.4 s
     assert figures.mean_in_flight == pytest.approx(0.4 + 1.0 + 0.1 + 0.1)
     assert figures.first_error == "HTTP 429: busy"
+
+
+def test_engine_figures_run_no_more_sequences_than_the_server_runs_at_once():
+    """A Poisson load's engine figure runs its mean number in flight, but requests beyond the
+    server's max_num_seqs wait in its queue: 65 in flight is a 64-sequence engine figure."""
+    def in_flight(requests: int, at_once: float) -> RunFigures:
+        # `requests` requests of 1 s each over a span of requests / at_once seconds
+        spacing = 1.0 / at_once
+        return summarize([timing(i * spacing, [i * spacing + 1.0], i * spacing + 1.0, 1)
+                          for i in range(requests)], 1, "Poisson", None, at_once)
+
+    assert engine_concurrency(in_flight(200, 3.2)) == 3
+    assert engine_concurrency(in_flight(2000, 70.0)) == ENGINE_MAX_SEQS == 64
+    assert engine_concurrency(summarize([timing(0.0, [0.1], 0.1, 1)], 1, "1", 1, None)) == 1
 
 
 def test_poisson_arrivals_are_seeded_and_inside_the_duration():

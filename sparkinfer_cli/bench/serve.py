@@ -57,13 +57,14 @@ from sparkinfer_cli.bench.serve_turns import (
     turn_cells,
     write_turns_report,
 )
+from sparkinfer_cli.engine.config import EngineConfig
 from sparkinfer_cli.paths import bench_results_dir
 
 DEFAULT_CLIENTS = {"cuda": (1, 8, 32, 64), "cpu": (1, 4, 8)}
 WARM_IDLE_PROMPT_TOKENS = 16
 WARM_IDLE_REQUESTS = 3
 WARM_IDLE_MAX_TOKENS = 4
-MAX_WARMUP_CLIENTS = 64  # the engine's default max_num_seqs
+ENGINE_MAX_SEQS = EngineConfig.max_num_seqs  # what the started server runs at once
 # --json: what every request asks for. A list of at least 64 short records never closes within
 # a bench's answer, so the grammar constrains every token (keys, strings, integers, punctuation)
 # and an answer cannot end before max_tokens
@@ -285,7 +286,7 @@ def measure_poisson(request: ServeBenchRequest, send: Send, rate: float,
         raise ValueError(f"no request arrives in {request.duration_s:g} s at {rate:g}/s")
     label = f"Poisson {rate:g}/s for {request.duration_s:g} s{suffix}"
     with console.status(f"{label}: warm-up round"):
-        run_together([[one]] * min(MAX_WARMUP_CLIENTS, math.ceil(rate)))
+        run_together([[one]] * min(ENGINE_MAX_SEQS, math.ceil(rate)))
     with console.status(f"{label} ({len(arrivals)} requests)"):
         timings = run_arrivals([one] * len(arrivals), arrivals)
     return announced(summarize(timings, request.max_tokens, label, None, rate), console)
@@ -310,7 +311,9 @@ def usage_notes(runs: list[RunFigures]) -> list[str]:
 
 # ---- the engine alone ----------------------------------------------------------------------------
 def engine_concurrency(figures: RunFigures) -> int:
-    return figures.clients or max(1, round(figures.mean_in_flight))
+    """The engine figure's sequences: the clients sent together, or (Poisson) the mean number in
+    flight, no more than the server runs at once (the rest wait in its queue)."""
+    return min(ENGINE_MAX_SEQS, figures.clients or max(1, round(figures.mean_in_flight)))
 
 
 def add_engine_figures(report: ServeReport, path: Path, request: ServeBenchRequest,
