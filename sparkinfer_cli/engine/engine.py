@@ -27,14 +27,14 @@ from sparkinfer_cli.engine.kv_cache import CacheOps, KVCacheManager, PrefixCache
 from sparkinfer_cli.engine.model_runner import ModelRunner
 from sparkinfer_cli.engine.policy import create_policy
 from sparkinfer_cli.engine.request import OutputStream, Request, RequestEvent
-from sparkinfer_cli.engine.sampler import Sampler, UnsatisfiableSampling
+from sparkinfer_cli.engine.sampler import GRAMMAR_DEAD_END, Sampler, UnsatisfiableSampling
 from sparkinfer_cli.engine.sampling_params import SamplingParams
 from sparkinfer_cli.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from sparkinfer_cli.engine.speculative import accepted_drafts
 from sparkinfer_cli.engine.step_timings import StepTimings, StepTrace
 from sparkinfer_cli.engine.stop import StopStringMatcher
 from sparkinfer_cli.model.backend import ModelBackend
-from sparkinfer_cli.model.batch import SamplingRows
+from sparkinfer_cli.model.batch import ARGMAX, SamplingRows
 from sparkinfer_cli.tokenizer.detokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
@@ -241,10 +241,10 @@ class ContinuousBatchEngine:
             self._run_prompt_logits(output)
             return output
         on_device, rows = self._device_picks(output)
-        n_steps = self._num_decode_steps(output) if on_device and rows is None else 1
+        n_steps = self._num_decode_steps(output) if on_device else 1
         if n_steps > 1:
             self._last_passes = n_steps
-            self._run_decode_steps(self.scheduler.extend_decodes(output, n_steps), n_steps)
+            self._run_decode_steps(self.scheduler.extend_decodes(output, n_steps), n_steps, rows)
             return output
         try:
             results = self.runner.run_device_picks(output, rows) if on_device else \
@@ -314,18 +314,41 @@ class ContinuousBatchEngine:
         requests = [self.scheduler.requests[s.request_id] for s in output.sequences]
         return min([limit] + [r.params.max_tokens - r.num_output_tokens for r in requests])
 
-    def _run_decode_steps(self, output: SchedulerOutput, n_steps: int) -> None:
-        """n_steps greedy passes of a decode-only step; each pass's tokens are appended (and
-        streamed) as soon as it finishes. A request that ends meanwhile ignores later passes."""
+    def _run_decode_steps(self, output: SchedulerOutput, n_steps: int,
+                          rows: SamplingRows | None) -> None:
+        """n_steps passes of a decode-only step, greedy (rows None) or drawn on the device (rows:
+        the first pass's draws); each pass's tokens are appended (and streamed) as soon as it
+        finishes. A request that ends meanwhile ignores later passes."""
         requests = [self.scheduler.requests[s.request_id] for s in output.sequences]
+        draws = None if rows is None else \
+            (lambda step: rows if step == 0 else self._queued_draws(requests))
         try:
-            for n, ids in enumerate(self.runner.run_decode_steps(output, n_steps), 1):
+            for n, ids in enumerate(self.runner.run_decode_steps(output, n_steps, draws), 1):
                 for request, token in zip(requests, ids):
                     if not request.is_finished:
                         self.scheduler.decoded(request)
                         self._append_sample(request, None, int(token), n == n_steps)
         except Exception as exc:  # a failed pass ends the requests still running
             self._fail(requests, exc)
+
+    def _queued_draws(self, requests: list[Request]) -> SamplingRows:
+        """The draws of a queued decode pass after the first, made once the pass before it has
+        been appended (a grammar's mask follows its token). A request that ended meanwhile takes
+        the argmax (its token is ignored); one whose grammar allows no token ends here."""
+        draws, masks = [], []
+        for request in requests:
+            draw, mask = ARGMAX, None
+            if not request.is_finished:
+                assert request.sampler is not None
+                mask = request.sampler.device_mask()
+                if mask is not None and not mask.any():
+                    self._finish(request, "rejected", GRAMMAR_DEAD_END, state_is_current=False)
+                    mask = None
+                else:
+                    draw = request.sampler.device_draw()
+            draws.append(draw)
+            masks.append(mask)
+        return SamplingRows.of(draws, masks)
 
     def _device_picks(self, output: SchedulerOutput) -> tuple[bool, SamplingRows | None]:
         """(whether the model picks every sampling sequence's token on its device, their

@@ -54,13 +54,18 @@ class ModelRunner:
         """Decode passes the model queues at once (ModelBackend.decode_greedy)."""
         return self.model.max_queued_steps
 
-    def run_decode_steps(self, output: SchedulerOutput, n_steps: int) -> Iterator[np.ndarray]:
-        """The argmax ids (num_seqs,) of n_steps decode passes over output's sequences, in turn,
-        each pass fed the previous pass's ids on the model's device. Read them all."""
+    def run_decode_steps(self, output: SchedulerOutput, n_steps: int,
+                         draws: Callable[[int], SamplingRows] | None = None
+                         ) -> Iterator[np.ndarray]:
+        """The ids (num_seqs,) of n_steps decode passes over output's sequences, in turn, each
+        pass fed the previous pass's ids on the model's device: the argmax, or drawn by
+        draws(step), called once the previous pass's ids were read. Read them all."""
         self.apply_cache_ops(output.cache_ops)
         batch = self.prepare_batch(output.sequences)
         started = time.perf_counter()
-        for ids in self.model.decode_greedy(batch, self.cache, n_steps):
+        passes = self.model.decode_greedy(batch, self.cache, n_steps) if draws is None else \
+            self.model.decode_drawn(batch, self.cache, n_steps, draws)
+        for ids in passes:
             self.last_forward_s += time.perf_counter() - started
             yield ids
             started = time.perf_counter()

@@ -152,6 +152,8 @@ class Sampler:
         ws = thread_workspace(self.n_vocab)
         touched = self.touched_logits(logits, prompt_ids, output_ids)
         allowed = self.constraint.allowed() if self.constraint is not None else None
+        if allowed is not None and not allowed.any():
+            raise UnsatisfiableSampling(GRAMMAR_DEAD_END)
         if allowed is not None:  # NOTE: refused tokens out, then as without a constraint
             logits = touched.apply(logits, ws.logits)
             logits[~allowed] = -np.inf
@@ -256,6 +258,9 @@ def greedy_token(logits: np.ndarray, touched: TouchedLogits, ws: Workspace) -> i
 
 class UnsatisfiableSampling(ValueError):
     """No token can be sampled under the request's own settings (a client error, not a fault)."""
+
+
+GRAMMAR_DEAD_END = "the answer's grammar (response_format or tools) allows no next token"
 
 
 def check_finite(token_id: int, logit: float) -> int:

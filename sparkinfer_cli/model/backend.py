@@ -9,7 +9,7 @@ compiles or captures whatever its passes need before the engine serves.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 import numpy as np
@@ -73,4 +73,11 @@ class ModelBackend(ABC, Generic[CacheT]):
                       n_steps: int) -> Iterator[np.ndarray]:
         """The argmax ids of n_steps decode passes, each fed the previous pass's ids on the
         device (max_queued_steps > 1)."""
+        raise NotImplementedError(f"{type(self).__name__} queues no decode passes")
+
+    def decode_drawn(self, batch: SequenceBatch, cache: CacheT, n_steps: int,
+                     draws: Callable[[int], SamplingRows]) -> Iterator[np.ndarray]:
+        """decode_greedy's passes with each pass's ids drawn by draws(step) (forward_sampled's
+        rows), which is called once the previous pass's ids were read (max_queued_steps > 1,
+        max_sample_top_k > 0)."""
         raise NotImplementedError(f"{type(self).__name__} queues no decode passes")

@@ -146,7 +146,7 @@ class FakeDeviceModel(FakeModel):
     """FakeModel with CudaModel's on-device calls: forward_greedy; forward_sampled, which draws
     by the host Sampler's own truncation and draw (engine/truncation.py) with the given u; and
     decode_greedy, which runs every pass when called (as the GPU queues them), each fed the
-    previous pass's ids."""
+    previous pass's ids; decode_drawn, its sampled twin."""
 
     max_queued_steps = 8
     max_sample_top_k = 64
@@ -154,7 +154,7 @@ class FakeDeviceModel(FakeModel):
 
     def __init__(self, hybrid: bool = False):
         super().__init__(hybrid)
-        self.decode_steps: list[int] = []  # n_steps of each decode_greedy call
+        self.decode_steps: list[int] = []  # n_steps of each decode_greedy / decode_drawn call
         self.sampled_rows: list[SamplingRows] = []  # the rows of each forward_sampled call
 
     def forward_greedy(self, batch: SequenceBatch, cache: FakeCache) -> np.ndarray:
@@ -177,6 +177,16 @@ class FakeDeviceModel(FakeModel):
             passes.append(self.forward_greedy(batch, cache))
             batch = batch.next_decode_step(passes[-1])
         return iter(passes)
+
+    def decode_drawn(self, batch: SequenceBatch, cache: FakeCache, n_steps: int,
+                     draws: Callable[[int], SamplingRows]):
+        """As CudaModel's: a pass's draws are asked for only after the pass before it was read."""
+        assert 1 <= n_steps <= self.max_queued_steps and batch.is_decode
+        self.decode_steps.append(n_steps)
+        for step in range(n_steps):
+            ids = self.forward_sampled(batch, cache, draws(step))
+            yield ids
+            batch = batch.next_decode_step(ids)
 
 
 def eos_first(model_class: type[FakeModel]) -> FakeModel:

@@ -743,6 +743,37 @@ def test_constrained_requests_pick_on_the_device_what_the_host_would(engines):
         assert len(tokens) == 12 and set(TOKENIZER.decode(tokens)) <= set("abc ")
     masked = [rows.allowed for rows in model.sampled_rows]
     assert masked and all(m is not None and len(m) >= 2 for m in masked)
+    # once every request decodes, the passes queue (decode_drawn), each with its own masks
+    assert max(model.decode_steps) > 1
+
+
+def test_a_grammar_left_with_no_token_in_a_queued_pass_ends_its_request(engines, monkeypatch):
+    """A mask with no token allowed met between queued decode passes ends that request as
+    rejected (the client's grammar, not a fault); the request beside it runs to the end."""
+    from sparkinfer_cli.engine.constraint import GrammarConstraint, lark_grammar
+    from sparkinfer_cli.engine.sampler import GRAMMAR_DEAD_END
+
+    real_words, calls = GrammarConstraint.allowed_words, []
+
+    def dead_after_three(self):
+        words = real_words(self)
+        calls.append(self)
+        return words if words is None or calls.count(self) <= 3 else np.zeros_like(words)
+
+    monkeypatch.setattr(GrammarConstraint, "allowed_words", dead_after_three)
+    model, sink = FakeDeviceModel(), Collector()
+    engine = engines(model, start=False, max_num_seqs=8)
+    grammar = lark_grammar('start: /[abc]+( [abc]+)*/')
+    constrained = engine.submit(_prompts(1)[0], SamplingParams(
+        max_tokens=12, ignore_eos=True, grammar=grammar, temperature=0.0), sink)
+    free = engine.submit([5, 6], SamplingParams(max_tokens=12, temperature=0.9, top_k=3, seed=1),
+                         sink)
+    engine.start()
+    final = sink.final(constrained)
+    assert (final.finish_reason, final.error) == ("rejected", GRAMMAR_DEAD_END)
+    assert len(sink.tokens(constrained)) == 3
+    assert sink.final(free).finish_reason == "length" and len(sink.tokens(free)) == 12
+    assert max(model.decode_steps) > 1  # the dead end was met between queued passes
 
 
 def test_sampled_requests_pick_on_the_device_what_the_host_would(engines):
@@ -764,4 +795,5 @@ def test_sampled_requests_pick_on_the_device_what_the_host_would(engines):
     assert [len(tokens) for _, tokens in outputs[FakeModel]] == [q.max_tokens for q in params]
     draws = [d for rows in model.sampled_rows for d in rows]  # over both device-only phases
     assert {d.top_k for d in draws if d.temperature > 0} == {5, 3}  # the two narrow top-k ones
+    assert max(model.decode_steps) > 1  # once only device-sampled requests are left, queued
     assert len({tuple(t) for _, t in outputs[FakeModel][:2]}) == 2

@@ -298,6 +298,52 @@ def test_queued_decode_passes_equal_greedy_steps_one_by_one(family: str) -> None
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("family", ("qwen3", "qwen35moe"))
+def test_queued_drawn_passes_equal_sampled_steps_one_by_one(family: str) -> None:
+    """decode_drawn (each pass's forward queued before the previous pass's ids reach the host,
+    its draw launched once its rows come) picks what forward_sampled picks step by step, where a
+    step's rows depend on the ids before it as a grammar's mask does: a greedy row allowed only
+    the other parity than its previous token, a top-k row with a u of its own each step, and an
+    argmax row."""
+    from sparkinfer_cli.backend.cuda.workspace import MAX_QUEUED_STEPS
+    from sparkinfer_cli.model.batch import ARGMAX, mask_words
+
+    model = _tiny(family, "Q8_0", exact=False)
+    n_vocab = model.config.n_vocab
+
+    def rows_after(previous: np.ndarray, step: int) -> SamplingRows:
+        allowed = np.zeros(mask_words(n_vocab) * 32, bool)
+        allowed[:n_vocab] = np.arange(n_vocab) % 2 != previous[0] % 2
+        words = np.packbits(allowed, bitorder="little").view(np.uint32)
+        return SamplingRows.of([ARGMAX, DeviceDraw(0.9, 8, 1.0, 0.0, 0.137 * (step + 1) % 1.0),
+                                ARGMAX], [words, None, None])
+
+    prompt = _goldens(family)["prompt_long"]
+    prompts, tables = [prompt[:20], prompt[30:37], prompt[50:83]], [np.arange(i * 4, i * 4 + 4)
+                                                                     for i in range(3)]
+    first = np.array([prompt[20], prompt[37], prompt[83]], np.int32)
+    picks = {}
+    for mode in ("one by one", "queued"):
+        cache = model.create_cache(12, BLOCK_SIZE, 3)
+        for i, (p, t) in enumerate(zip(prompts, tables)):
+            model.forward_greedy(SequenceBatch.single(p, 0, t, i), cache)
+        batch = SequenceBatch(first, [len(p) for p in prompts], [1] * 3, tables, [0, 1, 2])
+        seen = [first]  # a step's rows read the ids before it: asked for early, an IndexError
+        if mode == "queued":
+            for ids in model.decode_drawn(batch, cache, MAX_QUEUED_STEPS,
+                                          lambda step: rows_after(seen[step], step)):
+                seen.append(ids)
+        else:
+            for step in range(MAX_QUEUED_STEPS):
+                seen.append(model.forward_sampled(batch, cache, rows_after(seen[-1], step)))
+                batch = batch.next_decode_step(seen[-1])
+        picks[mode] = np.stack(seen[1:])  # (MAX_QUEUED_STEPS, 3)
+    np.testing.assert_array_equal(picks["queued"], picks["one by one"])
+    masked = np.concatenate([first[:1], picks["queued"][:, 0]])
+    assert (masked[1:] % 2 != masked[:-1] % 2).all()
+
+
+@pytest.mark.gpu
 def test_forward_sampled_picks_what_the_host_sampler_picks_from_the_logits() -> None:
     """Three prompts in one prefill pass: the tokens forward_sampled draws on the device equal
     the host Sampler's rules (truncation.choose) applied to forward's logits of the same pass,

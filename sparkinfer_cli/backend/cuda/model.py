@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import importlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, cast
 
@@ -200,13 +200,7 @@ class CudaModel(ModelBackend[CudaModelCache]):
         ids on the device, so the host prepares pass i + 1 while the GPU runs pass i and reads
         pass i's ids as soon as it is done; without it the passes run one at a time. Read every
         pass's ids before the next call. The block tables must cover start + n_steps tokens."""
-        if not batch.is_decode or batch.all_logits or not 1 <= n_steps <= MAX_QUEUED_STEPS:
-            raise ValueError(f"decode_greedy takes a batch of one new token a sequence and 1 to "
-                             f"{MAX_QUEUED_STEPS} steps, got {n_steps}")
-        for start, table in zip(batch.start_positions, batch.block_tables):
-            if len(table) * cache.block_size < start + n_steps:
-                raise ValueError(f"a block table of {len(table)} blocks does not cover "
-                                 f"{start + n_steps} tokens")
+        _check_decode_steps(batch, cache, n_steps)
         if self.token_embd is None:
             return self._decode_greedy_one_by_one(batch, cache, n_steps)
         queued, previous_ids = [], None
@@ -227,6 +221,53 @@ class CudaModel(ModelBackend[CudaModelCache]):
             ids = self.forward_greedy(batch, cache)
             yield ids
             batch = batch.next_decode_step(ids)
+
+    def decode_drawn(self, batch: SequenceBatch, cache: CudaModelCache, n_steps: int,
+                     draws: Callable[[int], SamplingRows]) -> Iterator[np.ndarray]:
+        """n_steps decode passes as decode_greedy's, each sequence's token drawn by draws(step)
+        (forward_sampled's rows): the draws of a step are asked for only after the previous
+        step's ids were yielded, since a grammar's mask depends on them. Every pass's forward is
+        queued before the previous pass's ids reach the host, and its draw launched once its
+        rows come, so the host's work for a step's rows (advancing the grammars, computing
+        their masks) runs while the GPU computes that step's logits."""
+        _check_decode_steps(batch, cache, n_steps)
+        if self.token_embd is None:
+            return self._decode_drawn_one_by_one(batch, cache, n_steps, draws)
+        return self._drawn_ids(batch, cache, n_steps, draws)
+
+    def _decode_drawn_one_by_one(self, batch: SequenceBatch, cache: CudaModelCache,
+                                 n_steps: int, draws: Callable[[int], SamplingRows]
+                                 ) -> Iterator[np.ndarray]:
+        for step in range(n_steps):
+            ids = self.forward_sampled(batch, cache, draws(step))
+            yield ids
+            batch = batch.next_decode_step(ids)
+
+    def _drawn_ids(self, batch: SequenceBatch, cache: CudaModelCache, n_steps: int,
+                   draws: Callable[[int], SamplingRows]) -> Iterator[np.ndarray]:
+        """On the stream: forward 0, draw 0, forward 1, (host: ids 0 back, rows 1) draw 1,
+        forward 2, … A draw's staging buffers are refilled only after the draw before it ran."""
+        passes = [self._pass(batch, cache)]
+        self._queue_draw(passes[0], draws(0), 0)
+        for step in range(n_steps):
+            p = passes[step]
+            if step + 1 < n_steps:  # fed this step's ids on the device; -1 until they are there
+                batch = batch.next_decode_step(np.full(batch.num_seqs, -1, np.int32))
+                ids = p.ws.sampling(p.logit_rows, self.output.n_rows).ids
+                passes.append(self._pass(batch, cache, step=step + 1, device_tokens=ids))
+            self._marks[step].wait()
+            self.times.add(p.kind, p.t_queued - p.t0, time.perf_counter() - p.t0)
+            yield p.ws.sampling(p.logit_rows, self.output.n_rows).ids_host[step, :p.n_logits].copy()
+            if step + 1 < n_steps:
+                self._queue_draw(passes[step + 1], draws(step + 1), step + 1)
+
+    def _queue_draw(self, p: QueuedPass, rows: SamplingRows, step: int) -> None:
+        """After pass p's logits: draw its ids by rows, copy them to the host row of step."""
+        picks = p.ws.sampling(p.logit_rows, self.output.n_rows)
+        picks.stage(rows, self.stream)
+        self._draw(p.ws, p.logit_rows, self.stream)
+        copy_to_host_async(picks.ids_host[step], picks.ids, self.stream)
+        self._marks[step].record(self.stream)
 
     def _queued_ids(self, queued: list[QueuedPass]) -> Iterator[np.ndarray]:
         for step, p in enumerate(queued):
@@ -309,9 +350,13 @@ class CudaModel(ModelBackend[CudaModelCache]):
         logits = self._logits(ws, logit_rows)
         self.output(ws, final, logits, s)
         if greedy:
-            g = ws.sampling(logit_rows, self.output.n_rows)
-            sampling.sample(logits.reshape(logit_rows, -1), *g.params, g.ids, g.workspace,
-                            stream=s, allowed=g.allowed)
+            self._draw(ws, logit_rows, s)
+
+    def _draw(self, ws: Workspace, logit_rows: int, s) -> None:
+        """The ids of a pass's logits, by the draws staged in ws.sampling."""
+        g = ws.sampling(logit_rows, self.output.n_rows)
+        sampling.sample(self._logits(ws, logit_rows).reshape(logit_rows, -1), *g.params, g.ids,
+                        g.workspace, stream=s, allowed=g.allowed)
 
     def _logits(self, ws: Workspace, logit_rows: int):
         cols = min(logit_rows, ws.cols)
@@ -346,6 +391,18 @@ class CudaModel(ModelBackend[CudaModelCache]):
         slots = [cache.scratch_slot] * n_seqs if self.config.is_hybrid else []
         return SequenceBatch(token_ids, [0] * n_seqs, [first] + [1] * (n_seqs - 1), tables,
                              slots)
+
+
+def _check_decode_steps(batch: SequenceBatch, cache: CudaModelCache, n_steps: int) -> None:
+    """ValueError unless batch is one new token a sequence, n_steps within the queue and every
+    block table covers the tokens the steps add."""
+    if not batch.is_decode or batch.all_logits or not 1 <= n_steps <= MAX_QUEUED_STEPS:
+        raise ValueError(f"queued decode passes take a batch of one new token a sequence and 1 "
+                         f"to {MAX_QUEUED_STEPS} steps, got {n_steps}")
+    for start, table in zip(batch.start_positions, batch.block_tables):
+        if len(table) * cache.block_size < start + n_steps:
+            raise ValueError(f"a block table of {len(table)} blocks does not cover "
+                             f"{start + n_steps} tokens")
 
 
 def graph_shapes(max_seqs: int, max_pass_tokens: int) -> list[tuple[int, int]]:
