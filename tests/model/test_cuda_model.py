@@ -274,18 +274,10 @@ def test_queued_decode_passes_equal_greedy_steps_one_by_one(family: str) -> None
     from sparkinfer_cli.backend.cuda.workspace import MAX_QUEUED_STEPS
 
     model = _tiny(family, "Q8_0", exact=False)
-    prompt = _goldens(family)["prompt_long"]
-    prompts, tables = [prompt[:20], prompt[30:37], prompt[50:83]], [np.arange(i * 4, i * 4 + 4)
-                                                                     for i in range(3)]
-    # the prompts' next tokens, not the model's picks: a pass fed its placeholder or the
-    # previous input instead of the previous pass's ids shows even where a tiny model repeats
-    first = np.array([prompt[20], prompt[37], prompt[83]], np.int32)
     picks = {}
     for mode in ("one by one", "queued"):
-        cache = model.create_cache(12, BLOCK_SIZE, 3)
-        for i, (p, t) in enumerate(zip(prompts, tables)):
-            model.forward_greedy(SequenceBatch.single(p, 0, t, i), cache)
-        batch = SequenceBatch(first, [len(p) for p in prompts], [1] * 3, tables, [0, 1, 2])
+        cache, batch = _three_prefilled_sequences(model, family)
+        tables = batch.block_tables
         steps: list[np.ndarray] = []
         for _ in range(2):
             run = list(model.decode_greedy(batch, cache, MAX_QUEUED_STEPS)) if mode == "queued" \
@@ -318,16 +310,10 @@ def test_queued_drawn_passes_equal_sampled_steps_one_by_one(family: str) -> None
         return SamplingRows.of([ARGMAX, DeviceDraw(0.9, 8, 1.0, 0.0, 0.137 * (step + 1) % 1.0),
                                 ARGMAX], [words, None, None])
 
-    prompt = _goldens(family)["prompt_long"]
-    prompts, tables = [prompt[:20], prompt[30:37], prompt[50:83]], [np.arange(i * 4, i * 4 + 4)
-                                                                     for i in range(3)]
-    first = np.array([prompt[20], prompt[37], prompt[83]], np.int32)
     picks = {}
     for mode in ("one by one", "queued"):
-        cache = model.create_cache(12, BLOCK_SIZE, 3)
-        for i, (p, t) in enumerate(zip(prompts, tables)):
-            model.forward_greedy(SequenceBatch.single(p, 0, t, i), cache)
-        batch = SequenceBatch(first, [len(p) for p in prompts], [1] * 3, tables, [0, 1, 2])
+        cache, batch = _three_prefilled_sequences(model, family)
+        first = batch.token_ids
         seen = [first]  # a step's rows read the ids before it: asked for early, an IndexError
         if mode == "queued":
             for ids in model.decode_drawn(batch, cache, MAX_QUEUED_STEPS,
@@ -371,6 +357,21 @@ def test_forward_sampled_picks_what_the_host_sampler_picks_from_the_logits() -> 
             assert got == choose(logits, t, int(k), p, m, u, ws)
             compared += 1
     assert compared >= 2
+
+
+def _three_prefilled_sequences(model, family: str) -> tuple[object, SequenceBatch]:
+    """A new cache holding three prompts of the family's golden text (3 state slots, 4 blocks
+    each), and the decode batch that feeds each the prompt's own next token: not the model's
+    pick, so that a pass fed its placeholder or the previous input instead of the previous
+    pass's ids shows even where a tiny model repeats itself."""
+    prompt = _goldens(family)["prompt_long"]
+    prompts, tables = [prompt[:20], prompt[30:37], prompt[50:83]], [np.arange(i * 4, i * 4 + 4)
+                                                                     for i in range(3)]
+    cache = model.create_cache(12, BLOCK_SIZE, 3)
+    for i, (p, t) in enumerate(zip(prompts, tables)):
+        model.forward_greedy(SequenceBatch.single(p, 0, t, i), cache)
+    first = np.array([prompt[20], prompt[37], prompt[83]], np.int32)
+    return cache, SequenceBatch(first, [len(p) for p in prompts], [1] * 3, tables, [0, 1, 2])
 
 
 def _greedy_steps(model, batch: SequenceBatch, cache, n_steps: int) -> list[np.ndarray]:
