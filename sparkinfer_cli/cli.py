@@ -98,6 +98,14 @@ def inspect(file: str = typer.Argument(..., help="A GGUF file, or a demo model n
         _fail(report["engine_error"])
 
 
+SPEC_TYPE_OPTION = typer.Option(
+    None, "--spec-type", help="Speculative decoding's draft source: ngram (prompt lookup; "
+                              "greedy answers, CPU, non-hybrid models).")
+SPEC_DRAFT_N_MAX_OPTION = typer.Option(
+    None, "--spec-draft-n-max", help="--spec-type: most tokens drafted a step (1-7, default 4; "
+                                     "fewer while drafts miss).")
+
+
 @app.command()
 def generate(prompt: Optional[str] = typer.Argument(
                  None, help="The prompt (a user message unless --raw); - reads it from stdin."),
@@ -123,11 +131,18 @@ def generate(prompt: Optional[str] = typer.Argument(
              stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
              system: Optional[str] = typer.Option(None, "--system", help="System message."),
              no_think: bool = typer.Option(False, "--no-think", help="Disable Qwen thinking."),
-             device: str = typer.Option("auto", "--device", help="auto | cpu | cuda")):
+             device: str = typer.Option("auto", "--device", help="auto | cpu | cuda"),
+             spec_type: Optional[str] = SPEC_TYPE_OPTION,
+             spec_draft_n_max: Optional[int] = SPEC_DRAFT_N_MAX_OPTION):
     """Stream one answer to the terminal (or chat with -i); statistics go to stderr. Ctrl-C
     exits with 130."""
     from sparkinfer_cli.app.run import GenerateRequest
     from sparkinfer_cli.engine.sampling_params import SamplingParams
+    from sparkinfer_cli.server.config import speculation_tokens
+    try:
+        spec_tokens = speculation_tokens(spec_type, spec_draft_n_max, None) or 0
+    except ValueError as exc:
+        _fail(str(exc))
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                 top_k=top_k, min_p=min_p, repetition_penalty=repeat_penalty,
@@ -140,7 +155,7 @@ def generate(prompt: Optional[str] = typer.Argument(
     text = _prompt_text(prompt, interactive)
     try:
         code = _run(GenerateRequest(text, model, raw, system, not no_think, params, device,
-                                    ctx, interactive))
+                                    ctx, interactive, spec_tokens))
     except (ValueError, RuntimeError) as exc:  # GGUFError, HubError, template errors are these
         _fail(str(exc))
     raise typer.Exit(code)
@@ -243,17 +258,27 @@ def serve(model: Optional[str] = typer.Option(None, "-m", "--model", help=MODEL_
               None, "--cors-origins",
               help="Comma-separated browser origins allowed by CORS, or * "
                    "($SPARKINFER_CORS_ORIGINS; default: CORS off)."),
-          device: str = typer.Option("auto", "--device", help="auto | cpu | cuda")):
+          device: str = typer.Option("auto", "--device", help="auto | cpu | cuda"),
+          spec_type: Optional[str] = SPEC_TYPE_OPTION,
+          spec_draft_n_max: Optional[int] = SPEC_DRAFT_N_MAX_OPTION,
+          speculative_config: Optional[str] = typer.Option(
+              None, "--speculative-config",
+              help='vLLM\'s spelling: \'{"method": "ngram", "num_speculative_tokens": 4}\'.')):
     """OpenAI-compatible HTTP server."""
     from sparkinfer_cli.app.preflight import check_serve
     from sparkinfer_cli.app.serve_banner import banner_line
     from sparkinfer_cli.env import parse_origins
     from sparkinfer_cli.hub.download import HubError, resolve_model
     from sparkinfer_cli.server.app import run_server
+    from sparkinfer_cli.server.config import speculation_tokens
     try:
         origins = None if cors_origins is None else parse_origins(cors_origins)
     except ValueError as exc:
         _fail(f"--cors-origins: {exc}")
+    try:
+        spec_tokens = speculation_tokens(spec_type, spec_draft_n_max, speculative_config)
+    except ValueError as exc:
+        _fail(str(exc))
     try:
         chosen = pick_device(device)
         path, _ = resolve_model(model, prefer_gpu=chosen == "cuda", announce=_note)
@@ -264,7 +289,8 @@ def serve(model: Optional[str] = typer.Option(None, "-m", "--model", help=MODEL_
         _note(pool.note)
     try:
         run_server(path, host, port, pool.ctx, api_key, device=chosen, model_name=alias,
-                   cors_origins=origins, on_listening=lambda server, engine: err.print(
+                   cors_origins=origins, spec_tokens=spec_tokens,
+                   on_listening=lambda server, engine: err.print(
                        escape(banner_line(server, engine, chosen)), highlight=False))
     except (ValueError, OSError) as exc:  # bad env/flags, broken file, port in use
         _fail_naming_flags(str(exc))

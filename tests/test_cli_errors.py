@@ -92,6 +92,35 @@ def test_serve_with_good_settings_reaches_the_server(tiny):
     assert isinstance(result.exception, Reached), result.output
 
 
+@pytest.mark.parametrize(("flags", "needle"), [
+    (["--spec-type", "mtp"], "'mtp' is not supported"),
+    (["--spec-type", "ngram", "--spec-draft-n-max", "9"], "1 to 7"),
+    (["--spec-draft-n-max", "3"], "--spec-draft-n-max needs --spec-type"),
+    (["--speculative-config", "{nope"], "--speculative-config is no JSON"),
+    (["--speculative-config", '{"method": "ngram"}', "--spec-type", "ngram"], "not both")])
+def test_serve_speculation_flags_are_checked_before_loading(tiny, flags, needle):
+    result = runner.invoke(app, ["serve", "-m", str(tiny), "--device", "cpu", "--port", "0",
+                                 *flags])
+    assert_error(result, needle)
+
+
+@pytest.mark.parametrize("flags", [["--spec-type", "ngram", "--spec-draft-n-max", "3"],
+                                   ["--speculative-config",
+                                    '{"method": "ngram", "num_speculative_tokens": 3}']])
+def test_serve_speculation_flags_in_either_spelling_reach_the_engine(tiny, monkeypatch, flags):
+    passed = {}
+
+    def run_server(*args, **kwargs):
+        passed.update(kwargs)
+        raise Reached
+
+    monkeypatch.setattr("sparkinfer_cli.server.app.run_server", run_server)
+    result = runner.invoke(app, ["serve", "-m", str(tiny), "--device", "cpu", "--port", "0",
+                                 *flags])
+    assert isinstance(result.exception, Reached), result.output
+    assert passed["spec_tokens"] == 3
+
+
 def test_serve_ctx_and_engine_settings_are_checked_before_loading(tiny, monkeypatch):
     result = runner.invoke(app, ["serve", "-m", str(tiny), "--device", "cpu", "--port", "0",
                                  "--ctx", "5"])

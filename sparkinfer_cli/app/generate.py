@@ -12,6 +12,7 @@ from sparkinfer_cli.engine.config import EngineConfig
 from sparkinfer_cli.engine.engine import ContinuousBatchEngine
 from sparkinfer_cli.engine.request import RequestEvent
 from sparkinfer_cli.engine.sampling_params import SamplingParams
+from sparkinfer_cli.engine.speculative import SpeculationStats
 from sparkinfer_cli.tokenizer.chat_template import ChatTemplate
 from sparkinfer_cli.tokenizer.tokenizer import Tokenizer
 
@@ -27,6 +28,7 @@ class GenerationStats:
     prompt_tok_s: float = 0.0
     decode_tok_s: float = 0.0
     finish_reason: str | None = None
+    drafts: SpeculationStats | None = None  # the answer's n-gram drafts (None: speculation off)
 
     @classmethod
     def from_event(cls, e: RequestEvent) -> GenerationStats:
@@ -61,11 +63,13 @@ class GenerationSession:
     """One engine for a run of prompts, one at a time: a chat's turns share its prefix cache,
     so each turn prefills only what it adds to the last."""
 
-    def __init__(self, model, tokenizer: Tokenizer, ctx: int):
-        """ctx: the KV pool in tokens; the longest prompt + answer is ctx - WARM_UP_TOKENS."""
+    def __init__(self, model, tokenizer: Tokenizer, ctx: int, spec_tokens: int = 0):
+        """ctx: the KV pool in tokens; the longest prompt + answer is ctx - WARM_UP_TOKENS;
+        spec_tokens: n-gram drafts a decode step checks at most (EngineConfig.spec_tokens)."""
         self.max_tokens = ctx - WARM_UP_TOKENS
         self.engine = ContinuousBatchEngine(model, tokenizer, EngineConfig(
-            ctx=ctx, max_batch_tokens=64, max_num_seqs=1, max_output_tokens=ctx))
+            ctx=ctx, max_batch_tokens=64, max_num_seqs=1, max_output_tokens=ctx,
+            spec_tokens=spec_tokens))
         self.engine.start()
 
     def warm_up(self, params: SamplingParams, timeout_s: float = 600.0) -> None:
@@ -86,6 +90,7 @@ class GenerationSession:
         """Yields text as it is produced; fills `stats` at the end. Closing the iterator (Ctrl-C)
         aborts the request."""
         events: queue.Queue[RequestEvent] = queue.Queue()
+        drafts_before = self.engine.stats().speculation
         request_id = self.engine.submit(prompt_ids, params, events.put)
         try:
             while True:
@@ -96,6 +101,9 @@ class GenerationSession:
                     yield event.text
                 if event.finish_reason is not None:
                     vars(stats).update(vars(GenerationStats.from_event(event)))
+                    drafts_after = self.engine.stats().speculation
+                    if drafts_before is not None and drafts_after is not None:
+                        stats.drafts = drafts_after.since(drafts_before)
                     return
         finally:
             self.engine.abort(request_id)

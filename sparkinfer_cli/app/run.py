@@ -36,6 +36,7 @@ class GenerateRequest:
     device: str  # auto | cpu | cuda; picked by run_generate
     ctx: int | None = None  # KV cache in tokens; None: the prompt + max_tokens (chat: 4,096)
     interactive: bool = False
+    spec_tokens: int = 0  # n-gram drafts a decode step checks at most (0: no speculation)
 
 
 @dataclass
@@ -115,7 +116,7 @@ def _load(req: GenerateRequest, checked: CheckedModel, ctx: int, err: Console) -
         model = load_runtime_model(checked.gguf, req.device,
                                    report=lambda what: status.update(escape(what)))
         status.update("starting the engine")
-        session = GenerationSession(model, checked.tokenizer, ctx)
+        session = GenerationSession(model, checked.tokenizer, ctx, req.spec_tokens)
         cold = req.device == "cpu" and not cpu_kernels_are_cached()
         status.update("compiling the kernels (first run only: numba caches them)" if cold
                       else "warming up")
@@ -155,6 +156,10 @@ def stream_answer(stream: Generator[str, None, None]) -> tuple[str, bool]:
 
 def report_speeds(err: Console, what: str, stats: GenerationStats) -> None:
     cached = f" ({stats.cached_tokens} cached)" if stats.cached_tokens else ""
+    drafts = stats.drafts
+    kept = f"; drafts: {drafts.num_accepted_tokens} of {drafts.num_draft_tokens} kept, " \
+        f"{drafts.mean_accepted_length:.2f} tokens a check" if drafts else ""
     err.print(f"[dim]{escape(what)}: prompt {stats.prompt_tokens} tokens{cached} at "
               f"{stats.prompt_tok_s:.1f} tok/s, {stats.output_tokens} tokens at "
-              f"{stats.decode_tok_s:.1f} tok/s ({stats.finish_reason})[/]", highlight=False)
+              f"{stats.decode_tok_s:.1f} tok/s ({stats.finish_reason}){kept}[/]",
+              highlight=False)

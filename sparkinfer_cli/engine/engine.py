@@ -30,7 +30,7 @@ from sparkinfer_cli.engine.request import OutputStream, Request, RequestEvent
 from sparkinfer_cli.engine.sampler import GRAMMAR_DEAD_END, Sampler, UnsatisfiableSampling
 from sparkinfer_cli.engine.sampling_params import SamplingParams
 from sparkinfer_cli.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
-from sparkinfer_cli.engine.speculative import accepted_drafts
+from sparkinfer_cli.engine.speculative import DraftLength, SpeculationStats, accepted_drafts
 from sparkinfer_cli.engine.step_timings import StepTimings, StepTrace
 from sparkinfer_cli.engine.stop import StopStringMatcher
 from sparkinfer_cli.model.backend import ModelBackend
@@ -60,6 +60,7 @@ class EngineStats:
     state_snapshot_bytes: int = 0  # memory of one recurrent-state snapshot (hybrid models)
     block_size: int = 0  # tokens per KV block (0: not reported, so KV token figures are unknown)
     max_num_seqs: int = 0  # sequences a step can run at once (0: not reported)
+    speculation: SpeculationStats | None = None  # None: this engine drafts nothing
 
     @property
     def kv_cache_usage(self) -> float:
@@ -82,6 +83,10 @@ class ContinuousBatchEngine:
         # state (a rejected draft would have advanced it)
         self._can_speculate = bool(config.spec_tokens and model.scores_drafts and
                                    not model.config.is_hybrid)
+        self.speculation = SpeculationStats()  # written by the engine thread only
+        if config.spec_tokens and not self._can_speculate:
+            log.warning("speculative decoding is off: this model cannot check drafts (n-gram "
+                        "drafts need the CPU runtime and a model without recurrent state)")
         self.timings = StepTimings()
         self._trace = StepTrace(config.step_trace) if config.step_trace else None
         self._last_passes = 1  # decode passes the last step queued
@@ -176,7 +181,9 @@ class ContinuousBatchEngine:
                            prefix_cache=self.kv.prefix_stats(),
                            state_snapshot_bytes=self._state_bytes,
                            block_size=self.config.block_size,
-                           max_num_seqs=self.config.max_num_seqs)
+                           max_num_seqs=self.config.max_num_seqs,
+                           speculation=dataclasses.replace(self.speculation)
+                           if self._can_speculate else None)
 
     def flush_prefix_cache(self) -> Future[int]:
         """Drops the prefix cache's content between two steps of the engine thread (which alone
@@ -227,7 +234,8 @@ class ContinuousBatchEngine:
         sampler = Sampler(params, self.n_vocab, stop_ids, constraint)
         request = Request(request_id, list(prompt_ids), params, on_event, priority, arrival, output,
                           sampler)
-        request.speculates = self._can_speculate and sampler.is_plain_greedy
+        if self._can_speculate and sampler.is_plain_greedy:
+            request.drafting = DraftLength(self.config.spec_tokens)
         if self.config.request_timeout_s:
             request.deadline = request.submitted_at + self.config.request_timeout_s
         return request
@@ -272,6 +280,9 @@ class ContinuousBatchEngine:
         greedy = self.greedy.tokens(list(rows))  # None where a row's maximum is not finite
         drafts = seq.token_ids[-seq.num_drafts:]
         kept = accepted_drafts(drafts, greedy)
+        self.speculation.record(len(drafts), kept)
+        if request.drafting is not None:
+            request.drafting.checked(len(drafts), kept)
         for i in range(kept + 1):
             if request.is_finished:
                 return

@@ -13,6 +13,7 @@ import numpy as np
 
 from sparkinfer_cli.engine.sampler import token_logprob
 from sparkinfer_cli.engine.sampling_params import SamplingParams
+from sparkinfer_cli.engine.speculative import DraftLength
 from sparkinfer_cli.engine.truncation import thread_workspace
 
 if TYPE_CHECKING:
@@ -122,7 +123,8 @@ class Request:
     prompt_logprobs: list[TokenLogprob | None] | None = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     kv: KVBlocks | None = None
-    speculates: bool = False  # its decode steps may carry n-gram drafts (EngineConfig.spec_tokens)
+    # its decode steps' n-gram drafts (EngineConfig.spec_tokens); None: it drafts none
+    drafting: DraftLength | None = None
     block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full blocks
     last_scheduled: int = -1  # stamp of its latest scheduling: decodes rotate by it
     scheduled_at: float | None = None

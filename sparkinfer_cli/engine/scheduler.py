@@ -230,11 +230,12 @@ class Scheduler:
                                  len(drafts))
 
     def _drafts(self, request: Request) -> list[int]:
-        """N-gram drafts for a decode step, within the KV the request reserved."""
-        if not (request.speculates and self.config.spec_tokens):
+        """N-gram drafts for a decode step, as many as its DraftLength allows now, within the KV
+        the request reserved."""
+        if request.drafting is None:
             return []
         room = request.params.max_tokens - request.num_output_tokens
-        return ngram_draft(request.token_ids, min(self.config.spec_tokens, room))
+        return ngram_draft(request.token_ids, min(request.drafting.limit(), room))
 
 
 def progress(request: Request) -> SequenceProgress:

@@ -10,10 +10,17 @@ retrieval, quoting).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 MAX_NGRAM = 3
+# A draft that keeps failing costs each step its checked rows for nothing (a CPU pass of k + 1 rows
+# costs about (k + 3) / 3 single ones): after MISSES_TO_PAUSE checks in a row that keep no draft,
+# a request stops drafting for a pause that doubles each time, up to MAX_PAUSE_STEPS decode steps
+MISSES_TO_PAUSE = 2
+FIRST_PAUSE_STEPS = 4
+MAX_PAUSE_STEPS = 64
 
 
 def ngram_draft(token_ids: Sequence[int], max_drafts: int) -> list[int]:
@@ -41,3 +48,66 @@ def accepted_drafts(drafts: Sequence[int], greedy: Sequence[int | None]) -> int:
         if greedy[i] != draft:
             return i
     return len(drafts)
+
+
+class DraftLength:
+    """How many tokens a request drafts at its next decode step: the configured most at first,
+    then one more than its last check kept (a copied span tends to go on; a short one, to stop),
+    and none for a while once checks keep failing (free prose that repeats nothing), so that
+    speculation costs little where it does not pay."""
+
+    def __init__(self, most: int):
+        self.most = most
+        self._next = most
+        self._misses = 0  # checks in a row that kept no draft
+        self._pause = 0  # decode steps left without drafts
+        self._next_pause = FIRST_PAUSE_STEPS
+
+    def limit(self) -> int:
+        """The drafts this decode step may carry (called once a decode step)."""
+        if self._pause:
+            self._pause -= 1
+            return 0
+        return self._next
+
+    def checked(self, drafted: int, kept: int) -> None:
+        """A step's check kept `kept` of its `drafted` tokens."""
+        self._next = min(self.most, kept + 1)
+        if kept:
+            self._misses, self._next_pause = 0, FIRST_PAUSE_STEPS
+            return
+        self._misses += 1
+        if self._misses >= MISSES_TO_PAUSE:
+            self._misses, self._pause = 0, self._next_pause
+            self._next_pause = min(2 * self._next_pause, MAX_PAUSE_STEPS)
+
+
+@dataclass
+class SpeculationStats:
+    """Cumulative over an engine's life (vLLM's spec_decode counters): checks that carried drafts,
+    the tokens drafted, and those the checks kept."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    def record(self, drafted: int, kept: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += kept
+
+    def since(self, earlier: SpeculationStats) -> SpeculationStats:
+        """What was counted after `earlier` (a copy of these stats taken then)."""
+        return SpeculationStats(self.num_drafts - earlier.num_drafts,
+                                self.num_draft_tokens - earlier.num_draft_tokens,
+                                self.num_accepted_tokens - earlier.num_accepted_tokens)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """The share of drafted tokens kept."""
+        return self.num_accepted_tokens / max(self.num_draft_tokens, 1)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a check gives on average: the kept drafts plus the model's own next token."""
+        return 1 + self.num_accepted_tokens / max(self.num_drafts, 1)

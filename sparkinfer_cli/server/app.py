@@ -227,12 +227,13 @@ async def _drain_and_stop(app: Sanic) -> None:
 def run_server(model_path: str | Path, host: str | None = None, port: int | None = None,
                ctx: int | None = None, api_key: str | None = None, *, device: str = "cpu",
                model_name: str | None = None, cors_origins: tuple[str, ...] | None = None,
-               environ: Mapping[str, str] | None = None,
+               environ: Mapping[str, str] | None = None, spec_tokens: int | None = None,
                on_listening: Callable[[ServerConfig, EngineConfig], None] | None = None) -> None:
     """`sparkinfer serve`: load the model, start the engine, serve until SIGTERM/SIGINT.
     Arguments left None come from the environment (HOST, PORT, CTX, SPARKINFER_*); the model id
-    is model_name, else SPARKINFER_SERVED_MODEL_NAME, else the GGUF's name. `on_listening` (the
-    CLI's banner) is called once the port accepts connections."""
+    is model_name, else SPARKINFER_SERVED_MODEL_NAME, else the GGUF's name; spec_tokens (the
+    speculation flags), else SPARKINFER_SPEC_TOKENS. `on_listening` (the CLI's banner) is called
+    once the port accepts connections."""
     from sparkinfer_cli.engine.engine import ContinuousBatchEngine, warm_up
     from sparkinfer_cli.gguf.reader import GGUFFile
     from sparkinfer_cli.model.loader import load_runtime_model
@@ -248,7 +249,9 @@ def run_server(model_path: str | Path, host: str | None = None, port: int | None
                                           fallback_model_name=default_model_name(gguf))
     model = load_runtime_model(gguf, device, environ)
     tokenizer = load_tokenizer(gguf, environ)
-    engine_config = build_engine_config(ctx, model.config.context_length, environ, device=device)
+    speculation = {} if spec_tokens is None else {"spec_tokens": spec_tokens}
+    engine_config = build_engine_config(ctx, model.config.context_length, environ, device=device,
+                                        **speculation)
     engine = ContinuousBatchEngine(model, tokenizer, engine_config)
     engine.start()
     if not warm_up(engine):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -104,3 +105,40 @@ def build_engine_config(ctx: int | None, trained_context_length: int,
     }
     values.update(overrides)
     return EngineConfig(**values)
+
+
+SPEC_TYPES = ("ngram",)  # draft sources the engine has (issue: MTP heads and draft models next)
+DEFAULT_SPEC_DRAFT_TOKENS = 4
+
+
+def speculation_tokens(spec_type: str | None, draft_n_max: int | None,
+                       speculative_config: str | None) -> int | None:
+    """EngineConfig.spec_tokens from serve's flags in llama-server's spelling (--spec-type,
+    --spec-draft-n-max) or vLLM's (--speculative-config '{"method": "ngram",
+    "num_speculative_tokens": K}'); None when none is given (the environment decides).
+    ValueError naming the flag otherwise."""
+    if speculative_config is not None:
+        if spec_type is not None or draft_n_max is not None:
+            raise ValueError("give --speculative-config or --spec-type / --spec-draft-n-max, "
+                             "not both")
+        try:
+            config = json.loads(speculative_config)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--speculative-config is no JSON: {exc}") from None
+        if not isinstance(config, dict):
+            raise ValueError("--speculative-config must be a JSON object")
+        spec_type = config.get("method")
+        draft_n_max = config.get("num_speculative_tokens", DEFAULT_SPEC_DRAFT_TOKENS)
+        if not isinstance(draft_n_max, int) or isinstance(draft_n_max, bool):
+            raise ValueError("--speculative-config: num_speculative_tokens must be an integer")
+    elif spec_type is None:
+        if draft_n_max is not None:
+            raise ValueError("--spec-draft-n-max needs --spec-type")
+        return None
+    if spec_type not in SPEC_TYPES:
+        raise ValueError(f"speculative method {spec_type!r} is not supported; the engine has: "
+                         f"{', '.join(SPEC_TYPES)}")
+    tokens = DEFAULT_SPEC_DRAFT_TOKENS if draft_n_max is None else draft_n_max
+    if not 1 <= tokens <= 7:
+        raise ValueError(f"draft tokens must be 1 to 7, got {tokens}")
+    return tokens

@@ -98,6 +98,33 @@ class PrefixCacheCollector(Collector):
         return families
 
 
+class SpeculationCollector(Collector):
+    """Speculative decoding's drafts: checks that carried drafts, tokens drafted and kept (vLLM's
+    spec_decode counters: vllm_metrics.py), and their ratios; nothing when the engine drafts
+    none."""
+
+    def __init__(self, stats: Callable[[], Any]):
+        self._stats = stats
+
+    def collect(self) -> Any:
+        spec = self._stats().speculation
+        if spec is None:
+            return []
+        return [
+            CounterMetricFamily(f"{PREFIX}_spec_decode_drafts", "decode checks that carried drafts",
+                                value=spec.num_drafts),
+            CounterMetricFamily(f"{PREFIX}_spec_decode_draft_tokens", "tokens drafted",
+                                value=spec.num_draft_tokens),
+            CounterMetricFamily(f"{PREFIX}_spec_decode_accepted_tokens",
+                                "drafted tokens the checks kept", value=spec.num_accepted_tokens),
+            GaugeMetricFamily(f"{PREFIX}_spec_decode_acceptance_rate",
+                              "share of drafted tokens kept, over the engine's life",
+                              value=spec.acceptance_rate),
+            GaugeMetricFamily(f"{PREFIX}_spec_decode_mean_accepted_length",
+                              "tokens a check gives on average (kept drafts + 1)",
+                              value=spec.mean_accepted_length)]
+
+
 class ServerMetrics:
     def __init__(self, stats: Callable[[], Any], is_accepting: Callable[[], bool],
                  model_name: str = "sparkinfer"):
@@ -156,6 +183,7 @@ class ServerMetrics:
               registry=self.registry).set_function(lambda: float(is_accepting()))
         self.registry.register(StepTimingsCollector(stats))
         self.registry.register(PrefixCacheCollector(stats))
+        self.registry.register(SpeculationCollector(stats))
 
     def count_request(self, outcome: str, *, streaming: bool) -> None:
         self.requests.inc()

@@ -41,6 +41,15 @@ class _VllmEngineCollector(Collector):
             self._counter("prefix_cache_hits", "prompt tokens found in the prefix cache",
                           cache.hit_tokens if cache else 0),
         ]
+        spec = s.speculation
+        if spec is not None:
+            families += [
+                self._counter("spec_decode_num_drafts", "decode checks that carried drafts",
+                              spec.num_drafts),
+                self._counter("spec_decode_num_draft_tokens", "tokens drafted",
+                              spec.num_draft_tokens),
+                self._counter("spec_decode_num_accepted_tokens", "drafted tokens kept",
+                              spec.num_accepted_tokens)]
         info = GaugeMetricFamily(f"{VLLM}cache_config_info", "the KV cache's configuration",
                                  labels=[*LABELS, "num_gpu_blocks", "enable_prefix_caching"])
         info.add_metric([*self._labels, str(s.total_kv_blocks), str(cache is not None).lower()],

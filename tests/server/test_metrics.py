@@ -67,3 +67,24 @@ def test_vllm_names_carry_the_engine_state_and_the_request_figures() -> None:
     assert value[("vllm:time_to_first_token_seconds_count", "")] == 3
     assert value[("vllm:inter_token_latency_seconds_count", "")] == 2
     assert value[("vllm:e2e_request_latency_seconds_sum", "")] == 6.0
+
+
+def test_speculation_counters_in_both_names_only_where_the_engine_drafts() -> None:
+    from sparkinfer_cli.engine.speculative import SpeculationStats
+
+    spec = SpeculationStats()
+    for drafted, kept in ((4, 4), (4, 1), (2, 0)):
+        spec.record(drafted, kept)
+    drafting = EngineStats(1, 0, 10, 10, 0, True, StepTimings(), speculation=spec)
+    got = samples(ServerMetrics(lambda: drafting, lambda: True))
+    assert got[("sparkinfer_spec_decode_drafts_total", "")] == 3
+    assert got[("sparkinfer_spec_decode_draft_tokens_total", "")] == 10
+    assert got[("sparkinfer_spec_decode_accepted_tokens_total", "")] == 5
+    assert got[("sparkinfer_spec_decode_acceptance_rate", "")] == 0.5
+    assert got[("sparkinfer_spec_decode_mean_accepted_length", "")] == 1 + 5 / 3
+    assert got[("vllm:spec_decode_num_drafts_total", "")] == 3
+    assert got[("vllm:spec_decode_num_draft_tokens_total", "")] == 10
+    assert got[("vllm:spec_decode_num_accepted_tokens_total", "")] == 5
+    plain = EngineStats(1, 0, 10, 10, 0, True, StepTimings())
+    assert not [name for name, _ in samples(ServerMetrics(lambda: plain, lambda: True))
+                if "spec_decode" in name]
