@@ -138,11 +138,7 @@ def generate(prompt: Optional[str] = typer.Argument(
     exits with 130."""
     from sparkinfer_cli.app.run import GenerateRequest
     from sparkinfer_cli.engine.sampling_params import SamplingParams
-    from sparkinfer_cli.server.config import speculation_tokens
-    try:
-        spec_tokens = speculation_tokens(spec_type, spec_draft_n_max, None) or 0
-    except ValueError as exc:
-        _fail(str(exc))
+    spec_tokens = _speculation(spec_type, spec_draft_n_max, None) or 0
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                 top_k=top_k, min_p=min_p, repetition_penalty=repeat_penalty,
@@ -159,6 +155,25 @@ def generate(prompt: Optional[str] = typer.Argument(
     except (ValueError, RuntimeError) as exc:  # GGUFError, HubError, template errors are these
         _fail(str(exc))
     raise typer.Exit(code)
+
+
+def _cors_origins(text: Optional[str]) -> Optional[tuple[str, ...]]:
+    from sparkinfer_cli.env import parse_origins
+    try:
+        return None if text is None else parse_origins(text)
+    except ValueError as exc:
+        _fail(f"--cors-origins: {exc}")
+
+
+def _speculation(spec_type: Optional[str], draft_n_max: Optional[int],
+                 speculative_config: Optional[str]) -> Optional[int]:
+    """The engine's spec_tokens from the speculation flags (None: none given); a one-line error
+    naming the flag otherwise."""
+    from sparkinfer_cli.server.config import speculation_tokens
+    try:
+        return speculation_tokens(spec_type, draft_n_max, speculative_config)
+    except ValueError as exc:
+        _fail(str(exc))
 
 
 def _prompt_text(prompt: Optional[str], interactive: bool) -> Optional[str]:
@@ -267,18 +282,10 @@ def serve(model: Optional[str] = typer.Option(None, "-m", "--model", help=MODEL_
     """OpenAI-compatible HTTP server."""
     from sparkinfer_cli.app.preflight import check_serve
     from sparkinfer_cli.app.serve_banner import banner_line
-    from sparkinfer_cli.env import parse_origins
     from sparkinfer_cli.hub.download import HubError, resolve_model
     from sparkinfer_cli.server.app import run_server
-    from sparkinfer_cli.server.config import speculation_tokens
-    try:
-        origins = None if cors_origins is None else parse_origins(cors_origins)
-    except ValueError as exc:
-        _fail(f"--cors-origins: {exc}")
-    try:
-        spec_tokens = speculation_tokens(spec_type, spec_draft_n_max, speculative_config)
-    except ValueError as exc:
-        _fail(str(exc))
+    origins = _cors_origins(cors_origins)
+    spec_tokens = _speculation(spec_type, spec_draft_n_max, speculative_config)
     try:
         chosen = pick_device(device)
         path, _ = resolve_model(model, prefer_gpu=chosen == "cuda", announce=_note)
