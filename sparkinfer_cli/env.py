@@ -192,7 +192,7 @@ SPARKINFER_PREFIX_CACHE_SNAPSHOTS: EnvVar[int] = EnvVar(
     "hybrid models: recurrent-state snapshots the prefix cache keeps (0 = one per sequence slot)")
 SPARKINFER_SPEC_TOKENS: EnvVar[int] = EnvVar(
     "SPARKINFER_SPEC_TOKENS", parse_spec_tokens, 0,
-    "n-gram speculative decoding: drafted tokens a greedy decode step checks at once (CPU, "
+    "n-gram speculative decoding: drafted tokens a decode step checks at once (CPU, "
     "non-hybrid models; 0 = off, at most 7)")
 SPARKINFER_KV_INT8: EnvVar[bool | None] = EnvVar(
     "SPARKINFER_KV_INT8", parse_bool, None, "int8 KV cache (unset = the model's default)")

@@ -30,7 +30,12 @@ from sparkinfer_cli.engine.request import OutputStream, Request, RequestEvent
 from sparkinfer_cli.engine.sampler import GRAMMAR_DEAD_END, Sampler, UnsatisfiableSampling
 from sparkinfer_cli.engine.sampling_params import SamplingParams
 from sparkinfer_cli.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
-from sparkinfer_cli.engine.speculative import DraftLength, SpeculationStats, accepted_drafts
+from sparkinfer_cli.engine.speculative import (
+    DraftLength,
+    SpeculationStats,
+    accepted_drafts,
+    sampled_drafts,
+)
 from sparkinfer_cli.engine.step_timings import StepTimings, StepTrace
 from sparkinfer_cli.engine.stop import StopStringMatcher
 from sparkinfer_cli.model.backend import ModelBackend
@@ -234,7 +239,8 @@ class ContinuousBatchEngine:
         sampler = Sampler(params, self.n_vocab, stop_ids, constraint)
         request = Request(request_id, list(prompt_ids), params, on_event, priority, arrival, output,
                           sampler)
-        if self._can_speculate and sampler.is_plain_greedy:
+        if self._can_speculate and (sampler.is_plain_greedy or
+                                    sampler.checks_drafts_by_sampling):
             request.drafting = DraftLength(self.config.spec_tokens)
         if self.config.request_timeout_s:
             request.deadline = request.submitted_at + self.config.request_timeout_s
@@ -277,9 +283,18 @@ class ContinuousBatchEngine:
         """rows (1 + drafts, n_vocab): the greedy token after the fed one and after each draft.
         The confirmed drafts and the model's token after them are appended, one by one, as
         decoding them singly would have; a draft's KV counts once the token after it is kept."""
-        greedy = self.greedy.tokens(list(rows))  # None where a row's maximum is not finite
         drafts = seq.token_ids[-seq.num_drafts:]
-        kept = accepted_drafts(drafts, greedy)
+        assert request.sampler is not None
+        if request.sampler.is_plain_greedy:
+            greedy = self.greedy.tokens(list(rows))  # None where a row's maximum is not finite
+            kept = accepted_drafts(drafts, greedy)
+            last = greedy[kept]
+        else:
+            try:
+                kept, last = sampled_drafts(request.sampler, rows, drafts)
+            except UnsatisfiableSampling as exc:
+                self._finish(request, "rejected", str(exc))
+                return
         self.speculation.record(len(drafts), kept)
         if request.drafting is not None:
             request.drafting.checked(len(drafts), kept)
@@ -288,8 +303,9 @@ class ContinuousBatchEngine:
                 return
             if i:
                 self.scheduler.decoded(request)
-            # NOTE: no token (a non-finite row) leaves the choice to the sampler, as decoding does
-            self._append_sample(request, rows[i], drafts[i] if i < kept else greedy[kept])
+            # NOTE: no token (a non-finite row, or every draft kept by sampling) leaves the choice
+            # to the sampler, as decoding does
+            self._append_sample(request, rows[i], drafts[i] if i < kept else last)
 
     def _run_prompt_logits(self, output: SchedulerOutput) -> None:
         """A step that carries one prompt piece alone, whose tokens' logprobs are asked for; a

@@ -39,7 +39,13 @@ from typing import Protocol
 import numpy as np
 
 from sparkinfer_cli.engine.sampling_params import SamplingParams
-from sparkinfer_cli.engine.truncation import Workspace, choose, thread_workspace, top_positions
+from sparkinfer_cli.engine.truncation import (
+    Workspace,
+    check_draft,
+    choose,
+    thread_workspace,
+    top_positions,
+)
 from sparkinfer_cli.model.batch import DeviceDraw
 
 REPETITION_WINDOW = 64  # llama.cpp's penalty_last_n default
@@ -125,6 +131,22 @@ class Sampler:
         p = self.params
         return self.is_plain_greedy or (not p.logprobs and not self.may_touch_logits
                                         and (p.is_greedy or 1 <= p.top_k <= max_top_k))
+
+    @property
+    def checks_drafts_by_sampling(self) -> bool:
+        """Whether check_draft keeps this request's output distribution: it samples from the raw
+        logits (no penalties, bias, min_tokens ban or grammar; no logprobs to report)."""
+        p = self.params
+        return not p.is_greedy and not p.logprobs and self.constraint is None and \
+            not self._penalises and not self._bias[0].size and not self._early_bias[0].size
+
+    def check_draft(self, logits: np.ndarray, draft: int) -> tuple[int, bool]:
+        """This token, given a drafted guess for it (checks_drafts_by_sampling): (draft, True)
+        when speculative sampling keeps the draft, else (the token drawn instead, False)."""
+        p = self.params
+        check_finite(0, logits.max())
+        return check_draft(logits, p.temperature, p.top_k, p.top_p, p.min_p, draft,
+                           self._rng.random(), self._rng.random(), thread_workspace(self.n_vocab))
 
     def device_mask(self) -> np.ndarray | None:
         """The uint32 mask words of the tokens this token may be (constraint.allowed_words);

@@ -1,6 +1,8 @@
 """N-gram (prompt-lookup) drafting: a decode step may carry a few guessed tokens, which the model
-checks in the same pass; the greedy token of each checked row decides how many are kept, so the
-output is exactly what one-token-at-a-time greedy decoding gives.
+checks in the same pass. For a greedy request the greedy token of each checked row decides how
+many are kept, so the output is exactly what one-token-at-a-time greedy decoding gives; for a
+sampled one, speculative sampling (truncation.check_draft) keeps each draft with its probability,
+so the output is distributed exactly as without drafts.
 
 A draft is what followed the latest earlier occurrence of the sequence's last n tokens (n from
 MAX_NGRAM down to 1): cheap, and right often where an answer repeats its prompt (code edits,
@@ -11,8 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from sparkinfer_cli.engine.sampler import Sampler
 
 MAX_NGRAM = 3
 # A draft that keeps failing costs each step its checked rows for nothing (a CPU pass of k + 1 rows
@@ -39,6 +45,18 @@ def ngram_draft(token_ids: Sequence[int], max_drafts: int) -> list[int]:
             follow = int(found[-1]) + n
             return ids[follow:follow + max_drafts].tolist()
     return []
+
+
+def sampled_drafts(sampler: Sampler, rows: np.ndarray, drafts: Sequence[int]
+                   ) -> tuple[int, int | None]:
+    """A sampled request's check: (drafts kept, the token drawn instead of the first one not
+    kept, or None when all were kept and the next token is sampled from the last row as usual).
+    rows (1 + drafts, n_vocab): the logits after the fed token and after each draft."""
+    for i, draft in enumerate(drafts):
+        token, kept = sampler.check_draft(rows[i], draft)
+        if not kept:
+            return i, token
+    return len(drafts), None
 
 
 def accepted_drafts(drafts: Sequence[int], greedy: Sequence[int | None]) -> int:

@@ -144,15 +144,41 @@ def choose(logits: np.ndarray, temperature: float, top_k: int, top_p: float, min
     return position if ids is None else int(ids[position])
 
 
+def check_draft(logits: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float,
+                draft: int, u_keep: float, u_instead: float, ws: Workspace) -> tuple[int, bool]:
+    """Speculative sampling of a draft proposed with certainty (prompt lookup: its proposal puts
+    all mass on `draft`): (draft, True) with probability p(draft) under choose()'s distribution,
+    else (a token drawn by u_instead from p with the draft's mass taken out, False). Over the
+    two draws the token is distributed exactly as choose() draws it (Leviathan et al.: accept
+    with min(1, p/q), else sample the residual max(0, p − q), here p without the draft)."""
+    ids = truncate(logits, top_k, top_p, min_p, ws)
+    values = subset(logits, ids)
+    position = draft if ids is None else int(np.searchsorted(ids, draft))
+    present = position < len(values) and (ids is None or ids[position] == draft)
+    weights = softmax_weights(values, temperature, ws)
+    if present:
+        total = float(np.sum(weights, dtype=np.float64))
+        if u_keep * total < weights[position]:
+            return draft, True
+        weights[position] = 0.0
+    drawn = cumulative_search(weights, u_instead, side="right")
+    return (drawn if ids is None else int(ids[drawn])), False
+
+
 def draw(values: np.ndarray, temperature: float, u: float, ws: Workspace) -> int:
     """Position drawn from softmax(values / temperature) by u: the first whose cumulative weight
     (positions ascending) exceeds u of the total."""
+    return cumulative_search(softmax_weights(values, temperature, ws), u, side="right")
+
+
+def softmax_weights(values: np.ndarray, temperature: float, ws: Workspace) -> np.ndarray:
+    """exp((values − max) / temperature) in ws.weights: softmax's unnormalised weights."""
     weights = ws.weights[:len(values)]
     np.subtract(values, values.max(), out=weights)
     if temperature != 1.0:  # NOTE: dividing by 1 changes no bit; skip the pass
         np.divide(weights, np.float32(temperature), out=weights)
     np.exp(weights, out=weights)
-    return cumulative_search(weights, u, side="right")
+    return weights
 
 
 def cumulative_search(weights: np.ndarray, fraction: float,

@@ -86,6 +86,38 @@ def test_sampled_distribution_matches_reference(config):
     assert chi2 < chi_square_critical(df), f"chi-square {chi2:.1f} with {df} dof; counts {counts}"
 
 
+@pytest.mark.parametrize("config", CONFIGS[1:4],
+                         ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+@pytest.mark.parametrize("draft", [2, 7, 9])  # the likeliest token, a middling one, a rare one
+def test_a_checked_draft_leaves_the_distribution_as_it_was(config, draft):
+    """Speculative sampling of a prompt-lookup draft (Sampler.check_draft): the token that comes
+    out, kept draft or drawn instead, follows the reference distribution, and the draft is kept
+    as often as its probability says."""
+    expected = reference_distribution(LOGITS_12, **config)
+    sampler = Sampler(SamplingParams(seed=77, **config), len(LOGITS_12))
+    assert sampler.checks_drafts_by_sampling
+    draws = [sampler.check_draft(LOGITS_12, draft) for _ in range(N_DRAWS)]
+    counts = np.bincount([token for token, _ in draws], minlength=len(LOGITS_12))
+    outside = [t for t in np.flatnonzero(counts) if t not in expected]
+    assert not outside, f"tokens {outside} were drawn but the reference removes them"
+    chi2 = sum((counts[t] - N_DRAWS * p) ** 2 / (N_DRAWS * p) for t, p in expected.items())
+    df = max(1, len(expected) - 1)
+    assert chi2 < chi_square_critical(df), f"chi-square {chi2:.1f} with {df} dof; counts {counts}"
+    kept, p_draft = sum(keep for _, keep in draws), expected.get(draft, 0.0)
+    assert all(token == draft for token, keep in draws if keep)
+    assert abs(kept - N_DRAWS * p_draft) <= 5 * math.sqrt(N_DRAWS * p_draft * (1 - p_draft)) + 1
+
+
+def test_only_plain_sampled_requests_check_drafts_by_sampling():
+    plain = SamplingParams(temperature=0.7, top_p=0.9)
+    assert Sampler(plain, 12).checks_drafts_by_sampling
+    for other in (SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, logprobs=True),
+                  SamplingParams(temperature=0.7, repetition_penalty=1.1),
+                  SamplingParams(temperature=0.7, logit_bias={3: -5.0}),
+                  SamplingParams(temperature=0.7, min_tokens=2)):
+        assert not Sampler(other, 12, stop_token_ids=[1]).checks_drafts_by_sampling
+
+
 def test_reference_cuts_are_not_on_a_boundary():
     """The top-p / min-p configs above must not sit within float error of a cut, or the test
     would depend on rounding rather than on the rule."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from engine_harness import Collector, greedy
 from test_prefix_cache import RepeatingModel, _greedy_of
 
@@ -13,6 +15,7 @@ from sparkinfer_cli.engine.speculative import (
     SpeculationStats,
     ngram_draft,
 )
+from sparkinfer_cli.engine.sampling_params import SamplingParams
 
 
 def test_a_draft_is_what_followed_the_latest_occurrence_of_the_last_tokens():
@@ -71,3 +74,30 @@ def test_the_engine_counts_the_drafts_its_checks_keep(engines):
     assert spec.num_accepted_tokens >= 0.75 * spec.num_draft_tokens
     assert spec.num_drafts + spec.num_accepted_tokens <= 24  # each check gives 1 + kept tokens
     assert engines(RepeatingModel()).stats().speculation is None
+
+
+def test_sampled_answers_with_drafts_keep_their_distribution(engines):
+    """RepeatingModel's logits at top_k 2 and temperature 0.5: each token is the model's pick
+    with probability e²/(e² + 1) whatever came before, drafted or not. Over 200 seeded requests
+    the share of picks matches that probability with drafts on as with them off, and most drafts
+    are kept."""
+    p_pick = math.exp(2) / (math.exp(2) + 1)
+    prompt, n_requests, max_tokens = [3, 14, 15, 9, 26] * 4, 200, 6
+    shares = {}
+    for spec_tokens in (0, 4):
+        engine, sink = engines(RepeatingModel(), spec_tokens=spec_tokens), Collector()
+        ids = [engine.submit(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.5,
+                                                    top_k=2, seed=seed), sink)
+               for seed in range(n_requests)]
+        picks = 0
+        for request_id in ids:
+            seen = list(prompt)
+            for token in sink.tokens(sink.final(request_id).request_id):
+                picks += token == RepeatingModel.pick(seen)
+                seen.append(token)
+        shares[spec_tokens] = picks / (n_requests * max_tokens)
+        if spec_tokens:
+            spec = engine.stats().speculation
+            assert spec.num_drafts > n_requests and spec.acceptance_rate > 0.5
+    sigma = math.sqrt(p_pick * (1 - p_pick) / (n_requests * max_tokens))
+    assert all(abs(share - p_pick) < 5 * sigma for share in shares.values()), shares
