@@ -3,11 +3,12 @@ whether the greedy answers are the same, on a code-editing set (the prompt holds
 answer rewrites it with a small edit) and on free prose.
 
     python bench/probes/spec_acceptance.py qwen2.5-coder-0.5b OUT.json [--spec-tokens 4]
-        [--repeats 2] [--max-tokens 400]
+        [--repeats 2] [--max-tokens 400] [--temperature T --top-p P]
 
 The engine runs on the CPU (where drafts are checked); off and on alternate per task and repeat,
 and a task's decode rate is the median over its repeats, timed from the first token to the last
-as the answer streams.
+as the answer streams. With --temperature > 0 the answers are sampled (each repeat its own seed,
+the same for off and on): they are then compared by length only, the tokens differ by design.
 """
 
 from __future__ import annotations
@@ -81,9 +82,9 @@ TASKS = {
 }
 
 
-def answer(engine: ContinuousBatchEngine, prompt_ids: list[int], max_tokens: int
+def answer(engine: ContinuousBatchEngine, prompt_ids: list[int], params: SamplingParams
            ) -> tuple[list[int], float]:
-    """The greedy answer's ids and its decode rate (first token to last)."""
+    """The answer's ids and its decode rate (first token to last)."""
     times: list[float] = []
     ids: list[int] = []
     done = threading.Event()
@@ -94,7 +95,7 @@ def answer(engine: ContinuousBatchEngine, prompt_ids: list[int], max_tokens: int
         if event.finish_reason is not None:
             done.set()
 
-    engine.submit(prompt_ids, SamplingParams(max_tokens=max_tokens, temperature=0.0), on_event)
+    engine.submit(prompt_ids, params, on_event)
     done.wait()
     return ids, (len(ids) - 1) / (times[-1] - times[0])
 
@@ -106,6 +107,8 @@ def main() -> None:
     parser.add_argument("--spec-tokens", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=400)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
     args = parser.parse_args()
     gguf = GGUFFile(demo_model_path(args.model))
     model, tokenizer = load_runtime_model(gguf, "cpu"), load_tokenizer(gguf)
@@ -122,9 +125,11 @@ def main() -> None:
             rates: dict[int, list[float]] = {k: [] for k in engines}
             answers: dict[int, list[int]] = {}
             before = engines[args.spec_tokens].stats().speculation
-            for _ in range(args.repeats):
+            for repeat in range(args.repeats):
+                params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                        top_p=args.top_p, seed=repeat)
                 for k, engine in engines.items():
-                    answers[k], rate = answer(engine, ids, args.max_tokens)
+                    answers[k], rate = answer(engine, ids, params)
                     rates[k].append(rate)
             drafts = engines[args.spec_tokens].stats().speculation.since(before)
             off, on = (statistics.median(rates[k]) for k in engines)
@@ -144,6 +149,7 @@ def main() -> None:
             engine.shutdown()
     args.out.write_text(json.dumps({"model": args.model, "spec_tokens": args.spec_tokens,
                                     "repeats": args.repeats, "max_tokens": args.max_tokens,
+                                    "temperature": args.temperature, "top_p": args.top_p,
                                     "results": results}, indent=2))
 
 
