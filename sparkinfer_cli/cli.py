@@ -208,6 +208,9 @@ def bench(model: Optional[str] = typer.Option(None, "-m", "--model", help=MODEL_
           ctx: list[int] = typer.Option([], "--ctx",
                                          help="Prefill sizes / decode depths (repeatable)."),
           concurrency: list[int] = typer.Option([], "--concurrency", help="Concurrent sequences."),
+          llama_bench: Optional[Path] = typer.Option(
+              None, "--llama-bench", help="A built llama-bench: llama.cpp measured on the same "
+                                          "file and depths in this run, beside our figures."),
           out_dir: Optional[Path] = typer.Option(
               None, "--out", help="Results directory (default: ~/.local/share/sparkinfer/"
                                   "bench-results; the repo's is bench/results)."),
@@ -252,7 +255,7 @@ def bench(model: Optional[str] = typer.Option(None, "-m", "--model", help=MODEL_
                 turns=turns, turn_tokens=turn_tokens, json=json_answers), err)
         else:
             run_bench(BenchRequest(model, synthetic, pick_device(device), tuple(ctx),
-                                   tuple(concurrency), out_dir, command), err)
+                                   tuple(concurrency), out_dir, command, llama_bench), err)
     except (ValueError, RuntimeError) as exc:
         _fail(str(exc))
 

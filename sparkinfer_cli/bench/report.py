@@ -73,13 +73,20 @@ class BenchReport:
     load_average: dict[str, list[float]]  # before / after: 1, 5, 15-minute load averages
     results: list[ResultRow] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # llama.cpp measured in this run (--llama-bench): (how, figures); None: the stored anchors
+    llama_cpp: tuple[str, tuple[Anchor, ...]] | None = None
 
     @property
     def stem(self) -> str:
         return result_stem(self.date, self.model, self.device_kind)
 
+    def baseline(self) -> tuple[str, tuple[Anchor, ...]]:
+        """(source, figures) of llama.cpp: measured in this run, else stored for this model and
+        device (another machine's, at another time), else none."""
+        return self.llama_cpp or LLAMA_CPP_ANCHORS.get((self.model, self.device_kind), ("", ()))
+
     def anchors(self) -> list[tuple[Anchor, ResultRow]]:
-        _, figures = LLAMA_CPP_ANCHORS.get((self.model, self.device_kind), ("", ()))
+        _, figures = self.baseline()
         return [(a, r) for a in figures for r in self.results if (r.kind, r.ctx) == (a.kind, a.ctx)]
 
 
@@ -113,7 +120,7 @@ def write_report(report: BenchReport, out_dir: Path) -> list[Path]:
 
 
 def report_json(report: BenchReport, chart: Path | None) -> dict:
-    source, _ = LLAMA_CPP_ANCHORS.get((report.model, report.device_kind), ("", ()))
+    source, _ = report.baseline()
     return {
         "model": report.model, "model_file": report.model_file, "device": report.device,
         "device_kind": report.device_kind, "commit": report.commit, "date": report.date,
@@ -191,7 +198,7 @@ def percent(fraction: float) -> str:
 
 def _method_lines(report: BenchReport) -> list[str]:
     s = report.settings
-    source, _ = LLAMA_CPP_ANCHORS.get((report.model, report.device_kind), ("", ()))
+    source, _ = report.baseline()
     lines = [
         f"Method: prompts are random token ids (seed {s.seed}); kernels warmed up first. "
         f"prefill: the ctx-token prompt in pieces of ≤ {s.prefill_chunk_tokens} tokens (median "

@@ -69,9 +69,13 @@ class BenchRequest:
     concurrency: tuple[int, ...] = ()  # concurrent sequences (empty: the device's defaults)
     out_dir: Path = field(default_factory=bench_results_dir)
     command: str = "sparkinfer bench"
+    llama_bench: Path | None = None  # a built llama-bench: llama.cpp measured in the same run
 
     def __post_init__(self) -> None:
         from sparkinfer_cli.gguf.synthetic import resolve_preset
+
+        if self.llama_bench is not None and not self.llama_bench.is_file():
+            raise ValueError(f"--llama-bench {self.llama_bench}: no such file")
 
         if self.model is not None and self.synthetic is not None:
             raise ValueError("give a model (-m) or a synthetic preset (--synthetic), not both")
@@ -117,12 +121,29 @@ def run_bench(request: BenchRequest, console: Console) -> list[Path]:
     measurements = run_measurements(request, model, tokenizer, console)
     report.load_average["after"] = list(os.getloadavg())
     report.results = [_row(m, load, report.cost, peaks) for m, load in measurements]
+    if request.llama_bench is not None:
+        add_llama_cpp(report, request, path, console)
     files = write_report(report, request.out_dir)
     console.print(results_table(report))
     for note in report.notes:
         console.print(f"[yellow]{note}[/]")
     console.print("wrote " + ", ".join(str(f) for f in files))
     return files
+
+
+def add_llama_cpp(report: BenchReport, request: BenchRequest, path: Path,
+                  console: Console) -> None:
+    """llama.cpp on the same file, machine and depths (after ours: the two never share the
+    machine); a failure is a note, and the report falls back to the stored figures."""
+    from sparkinfer_cli.bench.llama_bench import measure_llama_cpp
+
+    assert request.llama_bench is not None
+    with console.status("llama.cpp on the same file (llama-bench)"):
+        try:
+            report.llama_cpp = measure_llama_cpp(request.llama_bench, path, request.ctx_values,
+                                                 request.settings.decode_steps, request.device)
+        except RuntimeError as exc:
+            report.notes.append(f"no llama.cpp figures from this run: {exc}")
 
 
 def check_fits(request: BenchRequest, limit: int) -> None:
