@@ -218,8 +218,9 @@ def _method_lines(report: BenchReport) -> list[str]:
         "attention FLOPs are not counted.",
     ]
     if source:
-        lines.append(f"llama.cpp: {source}; ratio = ours / llama.cpp. Its tg figures without "
-                     f"`@ d` are decoded from depth 0 and set against our shallowest depth.")
+        depth_note = "" if report.llama_cpp else " Its tg figures without `@ d` are decoded " \
+            "from depth 0 and set against our shallowest depth."
+        lines.append(f"llama.cpp: {source}; ratio = ours / llama.cpp.{depth_note}")
     return lines
 
 
