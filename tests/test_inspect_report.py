@@ -198,3 +198,26 @@ def test_render_shows_every_section(tmp_path):
     console = Console(record=True, width=120)
     render_report(build_report(GGUFFile(write_gguf(tmp_path / "g.gguf", "gemma3")), None), console)
     assert "warning:" in console.export_text()
+
+
+def test_an_mtp_head_is_shown_beside_the_trunk(tmp_path):
+    """A file with a multi-token-prediction layer as llama.cpp's converter writes it (one more
+    block, counted in nextn_predict_layers, its tensors named blk.N.nextn.*): inspect names the
+    head, the trunk keeps its layer count, and the engine can still run the file."""
+    import numpy as np
+    from gguf import GGUFValueType as V
+    from gguf_corpus import ARCH, N_EMBD, N_LAYER, write_tiny
+
+    head = {f"blk.{N_LAYER}.nextn.{name}.weight": np.ones(N_EMBD, np.float32)
+            for name in ("enorm", "hnorm")}
+    path = write_tiny(tmp_path / "mtp.gguf", {f"{ARCH}.block_count": (N_LAYER + 1, V.UINT32),
+                                              f"{ARCH}.nextn_predict_layers": (1, V.UINT32)},
+                      head)
+    report = build_report(GGUFFile(path), 256, "cpu")
+    assert report["model"]["mtp_head"] == {"layers": 1, "tensors": 2}
+    assert report["model"]["layers"] == N_LAYER and report["engine_error"] is None
+    console = Console(record=True, width=120)
+    render_report(report, console)
+    assert "1 layer(s), 2 tensors" in console.export_text()
+    plain = build_report(GGUFFile(write_tiny(tmp_path / "plain.gguf")), 256, "cpu")
+    assert plain["model"]["mtp_head"] is None

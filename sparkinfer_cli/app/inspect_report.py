@@ -77,9 +77,19 @@ def model_section(gguf: GGUFFile, config: ModelConfig | None) -> dict[str, Any]:
         "file_type": _file_type_name(file_type) if file_type is not None else None,
         "parameters": sum(t.n_elements for t in gguf.tensors.values()),
         "context_length": gguf.get(f"{arch}.context_length"),
+        "mtp_head": mtp_head(gguf),
     }
     section.update(_structure_from_config(config) if config else _structure_from_metadata(gguf))
     return section
+
+
+def mtp_head(gguf: GGUFFile) -> dict[str, int] | None:
+    """The multi-token-prediction layers a file carries beside its trunk, as llama.cpp's
+    converter writes them (`{arch}.nextn_predict_layers`, `blk.N.nextn.*` tensors): a draft
+    source for speculative decoding (issue 32; the engine does not use it yet). None without."""
+    layers = gguf.typed(f"{gguf.get('general.architecture')}.nextn_predict_layers", int) or 0
+    tensors = sum(".nextn." in name for name in gguf.tensors)
+    return {"layers": layers, "tensors": tensors} if layers or tensors else None
 
 
 def _structure_from_config(c: ModelConfig) -> dict[str, Any]:
@@ -214,6 +224,9 @@ def _model_rows(m: dict[str, Any]) -> list[tuple[str, str]]:
     if e := m["experts"]:
         rows.append(("experts", f"{_text(e['count'])} ({_text(e['used'])} used), expert ff "
                                 f"{_text(e['expert_ff'])}, shared ff {_text(e['shared_ff'])}"))
+    mtp = m["mtp_head"]
+    rows.append(("MTP head", "none" if mtp is None else
+                 f"{mtp['layers']} layer(s), {mtp['tensors']} tensors (not used for drafts yet)"))
     return rows
 
 
