@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Generic, TypeVar
 
-from sparkinfer_cli.engine.config import SCHED_POLICIES
+from sparkinfer_cli.engine.config import MAX_SPEC_TOKENS, SCHED_POLICIES
 
 T = TypeVar("T")
 # scheme://host[:port], as a browser's Origin header carries it: no path, not even a trailing /
@@ -43,8 +43,8 @@ def parse_non_negative_int(text: str) -> int:
 
 def parse_spec_tokens(text: str) -> int:
     value = int(text)
-    if not 0 <= value <= 7:
-        raise ValueError("must be 0 (off) to 7")
+    if not 0 <= value <= MAX_SPEC_TOKENS:
+        raise ValueError(f"must be 0 (off) to {MAX_SPEC_TOKENS}")
     return value
 
 

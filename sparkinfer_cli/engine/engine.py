@@ -280,9 +280,11 @@ class ContinuousBatchEngine:
 
     def _append_checked(self, request: Request, seq: ScheduledSequence,
                         rows: np.ndarray) -> None:
-        """rows (1 + drafts, n_vocab): the greedy token after the fed one and after each draft.
-        The confirmed drafts and the model's token after them are appended, one by one, as
-        decoding them singly would have; a draft's KV counts once the token after it is kept."""
+        """rows (1 + drafts, n_vocab): the logits after the fed token and after each draft. A
+        greedy request keeps the drafts its argmaxes confirm, a sampled one those speculative
+        sampling keeps (sampled_drafts); the kept drafts and the token after them are appended,
+        one by one, as decoding them singly would have; a draft's KV counts once the token after
+        it is kept."""
         drafts = seq.token_ids[-seq.num_drafts:]
         assert request.sampler is not None
         if request.sampler.is_plain_greedy:
@@ -297,7 +299,7 @@ class ContinuousBatchEngine:
                 return
         self.speculation.record(len(drafts), kept)
         if request.drafting is not None:
-            request.drafting.checked(len(drafts), kept)
+            request.drafting.checked(kept)
         for i in range(kept + 1):
             if request.is_finished:
                 return

@@ -88,8 +88,8 @@ class DraftLength:
             return 0
         return self._next
 
-    def checked(self, drafted: int, kept: int) -> None:
-        """A step's check kept `kept` of its `drafted` tokens."""
+    def checked(self, kept: int) -> None:
+        """A step's check kept `kept` of its drafted tokens."""
         self._next = min(self.most, kept + 1)
         if kept:
             self._misses, self._next_pause = 0, FIRST_PAUSE_STEPS

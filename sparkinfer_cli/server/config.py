@@ -8,7 +8,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from sparkinfer_cli import env
-from sparkinfer_cli.engine.config import DEFAULT_STEP_TOKENS, EngineConfig
+from sparkinfer_cli.engine.config import DEFAULT_STEP_TOKENS, MAX_SPEC_TOKENS, EngineConfig
 
 DEFAULT_MODEL_NAME = "sparkinfer"  # when neither --alias, the environment nor a file names one
 
@@ -139,6 +139,6 @@ def speculation_tokens(spec_type: str | None, draft_n_max: int | None,
         raise ValueError(f"speculative method {spec_type!r} is not supported; the engine has: "
                          f"{', '.join(SPEC_TYPES)}")
     tokens = DEFAULT_SPEC_DRAFT_TOKENS if draft_n_max is None else draft_n_max
-    if not 1 <= tokens <= 7:
-        raise ValueError(f"draft tokens must be 1 to 7, got {tokens}")
+    if not 1 <= tokens <= MAX_SPEC_TOKENS:
+        raise ValueError(f"draft tokens must be 1 to {MAX_SPEC_TOKENS}, got {tokens}")
     return tokens
