@@ -30,12 +30,12 @@ def real():
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 
 
-def ask(server, schema: dict | None) -> tuple[str, str]:
+def ask(server, schema: dict | None, **extra) -> tuple[str, str]:
     fmt = {"type": "json_object"} if schema is None else \
         {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
     reply = sdk(server).chat.completions.create(model="m", messages=ASK, max_tokens=1000,
                                                 temperature=0.8, seed=7, response_format=fmt,
-                                                extra_body=NO_THINKING)
+                                                **({"extra_body": NO_THINKING} | extra))
     return reply.choices[0].message.content, reply.choices[0].finish_reason
 
 
@@ -57,16 +57,41 @@ schemas = st.recursive(leaf, lambda inner: st.one_of(
     max_leaves=6)
 
 
-@settings(max_examples=200, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(schema=st.builds(lambda props: {"type": "object", "properties": props,
-                                       "required": sorted(props), "additionalProperties": False},
-                        st.dictionaries(st.sampled_from(["p", "q", "r"]), schemas, min_size=1,
-                                        max_size=2)))
+answer_schemas = st.builds(lambda props: {"type": "object", "properties": props,
+                                           "required": sorted(props),
+                                           "additionalProperties": False},
+                           st.dictionaries(st.sampled_from(["p", "q", "r"]), schemas, min_size=1,
+                                           max_size=2))
+generated = settings(max_examples=200, deadline=None,
+                     suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@generated
+@given(schema=answer_schemas)
 def test_every_answer_validates_against_its_schema(real, schema) -> None:
     content, finish = ask(real, schema)
     assert finish == "stop", content
     jsonschema.validate(json.loads(content), schema)
+
+
+@generated
+@given(schema=answer_schemas, seed=st.integers(0, 2**31 - 1))
+def test_every_answer_after_a_thought_validates_against_its_schema(real, tokenizer, schema,
+                                                                   seed) -> None:
+    """Thinking on, over the same generated schemas: biases make the random model open a thought
+    and, penalised for repeating it, write some free tokens before </think>; what follows
+    </think> validates."""
+    think, think_end = (tokenizer.token_to_id[t] for t in ("<think>", "</think>"))
+    reply = sdk(real).chat.completions.create(
+        model="m", messages=ASK, max_tokens=1000, temperature=0.8, seed=seed, logprobs=True,
+        logit_bias={str(think): 10, str(think_end): 4}, frequency_penalty=2.0,
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+        extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    choice = reply.choices[0]
+    tokens = [t.token for t in choice.logprobs.content]
+    assert tokens[0] == "<think>" and "</think>" in tokens, tokens[:20]
+    assert choice.finish_reason == "stop", choice.message.content
+    jsonschema.validate(json.loads(choice.message.content), schema)
 
 
 def test_json_object_streamed(real) -> None:
