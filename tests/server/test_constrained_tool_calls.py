@@ -21,7 +21,7 @@ from server_harness import ProcessServer
 from test_admission import assert_openai_error
 from test_e2e_real import FIXTURES, REQUEST_S, RUN_SERVER, STARTUP_S, sdk, start_real_server
 from test_e2e_real import tokenizer as tokenizer  # noqa: F401 (a fixture)
-from test_structured_output import NO_THINKING, schemas
+from test_structured_output import NO_THINKING, follow, may_end, schemas
 
 from sparkinfer_cli.engine.constraint import GrammarConstraint, lark_grammar
 from sparkinfer_cli.gguf.reader import GGUFFile
@@ -74,21 +74,6 @@ def constraint_for(tokenizer: Tokenizer, lark: str, thinking_open: bool | None):
         (tokenizer.id_of(THINK_OPEN), tokenizer.id_of(THINK_CLOSE))
     return GrammarConstraint(lark_grammar(lark), tokenizer, tokenizer.vocab_size, reasoning,
                              bool(thinking_open))
-
-
-def follow(constraint: GrammarConstraint, ids: list[int]) -> bool:
-    """Whether the constraint allows every token in turn."""
-    for token_id in ids:
-        allowed = constraint.allowed()
-        if allowed is not None and not allowed[token_id]:
-            return False
-        constraint.consume(token_id)
-    return True
-
-
-def may_end(constraint: GrammarConstraint, tokenizer: Tokenizer) -> bool:
-    allowed = constraint.allowed()
-    return allowed is None or bool(allowed[tokenizer.id_of("<|im_end|>")])
 
 
 @pytest.mark.parametrize("parallel", [True, False])

@@ -12,7 +12,11 @@ import jsonschema
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from hypothesis_jsonschema import from_schema
 from pydantic import BaseModel
+
+from sparkinfer_cli.engine.constraint import GrammarConstraint, json_schema_grammar
+from sparkinfer_cli.tokenizer.tokenizer import Tokenizer
 from test_admission import assert_openai_error
 from test_e2e_real import sdk, start_real_server
 from test_e2e_real import tokenizer as tokenizer  # noqa: F401 (a fixture)
@@ -37,6 +41,21 @@ def ask(server, schema: dict | None, **extra) -> tuple[str, str]:
                                                 temperature=0.8, seed=7, response_format=fmt,
                                                 **({"extra_body": NO_THINKING} | extra))
     return reply.choices[0].message.content, reply.choices[0].finish_reason
+
+
+def follow(constraint: GrammarConstraint, ids: list[int]) -> bool:
+    """Whether the constraint allows every token in turn."""
+    for token_id in ids:
+        allowed = constraint.allowed()
+        if allowed is not None and not allowed[token_id]:
+            return False
+        constraint.consume(token_id)
+    return True
+
+
+def may_end(constraint: GrammarConstraint, tokenizer: Tokenizer) -> bool:
+    allowed = constraint.allowed()
+    return allowed is None or bool(allowed[tokenizer.id_of("<|im_end|>")])
 
 
 # schemas whose every instance is short: bounded strings, enums, small arrays, nesting
@@ -72,6 +91,32 @@ def test_every_answer_validates_against_its_schema(real, schema) -> None:
     content, finish = ask(real, schema)
     assert finish == "stop", content
     jsonschema.validate(json.loads(content), schema)
+
+
+def in_schema_order(value, schema: dict):
+    """value with every object's keys in the order of its schema's `properties`."""
+    if isinstance(value, dict):
+        props = schema.get("properties", {})
+        return {k: in_schema_order(value[k], props[k]) for k in props if k in value}
+    if isinstance(value, list):
+        return [in_schema_order(v, schema.get("items", {})) for v in value]
+    return value
+
+
+@generated
+@given(schema=answer_schemas, data=st.data())
+def test_the_grammar_takes_every_instance_of_its_schema(tokenizer, schema, data) -> None:
+    """The other direction: the mask never refuses a valid answer. Instances hypothesis-jsonschema
+    draws from the schema, written as the grammar writes JSON (llguidance's one spelling of each: compact, ", "
+    and ": ", raw UTF-8 but for control characters and DEL, which are escaped, an object's keys in
+    the order of its schema's properties), pass token by token, and the answer may end after
+    them."""
+    answer = json.dumps(in_schema_order(data.draw(from_schema(schema)), schema),
+                        ensure_ascii=False).replace("\x7f", "\\u007f")
+    constraint = GrammarConstraint(json_schema_grammar(json.dumps(schema)), tokenizer,
+                                   tokenizer.vocab_size)
+    assert follow(constraint, tokenizer.encode(answer, parse_special=False)), answer
+    assert may_end(constraint, tokenizer)
 
 
 @generated
