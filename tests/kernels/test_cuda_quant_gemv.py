@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 from gguf.quants import dequantize, quantize
@@ -229,6 +231,42 @@ def test_gemv_with_rows_narrowed_to_fewer_lanes(monkeypatch, ggml_type, k, lanes
     monkeypatch.setattr(qg, "LANE_BUDGET", 1)
     assert qg.lanes_per_row(ggml_type, k, 13 * 3) == lanes
     check_expert_slots(ggml_type, k, 13, [1, 0, 1], [0, 1, 1], False, np.random.default_rng(19))
+
+
+@pytest.mark.parametrize("ggml_type, k, budget", [
+    (GGMLType.Q8_0, 1024, ("LANE_BUDGET", 8 * 32)),  # 32 units: 32 lanes alone, 8 beside 2 more
+    (GGMLType.F32, 1024, ("SPLIT_ROWS_BELOW", 16)),  # 4 warps a row alone, 1 beside 2 more
+], ids=["narrowed lanes", "warps a row"])
+def test_gemv_row_is_bit_identical_alone_and_among_slots(monkeypatch, ggml_type, k, budget):
+    """A slot's output may not depend on the slots beside it (greedy answers must not change with
+    the batch): the same expert rows × activations, alone and as one of 3 slots whose rows × slots
+    pass the budget (the launch narrows each row's lanes, or stops sharing it over warps)."""
+    monkeypatch.setattr(qg, *budget)
+    rng = np.random.default_rng(23)
+    n_rows, n_mats = 8, 2
+    w_bytes = random_weights(ggml_type, n_rows * n_mats, k, rng)
+    x = rng.standard_normal((2, 2, k)).astype(np.float32)
+    slot_mat, slot_x = [1, 0, 1], [0, 1, 1]
+    assert qg.lanes_per_row(ggml_type, k, n_rows) > qg.lanes_per_row(ggml_type, k, 3 * n_rows) \
+        or qg.row_warps(ggml_type, k, n_rows) > qg.row_warps(ggml_type, k, 3 * n_rows)
+    together = run_gemv(w_bytes, ggml_type, k, x, slot_mat, slot_x, n_mats)
+    for s, (m, g) in enumerate(zip(slot_mat, slot_x)):
+        alone = run_gemv(w_bytes, ggml_type, k, x[g:g + 1], [m], [0], n_mats)
+        np.testing.assert_array_equal(together[s], alone[0])
+        check_close(alone[0], w_bytes.reshape(n_mats, n_rows, -1)[m], ggml_type, k, x[g])
+
+
+def test_only_fixed_order_gemvs_keep_a_sum_per_virtual_lane(monkeypatch):
+    """Past the lane budget a fixed-order GEMV keeps the lanes one slot would get (narrowed lanes
+    each standing for several); a launch-shaped one (passes whose dense linears run on tensor
+    cores) narrows the lanes and keeps one sum a lane."""
+    monkeypatch.setattr(qg, "LANE_BUDGET", 8 * 32)
+    w = SimpleNamespace(ggml_type=GGMLType.Q8_0, k=1024, n_rows=8)
+    alone = qg.lanes_per_row(w.ggml_type, w.k, w.n_rows)
+    narrowed = qg.lanes_per_row(w.ggml_type, w.k, 3 * w.n_rows)
+    assert narrowed < alone
+    assert qg.reduction_layout(w, 3) == (narrowed, alone // narrowed, 1)
+    assert qg.reduction_layout(w, 3, fixed_order=False) == (narrowed, 1, 1)
 
 
 def test_lanes_per_row_narrows_only_gemvs_past_the_budget():

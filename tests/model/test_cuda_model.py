@@ -236,6 +236,26 @@ def test_batched_decode_equals_each_sequence_alone(family: str) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("family", ("qwen35moe", "qwen3moe"))
+def test_quantized_decode_below_the_gemm_rows_is_bit_identical_alone_and_batched(
+        family: str, monkeypatch) -> None:
+    """Quantized mode, as the server runs: a decode of fewer rows than LINEAR_MMA_MIN_ROWS runs
+    every linear as a GEMV whose sums keep the order their matrix fixes, so each sequence's
+    logits are bit for bit those of decoding it alone, even where the batch narrows the experts'
+    lanes (a lane budget that 3 sequences' expert slots pass and one sequence's do not)."""
+    from sparkinfer_cli.kernels.cuda import quant_gemv as qg
+
+    monkeypatch.setattr(qg, "LANE_BUDGET", 2048)  # expert gate/up: 64 rows × 8 lanes × slots
+    model = _gpu_model.__wrapped__(TINY / family / f"{family}-Q8_0.gguf", False)  # own graphs
+    prompt = _goldens(family)["prompt_long"]
+    prompts = [prompt[:20], prompt[30:37], prompt[50:83]]  # 3 sequences: a padded bucket of 4
+    alone, together = _decode_alone_and_together(model, prompts, n_steps=6)
+    for i in range(len(prompts)):
+        np.testing.assert_array_equal(np.stack(together[i]), np.stack(alone[i]),
+                                      err_msg=f"{family} sequence {i}")
+
+
+@pytest.mark.gpu
 def test_linears_on_tensor_cores_in_a_batched_decode_graph(monkeypatch) -> None:
     """33 sequences decode together: a bucket of 64 rows, where every dense linear (the output
     projection included) runs as a tensor-core GEMM, k split over the grid, inside the captured

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from sparkinfer_cli.backend.cuda.cache import CudaModelCache
-from sparkinfer_cli.backend.cuda.linears import DeviceLinear
+from sparkinfer_cli.backend.cuda.linears import DeviceLinear, sums_in_fixed_order
 from sparkinfer_cli.backend.cuda.weights import Uploader
 from sparkinfer_cli.backend.cuda.workspace import Workspace
 from sparkinfer_cli.kernels.cuda import (
@@ -165,7 +165,8 @@ class CudaMoE:
                                     stream=stream)
         else:
             qg.gemv(w.matrix, x.for_matrix(w.matrix), y, slot_x=slot_x, up=up_matrix,
-                    slot_mat=self._picks(ws)[0].reshape(n_slots), stream=stream)
+                    slot_mat=self._picks(ws)[0].reshape(n_slots), stream=stream,
+                    fixed_order=sums_in_fixed_order(ws))
 
 
 class CudaAttention:

@@ -344,31 +344,36 @@ def _row_reduction(n_acc: int):
 
 
 @functools.cache
-def _block_rows(ggml_type: GGMLType, n_cols: int, swiglu: bool, rows_per_lane: int):
+def _block_rows(ggml_type: GGMLType, n_cols: int, swiglu: bool, rows_per_lane: int,
+                virtual: int = 1):
     """The GEMV kernel's device body: this block's rows of the matrix at byte mat_base, dotted with
     n_cols activation columns; column c reads x from element xcol[c] and lands in output column
     ycol[c] (the kernel maps its grid.x slot to those columns).
 
     swiglu: also dot the same rows of a second matrix w2 (up) and write silu(W·x) · (W2·x).
     rows_per_lane: rows whose units a lane loads side by side (2: twice the loads in flight).
+    virtual: lanes of the row's reduction order each lane stands for (gemv's batch invariance):
+    a lane keeps a sum per virtual lane and folds them in the xor tree's order.
     """
     unit, blk_elems, blk_bytes, parts = _UNITS[ggml_type]
     n_acc = 2 * n_cols if swiglu else n_cols
     acc_len = rows_per_lane * n_acc  # a compile-time constant for the local array
+    lane_acc_len = virtual * acc_len  # and the sums of all virtual lanes
     reduce_rows = _row_reduction(acc_len)
     store_rows = _row_stores(n_cols, swiglu, rows_per_lane)
 
     @device_function
-    def accumulate(acc, bases, w, w2, u, xcol, xq, xd, xs):
-        # unit u of each of the lane's rows: row j's sums at acc[j·n_acc:]
+    def accumulate(acc, base, bases, w, w2, u, xcol, xq, xd, xs):
+        # unit u of each of the lane's rows: row j's sums at acc[base + j·n_acc:]
         blk = _udiv(u, parts)
         for c in range(n_cols):
             xo = xcol[c] + blk * blk_elems
             for j in range(rows_per_lane):
                 at = bases[j] + blk * blk_bytes
-                acc[j * n_acc + c] += unit(w, at, u - blk * parts, xq, xd, xs, xo)
+                acc[base + j * n_acc + c] += unit(w, at, u - blk * parts, xq, xd, xs, xo)
                 if swiglu:
-                    acc[j * n_acc + n_cols + c] += unit(w2, at, u - blk * parts, xq, xd, xs, xo)
+                    acc[base + j * n_acc + n_cols + c] += unit(w2, at, u - blk * parts, xq, xd,
+                                                               xs, xo)
 
     @device_function
     def block_rows(w, w2, row_bytes, n_rows, mat_base, k, lanes_per_row, row_warps, row_block,
@@ -385,21 +390,40 @@ def _block_rows(ggml_type: GGMLType, n_cols: int, swiglu: bool, rows_per_lane: i
         row = first + lane // lanes_per_row
         sub = lane % lanes_per_row + (warp % row_warps) * lanes_per_row
         stride = lanes_per_row * row_warps
-        acc = cuda.local.array(acc_len, float32)  # (rows, n_cols or gate + up)
+        # (virtual lanes, rows, n_cols or gate + up)
+        acc = cuda.local.array(lane_acc_len, float32)
         bases = cuda.local.array(rows_per_lane, int64)
-        for c in range(acc_len):
+        for c in range(lane_acc_len):
             acc[c] = 0.0
         for j in range(rows_per_lane):  # rows past the end re-read the last (never stored)
             bases[j] = mat_base + min(row + j * rows_per_warp, n_rows - 1) * row_bytes
         if row < n_rows:
             n_units = k // blk_elems * parts
             u = sub
-            while u + stride < n_units:
-                accumulate(acc, bases, w, w2, u, xcol, xq, xd, xs)
-                accumulate(acc, bases, w, w2, u + stride, xcol, xq, xd, xs)
-                u += 2 * stride
-            if u < n_units:
-                accumulate(acc, bases, w, w2, u, xcol, xq, xd, xs)
+            if virtual == 1:
+                while u + stride < n_units:
+                    accumulate(acc, 0, bases, w, w2, u, xcol, xq, xd, xs)
+                    accumulate(acc, 0, bases, w, w2, u + stride, xcol, xq, xd, xs)
+                    u += 2 * stride
+                if u < n_units:
+                    accumulate(acc, 0, bases, w, w2, u, xcol, xq, xd, xs)
+            else:  # unit u + v·stride of a round is virtual lane v's (see gemv)
+                while u + (virtual - 1) * stride < n_units:
+                    for v in range(virtual):
+                        accumulate(acc, v * acc_len, bases, w, w2, u + v * stride, xcol, xq,
+                                   xd, xs)
+                    u += virtual * stride
+                for v in range(virtual):
+                    if u + v * stride < n_units:
+                        accumulate(acc, v * acc_len, bases, w, w2, u + v * stride, xcol, xq,
+                                   xd, xs)
+        # the virtual lanes' xor tree for the offsets ≥ lanes_per_row: pairs within this lane
+        half = virtual // 2
+        while half >= 1:
+            for v in range(half):
+                for c in range(acc_len):
+                    acc[v * acc_len + c] += acc[(v + half) * acc_len + c]
+            half //= 2
         reduce_rows(acc, lanes_per_row, row_warps)
         if sub == 0:
             store_rows(acc, row, rows_per_warp, n_rows, ycol, bias, has_bias, y0, y1, y2, y3, ends)
@@ -430,7 +454,7 @@ def _row_stores(n_cols: int, swiglu: bool, rows_per_lane: int):
 
 @functools.cache
 def _gemv_kernel(ggml_type: GGMLType, n_cols: int, swiglu: bool = False,
-                 rows_per_lane: int = 1):
+                 rows_per_lane: int = 1, virtual: int = 1):
     """grid.x = slot: matrix slot_mat[slot], the n_cols columns of activation group slot_x[slot];
     grid.y: row blocks (grid-stride over n_row_blocks).
 
@@ -438,7 +462,7 @@ def _gemv_kernel(ggml_type: GGMLType, n_cols: int, swiglu: bool = False,
     groups of a batched linear, or the tokens that picked the same expert, share one DRAM read
     of those rows through L2 (with row blocks fastest, a slot's re-read came after the whole
     matrix had passed through L2)."""
-    block_rows = _block_rows(ggml_type, n_cols, swiglu, rows_per_lane)
+    block_rows = _block_rows(ggml_type, n_cols, swiglu, rows_per_lane, virtual)
 
     @kernel(fastmath=True)
     def gemv(w, w2, row_bytes, n_rows, mat_bytes, k, lanes_per_row, row_warps, n_row_blocks,
@@ -594,7 +618,8 @@ def _default_slots():
 
 
 def gemv(w: DeviceQuantMatrix, x, y, *, slot_mat=None, slot_x=None,
-         up: DeviceQuantMatrix | None = None, bias=None, stream=0) -> None:
+         up: DeviceQuantMatrix | None = None, bias=None, stream=0,
+         fixed_order: bool = True) -> None:
     """y (n_slots, n_cols, n_rows) f32 ← W[slot_mat[s]] · x[slot_x[s]] (+ bias (n_rows,) f32).
 
     x is a QuantizedActivations for quantized weights, a float32 (n_groups, n_cols, k) device array
@@ -602,6 +627,8 @@ def gemv(w: DeviceQuantMatrix, x, y, *, slot_mat=None, slot_x=None,
     up: a second matrix of the same type and shape; then y = silu(W·x) ⊙ (up·x) (fused SwiGLU).
     y may be a sequence of up to MAX_PARTS arrays (n_slots, n_cols, rows_p) with Σ rows_p = n_rows:
     the stacked matrix's rows in order, one part per array.
+    fixed_order: each row sums in the order its matrix alone fixes, whatever n_slots
+    (reduction_layout); False: the launch shape's order (faster at many slots).
     """
     _check_up(w, up)
     slot_mat = _default_slots() if slot_mat is None else slot_mat
@@ -611,17 +638,39 @@ def gemv(w: DeviceQuantMatrix, x, y, *, slot_mat=None, slot_x=None,
     parts, ends = output_parts(y, n_slots, n_cols, w.n_rows)
     if bias is not None:
         check_array("bias", bias, np.float32, (w.n_rows,))
-    lanes = lanes_per_row(w.ggml_type, w.k, w.n_rows * n_slots)
-    warps = row_warps(w.ggml_type, w.k, w.n_rows * n_slots)
+    lanes, virtual, warps = reduction_layout(w, n_slots, fixed_order)
     units_a_lane = cdiv(units_per_row(w.ggml_type, w.k), lanes)
     lane_rows = rows_per_lane(n_cols, w.n_rows * n_slots, warps, units_a_lane)
     n_row_blocks = cdiv(w.n_rows, WARPS_PER_BLOCK // warps * (32 // lanes) * lane_rows)
     grid = (n_slots, min(n_row_blocks, MAX_GRID_Y))
-    kernel = _gemv_kernel(w.ggml_type, n_cols, up is not None, lane_rows)
+    kernel = _gemv_kernel(w.ggml_type, n_cols, up is not None, lane_rows, virtual)
     kernel[grid, 32 * WARPS_PER_BLOCK, stream](
         w.data, w.data if up is None else up.data, w.row_bytes, w.n_rows, w.n_rows * w.row_bytes,
         w.k, lanes, warps, n_row_blocks, slot_mat, slot_x, xq, xd, xs,
         parts[0] if bias is None else bias, bias is not None, *parts, ends)
+
+
+def reduction_layout(w: DeviceQuantMatrix, n_slots: int,
+                     fixed_order: bool = True) -> tuple[int, int, int]:
+    """(lanes a row, virtual lanes a lane, warps a row) of a GEMV of w over n_slots slots.
+
+    A row's float sum must not depend on the slots beside it (a greedy answer may not change with
+    the batch), but the launch shape does: lanes_per_row narrows a row's lanes once rows × slots
+    pass the lane budget. So with fixed_order the order of a row's sum is fixed by the matrix
+    alone: the lanes (and warps) one slot would get, V = `lanes · virtual`; a narrowed launch's
+    lane keeps one sum per virtual lane it stands for (the units V lanes would take, in the same
+    order) and folds them in the xor tree's order before the shuffles: bit for bit the sums of V
+    lanes. Warps share a row only for matrices of few rows (row_warps of the matrix's rows, not ×
+    slots); those keep V. Without fixed_order: the launch shape's own layout."""
+    if not fixed_order:
+        rows = w.n_rows * n_slots
+        return lanes_per_row(w.ggml_type, w.k, rows), 1, row_warps(w.ggml_type, w.k, rows)
+    warps = row_warps(w.ggml_type, w.k, w.n_rows)
+    own = lanes_per_row(w.ggml_type, w.k, w.n_rows)
+    if warps > 1:
+        return own, 1, warps
+    lanes = min(own, lanes_per_row(w.ggml_type, w.k, w.n_rows * n_slots))
+    return lanes, own // lanes, warps
 
 
 def _check_up(w: DeviceQuantMatrix, up: DeviceQuantMatrix | None) -> None:
