@@ -344,6 +344,66 @@ def _row_reduction(n_acc: int):
 
 
 @functools.cache
+def _unit_adder(ggml_type: GGMLType, n_cols: int, swiglu: bool, rows_per_lane: int):
+    """accumulate(acc, base, ...): unit u of each of a lane's rows dotted with the n_cols
+    columns, added to row j's sums at acc[base + j·n_acc:] (gate then up sums with swiglu)."""
+    unit, blk_elems, blk_bytes, parts = _UNITS[ggml_type]
+    n_acc = 2 * n_cols if swiglu else n_cols
+
+    @device_function
+    def accumulate(acc, base, bases, w, w2, u, xcol, xq, xd, xs):
+        blk = _udiv(u, parts)
+        for c in range(n_cols):
+            xo = xcol[c] + blk * blk_elems
+            for j in range(rows_per_lane):
+                at = bases[j] + blk * blk_bytes
+                acc[base + j * n_acc + c] += unit(w, at, u - blk * parts, xq, xd, xs, xo)
+                if swiglu:
+                    acc[base + j * n_acc + n_cols + c] += unit(w2, at, u - blk * parts, xq, xd,
+                                                               xs, xo)
+
+    return accumulate
+
+
+@functools.cache
+def _lane_sums(accumulate, virtual: int, acc_len: int):
+    """(sum_units, fold_virtual_lanes): a lane's walk over a row's units from `sub` in steps of
+    `stride`, two units in flight; with virtual > 1, unit u + v·stride of a round goes to virtual
+    lane v's sums (see gemv), which the fold then adds in the xor tree's order for the offsets
+    ≥ lanes_per_row, pairs within the lane."""
+
+    @device_function
+    def sum_units(acc, bases, w, w2, sub, stride, n_units, xcol, xq, xd, xs):
+        u = sub
+        if virtual == 1:
+            while u + stride < n_units:
+                accumulate(acc, 0, bases, w, w2, u, xcol, xq, xd, xs)
+                accumulate(acc, 0, bases, w, w2, u + stride, xcol, xq, xd, xs)
+                u += 2 * stride
+            if u < n_units:
+                accumulate(acc, 0, bases, w, w2, u, xcol, xq, xd, xs)
+        else:
+            while u + (virtual - 1) * stride < n_units:
+                for v in range(virtual):
+                    accumulate(acc, v * acc_len, bases, w, w2, u + v * stride, xcol, xq, xd, xs)
+                u += virtual * stride
+            for v in range(virtual):
+                if u + v * stride < n_units:
+                    accumulate(acc, v * acc_len, bases, w, w2, u + v * stride, xcol, xq, xd, xs)
+
+    @device_function
+    def fold_virtual_lanes(acc):
+        half = virtual // 2
+        while half >= 1:
+            for v in range(half):
+                for c in range(acc_len):
+                    acc[v * acc_len + c] += acc[(v + half) * acc_len + c]
+            half //= 2
+
+    return sum_units, fold_virtual_lanes
+
+
+@functools.cache
 def _block_rows(ggml_type: GGMLType, n_cols: int, swiglu: bool, rows_per_lane: int,
                 virtual: int = 1):
     """The GEMV kernel's device body: this block's rows of the matrix at byte mat_base, dotted with
@@ -355,25 +415,14 @@ def _block_rows(ggml_type: GGMLType, n_cols: int, swiglu: bool, rows_per_lane: i
     virtual: lanes of the row's reduction order each lane stands for (gemv's batch invariance):
     a lane keeps a sum per virtual lane and folds them in the xor tree's order.
     """
-    unit, blk_elems, blk_bytes, parts = _UNITS[ggml_type]
+    _, blk_elems, _, parts = _UNITS[ggml_type]
     n_acc = 2 * n_cols if swiglu else n_cols
     acc_len = rows_per_lane * n_acc  # a compile-time constant for the local array
     lane_acc_len = virtual * acc_len  # and the sums of all virtual lanes
     reduce_rows = _row_reduction(acc_len)
     store_rows = _row_stores(n_cols, swiglu, rows_per_lane)
-
-    @device_function
-    def accumulate(acc, base, bases, w, w2, u, xcol, xq, xd, xs):
-        # unit u of each of the lane's rows: row j's sums at acc[base + j·n_acc:]
-        blk = _udiv(u, parts)
-        for c in range(n_cols):
-            xo = xcol[c] + blk * blk_elems
-            for j in range(rows_per_lane):
-                at = bases[j] + blk * blk_bytes
-                acc[base + j * n_acc + c] += unit(w, at, u - blk * parts, xq, xd, xs, xo)
-                if swiglu:
-                    acc[base + j * n_acc + n_cols + c] += unit(w2, at, u - blk * parts, xq, xd,
-                                                               xs, xo)
+    accumulate = _unit_adder(ggml_type, n_cols, swiglu, rows_per_lane)
+    sum_units, fold_virtual_lanes = _lane_sums(accumulate, virtual, acc_len)
 
     @device_function
     def block_rows(w, w2, row_bytes, n_rows, mat_base, k, lanes_per_row, row_warps, row_block,
@@ -398,32 +447,8 @@ def _block_rows(ggml_type: GGMLType, n_cols: int, swiglu: bool, rows_per_lane: i
         for j in range(rows_per_lane):  # rows past the end re-read the last (never stored)
             bases[j] = mat_base + min(row + j * rows_per_warp, n_rows - 1) * row_bytes
         if row < n_rows:
-            n_units = k // blk_elems * parts
-            u = sub
-            if virtual == 1:
-                while u + stride < n_units:
-                    accumulate(acc, 0, bases, w, w2, u, xcol, xq, xd, xs)
-                    accumulate(acc, 0, bases, w, w2, u + stride, xcol, xq, xd, xs)
-                    u += 2 * stride
-                if u < n_units:
-                    accumulate(acc, 0, bases, w, w2, u, xcol, xq, xd, xs)
-            else:  # unit u + v·stride of a round is virtual lane v's (see gemv)
-                while u + (virtual - 1) * stride < n_units:
-                    for v in range(virtual):
-                        accumulate(acc, v * acc_len, bases, w, w2, u + v * stride, xcol, xq,
-                                   xd, xs)
-                    u += virtual * stride
-                for v in range(virtual):
-                    if u + v * stride < n_units:
-                        accumulate(acc, v * acc_len, bases, w, w2, u + v * stride, xcol, xq,
-                                   xd, xs)
-        # the virtual lanes' xor tree for the offsets ≥ lanes_per_row: pairs within this lane
-        half = virtual // 2
-        while half >= 1:
-            for v in range(half):
-                for c in range(acc_len):
-                    acc[v * acc_len + c] += acc[(v + half) * acc_len + c]
-            half //= 2
+            sum_units(acc, bases, w, w2, sub, stride, k // blk_elems * parts, xcol, xq, xd, xs)
+        fold_virtual_lanes(acc)
         reduce_rows(acc, lanes_per_row, row_warps)
         if sub == 0:
             store_rows(acc, row, rows_per_warp, n_rows, ycol, bias, has_bias, y0, y1, y2, y3, ends)
