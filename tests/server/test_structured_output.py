@@ -20,6 +20,7 @@ from sparkinfer_cli.tokenizer.tokenizer import Tokenizer
 from test_admission import assert_openai_error
 from test_e2e_real import sdk, start_real_server
 from test_e2e_real import tokenizer as tokenizer  # noqa: F401 (a fixture)
+from test_reliability_real import start_server
 
 pytestmark = pytest.mark.slow  # a server process; the first may compile the CPU kernels
 ASK = [{"role": "user", "content": "Describe the weather as JSON."}]
@@ -117,6 +118,21 @@ def test_the_grammar_takes_every_instance_of_its_schema(tokenizer, schema, data)
                                    tokenizer.vocab_size)
     assert follow(constraint, tokenizer.encode(answer, parse_special=False)), answer
     assert may_end(constraint, tokenizer)
+
+
+@pytest.fixture(scope="module")
+def demo(demo_model_path):
+    with start_server("llama", model=demo_model_path("smollm2-135m")) as server:
+        yield server
+
+
+@generated
+@given(schema=answer_schemas)
+def test_the_demo_models_every_answer_validates_against_its_schema(demo, schema) -> None:
+    """The same on the CPU demo model a newcomer serves first (real weights, sampled)."""
+    content, finish = ask(demo, schema)
+    assert finish == "stop", content
+    jsonschema.validate(json.loads(content), schema)
 
 
 @generated
