@@ -33,8 +33,8 @@ def sums_in_fixed_order(ws: Workspace) -> bool:
     """Whether this pass's GEMVs sum each output in the order its matrix alone fixes, so that a
     row's numbers do not depend on the rows beside it: where the pass's dense linears are GEMVs
     too. From LINEAR_MMA_MIN_ROWS rows they run as tensor-core GEMMs, whose sums differ from the
-    GEMV's anyway, and the GEMVs keep the launch shape's faster order (the fixed one cost the
-    Qwen3-30B shape 7 % of its 64-sequence decode)."""
+    GEMV's anyway, and the GEMVs keep the launch shape's faster order (what the fixed one costs
+    at 64 sequences: bench/results/2026-12-04-qwen3-30b-a3b-cuda-gemv-fixed-order.md)."""
     return not ws.quantized or ws.n_rows < LINEAR_MMA_MIN_ROWS
 
 
