@@ -102,22 +102,25 @@ def test_matvec_matches_float64_oracle(t: GGMLType, rng: np.random.Generator) ->
 def test_fused_matvec_of_mixed_types_with_bias(threads: int, rng: np.random.Generator,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """q/k/v-like fusion: three weights of different types, two with biases, split over threads
-    at row boundaries that fall inside a weight."""
+    at row boundaries that fall inside a weight; x rows in two hand-offs of two kernel passes
+    each, the last pass of each short."""
     monkeypatch.setattr(packed_matvec, "_MIN_WORK_PER_THREAD", 1 if threads == 2 else 1 << 40)
+    monkeypatch.setattr(packed_matvec, "GROUP_ROWS", MAX_ROWS + 2)
     monkeypatch.setattr(quant, "_num_threads", lambda: threads)
     types = [GGMLType.Q5_0, GGMLType.Q8_0, GGMLType.Q6_K]
     raws = [(random_weight(t, rng), t) for t in types]
     biases = [rng.standard_normal(N_ROWS).astype(np.float32), None,
               rng.standard_normal(N_ROWS).astype(np.float32)]
     matvec = PackedMatvec([pack(r, t, NE0) for r, t in raws], biases)
-    x = rng.standard_normal((3, NE0)).astype(np.float32)
+    n = 2 * MAX_ROWS + 3
+    x = rng.standard_normal((n, NE0)).astype(np.float32)
     got = matvec(x)
     want, scale = oracle(raws, x)
     want += np.concatenate([b if b is not None else np.zeros(N_ROWS) for b in biases])
-    assert got.shape == (3, 3 * N_ROWS)
+    assert got.shape == (n, 3 * N_ROWS)
     assert np.all(np.abs(got - want) <= 1e-5 * scale + 1e-6), np.max(np.abs(got - want) / scale)
     parts = matvec.split(got)
-    assert [p.shape for p in parts] == [(3, N_ROWS)] * 3
+    assert [p.shape for p in parts] == [(n, N_ROWS)] * 3
     np.testing.assert_array_equal(parts[2], got[:, 2 * N_ROWS:])
 
 

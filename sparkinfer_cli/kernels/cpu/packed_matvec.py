@@ -4,9 +4,10 @@ input, as one call.
 q/k/v and gate/up share their input: x is quantized once, and one thread-pool dispatch splits
 the rows of all of them between the threads. Each weight row is multiplied with up to MAX_ROWS x
 rows in one pass (quant_packed's kernel), so a step of n sequences reads the weights once per
-MAX_ROWS, not n times. Everything a call needs but x and y (pointers to the weights and to a
-scratch for the quantized x, the concatenated bias) is prepared at load, so a call costs a few
-microseconds of Python besides the kernels.
+MAX_ROWS, not n times, and all of a call's x rows (up to GROUP_ROWS) go to the threads in one
+hand-off. Everything a call needs but x and y (the kernels, pointers to the weights, the
+concatenated bias) is prepared at load, so a call costs a few microseconds of Python besides the
+kernels.
 """
 
 from __future__ import annotations
@@ -30,6 +31,29 @@ from sparkinfer_cli.kernels.cpu.quant_q8 import Q8_BLOCK
 # 0.24 ms for 1 row, 0.76 ms for 8), and handing rows to a second thread ~0.1 ms on the 2-vCPU VM we
 # measured on (its idle vCPU halts): split when each thread gets about that much more.
 _MIN_WORK_PER_THREAD = 6 << 20
+# x rows of one hand-off to the threads: a prompt piece's rows go out in a few large calls, not one
+# per kernel pass, and the quantized x of a call stays a few MiB.
+GROUP_ROWS = 32 * MAX_ROWS
+
+
+class _Scratch:
+    """The quantized x of a call: one set of buffers for the process, grown to the largest call
+    (calls run one at a time under its lock), so that the ~120 fused weights of a model do not
+    each keep their own."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self._bufs: dict[str, np.ndarray] = {}
+
+    def take(self, name: str, size: int, dtype: type) -> np.ndarray:
+        """A flat buffer of at least size elements (its start stays put until it grows)."""
+        buf = self._bufs.get(name)
+        if buf is None or buf.size < size:
+            buf = self._bufs[name] = np.empty(size, dtype)
+        return buf[:size]
+
+
+_SCRATCH = _Scratch()
 
 
 class PackedMatvec:
@@ -48,17 +72,9 @@ class PackedMatvec:
         self.bias = np.concatenate([np.zeros(w.rows, np.float32) if b is None else
                                     np.asarray(b, np.float32).reshape(w.rows)
                                     for w, b in zip(weights, biases)]) if has_bias else None
-        nb = self.ne0 // Q8_BLOCK
-        # scratch for up to MAX_ROWS quantized x rows, shaped per row count (_plan)
-        self._xq, self._xq_rows = np.empty((2, MAX_ROWS * self.ne0), np.int8)  # (n, ne0)
-        self._xd = np.empty(MAX_ROWS * self.ne0 // 8, np.float32)  # (n, n_records, lanes)
-        self._xl = np.empty(MAX_ROWS * self.ne0 // 8, np.int32)  # (n, n_records, lanes)
-        self._xs, self._xd_rows = np.empty((2, MAX_ROWS * nb), np.float32)  # (n_blocks, n)
-        self._x_ptrs = tuple(a.ctypes.data for a in (self._xq, self._xd, self._xs, self._xl))
-        self._plans: dict[int, tuple[tuple[np.ndarray, ...], list[tuple]]] = {}
-        self._lock = threading.Lock()  # one call at a time uses the scratch
-        for n in range(1, MAX_ROWS + 1):  # compile every row count's kernel now, not in a request
-            self._plan(n)
+        # per weight, the kernel of each x row count (compiled now, not in a request)
+        self._kernels = [[row_kernel(layout, n) for n in range(1, MAX_ROWS + 1)]
+                         for layout, _, _ in self._members]
 
     @property
     def rows(self) -> int:
@@ -71,44 +87,54 @@ class PackedMatvec:
             if x.ndim != 2 or x.shape[1] != self.ne0:
                 raise ValueError(f"x must be (n, {self.ne0}), got {x.shape}")
         y = np.empty((len(x), self.rows), np.float32)  # (n, Σ rows)
-        out = y.ctypes.data
-        with self._lock:
-            for lo in range(0, len(x), MAX_ROWS):
-                chunk = x[lo:lo + MAX_ROWS]  # (n ≤ MAX_ROWS, ne0)
-                scratch, members = self._plan(len(chunk))
-                quantize_x(chunk, *scratch)
-                self._run(members, len(chunk), out + 4 * lo * self.rows)
+        with _SCRATCH.lock:
+            for lo in range(0, len(x), GROUP_ROWS):
+                group = x[lo:lo + GROUP_ROWS]  # (n ≤ GROUP_ROWS, ne0)
+                self._run(self._quantized_chunks(group), len(group),
+                          y.ctypes.data + 4 * lo * self.rows)
         if self.bias is not None:
             y += self.bias
         return y
 
-    def _plan(self, n: int) -> tuple[tuple[np.ndarray, ...], list[tuple]]:
-        """For n x rows: the scratch as quantize_x's arguments, and per weight its kernel,
-        pointer and row bytes."""
-        if n not in self._plans:
-            nb, nr = self.ne0 // Q8_BLOCK, self.ne0 // RECORD_ELEMENTS
-            scratch = (self._xq[:n * self.ne0].reshape(n, self.ne0),
-                       self._xd[:n * nr * 8].reshape(n, nr, 8), self._xs[:nb * n].reshape(nb, n),
-                       self._xl[:n * nr * 8].reshape(n, nr, 8),
-                       self._xq_rows[:n * self.ne0].reshape(n, self.ne0),
-                       self._xd_rows[:n * nb].reshape(n, nb))
-            self._plans[n] = scratch, [(row_kernel(layout, n), w, row_bytes)
-                                       for layout, w, row_bytes in self._members]
-        return self._plans[n]
+    def _quantized_chunks(self, x: np.ndarray) -> list[tuple[int, tuple[int, ...]]]:
+        """x (n, ne0) quantized in chunks of up to MAX_ROWS rows (the rows of one kernel pass):
+        per chunk, its row count and the pointers of its quantized rows (xq, xd, xs, xl)."""
+        n, ne0 = x.shape
+        nb, nr = ne0 // Q8_BLOCK, ne0 // RECORD_ELEMENTS
+        xq = _SCRATCH.take("xq", n * ne0, np.int8).reshape(n, ne0)
+        xd = _SCRATCH.take("xd", n * nr * 8, np.float32).reshape(n, nr, 8)
+        xl = _SCRATCH.take("xl", n * nr * 8, np.int32).reshape(n, nr, 8)
+        xs = _SCRATCH.take("xs", n * nb, np.float32)  # per chunk (n_blocks, its rows)
+        xq_rows = _SCRATCH.take("xq_rows", MAX_ROWS * ne0, np.int8)
+        xd_rows = _SCRATCH.take("xd_rows", MAX_ROWS * nb, np.float32)
+        chunks = []
+        for lo in range(0, n, MAX_ROWS):
+            m = min(MAX_ROWS, n - lo)
+            xs_chunk = xs[lo * nb:(lo + m) * nb].reshape(nb, m)
+            quantize_x(x[lo:lo + m], xq[lo:lo + m], xd[lo:lo + m], xs_chunk, xl[lo:lo + m],
+                       xq_rows[:m * ne0].reshape(m, ne0), xd_rows[:m * nb].reshape(m, nb))
+            chunks.append((m, tuple(a.ctypes.data for a in (xq[lo], xd[lo], xs_chunk, xl[lo]))))
+        return chunks
 
-    def _run(self, members: list[tuple], n: int, out: int) -> None:
-        """out (n, Σ rows) = the quantized x rows · each weight, threads splitting the rows."""
+    def _run(self, chunks: list[tuple[int, tuple[int, ...]]], n: int, out: int) -> None:
+        """out (n, Σ rows) = the quantized x rows · each weight: one hand-off splits the rows of
+        the concatenation between the threads, and each thread runs every chunk over its rows
+        (its share of each weight stays in its core's cache from one chunk to the next)."""
         starts, n_records, stride = self.row_starts, self.ne0 // RECORD_ELEMENTS, self.rows
-        x_ptrs = self._x_ptrs
+        members = list(zip(self._kernels, self._members, starts))
 
         def rows(r0: int, r1: int) -> None:  # rows r0..r1 of the concatenation
-            for i, (kernel, w, row_bytes) in enumerate(members):
-                a, b = max(r0, starts[i]), min(r1, starts[i + 1])
-                if a < b:
-                    o = starts[i]
-                    kernel(w, row_bytes, *x_ptrs, n_records, a - o, b - o, out + 4 * o, stride)
+            for i, (kernels, (_, w, row_bytes), o) in enumerate(members):
+                a, b = max(r0, o), min(r1, starts[i + 1])
+                chunk_out = out + 4 * o
+                for m, x_ptrs in chunks:
+                    if a < b:
+                        kernels[m - 1](w, row_bytes, *x_ptrs, n_records, a - o, b - o, chunk_out,
+                                       stride)
+                    chunk_out += 4 * m * stride
 
-        parallel_ranges(rows, self.rows, self.rows * self.ne0 * (n + 2) // _MIN_WORK_PER_THREAD)
+        work = self.rows * self.ne0 * (n + 2 * len(chunks))
+        parallel_ranges(rows, self.rows, work // _MIN_WORK_PER_THREAD)
 
     def split(self, y: np.ndarray) -> list[np.ndarray]:
         """y (n, Σ rows) → each weight's (n, rows_i) view."""
