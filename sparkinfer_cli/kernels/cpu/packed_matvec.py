@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -36,21 +37,55 @@ _MIN_WORK_PER_THREAD = 6 << 20
 GROUP_ROWS = 32 * MAX_ROWS
 
 
+class _Chunk(NamedTuple):
+    """Rows lo..lo+m of a call's x: quantize_x's output views for them, and those views'
+    pointers (xq, xd, xs, xl) for the kernel."""
+
+    lo: int
+    m: int
+    views: tuple[np.ndarray, ...]
+    pointers: tuple[int, ...]
+
+
 class _Scratch:
     """The quantized x of a call: one set of buffers for the process, grown to the largest call
     (calls run one at a time under its lock), so that the ~120 fused weights of a model do not
-    each keep their own."""
+    each keep their own; the chunk plan of each (rows, ne0) is kept, so that a decode call costs
+    little Python besides its kernels."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self._bufs: dict[str, np.ndarray] = {}
+        self._plans: dict[tuple[int, int], list[_Chunk]] = {}
 
-    def take(self, name: str, size: int, dtype: type) -> np.ndarray:
-        """A flat buffer of at least size elements (its start stays put until it grows)."""
-        buf = self._bufs.get(name)
-        if buf is None or buf.size < size:
-            buf = self._bufs[name] = np.empty(size, dtype)
-        return buf[:size]
+    def chunks(self, n: int, ne0: int) -> list[_Chunk]:
+        """x (n, ne0) in chunks of up to MAX_ROWS rows (the rows of one kernel pass)."""
+        plan = self._plans.get((n, ne0))
+        if plan is None:
+            plan = self._plans[n, ne0] = self._plan(n, ne0)
+        return plan
+
+    def _plan(self, n: int, ne0: int) -> list[_Chunk]:
+        nb, nr = ne0 // Q8_BLOCK, ne0 // RECORD_ELEMENTS
+        sizes = {"xq": (n * ne0, np.int8), "xd": (n * nr * 8, np.float32),
+                 "xl": (n * nr * 8, np.int32), "xs": (n * nb, np.float32),
+                 "xq_rows": (MAX_ROWS * ne0, np.int8), "xd_rows": (MAX_ROWS * nb, np.float32)}
+        for name, (size, dtype) in sizes.items():
+            if name not in self._bufs or self._bufs[name].size < size:
+                self._bufs[name] = np.empty(size, dtype)
+                self._plans.clear()  # their views are of the buffer this one replaces
+        buf = {name: self._bufs[name][:size] for name, (size, _) in sizes.items()}
+        xq, xd, xl = (buf["xq"].reshape(n, ne0), buf["xd"].reshape(n, nr, 8),
+                      buf["xl"].reshape(n, nr, 8))
+        chunks = []
+        for lo in range(0, n, MAX_ROWS):
+            m = min(MAX_ROWS, n - lo)
+            xs = buf["xs"][lo * nb:(lo + m) * nb].reshape(nb, m)  # (n_blocks, the chunk's rows)
+            rows_q = buf["xq_rows"][:m * ne0].reshape(m, ne0)  # quantize_x's own scratch
+            rows_d = buf["xd_rows"][:m * nb].reshape(m, nb)
+            views = (xq[lo:lo + m], xd[lo:lo + m], xs, xl[lo:lo + m], rows_q, rows_d)
+            chunks.append(_Chunk(lo, m, views, tuple(v.ctypes.data for v in views[:4])))
+        return chunks
 
 
 _SCRATCH = _Scratch()
@@ -90,33 +125,15 @@ class PackedMatvec:
         with _SCRATCH.lock:
             for lo in range(0, len(x), GROUP_ROWS):
                 group = x[lo:lo + GROUP_ROWS]  # (n ≤ GROUP_ROWS, ne0)
-                self._run(self._quantized_chunks(group), len(group),
-                          y.ctypes.data + 4 * lo * self.rows)
+                chunks = _SCRATCH.chunks(len(group), self.ne0)
+                for c in chunks:
+                    quantize_x(group[c.lo:c.lo + c.m], *c.views)
+                self._run(chunks, len(group), y.ctypes.data + 4 * lo * self.rows)
         if self.bias is not None:
             y += self.bias
         return y
 
-    def _quantized_chunks(self, x: np.ndarray) -> list[tuple[int, tuple[int, ...]]]:
-        """x (n, ne0) quantized in chunks of up to MAX_ROWS rows (the rows of one kernel pass):
-        per chunk, its row count and the pointers of its quantized rows (xq, xd, xs, xl)."""
-        n, ne0 = x.shape
-        nb, nr = ne0 // Q8_BLOCK, ne0 // RECORD_ELEMENTS
-        xq = _SCRATCH.take("xq", n * ne0, np.int8).reshape(n, ne0)
-        xd = _SCRATCH.take("xd", n * nr * 8, np.float32).reshape(n, nr, 8)
-        xl = _SCRATCH.take("xl", n * nr * 8, np.int32).reshape(n, nr, 8)
-        xs = _SCRATCH.take("xs", n * nb, np.float32)  # per chunk (n_blocks, its rows)
-        xq_rows = _SCRATCH.take("xq_rows", MAX_ROWS * ne0, np.int8)
-        xd_rows = _SCRATCH.take("xd_rows", MAX_ROWS * nb, np.float32)
-        chunks = []
-        for lo in range(0, n, MAX_ROWS):
-            m = min(MAX_ROWS, n - lo)
-            xs_chunk = xs[lo * nb:(lo + m) * nb].reshape(nb, m)
-            quantize_x(x[lo:lo + m], xq[lo:lo + m], xd[lo:lo + m], xs_chunk, xl[lo:lo + m],
-                       xq_rows[:m * ne0].reshape(m, ne0), xd_rows[:m * nb].reshape(m, nb))
-            chunks.append((m, tuple(a.ctypes.data for a in (xq[lo], xd[lo], xs_chunk, xl[lo]))))
-        return chunks
-
-    def _run(self, chunks: list[tuple[int, tuple[int, ...]]], n: int, out: int) -> None:
+    def _run(self, chunks: list[_Chunk], n: int, out: int) -> None:
         """out (n, Σ rows) = the quantized x rows · each weight: one hand-off splits the rows of
         the concatenation between the threads, and each thread runs every chunk over its rows
         (its share of each weight stays in its core's cache from one chunk to the next)."""
@@ -127,11 +144,11 @@ class PackedMatvec:
             for i, (kernels, (_, w, row_bytes), o) in enumerate(members):
                 a, b = max(r0, o), min(r1, starts[i + 1])
                 chunk_out = out + 4 * o
-                for m, x_ptrs in chunks:
+                for c in chunks:
                     if a < b:
-                        kernels[m - 1](w, row_bytes, *x_ptrs, n_records, a - o, b - o, chunk_out,
-                                       stride)
-                    chunk_out += 4 * m * stride
+                        kernels[c.m - 1](w, row_bytes, *c.pointers, n_records, a - o, b - o,
+                                         chunk_out, stride)
+                    chunk_out += 4 * c.m * stride
 
         work = self.rows * self.ne0 * (n + 2 * len(chunks))
         parallel_ranges(rows, self.rows, work // _MIN_WORK_PER_THREAD)
