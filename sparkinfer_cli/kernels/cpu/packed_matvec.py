@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from sparkinfer_cli.kernels.cpu.quant import parallel_ranges
+from sparkinfer_cli.kernels.cpu import parallel_calls, quant
 from sparkinfer_cli.kernels.cpu.quant_packed import (
     MAX_ROWS,
     RECORD_ELEMENTS,
@@ -29,8 +29,10 @@ from sparkinfer_cli.kernels.cpu.quant_packed import (
 from sparkinfer_cli.kernels.cpu.quant_q8 import Q8_BLOCK
 
 # A call costs about weights·(n + 2) units of ~17 ps on one core (Qwen2.5-0.5B's Q6_K ffn_down:
-# 0.24 ms for 1 row, 0.76 ms for 8), and handing rows to a second thread ~0.1 ms on the 2-vCPU VM we
-# measured on (its idle vCPU halts): split when each thread gets about that much more.
+# 0.24 ms for 1 row, 0.76 ms for 8). Its rows are split between the threads when each gets more
+# than the hand-off costs: ~2 µs where parallel_calls' threads spin between calls, ~0.1 ms where
+# they sleep (waking a halted vCPU of the 2-vCPU VM we measured on).
+_MIN_WORK_PER_PART = 1 << 16
 _MIN_WORK_PER_THREAD = 6 << 20
 # x rows of one hand-off to the threads: a prompt piece's rows go out in a few large calls, not one
 # per kernel pass, and the quantized x of a call stays a few MiB.
@@ -57,6 +59,7 @@ class _Scratch:
         self.lock = threading.Lock()
         self._bufs: dict[str, np.ndarray] = {}
         self._plans: dict[tuple[int, int], list[_Chunk]] = {}
+        self.generation = 0  # counts the times the buffers moved (plans made before are stale)
 
     def chunks(self, n: int, ne0: int) -> list[_Chunk]:
         """x (n, ne0) in chunks of up to MAX_ROWS rows (the rows of one kernel pass)."""
@@ -74,6 +77,7 @@ class _Scratch:
             if name not in self._bufs or self._bufs[name].size < size:
                 self._bufs[name] = np.empty(size, dtype)
                 self._plans.clear()  # their views are of the buffer this one replaces
+                self.generation += 1
         buf = {name: self._bufs[name][:size] for name, (size, _) in sizes.items()}
         xq, xd, xl = (buf["xq"].reshape(n, ne0), buf["xd"].reshape(n, nr, 8),
                       buf["xl"].reshape(n, nr, 8))
@@ -89,6 +93,7 @@ class _Scratch:
 
 
 _SCRATCH = _Scratch()
+_OUT_FIELD = 10  # a record's out pointer: the row kernel's 10th argument
 
 
 class PackedMatvec:
@@ -107,9 +112,12 @@ class PackedMatvec:
         self.bias = np.concatenate([np.zeros(w.rows, np.float32) if b is None else
                                     np.asarray(b, np.float32).reshape(w.rows)
                                     for w, b in zip(weights, biases)]) if has_bias else None
-        # per weight, the kernel of each x row count (compiled now, not in a request)
-        self._kernels = [[row_kernel(layout, n) for n in range(1, MAX_ROWS + 1)]
-                         for layout, _, _ in self._members]
+        # per weight, the address of the kernel of each x row count (compiled now, not in a
+        # request; quant_packed's cache keeps them alive)
+        self._kernels = [[parallel_calls.address(row_kernel(layout, n))
+                          for n in range(1, MAX_ROWS + 1)] for layout, _, _ in self._members]
+        # decode calls' records by (x rows, scratch generation, parts), out pointers from 0
+        self._decode_calls: dict[tuple[int, int, int], tuple[np.ndarray, np.ndarray]] = {}
 
     @property
     def rows(self) -> int:
@@ -134,24 +142,42 @@ class PackedMatvec:
         return y
 
     def _run(self, chunks: list[_Chunk], n: int, out: int) -> None:
-        """out (n, Σ rows) = the quantized x rows · each weight: one hand-off splits the rows of
-        the concatenation between the threads, and each thread runs every chunk over its rows
+        """out (n, Σ rows) = the quantized x rows · each weight, in one hand-off: the rows of
+        the concatenation split between the threads, each running every chunk over its rows
         (its share of each weight stays in its core's cache from one chunk to the next)."""
-        starts, n_records, stride = self.row_starts, self.ne0 // RECORD_ELEMENTS, self.rows
-        members = list(zip(self._kernels, self._members, starts))
+        work = self.rows * self.ne0 * (n + 2 * len(chunks))
+        per_part = _MIN_WORK_PER_PART if parallel_calls.fast_hand_off() else _MIN_WORK_PER_THREAD
+        n_parts = max(1, min(quant._num_threads(), work // per_part))
+        key = (n, _SCRATCH.generation, n_parts)
+        records = self._decode_calls.get(key) if n <= MAX_ROWS else None
+        if records is None:
+            records = self._call_records(chunks, n_parts)
+            if n <= MAX_ROWS:
+                self._decode_calls[key] = records
+        calls, part_ends = records
+        calls = calls.copy()
+        calls[:, _OUT_FIELD] += out
+        parallel_calls.run_parts(calls, part_ends)
 
-        def rows(r0: int, r1: int) -> None:  # rows r0..r1 of the concatenation
-            for i, (kernels, (_, w, row_bytes), o) in enumerate(members):
+    def _call_records(self, chunks: list[_Chunk], n_parts: int) -> tuple[np.ndarray, np.ndarray]:
+        """parallel_calls' records of a call over n_parts row ranges of the concatenation (out
+        pointers relative to y's start), and where each part's records end."""
+        bounds = [self.rows * k // n_parts for k in range(n_parts + 1)]
+        n_records, stride = self.ne0 // RECORD_ELEMENTS, self.rows
+        starts, records, part_ends = self.row_starts, [], []
+        for r0, r1 in zip(bounds, bounds[1:]):
+            for i, (kernels, (_, w, row_bytes)) in enumerate(zip(self._kernels, self._members)):
+                o = starts[i]
                 a, b = max(r0, o), min(r1, starts[i + 1])
-                chunk_out = out + 4 * o
+                chunk_out = 4 * o
                 for c in chunks:
                     if a < b:
-                        kernels[c.m - 1](w, row_bytes, *c.pointers, n_records, a - o, b - o,
-                                         chunk_out, stride)
+                        records.append((kernels[c.m - 1], w, row_bytes, *c.pointers, n_records,
+                                        a - o, b - o, chunk_out, stride))
                     chunk_out += 4 * c.m * stride
-
-        work = self.rows * self.ne0 * (n + 2 * len(chunks))
-        parallel_ranges(rows, self.rows, work // _MIN_WORK_PER_THREAD)
+            part_ends.append(len(records))
+        calls = np.array(records, np.int64).reshape(-1, parallel_calls.CALL_FIELDS)
+        return calls, np.array(part_ends, np.int64)
 
     def split(self, y: np.ndarray) -> list[np.ndarray]:
         """y (n, Σ rows) → each weight's (n, rows_i) view."""
