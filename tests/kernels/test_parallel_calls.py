@@ -36,7 +36,37 @@ def test_bad_records_are_refused_before_anything_runs() -> None:
     calls = np.array([_fill(buf, 0, 1, 8)], np.int64)
     with pytest.raises(ValueError, match="C-contiguous int64"):
         parallel_calls.run_parts(calls[:, :4], np.array([1], np.int64))
-    with pytest.raises(ValueError, match="parts end at record 2 of 1"):
+    with pytest.raises(ValueError, match=r"part ends \[2\] do not split 1 records"):
         parallel_calls.run_parts(calls, np.array([2], np.int64))
     assert not buf.any()
 
+
+
+def test_jobs_from_several_threads_each_run_once_whole() -> None:
+    """Four threads post 300 jobs each (two parts: the caller's and a helper's), some after the
+    helpers have gone to sleep; every job's bytes are written, none is skipped or runs twice
+    (a helper that missed a job would leave its caller waiting: the threads would not finish)."""
+    import threading
+    import time
+
+    bufs = [np.zeros(32, np.uint8) for _ in range(4)]
+    errors: list[str] = []
+
+    def post(t: int) -> None:
+        buf = bufs[t]
+        for i in range(300):
+            byte = 1 + (i % 250)
+            calls = np.array([_fill(buf, 0, byte, 16), _fill(buf, 16, byte, 16)], np.int64)
+            parallel_calls.run_parts(calls, np.array([1, 2], np.int64))
+            if not (buf == byte).all():
+                errors.append(f"thread {t} job {i}: {buf.tolist()}")
+            if i % 100 == 99:
+                time.sleep(0.02)  # the helpers go from spinning to polling
+
+    threads = [threading.Thread(target=post, args=(t,), daemon=True) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a job never finished"
+    assert not errors, errors[:3]

@@ -104,8 +104,7 @@ def test_fused_matvec_of_mixed_types_with_bias(threads: int, rng: np.random.Gene
     """q/k/v-like fusion: three weights of different types, two with biases, split over threads
     at row boundaries that fall inside a weight; x rows in two hand-offs of two kernel passes
     each, the last pass of each short."""
-    for threshold in ("_MIN_WORK_PER_THREAD", "_MIN_WORK_PER_PART"):
-        monkeypatch.setattr(packed_matvec, threshold, 1 if threads == 2 else 1 << 40)
+    monkeypatch.setattr(packed_matvec, "_MIN_WORK_PER_PART", 1 if threads == 2 else 1 << 40)
     monkeypatch.setattr(packed_matvec, "GROUP_ROWS", MAX_ROWS + 2)
     monkeypatch.setattr(quant, "_num_threads", lambda: threads)
     types = [GGMLType.Q5_0, GGMLType.Q8_0, GGMLType.Q6_K]

@@ -20,6 +20,11 @@ def host_features() -> str:
 
 
 @functools.cache
+def host_is_x86() -> bool:
+    return llvm.get_default_triple().startswith(("x86_64", "i386", "i686"))
+
+
+@functools.cache
 def has_avx2() -> bool:
     return "+avx2" in host_features().split(",")
 

@@ -30,10 +30,8 @@ from sparkinfer_cli.kernels.cpu.quant_q8 import Q8_BLOCK
 
 # A call costs about weights·(n + 2) units of ~17 ps on one core (Qwen2.5-0.5B's Q6_K ffn_down:
 # 0.24 ms for 1 row, 0.76 ms for 8). Its rows are split between the threads when each gets more
-# than the hand-off costs: ~2 µs where parallel_calls' threads spin between calls, ~0.1 ms where
-# they sleep (waking a halted vCPU of the 2-vCPU VM we measured on).
+# than the few µs of parallel_calls' hand-off.
 _MIN_WORK_PER_PART = 1 << 16
-_MIN_WORK_PER_THREAD = 6 << 20
 # x rows of one hand-off to the threads: a prompt piece's rows go out in a few large calls, not one
 # per kernel pass, and the quantized x of a call stays a few MiB.
 GROUP_ROWS = 32 * MAX_ROWS
@@ -96,6 +94,16 @@ _SCRATCH = _Scratch()
 _OUT_FIELD = 10  # a record's out pointer: the row kernel's 10th argument
 
 
+class _Job:
+    """A call's parallel_calls records (out pointers filled in per call from rel_out, their
+    offsets in y) and where each thread's part ends, with both arrays' addresses."""
+
+    def __init__(self, calls: np.ndarray, part_ends: np.ndarray):
+        self.calls, self.part_ends = calls, part_ends
+        self.rel_out = calls[:, _OUT_FIELD].copy()
+        self.calls_at, self.ends_at = calls.ctypes.data, part_ends.ctypes.data
+
+
 class PackedMatvec:
     """y = concat_i(x · W_iᵀ + b_i) for PackedWeights W_i of one ne0; x (n, ne0) → y (n, Σ rows)."""
 
@@ -116,8 +124,8 @@ class PackedMatvec:
         # request; quant_packed's cache keeps them alive)
         self._kernels = [[parallel_calls.address(row_kernel(layout, n))
                           for n in range(1, MAX_ROWS + 1)] for layout, _, _ in self._members]
-        # decode calls' records by (x rows, scratch generation, parts), out pointers from 0
-        self._decode_calls: dict[tuple[int, int, int], tuple[np.ndarray, np.ndarray]] = {}
+        # decode calls' records by (x rows, scratch generation, parts)
+        self._decode_calls: dict[tuple[int, int, int], _Job] = {}
 
     @property
     def rows(self) -> int:
@@ -146,18 +154,15 @@ class PackedMatvec:
         the concatenation split between the threads, each running every chunk over its rows
         (its share of each weight stays in its core's cache from one chunk to the next)."""
         work = self.rows * self.ne0 * (n + 2 * len(chunks))
-        per_part = _MIN_WORK_PER_PART if parallel_calls.fast_hand_off() else _MIN_WORK_PER_THREAD
-        n_parts = max(1, min(quant._num_threads(), work // per_part))
+        n_parts = max(1, min(quant._num_threads(), work // _MIN_WORK_PER_PART))
         key = (n, _SCRATCH.generation, n_parts)
-        records = self._decode_calls.get(key) if n <= MAX_ROWS else None
-        if records is None:
-            records = self._call_records(chunks, n_parts)
+        job = self._decode_calls.get(key) if n <= MAX_ROWS else None
+        if job is None:
+            job = _Job(*self._call_records(chunks, n_parts))
             if n <= MAX_ROWS:
-                self._decode_calls[key] = records
-        calls, part_ends = records
-        calls = calls.copy()
-        calls[:, _OUT_FIELD] += out
-        parallel_calls.run_parts(calls, part_ends)
+                self._decode_calls[key] = job
+        np.add(job.rel_out, out, out=job.calls[:, _OUT_FIELD])
+        parallel_calls.run_parts_at(job.calls_at, job.ends_at, len(job.part_ends))
 
     def _call_records(self, chunks: list[_Chunk], n_parts: int) -> tuple[np.ndarray, np.ndarray]:
         """parallel_calls' records of a call over n_parts row ranges of the concatenation (out
