@@ -59,7 +59,7 @@ def test_attend_paged_stores_then_attends(threads: int, rng: np.random.Generator
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """Three sequences' decode tokens (rows 2, 0, 1), at positions 36, 0 and 13, each in its own
     scattered blocks; on one thread, or split between two."""
-    monkeypatch.setattr(decode_ops, "_MIN_MACS_PER_PART", 1 if threads == 2 else 1 << 40)
+    monkeypatch.setattr(decode_ops, "_MIN_MACS_PER_THREAD", 1 if threads == 2 else 1 << 40)
     monkeypatch.setattr(quant, "_num_threads", lambda: threads)
     H, H_kv, D, block_size, num_blocks = 6, 2, 32, 8, 12
     k = rng.standard_normal((num_blocks, block_size, H_kv, D)).astype(np.float32)

@@ -9,10 +9,10 @@ the paged cache first. These read the cache in place and allocate only their out
 from __future__ import annotations
 
 import numpy as np
-from numba import carray, cfunc, njit, types
+from numba import njit
 
-from sparkinfer_cli.kernels.cpu import parallel_calls, quant
 from sparkinfer_cli.kernels.cpu.ops import ROPE_NEOX, _inv_freq
+from sparkinfer_cli.kernels.cpu.quant import parallel_ranges
 
 _f32 = np.float32
 
@@ -107,31 +107,9 @@ def _attend_paged(q, k_new, v_new, k, v, block_table, position, out):
                 out[h, d] += p[h, t] * vt[h // group, d]
 
 
-_ATTEND_SIG = types.void(*[types.CPointer(types.float32)] * 6, types.CPointer(types.int64),
-                         types.CPointer(types.int32), types.CPointer(types.int64), types.int64,
-                         types.int64)
-
-
-@cfunc(_ATTEND_SIG, nogil=True, cache=True, fastmath=True, error_model="numpy")
-def _attend_rows(q_p, k_new_p, v_new_p, k_p, v_p, out_p, rows_p, tables_p, dims_p, first, end):
-    """_attend_paged over rows first..end-1 of attend_paged's arrays, given by address (a
-    parallel_calls record): dims = (N, H, H_kv, D, num_blocks, block_size, n_rows, table width),
-    rows_p (2, n_rows): each row's token row, then its position; tables_p (n_rows, width)."""
-    dims = carray(dims_p, (8,))
-    n, h, h_kv, d, n_rows, width = dims[0], dims[1], dims[2], dims[3], dims[6], dims[7]
-    q, out = carray(q_p, (n, h, d)), carray(out_p, (n, h, d))
-    k_new, v_new = carray(k_new_p, (n, h_kv, d)), carray(v_new_p, (n, h_kv, d))
-    k = carray(k_p, (dims[4], dims[5], h_kv, d))
-    v = carray(v_p, (dims[4], dims[5], h_kv, d))
-    rows, tables = carray(rows_p, (2, n_rows)), carray(tables_p, (n_rows, width))
-    for i in range(first, end):
-        r = rows[0, i]
-        _attend_paged(q[r], k_new[r], v_new[r], k, v, tables[i], rows[1, i], out[r])
-
-
-# A part of the rows goes to another thread when it holds more attention than parallel_calls'
-# hand-off of a few µs costs, in q·K and p·V multiply-adds.
-_MIN_MACS_PER_PART = 1 << 17
+# Handing sequences to a second thread cost ~0.1 ms on the 2-vCPU VM we measured on (its idle vCPU
+# halts): split only when each thread gets more attention than that, in q·K and p·V multiply-adds.
+_MIN_MACS_PER_THREAD = 1 << 21
 
 
 def attend_paged(q: np.ndarray, k_new: np.ndarray, v_new: np.ndarray, k: np.ndarray,
@@ -141,34 +119,15 @@ def attend_paged(q: np.ndarray, k_new: np.ndarray, v_new: np.ndarray, k: np.ndar
     (N, H_kv, D) is at positions[i] of the sequence with block_tables[i]. Stores its k_new, v_new
     in the layer's paged cache k, v (num_blocks, block_size, H_kv, D) (ModelCache's region map),
     then ops.causal_attention of its query over positions 0..positions[i]. Returns out (N, H, D),
-    written in those rows only. Rows are split between the threads by their keys."""
+    written in those rows only."""
     N, H, D = q.shape
-    out = np.empty((N, H, D), np.float32)
+    out = np.empty_like(q)  # (N, H, D)
+
+    def attend(a: int, b: int) -> None:
+        for i in range(a, b):
+            r = rows[i]
+            _attend_paged(q[r], k_new[r], v_new[r], k, v, block_tables[i], positions[i], out[r])
+
     macs = 2 * H * D * (sum(positions) + len(positions))
-    n_parts = max(1, min(quant._num_threads(), len(rows), macs // _MIN_MACS_PER_PART))
-    if n_parts == 1:
-        for r, table, position in zip(rows, block_tables, positions):
-            _attend_paged(q[r], k_new[r], v_new[r], k, v, table, position, out[r])
-        return out
-    arrays = [np.ascontiguousarray(a, np.float32) for a in (q, k_new, v_new)]
-    if not (k.flags.c_contiguous and v.flags.c_contiguous):
-        raise ValueError("the KV cache layers must be C-contiguous")
-    width = max(len(t) for t in block_tables)
-    tables = np.zeros((len(rows), width), np.int32)  # (rows, width)
-    for i, table in enumerate(block_tables):
-        tables[i, :len(table)] = table
-    row_positions = np.array([rows, positions], np.int64)  # (2, rows)
-    dims = np.array([N, H, k.shape[2], D, k.shape[0], k.shape[1], len(rows), width], np.int64)
-    pointers = [a.ctypes.data for a in (*arrays, k, v, out, row_positions, tables, dims)]
-    bounds = _split_by_keys(positions, n_parts)
-    calls = np.array([[_attend_rows.address, *pointers, a, b]
-                      for a, b in zip(bounds, bounds[1:])], np.int64)
-    parallel_calls.run_parts(calls, np.arange(1, n_parts + 1, dtype=np.int64))
+    parallel_ranges(attend, len(rows), macs // _MIN_MACS_PER_THREAD)
     return out
-
-
-def _split_by_keys(positions: list[int], n_parts: int) -> list[int]:
-    """Row bounds of n_parts runs of rows with about equal keys to attend to."""
-    ends = np.cumsum(np.asarray(positions, np.int64) + 1)
-    cuts = np.searchsorted(ends, ends[-1] * np.arange(1, n_parts) / n_parts, side="right")
-    return [0, *(int(c) for c in cuts), len(positions)]

@@ -9,8 +9,7 @@ in microseconds, then polling with sleeps, so that an idle process leaves its co
 engine thread beside a main thread that ran the warm-up halved the speed of both.)
 
 A call is a record of CALL_FIELDS int64s: the address of a kernel taking 11 integer or pointer
-arguments (quant_packed's row kernel, decode_ops' attention over a run of rows), then those
-arguments; a part, one thread's share, is a
+arguments (quant_packed's row kernel), then those arguments; a part, one thread's share, is a
 run of consecutive records, executed in order. One job runs at a time (a lock): its caller runs
 part 0, helper w part w + 1.
 """
@@ -33,14 +32,10 @@ _N_ARGS = CALL_FIELDS - 1
 # and the first call after a pause waits at most that long for its helpers.
 _SPIN_TICKS, _DOZE_TICKS = 3_000_000, 30_000_000
 _DOZE_US, _SLEEP_US = 100, 1000
-# A caller whose helpers are not done after this many ticks (~30 µs) yields its core between
-# polls: on a machine busier than its cores a helper may be waiting for the caller's.
-_WAIT_TICKS = 100_000
 
 # The control block, int64 words: the job number the caller posts, a stop flag, the address of
-# the job's records, how many helpers finished it, the address of sched_yield, then (first, end)
-# record of each helper.
-_JOB, _STOP, _CALLS, _DONE, _YIELD, _RANGES = range(6)
+# the job's records, how many helpers finished it, then (first, end) record of each helper.
+_JOB, _STOP, _CALLS, _DONE, _RANGES = range(5)
 
 _ARGS = ", ".join(f"i64 %a{j}" for j in range(_N_ARGS))
 _LOADS = "".join(f"  %p{j} = getelementptr i64, ptr %rec, i64 {j + 1}\n"
@@ -155,23 +150,13 @@ post:
   %prev = atomicrmw add ptr %ctl, i64 1 release
   %end0 = load i64, ptr %ends
   call void @run_calls(i64 %calls, i64 0, i64 %end0)
-  %yield_p = getelementptr i64, ptr %ctl, i64 {_YIELD}
-  %yield_at = load i64, ptr %yield_p
-  %yield = inttoptr i64 %yield_at to ptr
-  %t0 = call i64 @llvm.readcyclecounter()
   br label %poll
 poll:
   %done = load atomic i64, ptr %done_p acquire, align 8
   %finished = icmp sge i64 %done, %n_helpers
   br i1 %finished, label %exit, label %spin
 spin:
-{_PAUSE}  %now = call i64 @llvm.readcyclecounter()
-  %waited = sub i64 %now, %t0
-  %long = icmp ugt i64 %waited, {_WAIT_TICKS}
-  br i1 %long, label %give, label %poll
-give:
-  %ignored = call i32 %yield()
-  br label %poll
+{_PAUSE}  br label %poll
 exit:
   ret void
 }}
@@ -209,8 +194,7 @@ class _Helpers:
         self.stop()
         self.ctl = ctl  # NOTE: helpers read the block by address: it lives as long as they do
         self.ctl_at = ctl.ctypes.data
-        libc = ctypes.CDLL(None)
-        usleep, ctl[_YIELD] = address(libc.usleep), address(libc.sched_yield)
+        usleep = address(ctypes.CDLL(None).usleep)
         # each helper starts from the job number now, not the one it reads when it starts (a
         # job posted in between would be skipped)
         job = int(ctl[_JOB])
