@@ -1,7 +1,7 @@
 """A decode step (n tokens, one per sequence) through several packed weights that read the same
 input, as one call.
 
-q/k/v and gate/up share their input: x is quantized once, and one thread-pool dispatch splits
+q/k/v and gate/up share their input: x is quantized once, and one parallel_calls hand-off splits
 the rows of all of them between the threads. Each weight row is multiplied with up to MAX_ROWS x
 rows in one pass (quant_packed's kernel), so a step of n sequences reads the weights once per
 MAX_ROWS, not n times, and all of a call's x rows (up to GROUP_ROWS) go to the threads in one
