@@ -11,11 +11,13 @@ activations (never zeros). Effective TFLOP/s count 2·n·k·rows per matrix (×2
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 import numpy as np
 from numba import cuda
 
 from sparkinfer_cli.gguf.ggml_types import BLOCK_GEOMETRY, GGMLType
+from sparkinfer_cli.kernels.cuda import fragment_gemm
 from sparkinfer_cli.kernels.cuda import mma_gemm as mg
 from sparkinfer_cli.kernels.cuda.expert_route import ExpertRoute, route_experts
 from sparkinfer_cli.kernels.cuda.quant_gemv import DeviceQuantMatrix
@@ -106,10 +108,23 @@ def bench_grouped(t: GGMLType, n_tok: int, tile: int, reps: int, rng) -> None:
     _report(f"{t.name} grouped down {n_slots} slots tile {tile}", us,
             2.0 * n_slots * EXPERT_FF * N_EMBD, y, touched * down.n_rows * down.row_bytes)
     for swiglu, w in ((True, gate), (False, down)):
-        kernel = mg._gemm_kernel(t, tile, swiglu, True, mg._stages(tile, w.k // mg.BK))
+        kernel = (fragment_gemm.gemm_kernel(t, tile, swiglu, True)
+                  if fragment_gemm.supports(t, w.k)
+                  else mg._gemm_kernel(t, tile, swiglu, True, mg._stages(tile, w.k // mg.BK)))
         for compiled in kernel.overloads.values():  # spills show as local memory
             print(f"  swiglu {swiglu}: {compiled.regs_per_thread} registers, "
                   f"{compiled.local_mem_per_thread} local bytes a thread")
+
+
+@contextlib.contextmanager
+def staged_only():
+    """mma_gemm with its f16-staging kernel for every type (the fragment GEMM off)."""
+    supports = fragment_gemm.supports
+    fragment_gemm.supports = lambda *args: False
+    try:
+        yield
+    finally:
+        fragment_gemm.supports = supports
 
 
 def main() -> None:
@@ -118,18 +133,27 @@ def main() -> None:
     ap.add_argument("--grouped-only", action="store_true", help="skip the dense GEMMs")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--types", default="Q4_K,Q5_K,Q6_K,Q8_0,Q4_0,Q5_0,F16")
+    ap.add_argument("--tiles", default=",".join(map(str, mg.TOKEN_TILES)),
+                    help="comma-separated grouped token tiles")
+    ap.add_argument("--baseline", action="store_true",
+                    help="also time the f16-staging kernel where the fragment GEMM applies")
     args = ap.parse_args()
     if args.reps < 1:
         raise SystemExit("--reps must be ≥ 1")
     types = [GGMLType[name] for name in args.types.split(",")]
     rng = np.random.default_rng(0)
     print(f"device: {getattr(cuda.get_current_device(), 'name', '?')}; reps {args.reps}")
+    kernels = [("", contextlib.nullcontext)] + ([("staged: ", staged_only)] if args.baseline
+                                                 else [])
     for n_tok in (int(n) for n in args.tokens.split(",")):
-        if not args.grouped_only:
-            bench_dense(types, n_tok, args.reps, rng)
-        print(f"expert_tile picks {mg.expert_tile(n_tok * TOP_K, N_EXPERT)}")
-        for tile in mg.TOKEN_TILES:
-            bench_grouped(types[0], n_tok, tile, args.reps, rng)
+        for label, context in kernels:
+            print(f"{label or 'default kernels: '}{n_tok} tokens")
+            with context():
+                if not args.grouped_only:
+                    bench_dense(types, n_tok, args.reps, rng)
+                print(f"expert_tile picks {mg.expert_tile(n_tok * TOP_K, N_EXPERT)}")
+                for tile in (int(t) for t in args.tiles.split(",")):
+                    bench_grouped(types[0], n_tok, tile, args.reps, rng)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from numba import cuda
 from test_cuda_quant_gemv import random_weights
 
 from sparkinfer_cli.gguf.ggml_types import GGMLType, row_bytes
+from sparkinfer_cli.kernels.cuda import fragment_gemm
 from sparkinfer_cli.kernels.cuda import mma_gemm as mg
 from sparkinfer_cli.kernels.cuda.expert_route import ExpertRoute, route_experts
 from sparkinfer_cli.kernels.cuda.quant_gemv import DeviceQuantMatrix
@@ -176,8 +177,8 @@ def test_matmul_splits_k_when_the_grid_is_small(swiglu, rng):
 
 
 def test_k_splits_fill_the_gpu_only_for_small_grids():
-    def matrix(n_rows, k):  # k_splits reads a matrix's shape only
-        return SimpleNamespace(n_rows=n_rows, k=k)
+    def matrix(n_rows, k, ggml_type=GGMLType.Q8_0):  # k_splits reads shape and type only
+        return SimpleNamespace(n_rows=n_rows, k=k, ggml_type=ggml_type)
 
     # a 4096-token prefill of a 4096-row matrix: 32 × 32 blocks already fill the GPU
     assert mg.k_splits(matrix(4096, 2048), 4096) == 1
@@ -192,6 +193,10 @@ def test_k_splits_fill_the_gpu_only_for_small_grids():
     assert mg.k_splits(matrix(4096, 2048), 64, swiglu=True) == 1
     # k of 8 steps: at most 2 ranges of MIN_SPLIT_STEPS
     assert mg.k_splits(matrix(64, 256), 64, swiglu=True) == 2
+    # the fragment kernel's 64-token tiles: 200 tokens of a 1,024-row Q4_K matrix are 8 × 4
+    # blocks → 8 ranges; Q8_0's 128-token tiles 8 × 2 → 16
+    assert mg.k_splits(matrix(1024, 2048, GGMLType.Q4_K), 200) == 8
+    assert mg.k_splits(matrix(1024, 2048), 200) == 16
 
 
 def test_matmul_rejects_types_without_a_dequantizer_and_partial_k_steps():
@@ -312,3 +317,36 @@ def test_grouped_matmul_real_shapes(swiglu, n_tok, tile, rng):
     for e in rng.choice(n_expert, 4, replace=False):
         slots = np.flatnonzero(slot_expert == e)
         _check(got[slots], x[slot_x[slots]], gate_ref[e], None if up_ref is None else up_ref[e])
+
+
+# ---------------------------------------------------------------- fragment GEMM (Q4_K)
+def test_q4_k_takes_the_fragment_kernel_for_tiles_up_to_64():
+    assert fragment_gemm.supports(GGMLType.Q4_K, 256)
+    assert not fragment_gemm.supports(GGMLType.Q8_0, 256)
+    assert not fragment_gemm.supports(GGMLType.Q4_K, 96)  # not whole 64-element steps
+    assert 128 not in fragment_gemm.TILES
+
+
+@pytest.mark.parametrize("tile", [16, 64])
+@pytest.mark.slow
+def test_fragment_gemm_grouped_swiglu_q4_k(tile, rng):
+    # 4 k steps through both buffers, two row blocks, an expert with several 16-token tiles
+    slot_expert = rng.permutation(np.repeat([0, 2], [34, 9]))
+    slot_x = rng.integers(0, 30, slot_expert.size)
+    got, x, gate_ref, up_ref = _run_grouped(GGMLType.Q4_K, 3, 70, 256, slot_expert, slot_x, 30,
+                                            tile, True, rng)
+    for e in (0, 2):
+        slots = np.flatnonzero(slot_expert == e)
+        _check(got[slots], x[slot_x[slots]], gate_ref[e], up=up_ref[e])
+
+
+@pytest.mark.slow
+def test_fragment_gemm_split_k_q4_k(rng):
+    n_tok, k, n_rows = 20, 256, 140
+    w, w_ref = _weights(GGMLType.Q4_K, 1, n_rows, k, rng)
+    assert mg.k_splits(w, n_tok) > 1
+    x = rng.standard_normal((n_tok, k)).astype(np.float32)
+    y = cuda.device_array((n_tok, n_rows), np.float32)
+    partials = cuda.device_array(mg.partials_size(w, n_tok), np.float32)
+    mg.matmul(w, cuda.to_device(x), y, partials=partials)
+    _check(y.copy_to_host(), x.astype(np.float64), w_ref[0])

@@ -40,7 +40,7 @@ from sparkinfer_cli.kernels.cuda.attention_prefill import (
     group_end,
     query_rows,
 )
-from sparkinfer_cli.kernels.cuda.mma_gemm import mma_into
+from sparkinfer_cli.kernels.cuda.mma_fragments import mma_into
 from sparkinfer_cli.kernels.cuda.runtime.intrinsics import (
     IS_SIMULATOR,
     LDMATRIX_ALIGN,

@@ -30,13 +30,13 @@ y[slot, r] = Σ_k W[mat][r, k] · x[xrow(slot), k] (+ bias[r])   (mma.sync m16n8
 from __future__ import annotations
 
 import functools
-import math
 from typing import NamedTuple
 
 import numpy as np
 from numba import cuda, float32, int32, int64, uint32
 
 from sparkinfer_cli.gguf.ggml_types import GGMLType
+from sparkinfer_cli.kernels.cuda import fragment_gemm
 from sparkinfer_cli.kernels.cuda import quant_gemv as qg
 from sparkinfer_cli.kernels.cuda.ggml_blocks import (
     M1,
@@ -49,6 +49,7 @@ from sparkinfer_cli.kernels.cuda.ggml_blocks import (
     words4_aligned,
     words4_unaligned,
 )
+from sparkinfer_cli.kernels.cuda.mma_fragments import gemm_epilogue, mma_into
 from sparkinfer_cli.kernels.cuda.quant_gemv import DeviceQuantMatrix, store_part
 from sparkinfer_cli.kernels.cuda.runtime.intrinsics import (
     bits_to_f32,
@@ -59,7 +60,6 @@ from sparkinfer_cli.kernels.cuda.runtime.intrinsics import (
     ld_v4_u32,
     ldmatrix_x4,
     ldmatrix_x4_pairs,
-    mma_f16_f32,
     pack_f16x2,
 )
 from sparkinfer_cli.kernels.cuda.runtime.jit import device_function, kernel
@@ -295,15 +295,6 @@ def supports(w: DeviceQuantMatrix) -> bool:
 
 
 # ---------------------------------------------------------------- the kernel
-@device_function(numba_inline=True)
-def mma_into(acc, i, a, b0, b1):
-    d = mma_f16_f32(a[0], a[1], a[2], a[3], b0, b1, acc[i], acc[i + 1], acc[i + 2], acc[i + 3])
-    acc[i] = d[0]
-    acc[i + 1] = d[1]
-    acc[i + 2] = d[2]
-    acc[i + 3] = d[3]
-
-
 class _Tiling(NamedTuple):
     """How a block of THREADS splits BM rows × bn tokens (all compile-time constants)."""
 
@@ -433,16 +424,6 @@ def _operands_fn(bn: int, swiglu: bool, grouped: bool):
     return operands
 
 
-@device_function(numba_inline=True)
-def _epilogue(v, up, swiglu, bias, has_bias, row):
-    """An output from its sums: silu(gate)·up with SwiGLU, plus the bias."""
-    if swiglu:
-        v = v / (float32(1.0) + math.exp(-v)) * up
-    if has_bias:
-        v += bias[row]
-    return v
-
-
 @functools.cache
 def _store_fns(bn: int, swiglu: bool, grouped: bool):
     """(store, store_sums): the C fragments → y through the epilogue, or (split k) their raw
@@ -475,7 +456,7 @@ def _store_fns(bn: int, swiglu: bool, grouped: bool):
                     if row < n_rows and j < n_valid:
                         at = 4 * nt * mi + 4 * ni + e
                         up = acc[at + up_at] if swiglu else float32(0.0)
-                        v = _epilogue(acc[at], up, swiglu, bias, has_bias, row)
+                        v = gemm_epilogue(acc[at], up, swiglu, bias, has_bias, row)
                         store_part(y0, y1, y2, y3, ends, order[lo + j] if grouped else lo + j,
                                    row, v)
 
@@ -633,7 +614,10 @@ def _launch(w, up, x, y, n_slots, grid_y, bn, grouped, route_args, bias, stream,
         return  # nothing to compute (and a grid of 0 blocks is a launch error)
     swiglu = up is not None
     grid = (cdiv(w.n_rows, BM // 2 if swiglu else BM), grid_y, n_splits)
-    kernel = _gemm_kernel(w.ggml_type, bn, swiglu, grouped, n_stages)
+    if fragment_gemm.supports(w.ggml_type, w.k) and bn in fragment_gemm.TILES:
+        kernel = fragment_gemm.gemm_kernel(w.ggml_type, bn, swiglu, grouped)
+    else:
+        kernel = _gemm_kernel(w.ggml_type, bn, swiglu, grouped, n_stages)
     bias_arg = parts[0] if bias is None else bias
     kernel[grid, THREADS, stream](
         w.data, w.data if up is None else up.data, w.row_bytes, w.n_rows, w.n_rows * w.row_bytes,
@@ -673,14 +657,14 @@ def _splitk_epilogue(part, n_splits, n_slots, n_rows, swiglu, bias, has_bias, y0
         v += part[at]
         if swiglu:
             up += part[at + n_rows]
-    store_part(y0, y1, y2, y3, ends, slot, row, _epilogue(v, up, swiglu, bias, has_bias, row))
+    store_part(y0, y1, y2, y3, ends, slot, row, gemm_epilogue(v, up, swiglu, bias, has_bias, row))
 
 
 def k_splits(w: DeviceQuantMatrix, n_tok: int, swiglu: bool = False) -> int:
     """The k ranges matmul splits W × (n_tok, k) into given a partials buffer: 1 for a grid (row
     blocks × token tiles) of at least SPLIT_BELOW_BLOCKS blocks, else enough ranges to reach
     SPLIT_TARGET_BLOCKS (≤ MAX_K_SPLITS, each ≥ MIN_SPLIT_STEPS steps)."""
-    n_blocks = cdiv(w.n_rows, BM // 2 if swiglu else BM) * cdiv(n_tok, _token_tile(n_tok))
+    n_blocks = cdiv(w.n_rows, BM // 2 if swiglu else BM) * cdiv(n_tok, _token_tile(w, n_tok))
     if n_blocks >= SPLIT_BELOW_BLOCKS:
         return 1
     return max(1, min(cdiv(SPLIT_TARGET_BLOCKS, n_blocks), MAX_K_SPLITS,
@@ -693,8 +677,12 @@ def partials_size(w: DeviceQuantMatrix, n_tok: int, swiglu: bool = False) -> int
     return 0 if n_splits == 1 else n_splits * n_tok * w.n_rows * (2 if swiglu else 1)
 
 
-def _token_tile(n_tok: int) -> int:
-    return DENSE_TILES[0] if n_tok <= DENSE_TILES[0] else DENSE_TILES[1]
+def _token_tile(w: DeviceQuantMatrix, n_tok: int) -> int:
+    """Tokens a block of the dense GEMM: 64, or 128 for long inputs where the f16-staging kernel
+    runs (the fragment kernel keeps 64: a 128-token tile spills its accumulators)."""
+    if n_tok <= DENSE_TILES[0] or fragment_gemm.supports(w.ggml_type, w.k):
+        return DENSE_TILES[0]
+    return DENSE_TILES[1]
 
 
 def expert_tile(n_slots: int, n_expert: int) -> int:
@@ -722,7 +710,7 @@ def matmul(w: DeviceQuantMatrix, x, y, *, bias=None, up: DeviceQuantMatrix | Non
     """
     _check_weights(w, up, x)
     n_tok = x.shape[0]
-    bn = _token_tile(n_tok)
+    bn = _token_tile(w, n_tok)
     n_splits = 1
     if partials is not None:
         n_splits = k_splits(w, n_tok, up is not None)

@@ -122,6 +122,19 @@ if IS_SIMULATOR:
             halves = np.array([lo, hi], np.float32).astype(np.float16)  # round to nearest even
         return np.uint32(halves.view(np.uint32)[0])
 
+    def _f16x2(u) -> np.ndarray:
+        return np.array([int(u) & 0xFFFFFFFF], np.uint32).view(np.float16).astype(np.float64)
+
+    def _from_f16x2(v: np.ndarray):
+        with np.errstate(over="ignore"):
+            return np.uint32(v.astype(np.float16).view(np.uint32)[0])
+
+    def hsub2(a, b):
+        return _from_f16x2(_f16x2(a) - _f16x2(b))
+
+    def hfma2(a, b, c):
+        return _from_f16x2(_f16x2(a) * _f16x2(b) + _f16x2(c))
+
     class Fragment:
         """A lane's register from ldmatrix: its int() is the 4 bytes 4·(lane%4)..+3 of row
         lane//4 of its 8-row × 16-byte matrix (f16: cols 2·(lane%4), +1; int8: 4·(lane%4)..+3)."""
@@ -272,6 +285,25 @@ else:
             return ty(a, b, c), codegen
         return op
 
+    def _op2(ptx: str):
+        """An intrinsic (int, int) -> uint32 running one 2-operand PTX instruction on 32-bit
+        registers."""
+        @intrinsic
+        def op(typingctx, a, b):
+            if not all(isinstance(t, types.Integer) for t in (a, b)):
+                return None
+
+            def codegen(context, builder, sig, args):
+                vals = [context.cast(builder, v, t, types.uint32) for v, t in zip(args, sig.args)]
+                asm = ir.InlineAsm(ir.FunctionType(_I32, [_I32] * 2), ptx, "=r,r,r")
+                return builder.call(asm, vals, attrs=_PURE)
+            return types.uint32(a, b), codegen
+        return op
+
+    # f16x2 arithmetic on u32 registers holding two halves (round to nearest even, one rounding
+    # for the fused multiply-add)
+    hsub2 = _op2("sub.rn.f16x2 $0, $1, $2;")
+    hfma2 = _op3("fma.rn.f16x2 $0, $1, $2, $3;")
     # c + Σ a.byte[i]·b.byte[i], bytes as signed int8 (integer args truncated to 32 bits)
     dp4a = _op3("dp4a.s32.s32 $0, $1, $2, $3;", types.int32)
     # prmt: byte n of the result = byte (s.nibble[n] & 7) of b:a, sign-replicated if nibble bit 3

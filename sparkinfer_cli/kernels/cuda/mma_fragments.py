@@ -1,0 +1,31 @@
+"""Device functions shared by the tensor-core kernels: one mma into an accumulator array, and the
+GEMMs' output epilogue."""
+
+from __future__ import annotations
+
+import math
+
+from numba import float32
+
+from sparkinfer_cli.kernels.cuda.runtime.intrinsics import mma_f16_f32
+from sparkinfer_cli.kernels.cuda.runtime.jit import device_function
+
+
+@device_function(numba_inline=True)
+def mma_into(acc, i, a, b0, b1):
+    """acc[i..i+3] += A (a: 4 f16x2 fragment registers) · B (b0, b1) for one m16n8k16 tile."""
+    d = mma_f16_f32(a[0], a[1], a[2], a[3], b0, b1, acc[i], acc[i + 1], acc[i + 2], acc[i + 3])
+    acc[i] = d[0]
+    acc[i + 1] = d[1]
+    acc[i + 2] = d[2]
+    acc[i + 3] = d[3]
+
+
+@device_function(numba_inline=True)
+def gemm_epilogue(v, up, swiglu, bias, has_bias, row):
+    """An output from its sums: silu(gate)·up with SwiGLU, plus the bias."""
+    if swiglu:
+        v = v / (float32(1.0) + math.exp(-v)) * up
+    if has_bias:
+        v += bias[row]
+    return v
