@@ -302,6 +302,10 @@ def test_expert_tile_holds_the_mean_share_of_an_expert():
     assert mg.expert_tile(2049 * 8, 256) == 128
     assert mg.expert_tile(8192 * 8, 256) == 128  # the largest tile
     assert mg.expert_tile(4096 * 8, 128) == 128
+    # gate weights the fragment GEMM takes: its largest tile (a 128-token one spills)
+    q4k = SimpleNamespace(ggml_type=GGMLType.Q4_K, k=2048)
+    assert mg.expert_tile(8192 * 8, 256, q4k) == 64
+    assert mg.expert_tile(64 * 8, 256, q4k) == 16
 
 
 @pytest.mark.gpu
@@ -322,18 +326,19 @@ def test_grouped_matmul_real_shapes(swiglu, n_tok, tile, rng):
 # ---------------------------------------------------------------- fragment GEMM (Q4_K)
 def test_q4_k_takes_the_fragment_kernel_for_tiles_up_to_64():
     assert fragment_gemm.supports(GGMLType.Q4_K, 256)
+    assert not fragment_gemm.supports(GGMLType.Q5_K, 256)
     assert not fragment_gemm.supports(GGMLType.Q8_0, 256)
     assert not fragment_gemm.supports(GGMLType.Q4_K, 96)  # not whole 64-element steps
     assert 128 not in fragment_gemm.TILES
 
 
-@pytest.mark.parametrize("tile", [16, 64])
+@pytest.mark.parametrize("tile, ggml_type", [(16, GGMLType.Q4_K), (64, GGMLType.Q4_K)])
 @pytest.mark.slow
-def test_fragment_gemm_grouped_swiglu_q4_k(tile, rng):
+def test_fragment_gemm_grouped_swiglu(tile, ggml_type, rng):
     # 4 k steps through both buffers, two row blocks, an expert with several 16-token tiles
     slot_expert = rng.permutation(np.repeat([0, 2], [34, 9]))
     slot_x = rng.integers(0, 30, slot_expert.size)
-    got, x, gate_ref, up_ref = _run_grouped(GGMLType.Q4_K, 3, 70, 256, slot_expert, slot_x, 30,
+    got, x, gate_ref, up_ref = _run_grouped(ggml_type, 3, 70, 256, slot_expert, slot_x, 30,
                                             tile, True, rng)
     for e in (0, 2):
         slots = np.flatnonzero(slot_expert == e)

@@ -112,7 +112,7 @@ class CudaMoE:
         if not self.gate.on_tensor_cores(ws, ws.n_rows, experts=True):
             return None
         n_slots = ws.n_rows * self.k
-        tile = mma_gemm.expert_tile(n_slots, self.n_expert)
+        tile = mma_gemm.expert_tile(n_slots, self.n_expert, self.gate.matrix)
         route = ws.expert_route(self.n_expert, n_slots, tile)
         route_experts(self._picks(ws)[0].reshape(n_slots), n_slots, route, stream)
         return route

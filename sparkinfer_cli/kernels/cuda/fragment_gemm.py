@@ -9,9 +9,11 @@ a thread, rearranged with four byte permutes so that each lane finds its fragmen
 8-byte word), and each warp turns its own 16 rows' codes into A fragments with f16x2 arithmetic:
 a nibble masked into the mantissa of 1024.0 (`| 0x6400`), minus 1024 (exact), times the
 sub-block's scale plus its offset in one fused f16x2 multiply-add: four instructions a pair of
-weights, shared by the warp's BN tokens. mma_gemm keeps the other types: Q8_0 codes straight from
-their 2-byte-aligned 34-byte blocks took more loads and permutes than they saved (measured slower
-than its staging on the H200, bench/results/2026-12-04-fragment-gemm.md).
+weights, shared by the warp's BN tokens. mma_gemm keeps the other types; measured on the H200
+(bench/results/2026-12-04-fragment-gemm.md), the same scheme ran slower than its staging for
+Q5_K (the 5th bits: 20 staged words a row, 126 registers) and Q8_0 (2-byte-aligned 34-byte
+blocks: more loads and permutes than the staging saved); Q6_K's 210-byte blocks are not 16-byte
+aligned.
 
 Numerics: a weight is f16(q·s + m) with s = d·sc and m = −dmin·mn rounded to f16 first (mma_gemm
 rounds the float32 q·s + m once); activations are f16 in both.
@@ -67,8 +69,26 @@ _MAGIC = 0x64006400  # f16x2 (1024, 1024): a code in the low mantissa bits reads
 # (word >> s) & 0x000F000F puts the nibbles of elements (2t, 2t+1) (s = 0 / 4: low / high nibble)
 # or (2t+8, 2t+9) (s = 8 / 12) in the two f16 halves. Then 4 scale words: f16x2 (s, s), (m, m)
 # of each sub-block (value = s·q + m).
-_Q4K_CODE_WORDS = 8
-_Q4K_ROW_WORDS = _Q4K_CODE_WORDS + 4
+_Q4K_ROW_WORDS = 12
+
+
+@device_function(numba_inline=True)
+def _put_lane_order(sw, at, w0, w1, w2, w3):
+    """16 bytes (4 words) → words at, at + 2, at + 4, at + 6 in the lane quads' byte order."""
+    sw[uint32(at)] = byte_perm(w0, w2, 0x5140)
+    sw[uint32(at + 2)] = byte_perm(w0, w2, 0x7362)
+    sw[uint32(at + 4)] = byte_perm(w1, w3, 0x5140)
+    sw[uint32(at + 6)] = byte_perm(w1, w3, 0x7362)
+
+
+@device_function(numba_inline=True)
+def _put_k_scales(sw, at, h, k0, hdr0, s0, s1, s2):
+    """f16x2 (scale, scale), (offset, offset) of sub-block 2p + h from the super-block header."""
+    sc, mn = scale_min_k4(2 * ((k0 >> 6) & 3) + h, s0, s1, s2)
+    scale = f16(hdr0) * float32(sc)
+    shift = -(f16(hdr0 >> 16) * float32(mn))
+    sw[uint32(at + 2 * h)] = pack_f16x2(scale, scale)
+    sw[uint32(at + 2 * h + 1)] = pack_f16x2(shift, shift)
 
 
 @device_function(numba_inline=True)
@@ -82,24 +102,18 @@ def _fetch_q4_k(w, row_off, k0, h):
 
 @device_function(numba_inline=True)
 def _put_q4_k(sw, at, h, k0, v):
-    base = at + h
-    sw[base] = byte_perm(v[0], v[2], 0x5140)
-    sw[base + 2] = byte_perm(v[0], v[2], 0x7362)
-    sw[base + 4] = byte_perm(v[1], v[3], 0x5140)
-    sw[base + 6] = byte_perm(v[1], v[3], 0x7362)
-    sc, mn = scale_min_k4(2 * ((k0 >> 6) & 3) + h, v[5], v[6], v[7])
-    scale = f16(v[4]) * float32(sc)
-    shift = -(f16(v[4] >> 16) * float32(mn))
-    sw[at + _Q4K_CODE_WORDS + 2 * h] = pack_f16x2(scale, scale)
-    sw[at + _Q4K_CODE_WORDS + 2 * h + 1] = pack_f16x2(shift, shift)
+    _put_lane_order(sw, at + h, v[0], v[1], v[2], v[3])
+    _put_k_scales(sw, at + 8, h, k0, v[4], v[5], v[6], v[7])
 
 
 @device_function(numba_inline=True)
 def _row_q4_k(sw, at, t):
     """A lane's registers of one staged row for the whole step: its two code words and the two
-    sub-blocks' (scale, offset) pairs."""
-    c = at + _Q4K_CODE_WORDS
-    return (sw[at + 2 * t], sw[at + 2 * t + 1], sw[c], sw[c + 1], sw[c + 2], sw[c + 3])
+    sub-blocks' (scale, offset) pairs. (Shared memory is indexed unsigned throughout: a signed
+    index costs a compare and a select an access for numba's negative-index wrap.)"""
+    c = at + 8
+    return (sw[uint32(at + 2 * t)], sw[uint32(at + 2 * t + 1)], sw[uint32(c)],
+            sw[uint32(c + 1)], sw[uint32(c + 2)], sw[uint32(c + 3)])
 
 
 @device_function(numba_inline=True)
@@ -110,8 +124,10 @@ def _a_q4_k(r, c, hi):
     return hfma2(hsub2(v, _MAGIC), r[2 + 2 * (c >> 1)], r[3 + 2 * (c >> 1)])
 
 
+# per type: fetch, put, row registers, A register, staged words a row, and the blocks an SM its
+# kernel without SwiGLU is bounded to (3: ≤ 80 registers; the SwiGLU kernel spilled under it)
 _TYPES = {
-    GGMLType.Q4_K: (_fetch_q4_k, _put_q4_k, _row_q4_k, _a_q4_k, _Q4K_ROW_WORDS),
+    GGMLType.Q4_K: (_fetch_q4_k, _put_q4_k, _row_q4_k, _a_q4_k, _Q4K_ROW_WORDS, 3),
 }
 SUPPORTED_TYPES = frozenset(_TYPES)
 
@@ -125,7 +141,7 @@ def supports(ggml_type: int, k: int) -> bool:
 @functools.cache
 def _walk_fn(ggml_type: GGMLType, bn: int):
     """walk: a block's k steps s0..s1 into this warp's accumulators."""
-    fetch, put, row_regs, a_reg, row_words = _TYPES[ggml_type]
+    fetch, put, row_regs, a_reg, row_words, _ = _TYPES[ggml_type]
     w_words, x_words = BM * row_words, bn * X_WORDS
     tok_threads = THREADS // bn
     elems = BK // tok_threads  # floats a thread stages of its token
@@ -136,7 +152,7 @@ def _walk_fn(ggml_type: GGMLType, bn: int):
         put(sw, buf * w_words + w_at, h, k0, wv)
         base = uint32(buf * x_words + x_at)
         for i in range(elems // 2):
-            sx[base + uint32(i)] = pack_f16x2(xv[2 * i], xv[2 * i + 1])
+            sx[uint32(base + i)] = pack_f16x2(xv[2 * i], xv[2 * i + 1])
 
     @device_function(numba_inline=True)
     def fetch_x(x, x_off, k0, xv):
@@ -267,12 +283,11 @@ def gemm_kernel(ggml_type: GGMLType, bn: int, swiglu: bool, grouped: bool):
     walk = _walk_fn(ggml_type, bn)
     operands = _operands_fn(bn, swiglu, grouped)
     store, store_sums = _store_fns(bn, swiglu, grouped)
-    row_words = _TYPES[ggml_type][4]
+    row_words, blocks = _TYPES[ggml_type][4:]
     rows_block = BM // 2 if swiglu else BM
     sw_size, sx_size, n_acc = 2 * BM * row_words, 2 * bn * X_WORDS, bn // 2
 
-    # three blocks an SM (≤ 80 registers) without SwiGLU; with it, 80 registers spilled
-    bounds = {} if swiglu or IS_SIMULATOR else {"launch_bounds": (THREADS, 3)}
+    bounds = {} if swiglu or blocks < 3 or IS_SIMULATOR else {"launch_bounds": (THREADS, blocks)}
 
     @kernel(fastmath=True, **bounds)
     def gemm(w, w2, row_bytes, n_rows, mat_bytes, k, n_tok, x, tile_expert, tile_lo, tile_hi,

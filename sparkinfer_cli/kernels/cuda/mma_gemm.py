@@ -425,10 +425,10 @@ def _operands_fn(bn: int, swiglu: bool, grouped: bool):
 
 
 @functools.cache
-def _store_fns(bn: int, swiglu: bool, grouped: bool):
-    """(store, store_sums): the C fragments → y through the epilogue, or (split k) their raw
-    sums → the partials. Two loops, not one with a branch inside: ptxas gave the one loop 166
-    registers (1 block an SM) against 128.
+def _chunk_fns(bn: int, swiglu: bool, grouped: bool):
+    """(store_chunk, sums_chunk): a chunk of the C fragments → y through the epilogue, or (split
+    k) their raw sums → the partials. Two loops, not one with a branch inside: ptxas gave the
+    one loop 166 registers (1 block an SM) against 128.
 
     A lane holds rows lane//4 (+8: elements e ≥ 2) × tokens 2·(lane%4) (+1) of each m16×n8 tile.
     SwiGLU pairs a gate sum with the up sum of the same row: mt_out m16 tiles further on, or in a
@@ -448,10 +448,12 @@ def _store_fns(bn: int, swiglu: bool, grouped: bool):
         return row, (warp % warps_n) * 8 * nt + 8 * ni + 2 * (lane & 3) + (e & 1)
 
     @device_function(numba_inline=True)
-    def store(acc, row0, n_rows, lo, n_valid, order, bias, has_bias, y0, y1, y2, y3, ends):
-        for mi in range(mt_out):
+    def store_chunk(acc, m0, eh, where):
+        """Elements eh, eh + 1 of the n8 tiles of m16 tiles m0, m0 + 1."""
+        row0, n_rows, lo, n_valid, order, bias, has_bias, y0, y1, y2, y3, ends = where
+        for mi in range(m0, min(m0 + 2, mt_out)):
             for ni in range(nt):
-                for e in range(n_e):
+                for e in range(eh, eh + 2):
                     row, j = fragment(mi, ni, e, row0)
                     if row < n_rows and j < n_valid:
                         at = 4 * nt * mi + 4 * ni + e
@@ -461,11 +463,13 @@ def _store_fns(bn: int, swiglu: bool, grouped: bool):
                                    row, v)
 
     @device_function(numba_inline=True)
-    def store_sums(acc, row0, n_rows, lo, n_valid, order, part, n_slots):
-        """part (splits, n_slots, rows · (2 with SwiGLU: gate sums, then up)) for block z."""
-        for mi in range(mt_out):
+    def sums_chunk(acc, m0, eh, where):
+        """store_chunk's elements' raw sums → part (splits, n_slots, rows · (2 with SwiGLU: gate
+        sums, then up)) for block z."""
+        row0, n_rows, lo, n_valid, order, part, n_slots = where
+        for mi in range(m0, min(m0 + 2, mt_out)):
             for ni in range(nt):
-                for e in range(n_e):
+                for e in range(eh, eh + 2):
                     row, j = fragment(mi, ni, e, row0)
                     if row < n_rows and j < n_valid:
                         slot = order[lo + j] if grouped else lo + j
@@ -473,6 +477,42 @@ def _store_fns(bn: int, swiglu: bool, grouped: bool):
                         part[at] = acc[4 * nt * mi + 4 * ni + e]
                         if swiglu:
                             part[at + n_rows] = acc[4 * nt * mi + 4 * ni + e + up_at]
+
+    return store_chunk, sums_chunk
+
+
+@functools.cache
+def _store_fns(bn: int, swiglu: bool, grouped: bool):
+    """(store, store_sums): all C fragments through _chunk_fns' chunks, each its own loop nest of
+    ≤ 16 iterations, which LLVM unrolls, so that acc's indices are constants and it stays in
+    registers (one nest over a 64-token tile's 32-64 elements stayed rolled and put acc in local
+    memory)."""
+    t = _tiling(bn, swiglu)
+    mt_out, n_e = t.mt_out, 2 if t.half_tile else 4
+    store_chunk, sums_chunk = _chunk_fns(bn, swiglu, grouped)
+
+    @device_function(numba_inline=True)
+    def store(acc, row0, n_rows, lo, n_valid, order, bias, has_bias, y0, y1, y2, y3, ends):
+        where = (row0, n_rows, lo, n_valid, order, bias, has_bias, y0, y1, y2, y3, ends)
+        store_chunk(acc, 0, 0, where)
+        if n_e > 2:
+            store_chunk(acc, 0, 2, where)
+        if mt_out > 2:
+            store_chunk(acc, 2, 0, where)
+            if n_e > 2:
+                store_chunk(acc, 2, 2, where)
+
+    @device_function(numba_inline=True)
+    def store_sums(acc, row0, n_rows, lo, n_valid, order, part, n_slots):
+        where = (row0, n_rows, lo, n_valid, order, part, n_slots)
+        sums_chunk(acc, 0, 0, where)
+        if n_e > 2:
+            sums_chunk(acc, 0, 2, where)
+        if mt_out > 2:
+            sums_chunk(acc, 2, 0, where)
+            if n_e > 2:
+                sums_chunk(acc, 2, 2, where)
+
     return store, store_sums
 
 
@@ -685,17 +725,20 @@ def _token_tile(w: DeviceQuantMatrix, n_tok: int) -> int:
     return DENSE_TILES[1]
 
 
-def expert_tile(n_slots: int, n_expert: int) -> int:
+def expert_tile(n_slots: int, n_expert: int, w: DeviceQuantMatrix | None = None) -> int:
     """The route tile for grouped_matmul over n_slots slots spread on n_expert experts: the
     smallest token tile that holds twice an expert's mean share (staged tiles) or its mean
     share, so that most experts fit one tile (each further tile dequantizes the expert's
     weights again) while a tile computes little padding (a few tokens an expert are what mixed
     serving steps meet). The rule follows which tile ran fastest per mean share on the H200
     (bench/probes/cuda_mma_bench.py, bench/results/2026-12-03-qwen3.6-35b-a3b-cuda-expert-tiles.md).
+    Given the gate matrix w of a type the fragment GEMM takes, at most its largest tile (64).
     """
-    return next((t for t in TOKEN_TILES
-                 if t * n_expert >= (2 if t <= MAX_STAGED_TILE else 1) * n_slots),
-                TOKEN_TILES[-1])
+    tiles = TOKEN_TILES
+    if w is not None and fragment_gemm.supports(w.ggml_type, w.k):
+        tiles = fragment_gemm.TILES
+    return next((t for t in tiles
+                 if t * n_expert >= (2 if t <= MAX_STAGED_TILE else 1) * n_slots), tiles[-1])
 
 
 def matmul(w: DeviceQuantMatrix, x, y, *, bias=None, up: DeviceQuantMatrix | None = None,

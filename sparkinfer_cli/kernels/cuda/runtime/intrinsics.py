@@ -376,10 +376,14 @@ else:
                 return None
 
             def codegen(context, builder, sig, args):
-                generic = _address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+                # the array's shared-window address once (one cvta a kernel after CSE), plus the
+                # offset in 32 bits: shared addresses fit in 32 bits
+                ary = context.make_array(sig.args[0])(context, builder, value=args[0])
                 to_shared = ir.InlineAsm(ir.FunctionType(_I64, [_I64]),
                                          "cvta.to.shared.u64 $0, $1;", "=l,l")
-                addr = builder.trunc(builder.call(to_shared, [generic], attrs=_PURE), _I32)
+                base = builder.call(to_shared, [builder.ptrtoint(ary.data, _I64)], attrs=_PURE)
+                off = context.cast(builder, args[1], sig.args[1], types.int64)
+                addr = builder.add(builder.trunc(base, _I32), builder.trunc(off, _I32))
                 asm = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([_I32] * 4), [_I32]),
                                    f"ldmatrix.sync.aligned.{shape}.shared.b16 "
                                    "{$0, $1, $2, $3}, [$4];",
