@@ -37,7 +37,12 @@ from numba import cuda, float32, int64, uint32
 
 from sparkinfer_cli.gguf.ggml_types import GGMLType
 from sparkinfer_cli.kernels.cuda.ggml_blocks import f16, scale_min_k4
-from sparkinfer_cli.kernels.cuda.mma_fragments import gemm_epilogue, mma_into
+from sparkinfer_cli.kernels.cuda.mma_fragments import (
+    block_tile,
+    gemm_epilogue,
+    k_range,
+    mma_into,
+)
 from sparkinfer_cli.kernels.cuda.quant_gemv import store_part
 from sparkinfer_cli.kernels.cuda.runtime.intrinsics import (
     IS_SIMULATOR,
@@ -293,14 +298,7 @@ def gemm_kernel(ggml_type: GGMLType, bn: int, swiglu: bool, grouped: bool):
     def gemm(w, w2, row_bytes, n_rows, mat_bytes, k, n_tok, x, tile_expert, tile_lo, tile_hi,
              order, slot_x, bias, has_bias, y0, y1, y2, y3, ends, part):
         chain_start()
-        if grouped:
-            lo = tile_lo[cuda.blockIdx.y]
-            n_valid = tile_hi[cuda.blockIdx.y] - lo
-            mat = tile_expert[cuda.blockIdx.y]
-        else:
-            lo = cuda.blockIdx.y * bn
-            n_valid = min(bn, n_tok - lo)
-            mat = 0
+        lo, n_valid, mat = block_tile(grouped, bn, n_tok, tile_expert, tile_lo, tile_hi)
         if n_valid <= 0:
             return
         row0 = cuda.blockIdx.x * rows_block
@@ -312,13 +310,11 @@ def gemm_kernel(ggml_type: GGMLType, bn: int, swiglu: bool, grouped: bool):
         for i in range(n_acc):
             acc[i] = 0.0
         lane, warp = cuda.threadIdx.x & 31, cuda.threadIdx.x >> 5
-        n_steps, n_splits = k // BK, cuda.gridDim.z
-        s0 = cuda.blockIdx.z * n_steps // n_splits
-        s1 = (cuda.blockIdx.z + 1) * n_steps // n_splits
+        s0, s1 = k_range(k // BK)
         h = cuda.threadIdx.x & 1
         w_at = (cuda.threadIdx.x >> 1) * row_words
         walk(s0, s1, w2 if is_up else w, w_off, h, w_at, x, x_off, x_at, sw, sx, lane, warp, acc)
-        if n_splits > 1:
+        if cuda.gridDim.z > 1:
             store_sums(acc, row0, n_rows, lo, n_valid, order, part, n_tok)
         else:
             store(acc, row0, n_rows, lo, n_valid, order, bias, has_bias, y0, y1, y2, y3, ends)

@@ -1,11 +1,11 @@
 """Device functions shared by the tensor-core kernels: one mma into an accumulator array, and the
-GEMMs' output epilogue."""
+GEMMs' block tile, k range and output epilogue."""
 
 from __future__ import annotations
 
 import math
 
-from numba import float32
+from numba import cuda, float32
 
 from sparkinfer_cli.kernels.cuda.runtime.intrinsics import mma_f16_f32
 from sparkinfer_cli.kernels.cuda.runtime.jit import device_function
@@ -29,3 +29,22 @@ def gemm_epilogue(v, up, swiglu, bias, has_bias, row):
     if has_bias:
         v += bias[row]
     return v
+
+
+@device_function(numba_inline=True)
+def block_tile(grouped, bn, n_tok, tile_expert, tile_lo, tile_hi):
+    """This block's tokens (first slot, how many, weight matrix): route tile blockIdx.y of a
+    grouped GEMM, else the dense GEMM's bn-token tile blockIdx.y."""
+    if grouped:
+        lo = tile_lo[cuda.blockIdx.y]
+        return lo, tile_hi[cuda.blockIdx.y] - lo, tile_expert[cuda.blockIdx.y]
+    lo = cuda.blockIdx.y * bn
+    return lo, min(bn, n_tok - lo), 0
+
+
+@device_function(numba_inline=True)
+def k_range(n_steps):
+    """This block's k steps [s0, s1): range blockIdx.z of gridDim.z (split-K; one range
+    otherwise)."""
+    n_splits = cuda.gridDim.z
+    return cuda.blockIdx.z * n_steps // n_splits, (cuda.blockIdx.z + 1) * n_steps // n_splits

@@ -49,7 +49,12 @@ from sparkinfer_cli.kernels.cuda.ggml_blocks import (
     words4_aligned,
     words4_unaligned,
 )
-from sparkinfer_cli.kernels.cuda.mma_fragments import gemm_epilogue, mma_into
+from sparkinfer_cli.kernels.cuda.mma_fragments import (
+    block_tile,
+    gemm_epilogue,
+    k_range,
+    mma_into,
+)
 from sparkinfer_cli.kernels.cuda.quant_gemv import DeviceQuantMatrix, store_part
 from sparkinfer_cli.kernels.cuda.runtime.intrinsics import (
     bits_to_f32,
@@ -577,14 +582,7 @@ def _gemm_kernel(ggml_type: GGMLType, bn: int, swiglu: bool, grouped: bool, n_st
     def gemm(w, w2, row_bytes, n_rows, mat_bytes, k, n_tok, x, tile_expert, tile_lo, tile_hi,
              order, slot_x, bias, has_bias, y0, y1, y2, y3, ends, part):
         chain_start()
-        if grouped:
-            lo = tile_lo[cuda.blockIdx.y]
-            n_valid = tile_hi[cuda.blockIdx.y] - lo
-            mat = tile_expert[cuda.blockIdx.y]
-        else:
-            lo = cuda.blockIdx.y * bn
-            n_valid = min(bn, n_tok - lo)
-            mat = 0
+        lo, n_valid, mat = block_tile(grouped, bn, n_tok, tile_expert, tile_lo, tile_hi)
         if n_valid <= 0:
             return
         row0 = cuda.blockIdx.x * rows_block
@@ -599,13 +597,10 @@ def _gemm_kernel(ggml_type: GGMLType, bn: int, swiglu: bool, grouped: bool, n_st
         warp, lane = cuda.threadIdx.x >> 5, cuda.threadIdx.x & 31
         a_frag_at = 4 * (warp // warps_n) * warp_rows * ROW_WORDS
         b_frag_at = 4 * (warp % warps_n) * 32 * ROW_WORDS
-        # this block's k steps: range blockIdx.z of gridDim.z (split-K; one range otherwise)
-        n_steps, n_splits = k // BK, cuda.gridDim.z
-        s0 = cuda.blockIdx.z * n_steps // n_splits
-        s1 = (cuda.blockIdx.z + 1) * n_steps // n_splits
+        s0, s1 = k_range(k // BK)
         walk(s0, s1, w_src, w_off, x, x_off, a_at, b_at, stages_x, sa, sb, a_frag_at, b_frag_at,
              lane, acc)
-        if n_splits > 1:
+        if cuda.gridDim.z > 1:
             store_sums(acc, row0, n_rows, lo, n_valid, order, part, n_tok)
         else:
             store(acc, row0, n_rows, lo, n_valid, order, bias, has_bias, y0, y1, y2, y3, ends)

@@ -270,6 +270,14 @@ else:
     ld_v4_u32 = _load_intrinsic("ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];", 4,
                                 "=r,=r,=r,=r,l")
 
+    def _int_codegen(ptx: str, n_args: int, ty, attrs=()):
+        """Codegen of one PTX instruction over n_args 32-bit registers (the args cast to ty)."""
+        def codegen(context, builder, sig, args):
+            vals = [context.cast(builder, v, t, ty) for v, t in zip(args, sig.args)]
+            asm = ir.InlineAsm(ir.FunctionType(_I32, [_I32] * n_args), ptx, "=r" + ",r" * n_args)
+            return builder.call(asm, vals, attrs=attrs)
+        return codegen
+
     def _op3(ptx: str, ty=types.uint32):
         """An intrinsic (int, int, int) -> ty running one 3-operand PTX instruction on 32-bit
         registers (the integer args cast to ty)."""
@@ -277,12 +285,7 @@ else:
         def op(typingctx, a, b, c):
             if not all(isinstance(t, types.Integer) for t in (a, b, c)):
                 return None
-
-            def codegen(context, builder, sig, args):
-                vals = [context.cast(builder, v, t, ty) for v, t in zip(args, sig.args)]
-                asm = ir.InlineAsm(ir.FunctionType(_I32, [_I32] * 3), ptx, "=r,r,r,r")
-                return builder.call(asm, vals)
-            return ty(a, b, c), codegen
+            return ty(a, b, c), _int_codegen(ptx, 3, ty)
         return op
 
     def _op2(ptx: str):
@@ -292,12 +295,7 @@ else:
         def op(typingctx, a, b):
             if not all(isinstance(t, types.Integer) for t in (a, b)):
                 return None
-
-            def codegen(context, builder, sig, args):
-                vals = [context.cast(builder, v, t, types.uint32) for v, t in zip(args, sig.args)]
-                asm = ir.InlineAsm(ir.FunctionType(_I32, [_I32] * 2), ptx, "=r,r,r")
-                return builder.call(asm, vals, attrs=_PURE)
-            return types.uint32(a, b), codegen
+            return types.uint32(a, b), _int_codegen(ptx, 2, types.uint32, _PURE)
         return op
 
     # f16x2 arithmetic on u32 registers holding two halves (round to nearest even, one rounding
