@@ -12,8 +12,13 @@ that a change to the kernels (or to how numba compiles them) still builds and wh
 It also fails a chained kernel (jit.kernel) whose PTX touches global memory before its
 griddepcontrol.wait: such an access would race with the kernel launched before it.
 
-With `cuobjdump` on PATH (or in $CUOBJDUMP; the `triton` wheel carries one under
-triton/backends/nvidia/bin: `pip download --no-deps triton` and unzip it), each kernel's line also
+NVVM and NVRTC without a CUDA toolkit: `pip install --target DIR nvidia-cuda-nvrtc nvidia-nvvm`, then
+NUMBA_CUDA_NVRTC=DIR/nvidia/cu13/lib/libnvrtc.so.13 NUMBA_CUDA_NVVM=DIR/nvidia/cu13/lib/libnvvm.so.4
+(and that folder on LD_LIBRARY_PATH). A `ptxas` for sm_90 and `cuobjdump` come with the `triton`
+wheel under triton/backends/nvidia/bin (`pip download --no-deps triton`, unzip it; its ptxas takes
+the PTX once its `.version` line is lowered, which _ptxas does).
+
+With `cuobjdump` on PATH (or in $CUOBJDUMP), each kernel's line also
 reads its SASS: the instructions of its largest loop body (a back-branch's span; loops holding
 an mma first: the k step of a GEMM, a tile round of attention), the float64 instructions in the
 kernel (an int literal times a float32 is a float64 in numba) and its SEL instructions
