@@ -134,7 +134,6 @@ def _a_q4_k(r, c, hi):
 _TYPES = {
     GGMLType.Q4_K: (_fetch_q4_k, _put_q4_k, _row_q4_k, _a_q4_k, _Q4K_ROW_WORDS, 3),
 }
-SUPPORTED_TYPES = frozenset(_TYPES)
 
 
 def supports(ggml_type: int, k: int) -> bool:
