@@ -7,10 +7,11 @@ never branches on ggml types.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
-from sparkinfer_cli.kernels.cpu import decode_ops, ops
+from sparkinfer_cli.kernels.cpu import decode_ops, ops, paged_attention
 from sparkinfer_cli.kernels.cpu.llvm_jit import has_avx2
 from sparkinfer_cli.kernels.cpu.packed_matvec import PackedMatvec
 from sparkinfer_cli.kernels.cpu.quant import embedding_rows, matmul, matmul_row_invariant
@@ -95,6 +96,12 @@ class Forward:
     spans: list[SequenceSpan]
     cache: ModelCache
 
+    @cached_property
+    def attention_rows(self) -> paged_attention.PassRows:
+        """Where each new token attends (shared by every attention layer of the pass)."""
+        tables = [s.block_table for s in self.spans for _ in range(s.hi - s.lo)]
+        return paged_attention.PassRows(tables, self.positions, self.cache.block_size)
+
 
 class Attention:
     """GQA softmax attention over the paged KV cache (llama / qwen2 / qwen3 / qwen3moe).
@@ -144,20 +151,14 @@ class Attention:
 
     def attend(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, fwd: Forward) -> np.ndarray:
         """Write k, v into each sequence's cache, attend, return (N, H·D). Every token attends
-        on its own through the decode kernel, over exactly the keys before it, so its numbers
+        on its own through the one row kernel, over exactly the keys before it, so its numbers
         are those of one-at-a-time decoding whatever piece of its prompt it came in: the step
         budget cuts prompts where the server's load puts the cut, and a prefix-cache hit starts
         them at a block, so a kernel chosen by the piece (a BLAS product over the piece's rows
         and keys sums by its shape) made greedy answers depend on the load. On 2 cores the row
         kernel also prefills a 512- or 2,048-token prompt faster than that product did."""
-        cache, li = fwd.cache, fwd.cache.attn_index[self.layer]
-        for s in fwd.spans:  # NOTE: every row's k, v first: a row reads the rows before it
-            if s.hi - s.lo > 1:
-                cache.write_kv(self.layer, s.block_table, s.start, k[s.lo:s.hi], v[s.lo:s.hi])
-        rows = [(r, s.block_table, s.start + r - s.lo) for s in fwd.spans
-                for r in range(s.lo, s.hi)]
-        out = decode_ops.attend_paged(q, k, v, cache.k[li], cache.v[li], [r[0] for r in rows],
-                                      [r[1] for r in rows], [r[2] for r in rows])
+        li = fwd.cache.attn_index[self.layer]
+        out = paged_attention.attend(q, k, v, fwd.cache.k[li], fwd.cache.v[li], fwd.attention_rows)
         return out.reshape(len(q), -1)
 
     def __call__(self, x: np.ndarray, fwd: Forward) -> np.ndarray:

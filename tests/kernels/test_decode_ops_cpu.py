@@ -1,13 +1,12 @@
 """Decode-step numba ops against float64 numpy references written here (RMSNorm, RoPE in both
-styles, storing decode tokens' K/V in a paged cache with scattered block tables and their
-queries' GQA attention there). They take several tokens: each row is what it is alone."""
+styles). They take several tokens: each row is what it is alone."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from sparkinfer_cli.kernels.cpu import decode_ops, quant
+from sparkinfer_cli.kernels.cpu import decode_ops
 from sparkinfer_cli.kernels.cpu.ops import ROPE_NEOX, ROPE_NORMAL
 
 
@@ -42,45 +41,3 @@ def test_rope(style: str, n_rot: int, rng: np.random.Generator) -> None:
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(got[..., n_rot:], x[..., n_rot:])  # unrotated dims pass
     np.testing.assert_array_equal(got[2:], decode_ops.rope(x[2:], pos[2:], n_rot, base, style))
-
-
-def _attention_reference(q: np.ndarray, keys: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """float64 softmax(q·Kᵀ/√D)·V of one query q (H, D) over keys, values (length, H_kv, D)."""
-    H, D = q.shape
-    kv_head = np.arange(H) // (H // keys.shape[1])
-    scores = np.einsum("hd,thd->ht", q, keys[:, kv_head]) / np.sqrt(D)  # (H, length)
-    probs = np.exp(scores - scores.max(axis=1, keepdims=True))
-    probs /= probs.sum(axis=1, keepdims=True)
-    return np.einsum("ht,thd->hd", probs, values[:, kv_head])
-
-
-@pytest.mark.parametrize("threads", [1, 2])
-def test_attend_paged_stores_then_attends(threads: int, rng: np.random.Generator,
-                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """Three sequences' decode tokens (rows 2, 0, 1), at positions 36, 0 and 13, each in its own
-    scattered blocks; on one thread, or split between two."""
-    monkeypatch.setattr(decode_ops, "_MIN_MACS_PER_THREAD", 1 if threads == 2 else 1 << 40)
-    monkeypatch.setattr(quant, "_num_threads", lambda: threads)
-    H, H_kv, D, block_size, num_blocks = 6, 2, 32, 8, 12
-    k = rng.standard_normal((num_blocks, block_size, H_kv, D)).astype(np.float32)
-    v = rng.standard_normal((num_blocks, block_size, H_kv, D)).astype(np.float32)
-    k_new, v_new = rng.standard_normal((2, 3, H_kv, D)).astype(np.float32)
-    q = rng.standard_normal((3, H, D)).astype(np.float32)
-    rows, positions, blocks = [2, 0, 1], [36, 0, 13], rng.permutation(num_blocks).astype(np.int32)
-    tables = [blocks[:5], blocks[5:6], blocks[6:8]]
-    wants, untouched = [], k.copy()
-    for r, table, position in zip(rows, tables, positions):
-        pos = np.arange(position + 1)
-        slot = table[pos // block_size], pos % block_size
-        keys, values = k[slot].astype(np.float64), v[slot].astype(np.float64)  # (length, H_kv, D)
-        keys[-1], values[-1] = k_new[r], v_new[r]
-        wants.append(_attention_reference(q[r], keys, values))
-        untouched[slot[0][-1], slot[1][-1]] = k_new[r]
-    got = decode_ops.attend_paged(q, k_new, v_new, k, v, rows, tables, positions)
-    assert got.shape == (3, H, D)
-    for r, table, position, want in zip(rows, tables, positions, wants):
-        np.testing.assert_allclose(got[r], want, rtol=1e-5, atol=1e-5)
-        last = table[position // block_size], position % block_size
-        np.testing.assert_array_equal(k[last], k_new[r])
-        np.testing.assert_array_equal(v[last], v_new[r])
-    np.testing.assert_array_equal(k, untouched)  # nothing else written

@@ -1,9 +1,8 @@
-"""The small ops of a decode step (one new token per sequence) as numba kernels; ops.py is their
-reference.
+"""RMSNorm and RoPE row by row as numba kernels; ops.py is their reference.
 
 At T = 1 the numpy versions cost 15-45 µs each in call overhead and temporaries (a decode token
-of Qwen2.5-0.5B runs about 150 of them), and attention gathered each sequence's whole K/V out of
-the paged cache first. These read the cache in place and allocate only their outputs.
+of Qwen2.5-0.5B runs about 150 of them); these allocate only their outputs, and a row's result
+never depends on the other rows. (Attention over the paged cache: paged_attention.py.)
 """
 
 from __future__ import annotations
@@ -12,7 +11,6 @@ import numpy as np
 from numba import njit
 
 from sparkinfer_cli.kernels.cpu.ops import ROPE_NEOX, _inv_freq
-from sparkinfer_cli.kernels.cpu.quant import parallel_ranges
 
 _f32 = np.float32
 
@@ -70,64 +68,4 @@ def rope(x: np.ndarray, positions: np.ndarray, n_rot: int, base: float,
     """ops.rope of x (T, H, D), token t at positions[t]."""
     out = np.empty(x.shape, np.float32)  # (T, H, D)
     _rope_rows(x, positions, _inv_freq(n_rot, base), style == ROPE_NEOX, out)
-    return out
-
-
-@njit(cache=True, nogil=True, fastmath=True, error_model="numpy")
-def _attend_paged(q, k_new, v_new, k, v, block_table, position, out):
-    """Store k_new, v_new (H_kv, D) at `position` of a paged cache layer k, v (block, slot,
-    H_kv, D), then out (H, D) = softmax(q·Kᵀ/√D)·V over positions 0..position; query head h
-    reads KV head h // (H / H_kv)."""
-    H, D = q.shape
-    H_kv, block_size = k.shape[2], k.shape[1]
-    group, length = H // H_kv, position + 1
-    k[block_table[position // block_size], position % block_size] = k_new
-    v[block_table[position // block_size], position % block_size] = v_new
-    scale = _f32(1.0 / np.sqrt(D))
-    # NOTE: positions outermost: the cache is read in its own order, each slot's heads at once
-    p = np.empty((H, length), np.float32)  # (H, length)
-    for t in range(length):
-        kt = k[block_table[t // block_size], t % block_size]  # (H_kv, D)
-        for h in range(H):
-            acc = _f32(0)
-            for d in range(D):
-                acc += q[h, d] * kt[h // group, d]
-            p[h, t] = acc * scale
-    for h in range(H):
-        p_max, total = p[h].max(), _f32(0)
-        for t in range(length):
-            p[h, t] = np.exp(p[h, t] - p_max)
-            total += p[h, t]
-        p[h] /= total
-    out[:] = 0
-    for t in range(length):
-        vt = v[block_table[t // block_size], t % block_size]  # (H_kv, D)
-        for h in range(H):
-            for d in range(D):
-                out[h, d] += p[h, t] * vt[h // group, d]
-
-
-# Handing sequences to a second thread cost ~0.1 ms on the 2-vCPU VM we measured on (its idle vCPU
-# halts): split only when each thread gets more attention than that, in q·K and p·V multiply-adds.
-_MIN_MACS_PER_THREAD = 1 << 21
-
-
-def attend_paged(q: np.ndarray, k_new: np.ndarray, v_new: np.ndarray, k: np.ndarray,
-                 v: np.ndarray, rows: list[int], block_tables: list[np.ndarray],
-                 positions: list[int]) -> np.ndarray:
-    """Decode tokens of several sequences, one each: token rows[i] of q (N, H, D), k_new, v_new
-    (N, H_kv, D) is at positions[i] of the sequence with block_tables[i]. Stores its k_new, v_new
-    in the layer's paged cache k, v (num_blocks, block_size, H_kv, D) (ModelCache's region map),
-    then ops.causal_attention of its query over positions 0..positions[i]. Returns out (N, H, D),
-    written in those rows only."""
-    N, H, D = q.shape
-    out = np.empty_like(q)  # (N, H, D)
-
-    def attend(a: int, b: int) -> None:
-        for i in range(a, b):
-            r = rows[i]
-            _attend_paged(q[r], k_new[r], v_new[r], k, v, block_tables[i], positions[i], out[r])
-
-    macs = 2 * H * D * (sum(positions) + len(positions))
-    parallel_ranges(attend, len(rows), macs // _MIN_MACS_PER_THREAD)
     return out

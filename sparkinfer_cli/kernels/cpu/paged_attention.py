@@ -1,0 +1,494 @@
+"""Softmax attention of query rows over a paged K/V cache layer: one native kernel (LLVM IR through
+llvm_jit) per row, the rows of a pass split between the threads by parallel_calls.
+
+Every new token of a pass (decode token, draft or prompt token) attends on its own, over exactly
+the keys before it, through this one compiled kernel, whichever thread runs it: a row's numbers
+never depend on what else shares its pass (layers.Attention.attend says why that matters).
+
+Per row, for query head h of KV head g = h // (H / H_kv), over positions t < length:
+
+    scores  s[h, t] = q_h · K[t, g] / √D     8 positions at a time: 8 vector accumulators over
+                                             D, summed across lanes by one transposing tree
+    softmax p[h, t] = exp(s - max_t s) / Σ   a vectorized exp (Cephes' polynomial, ≤ 2 ulp),
+                                             sums in a fixed lane order
+    output  o[h] = Σ_t p[h, t] · V[t, g]     up to 64 dims of o in registers per pass over t
+
+The scores of a row live in a scratch of H × (length rounded up to 8) floats, one per thread.
+Shapes (H, H_kv, D, block size) are constants of the compiled kernel; D need not be a multiple of
+8 (its last lanes are loaded and stored masked).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import struct
+from typing import Callable, NamedTuple
+
+import numpy as np
+from numba import njit
+
+from sparkinfer_cli.kernels.cpu import llvm_jit, parallel_calls, quant
+
+W = 8  # lanes of a vector, and positions of a score tile
+_CHUNKS_PER_PASS = 8  # vectors of o kept in registers over one pass over the positions
+_OUT_BLOCK = 64  # positions whose V rows one KV head's query heads read in turn
+# A pass's rows are split between the threads once each thread gets this many q·K and p·V
+# multiply-adds: parallel_calls hands off in microseconds, and a decode row of a 135M model at
+# position 100 is ~60 K.
+_MIN_MACS_PER_PART = 1 << 17
+
+
+def _f32(value: float) -> str:
+    """value rounded to float32, as an LLVM IR float constant (the hex of its double)."""
+    exact = float(np.float32(value))
+    return "0x%016X" % struct.unpack("<Q", struct.pack("<d", exact))[0]
+
+
+def _splat(value: float) -> str:
+    return "<" + ", ".join(f"float {_f32(value)}" for _ in range(W)) + ">"
+
+
+def _ints(values: list[int], ty: str = "i32") -> str:
+    return "<" + ", ".join(f"{ty} {v}" for v in values) + ">"
+
+
+def _mask(width: int) -> str:
+    return "<8 x i1> <" + ", ".join(f"i1 {str(i < width).lower()}" for i in range(W)) + ">"
+
+
+def _load(name: str, ptr: str, width: int) -> str:
+    """IR: <8 x float> %name from ptr, its lanes ≥ width zero (masked: no read past the row)."""
+    if width == W:
+        return f"  %{name} = load <8 x float>, ptr {ptr}, align 4\n"
+    return (f"  %{name} = call <8 x float> @llvm.masked.load.v8f32.p0(ptr {ptr}, i32 4, "
+            f"{_mask(width)}, <8 x float> zeroinitializer)\n")
+
+
+def _store(value: str, ptr: str, width: int) -> str:
+    if width == W:
+        return f"  store <8 x float> {value}, ptr {ptr}, align 4\n"
+    return (f"  call void @llvm.masked.store.v8f32.p0(<8 x float> {value}, ptr {ptr}, i32 4, "
+            f"{_mask(width)})\n")
+
+
+class Shape(NamedTuple):
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    block_size: int
+
+    @property
+    def group(self) -> int:
+        return self.n_head // self.n_head_kv
+
+    def widths(self, lo: int, hi: int) -> list[tuple[int, int]]:
+        """(offset, lanes) of the vectors covering dims lo..hi-1 of a head."""
+        return [(d, min(W, hi - d)) for d in range(lo, hi, W)]
+
+
+def _row_offset(shape: Shape, name: str, t: str, g: str) -> str:
+    """IR: i64 %name = float offset of (position t, KV head g) in the layer."""
+    return (f"  %{name}b = udiv i64 {t}, {shape.block_size}\n"
+            f"  %{name}s = urem i64 {t}, {shape.block_size}\n"
+            f"  %{name}bp = getelementptr i32, ptr %bt, i64 %{name}b\n"
+            f"  %{name}bi = load i32, ptr %{name}bp, align 4\n"
+            f"  %{name}bw = sext i32 %{name}bi to i64\n"
+            f"  %{name}r0 = mul i64 %{name}bw, {shape.block_size}\n"
+            f"  %{name}r1 = add i64 %{name}r0, %{name}s\n"
+            f"  %{name}r2 = mul i64 %{name}r1, {shape.n_head_kv}\n"
+            f"  %{name}r3 = add i64 %{name}r2, {g}\n"
+            f"  %{name} = mul i64 %{name}r3, {shape.head_dim}\n")
+
+
+def _lane_sums(acc: list[str], out: str) -> str:
+    """IR: %out lane j = Σ lanes of acc[j], for 8 accumulators (a transposing tree of
+    shuffles and adds: pairs, then quads, then halves)."""
+    ir, level, n = "", acc, 0
+    masks = [([0, 8, 1, 9, 4, 12, 5, 13], [2, 10, 3, 11, 6, 14, 7, 15]),
+             ([0, 1, 8, 9, 4, 5, 12, 13], [2, 3, 10, 11, 6, 7, 14, 15]),
+             ([0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15])]
+    for lo, hi in masks:
+        nxt = []
+        for a, b in zip(level[::2], level[1::2]):
+            name = f"%{out}_{n}"
+            n += 1
+            ir += (f"  {name}l = shufflevector <8 x float> {a}, <8 x float> {b}, "
+                   f"<8 x i32> {_ints(lo)}\n"
+                   f"  {name}h = shufflevector <8 x float> {a}, <8 x float> {b}, "
+                   f"<8 x i32> {_ints(hi)}\n"
+                   f"  {name} = fadd <8 x float> {name}l, {name}h\n")
+            nxt.append(name)
+        level = nxt
+    return ir + f"  %{out} = fadd <8 x float> {level[0]}, zeroinitializer\n"
+
+
+def _scores(shape: Shape) -> str:
+    """IR blocks: scratch[h, t] = s[h, t] (lanes past the length -inf), per KV head g and tile
+    of 8 positions, the tile's 8 K rows read once for the group's query heads."""
+    rows = "".join(f"  %t{j} = add i64 %tile, {j}\n"
+                   f"  %tc{j} = call i64 @llvm.umin.i64(i64 %t{j}, i64 %last)\n"
+                   + _row_offset(shape, f"ko{j}", f"%tc{j}", "%g")
+                   + f"  %kp{j} = getelementptr float, ptr %k, i64 %ko{j}\n" for j in range(W))
+    dots = ""
+    for d, width in shape.widths(0, shape.head_dim):
+        dots += (f"  %qp{d} = getelementptr float, ptr %qh, i64 {d}\n" + _load(f"q{d}", f"%qp{d}",
+                                                                             width))
+        for j in range(W):
+            prev = f"%a{j}_{d - W}" if d else "zeroinitializer"
+            dots += (f"  %kq{j}_{d} = getelementptr float, ptr %kp{j}, i64 {d}\n"
+                     + _load(f"k{j}_{d}", f"%kq{j}_{d}", width)
+                     + f"  %a{j}_{d} = call <8 x float> @llvm.fma.v8f32(<8 x float> %q{d}, "
+                     f"<8 x float> %k{j}_{d}, <8 x float> {prev})\n")
+    last_d = shape.widths(0, shape.head_dim)[-1][0]
+    scale = _splat(1.0 / np.sqrt(shape.head_dim))
+    return f"""  br label %sg
+sg:
+  %g = phi i64 [0, %entry], [%gn, %sgnext]
+  br label %st
+st:
+  %tile = phi i64 [0, %sg], [%tilen, %stnext]
+{rows}  %hl0 = mul i64 %g, {shape.group}
+  br label %sh
+sh:
+  %h = phi i64 [%hl0, %st], [%hn, %sh]
+  %qo = mul i64 %h, {shape.head_dim}
+  %qh = getelementptr float, ptr %q, i64 %qo
+{dots}{_lane_sums([f"%a{j}_{last_d}" for j in range(W)], "dot")}\
+  %sc = fmul <8 x float> %dot, {scale}
+  %tilei = trunc i64 %tile to i32
+  %tiles = insertelement <8 x i32> poison, i32 %tilei, i32 0
+  %tilev = shufflevector <8 x i32> %tiles, <8 x i32> poison, <8 x i32> zeroinitializer
+  %tv = add <8 x i32> %tilev, {_ints(list(range(W)))}
+  %live = icmp ult <8 x i32> %tv, %lenv
+  %sm = select <8 x i1> %live, <8 x float> %sc, <8 x float> {_splat(-np.inf)}
+  %so0 = mul i64 %h, %lp
+  %so = add i64 %so0, %tile
+  %sp = getelementptr float, ptr %scr, i64 %so
+  store <8 x float> %sm, ptr %sp, align 4
+  %hn = add i64 %h, 1
+  %hl1 = add i64 %hl0, {shape.group}
+  %hc = icmp ult i64 %hn, %hl1
+  br i1 %hc, label %sh, label %stnext
+stnext:
+  %tilen = add i64 %tile, {W}
+  %tc = icmp ult i64 %tilen, %len
+  br i1 %tc, label %st, label %sgnext
+sgnext:
+  %gn = add i64 %g, 1
+  %gc = icmp ult i64 %gn, {shape.n_head_kv}
+  br i1 %gc, label %sg, label %softmax
+"""
+
+
+def _exp(x: str, out: str) -> str:
+    """IR: %out = e^x for x ≤ 0 (-inf included: 0), Cephes' expf: x = n·ln2 + r, e^r by a
+    degree-5 polynomial, 2^n from the exponent bits."""
+    c = [1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1,
+         5.0000001201e-1]
+    ir = (f"  %{out}u = fcmp olt <8 x float> {x}, {_splat(-87.0)}\n"
+          f"  %{out}x = select <8 x i1> %{out}u, <8 x float> {_splat(-87.0)}, <8 x float> {x}\n"
+          f"  %{out}m = fmul <8 x float> %{out}x, {_splat(1.44269504088896341)}\n"
+          f"  %{out}n = call <8 x float> @llvm.roundeven.v8f32(<8 x float> %{out}m)\n"
+          f"  %{out}r0 = call <8 x float> @llvm.fma.v8f32(<8 x float> %{out}n, <8 x float> "
+          f"{_splat(-0.693359375)}, <8 x float> %{out}x)\n"
+          f"  %{out}r = call <8 x float> @llvm.fma.v8f32(<8 x float> %{out}n, <8 x float> "
+          f"{_splat(2.12194440e-4)}, <8 x float> %{out}r0)\n")
+    prev = _splat(c[0])
+    for i, ci in enumerate(c[1:]):
+        ir += (f"  %{out}c{i} = call <8 x float> @llvm.fma.v8f32(<8 x float> {prev}, "
+               f"<8 x float> %{out}r, <8 x float> {_splat(ci)})\n")
+        prev = f"%{out}c{i}"
+    return ir + (f"  %{out}r2 = fmul <8 x float> %{out}r, %{out}r\n"
+                 f"  %{out}y0 = call <8 x float> @llvm.fma.v8f32(<8 x float> {prev}, "
+                 f"<8 x float> %{out}r2, <8 x float> %{out}r)\n"
+                 f"  %{out}y = fadd <8 x float> %{out}y0, {_splat(1.0)}\n"
+                 f"  %{out}ni = fptosi <8 x float> %{out}n to <8 x i32>\n"
+                 f"  %{out}nb = add <8 x i32> %{out}ni, {_ints([127] * W)}\n"
+                 f"  %{out}ns = shl <8 x i32> %{out}nb, {_ints([23] * W)}\n"
+                 f"  %{out}two = bitcast <8 x i32> %{out}ns to <8 x float>\n"
+                 f"  %{out}e = fmul <8 x float> %{out}y, %{out}two\n"
+                 f"  %{out} = select <8 x i1> %{out}u, <8 x float> zeroinitializer, "
+                 f"<8 x float> %{out}e\n")
+
+
+def _softmax() -> str:
+    """IR blocks: per head, scratch row ← exp(s - max s), and %inv_h... kept in scratch's
+    place: the row's 1/Σ goes to sums[h] (a second small scratch after the scores)."""
+    return f"""softmax:
+  br label %mh
+mh:
+  %h2 = phi i64 [0, %softmax], [%h2n, %enext]
+  %ro = mul i64 %h2, %lp
+  %row = getelementptr float, ptr %scr, i64 %ro
+  br label %mt
+mt:
+  %mi = phi i64 [0, %mh], [%min, %mt]
+  %mx0 = phi <8 x float> [{_splat(-np.inf)}, %mh], [%mx1, %mt]
+  %mp = getelementptr float, ptr %row, i64 %mi
+  %mv = load <8 x float>, ptr %mp, align 4
+  %mx1 = call <8 x float> @llvm.maxnum.v8f32(<8 x float> %mx0, <8 x float> %mv)
+  %min = add i64 %mi, {W}
+  %mc = icmp ult i64 %min, %len
+  br i1 %mc, label %mt, label %mdone
+mdone:
+  %mxs = call float @llvm.vector.reduce.fmax.v8f32(<8 x float> %mx1)
+  %mxi = insertelement <8 x float> poison, float %mxs, i32 0
+  %mxv = shufflevector <8 x float> %mxi, <8 x float> poison, <8 x i32> zeroinitializer
+  br label %et
+et:
+  %ei = phi i64 [0, %mdone], [%ein, %et]
+  %es0 = phi <8 x float> [zeroinitializer, %mdone], [%es1, %et]
+  %ep = getelementptr float, ptr %row, i64 %ei
+  %ev = load <8 x float>, ptr %ep, align 4
+  %ex = fsub <8 x float> %ev, %mxv
+{_exp("%ex", "pe")}  store <8 x float> %pe, ptr %ep, align 4
+  %es1 = fadd <8 x float> %es0, %pe
+  %ein = add i64 %ei, {W}
+  %ec = icmp ult i64 %ein, %len
+  br i1 %ec, label %et, label %enext
+enext:
+  %tot = call float @llvm.vector.reduce.fadd.v8f32(float -0.0, <8 x float> %es1)
+  %inv = fdiv float 1.0, %tot
+  %ivp = getelementptr float, ptr %sums, i64 %h2
+  store float %inv, ptr %ivp, align 4
+  %h2n = add i64 %h2, 1
+  %h2c = icmp ult i64 %h2n, %nh
+  br i1 %h2c, label %mh, label %output
+"""
+
+
+def _output(shape: Shape) -> str:
+    """IR blocks: o[h] = (Σ_t p[h, t] V[t, g]) / Σ. Per KV head, positions in blocks of
+    _OUT_BLOCK (their V rows stay in cache for the group's heads and every pass); per head, up
+    to 64 dims of o in registers per pass over a block, added to what earlier blocks left in
+    out, scaled by 1/Σ after the last block."""
+    passes = [(lo, min(lo + W * _CHUNKS_PER_PASS, shape.head_dim))
+              for lo in range(0, shape.head_dim, W * _CHUNKS_PER_PASS)]
+    ir = f"""output:
+  br label %og
+og:
+  %g3 = phi i64 [0, %output], [%g3n, %ognext]
+  br label %ob
+ob:
+  %tb = phi i64 [0, %og], [%tbn, %obnext]
+  %tb1 = add i64 %tb, {_OUT_BLOCK}
+  %tend = call i64 @llvm.umin.i64(i64 %tb1, i64 %len)
+  %first = icmp eq i64 %tb, 0
+  %final = icmp eq i64 %tend, %len
+  br label %orow
+orow:
+  %tr = phi i64 [%tb, %ob], [%trn, %orow]
+{_row_offset(shape, "vo", "%tr", "%g3")}  %ri = sub i64 %tr, %tb
+  %rp = getelementptr i64, ptr %vrows, i64 %ri
+  store i64 %vo, ptr %rp, align 8
+  %trn = add i64 %tr, 1
+  %trc = icmp ult i64 %trn, %tend
+  br i1 %trc, label %orow, label %ohead
+ohead:
+  %hg0 = mul i64 %g3, {shape.group}
+  %hg1 = add i64 %hg0, {shape.group}
+  br label %oh
+oh:
+  %h3 = phi i64 [%hg0, %ohead], [%h3n, %ohnext]
+  %pro = mul i64 %h3, %lp
+  %prow = getelementptr float, ptr %scr, i64 %pro
+  %ivp3 = getelementptr float, ptr %sums, i64 %h3
+  %iv3 = load float, ptr %ivp3, align 4
+  %mult = select i1 %final, float %iv3, float 1.0
+  %ivi = insertelement <8 x float> poison, float %mult, i32 0
+  %ivv = shufflevector <8 x float> %ivi, <8 x float> poison, <8 x i32> zeroinitializer
+  %oo = mul i64 %h3, {shape.head_dim}
+  %oh_p = getelementptr float, ptr %out, i64 %oo
+"""
+    first = "oh"
+    for i, (lo, hi) in enumerate(passes):
+        vecs = shape.widths(lo, hi)
+        starts = "".join(f"  %oi{i}_{d} = getelementptr float, ptr %oh_p, i64 {d}\n"
+                         + _load(f"ol{i}_{d}", f"%oi{i}_{d}", width)
+                         + f"  %c{i}_{d}0 = select i1 %first, <8 x float> zeroinitializer, "
+                         f"<8 x float> %ol{i}_{d}\n" for d, width in vecs)
+        phis = "".join(f"  %c{i}_{d} = phi <8 x float> [%c{i}_{d}0, %{first}], "
+                       f"[%c{i}_{d}n, %ot{i}]\n" for d, _ in vecs)
+        fmas = "".join(f"  %vq{i}_{d} = getelementptr float, ptr %vr{i}, i64 {d}\n"
+                       + _load(f"v{i}_{d}", f"%vq{i}_{d}", width)
+                       + f"  %c{i}_{d}n = call <8 x float> @llvm.fma.v8f32(<8 x float> %pv{i}, "
+                       f"<8 x float> %v{i}_{d}, <8 x float> %c{i}_{d})\n" for d, width in vecs)
+        stores = "".join(f"  %on{i}_{d} = fmul <8 x float> %c{i}_{d}n, %ivv\n"
+                         + _store(f"%on{i}_{d}", f"%oi{i}_{d}", width) for d, width in vecs)
+        nxt = f"od{i}"
+        ir += f"""{starts}  br label %ot{i}
+ot{i}:
+  %ti{i} = phi i64 [%tb, %{first}], [%ti{i}n, %ot{i}]
+{phis}  %pp{i} = getelementptr float, ptr %prow, i64 %ti{i}
+  %ps{i} = load float, ptr %pp{i}, align 4
+  %pi{i} = insertelement <8 x float> poison, float %ps{i}, i32 0
+  %pv{i} = shufflevector <8 x float> %pi{i}, <8 x float> poison, <8 x i32> zeroinitializer
+  %ri{i} = sub i64 %ti{i}, %tb
+  %rq{i} = getelementptr i64, ptr %vrows, i64 %ri{i}
+  %vo{i} = load i64, ptr %rq{i}, align 8
+  %vr{i} = getelementptr float, ptr %v, i64 %vo{i}
+{fmas}  %ti{i}n = add i64 %ti{i}, 1
+  %more{i} = icmp ult i64 %ti{i}n, %tend
+  br i1 %more{i}, label %ot{i}, label %{nxt}
+{nxt}:
+{stores}"""
+        first = nxt
+    return ir + f"""  br label %ohnext
+ohnext:
+  %h3n = add i64 %h3, 1
+  %h3c = icmp ult i64 %h3n, %hg1
+  br i1 %h3c, label %oh, label %obnext
+obnext:
+  %tbn = add i64 %tb, {_OUT_BLOCK}
+  %tbc = icmp ult i64 %tbn, %len
+  br i1 %tbc, label %ob, label %ognext
+ognext:
+  %g3n = add i64 %g3, 1
+  %g3c = icmp ult i64 %g3n, {shape.n_head_kv}
+  br i1 %g3c, label %og, label %done
+done:
+  ret void
+"""
+
+
+_DECLARATIONS = """declare <8 x float> @llvm.fma.v8f32(<8 x float>, <8 x float>, <8 x float>)
+declare <8 x float> @llvm.maxnum.v8f32(<8 x float>, <8 x float>)
+declare <8 x float> @llvm.roundeven.v8f32(<8 x float>)
+declare float @llvm.vector.reduce.fmax.v8f32(<8 x float>)
+declare float @llvm.vector.reduce.fadd.v8f32(float, <8 x float>)
+declare i64 @llvm.umin.i64(i64, i64)
+declare <8 x float> @llvm.masked.load.v8f32.p0(ptr, i32, <8 x i1>, <8 x float>)
+declare void @llvm.masked.store.v8f32.p0(<8 x float>, ptr, i32, <8 x i1>)
+"""
+
+
+def _kernel_ir(shape: Shape) -> str:
+    """void attend(q, k, v, block_table, length, out, scratch, 4 unused): out (H, D) = softmax
+    attention of q (H, D) over positions 0..length-1 of the layer k, v (block, slot, H_kv, D)
+    through block_table (int32); scratch: H · (roundup(length, 8) + 1) floats."""
+    unused = ", ".join(f"i64 %unused{i}" for i in range(parallel_calls.CALL_FIELDS - 8))
+    return f"""{_DECLARATIONS}
+define void @attend(i64 %qa, i64 %ka, i64 %va, i64 %bta, i64 %len, i64 %outa, i64 %scra,
+                    {unused}) {{
+entry:
+  %q = inttoptr i64 %qa to ptr
+  %k = inttoptr i64 %ka to ptr
+  %v = inttoptr i64 %va to ptr
+  %bt = inttoptr i64 %bta to ptr
+  %out = inttoptr i64 %outa to ptr
+  %scr = inttoptr i64 %scra to ptr
+  %nh = add i64 0, {shape.n_head}
+  %last = sub i64 %len, 1
+  %lp0 = add i64 %len, {W - 1}
+  %lp = and i64 %lp0, {-W}
+  %so_end = mul i64 %lp, {shape.n_head}
+  %sums = getelementptr float, ptr %scr, i64 %so_end
+  %vrows = alloca [{_OUT_BLOCK} x i64], align 8
+  %len32 = trunc i64 %len to i32
+  %leni = insertelement <8 x i32> poison, i32 %len32, i32 0
+  %lenv = shufflevector <8 x i32> %leni, <8 x i32> poison, <8 x i32> zeroinitializer
+{_scores(shape)}{_softmax()}{_output(shape)}}}
+"""
+
+
+@functools.cache
+def _kernel(shape: Shape) -> Callable:
+    return llvm_jit.compile_function(_kernel_ir(shape), "attend",
+                                     [ctypes.c_int64] * (parallel_calls.CALL_FIELDS - 1))
+
+
+@njit(cache=True, nogil=True)
+def _store_rows(k_new, v_new, k, v, blocks, slots):
+    """k[blocks[i], slots[i]] = k_new[i] (and v) for every row i."""
+    for i in range(blocks.shape[0]):
+        k[blocks[i], slots[i]] = k_new[i]
+        v[blocks[i], slots[i]] = v_new[i]
+
+
+# a call record's fields (parallel_calls): the kernel, then its arguments
+_FN, _Q, _K, _V, _TABLE, _LENGTH, _OUT, _SCRATCH = range(8)
+
+
+class _Job:
+    """A pass's call records for one kernel shape (q, k, v and out filled in per layer), where
+    each thread's part ends, and the parts' scores scratch."""
+
+    def __init__(self, calls: np.ndarray, part_ends: np.ndarray, scratch: np.ndarray,
+                 row_bytes: np.ndarray):
+        self.calls, self.part_ends, self.scratch, self.row_bytes = calls, part_ends, scratch, \
+            row_bytes
+
+
+class PassRows:
+    """The query rows of one forward pass, in order: row i is the token at positions[i] of the
+    sequence with block table tables[i]; it attends over positions 0..positions[i]."""
+
+    def __init__(self, tables: list[np.ndarray], positions: np.ndarray, block_size: int):
+        if len(tables) != len(positions):
+            raise ValueError(f"{len(positions)} rows but {len(tables)} block tables")
+        self._tables = {id(t): np.ascontiguousarray(t, np.int32) for t in tables}  # alive
+        own = [self._tables[id(t)] for t in tables]
+        positions = np.asarray(positions, np.int64)
+        self.lengths = positions + 1
+        self.slots = positions % block_size
+        self.blocks = np.array([t[p // block_size] for t, p in zip(own, positions.tolist())],
+                               np.int64)
+        self.table_at = np.array([t.ctypes.data for t in own], np.int64)
+        self._jobs: dict[Shape, _Job] = {}
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def job(self, shape: Shape) -> _Job:
+        """The rows' call records for kernels of this shape (made at a pass's first layer)."""
+        if shape not in self._jobs:
+            self._jobs[shape] = self._new_job(shape)
+        return self._jobs[shape]
+
+    def _new_job(self, shape: Shape) -> _Job:
+        """Records of every row, split into parts of about equal q·K + p·V work (one per
+        thread, at least _MIN_MACS_PER_PART each), each part with its own scratch."""
+        n = len(self)
+        work = np.cumsum(self.lengths)  # (n,)
+        macs = 2 * shape.n_head * shape.head_dim * int(work[-1])
+        n_parts = max(1, min(quant._num_threads(), macs // _MIN_MACS_PER_PART, n))
+        ends = np.searchsorted(work, work[-1] * np.arange(1, n_parts + 1) / n_parts, "left") + 1
+        ends[-1] = n
+        starts = np.concatenate([[0], ends[:-1]])
+        padded = (self.lengths + W - 1) // W * W
+        stride = shape.n_head * (int(padded.max()) + 1)  # floats of one part's scratch
+        scratch = np.empty((n_parts, stride), np.float32)
+        part = np.repeat(np.arange(n_parts), ends - starts)  # (n,) the part of each row
+        calls = np.zeros((n, parallel_calls.CALL_FIELDS), np.int64)
+        calls[:, _FN] = parallel_calls.address(_kernel(shape))
+        calls[:, _TABLE] = self.table_at
+        calls[:, _LENGTH] = self.lengths
+        calls[:, _SCRATCH] = scratch.ctypes.data + 4 * stride * part
+        row_bytes = 4 * shape.n_head * shape.head_dim * np.arange(n, dtype=np.int64)
+        return _Job(calls, ends.astype(np.int64), scratch, row_bytes)
+
+
+def attend(q: np.ndarray, k_new: np.ndarray, v_new: np.ndarray, k: np.ndarray, v: np.ndarray,
+           rows: PassRows) -> np.ndarray:
+    """Stores row i's k_new, v_new (N, H_kv, D) at its own position of the cache layer k, v
+    (block, slot, H_kv, D), then returns out (N, H, D): row i's query q[i] (H, D) attended over
+    its positions 0..positions[i] (query head h reads KV head h // (H / H_kv)). Every row's k, v
+    are stored before any row attends."""
+    N, H, D = q.shape
+    shape = Shape(H, k.shape[2], D, k.shape[1])
+    if N != len(rows) or k.shape[3] != D or H % shape.n_head_kv or k.shape != v.shape or \
+            k.dtype != np.float32 or v.dtype != np.float32 or \
+            not (k.flags.c_contiguous and v.flags.c_contiguous):
+        raise ValueError(f"q {q.shape} and the cache layer {k.shape} do not fit {len(rows)} "
+                         "rows of GQA attention")
+    _store_rows(k_new, v_new, k, v, rows.blocks, rows.slots)
+    q = np.ascontiguousarray(q, np.float32)
+    out = np.empty_like(q)  # (N, H, D)
+    job = rows.job(shape)
+    calls = job.calls
+    np.add(job.row_bytes, q.ctypes.data, out=calls[:, _Q])
+    np.add(job.row_bytes, out.ctypes.data, out=calls[:, _OUT])
+    calls[:, _K], calls[:, _V] = k.ctypes.data, v.ctypes.data
+    parallel_calls.run_parts_at(calls.ctypes.data, job.part_ends.ctypes.data, len(job.part_ends))
+    return out
