@@ -30,14 +30,14 @@ class KVPool:
 
 
 def kv_cache_type(device: str, environ: Mapping[str, str] | None = None) -> str:
-    """The cache the device really allocates: float32 on the CPU; F16 on CUDA, or int8 with a
-    float32 scale per 32 values under SPARKINFER_KV_INT8."""
-    if device != "cuda":
-        return "float32"
-    return "int8" if env.SPARKINFER_KV_INT8.get(environ) else "F16"
+    """The cache the device really allocates: F16, or on CUDA int8 with a float32 scale per 32
+    values under SPARKINFER_KV_INT8."""
+    if device == "cuda" and env.SPARKINFER_KV_INT8.get(environ):
+        return "int8"
+    return "F16"
 
 
-_BYTES_PER_VALUE = {"float32": 4.0, "F16": 2.0, "int8": 1 + 4 / 32}
+_BYTES_PER_VALUE = {"F16": 2.0, "int8": 1 + 4 / 32}
 
 
 def kv_bytes_per_value(device: str, environ: Mapping[str, str] | None = None) -> float:

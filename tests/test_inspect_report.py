@@ -116,18 +116,19 @@ def test_explicit_ctx_scales_the_kv_cache():
 
 # ---- files with missing or unknown metadata ----------------------------------------------------
 def test_the_kv_estimate_counts_the_cache_the_device_allocates(monkeypatch):
-    """float32 on the CPU, F16 on CUDA, int8 with a float32 scale per 32 values under
+    """F16 on the CPU and on CUDA, there int8 with a float32 scale per 32 values under
     SPARKINFER_KV_INT8 (2 layers × 2 kv heads × 64 dims, K and V, a token)."""
     g = GGUFFile(TINY / "qwen3" / "qwen3-Q8_0.gguf")
     values = 2 * 2 * 64 * 2
     per_token = {device: build_report(g, 100, device)["memory"] for device in ("cpu", "cuda")}
-    assert per_token["cpu"]["kv_bytes_per_token"] == values * 4
+    assert per_token["cpu"]["kv_bytes_per_token"] == values * 2
     assert per_token["cuda"]["kv_bytes_per_token"] == values * 2
     assert (per_token["cpu"]["kv_cache_type"], per_token["cuda"]["kv_cache_type"]) == \
-        ("float32", "F16")
+        ("F16", "F16")
     monkeypatch.setenv("SPARKINFER_KV_INT8", "1")
     int8 = build_report(g, 100, "cuda")["memory"]
     assert int8["kv_cache_type"] == "int8" and int8["kv_bytes_per_token"] == values * (1 + 4 / 32)
+    assert build_report(g, 100, "cpu")["memory"]["kv_cache_type"] == "F16"
 
 
 def write_gguf(path: Path, arch: str, drop: tuple[str, ...] = ()) -> Path:

@@ -44,6 +44,7 @@ class CausalLM(ModelBackend[ModelCache]):
     """Base of every architecture (the CPU backend); subclasses implement `build_layer`."""
 
     scores_drafts = True  # every token attends row by row (layers.Attention.attend)
+    kv_dtype: type = np.float32  # of the KV cache: float16 with int8 decode
 
     def __init__(self, gguf: GGUFFile, config: ModelConfig):
         self.config = config
@@ -64,9 +65,12 @@ class CausalLM(ModelBackend[ModelCache]):
 
     def use_int8_decode(self, stored: Mapping[str, PackedWeight] | None = None
                         ) -> dict[str, PackedWeight]:
-        """Switch every 2-D linear to int8-activation decode (see Linear.use_int8_decode), and
-        fuse the decode calls of linears that share an input (q/k/v, gate/up). `stored`: records
+        """llama.cpp's numerics: every 2-D linear switched to int8-activation decode (see
+        Linear.use_int8_decode), the decode calls of linears that share an input fused (q/k/v,
+        gate/up), and caches created from now on keep K/V in float16 (llama.cpp's default
+        cache type; the attention of a long context reads half the bytes). `stored`: records
         packed earlier, by weight name; returns every linear's, by name."""
+        self.kv_dtype = np.float16
         stored = stored or {}
         packed = {}
         for linear in _find(self, Linear):
@@ -81,7 +85,7 @@ class CausalLM(ModelBackend[ModelCache]):
         return [linear for linear in _find(self, Linear) if linear.is_packable]
 
     def create_cache(self, num_blocks: int, block_size: int, num_state_slots: int) -> ModelCache:
-        return ModelCache(self.config, num_blocks, block_size, num_state_slots)
+        return ModelCache(self.config, num_blocks, block_size, num_state_slots, self.kv_dtype)
 
     def forward(self, batch: SequenceBatch, cache: ModelCache) -> np.ndarray:
         """Logits (num_seqs, V) for each sequence's last new token, or (N, V) if all_logits."""

@@ -16,15 +16,17 @@ class ModelCache:
     position p of a sequence with block table bt lives at [:, bt[p // block_size], p % block_size].
     """
 
-    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, num_state_slots: int):
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, num_state_slots: int,
+                 kv_dtype: type = np.float32):
         if num_blocks < 1 or block_size < 1:
             raise ValueError("a model cache needs at least one block of at least one token")
         self.num_blocks, self.block_size = num_blocks, block_size
         self.num_state_slots = num_state_slots
         n_attn = len(config.attention_layers)
         kv_shape = (n_attn, num_blocks, block_size, config.n_head_kv, config.head_dim)
-        self.k = np.zeros(kv_shape, dtype=np.float32)  # (layer, block, slot, kv head, head dim)
-        self.v = np.zeros(kv_shape, dtype=np.float32)
+        # (layer, block, slot, kv head, head dim)
+        self.k: np.ndarray = np.zeros(kv_shape, dtype=kv_dtype)
+        self.v: np.ndarray = np.zeros(kv_shape, dtype=kv_dtype)
         self.attn_index = {layer: i for i, layer in enumerate(config.attention_layers)}
         n_rec = len(config.recurrent_layer_ids)
         slots = num_state_slots if n_rec else 0
@@ -36,22 +38,6 @@ class ModelCache:
         self.rec_index = {layer: i for i, layer in enumerate(config.recurrent_layer_ids)}
 
     # ---- KV ------------------------------------------------------------------------------------
-    def write_kv(self, layer: int, block_table: np.ndarray, start: int, k: np.ndarray,
-                 v: np.ndarray) -> None:
-        """Store k, v (T, H_kv, D) at positions start..start+T-1."""
-        pos = np.arange(start, start + len(k))
-        blocks, slots = block_table[pos // self.block_size], pos % self.block_size
-        li = self.attn_index[layer]
-        self.k[li, blocks, slots] = k
-        self.v[li, blocks, slots] = v
-
-    def read_kv(self, layer: int, block_table: np.ndarray, length: int) -> tuple[np.ndarray, ...]:
-        """K, V of positions 0..length-1: each (length, H_kv, D)."""
-        n_blocks = -(-length // self.block_size)
-        li, bt = self.attn_index[layer], block_table[:n_blocks]
-        shape = (n_blocks * self.block_size,) + self.k.shape[3:]
-        return self.k[li, bt].reshape(shape)[:length], self.v[li, bt].reshape(shape)[:length]
-
     def copy_blocks(self, src: Sequence[int], dst: Sequence[int]) -> None:
         self.k[:, list(dst)] = self.k[:, list(src)]
         self.v[:, list(dst)] = self.v[:, list(src)]

@@ -20,10 +20,10 @@ log = logging.getLogger(__name__)
 
 def load_model(path: str | Path | GGUFFile, device: str = "cpu", *,
                int8_decode: bool = False, kv_int8: bool = False) -> ModelBackend:
-    """int8_decode (CPU): decode steps quantize activations to int8 like llama.cpp, ~2x faster;
-    off, every op is float32 (what the oracle tests check to 1e-3).
+    """int8_decode (CPU): llama.cpp's numerics, ~2x faster: activations quantized to int8, an
+    F16 KV cache; off, every op is float32 (what the oracle tests check to 1e-3), the cache too.
     kv_int8 (CUDA): int8 KV cache with a scale per 32 values (SPARKINFER_KV_INT8), half of F16's
-    memory; the CPU cache stays float32."""
+    memory."""
     gguf = path if isinstance(path, GGUFFile) else GGUFFile(path)
     config = checked_config(gguf)
     if device == "cuda":
@@ -52,12 +52,11 @@ def load_runtime_model(gguf: GGUFFile, device: str, environ: Mapping[str, str] |
                        report: Callable[[str], None] = lambda _: None) -> ModelBackend:
     """The model as generate / serve / bench run it: int8 decode on the CPU over packed records
     kept in the user's cache between runs (packed_cache); on CUDA an int8 KV cache when
-    SPARKINFER_KV_INT8 is set (the CPU cache stays float32, and a warning says so). `report`
+    SPARKINFER_KV_INT8 is set (the CPU cache stays F16, and a warning says so). `report`
     hears what takes time, as it starts."""
     kv_int8 = bool(env.SPARKINFER_KV_INT8.get(environ))
     if kv_int8 and device != "cuda":
-        log.warning("SPARKINFER_KV_INT8 applies to the CUDA backend: the CPU KV cache stays "
-                    "float32")
+        log.warning("SPARKINFER_KV_INT8 applies to the CUDA backend: the CPU KV cache stays F16")
     report(f"loading {gguf.path.name}")
     model = load_model(gguf, device, kv_int8=kv_int8 and device == "cuda")
     if isinstance(model, CausalLM):  # the CPU model

@@ -1,9 +1,9 @@
-"""The paged attention kernel against a float64 numpy reference written here: query rows of several
-sequences (decode tokens, and prompt rows that read the rows stored before them in the same call)
-over scattered block tables, GQA groups of 1 to 8, head dims and block sizes that are not
-multiples of the kernel's 8 lanes, lengths across several score tiles and output blocks, scores
-large enough that most probabilities underflow; and every row's result the same bit for bit
-whatever pass it shares and however the pass is split between threads."""
+"""The paged attention kernel against a float64 numpy reference written here, over float32 and
+float16 caches: query rows of several sequences (decode tokens, and prompt rows that read the rows
+stored before them in the same call) over scattered block tables, GQA groups of 1 to 8, head dims
+and block sizes that are not multiples of the kernel's 8 lanes, lengths across several score tiles
+and output blocks, scores large enough that most probabilities underflow; and every row's result
+the same bit for bit whatever pass it shares and however the pass is split between threads."""
 
 from __future__ import annotations
 
@@ -35,11 +35,12 @@ class _Pass:
     of its new rows; the rows' queries and new k, v."""
 
     def __init__(self, rng: np.random.Generator, shape: tuple[int, int, int, int],
-                 rows: list[tuple[int, int]], num_blocks: int, q_scale: float = 1.0):
+                 rows: list[tuple[int, int]], num_blocks: int, q_scale: float = 1.0,
+                 kv_dtype: type = np.float32):
         H, H_kv, D, block_size = shape
         self.block_size = block_size
-        self.k = rng.standard_normal((num_blocks, block_size, H_kv, D)).astype(np.float32)
-        self.v = rng.standard_normal((num_blocks, block_size, H_kv, D)).astype(np.float32)
+        self.k = rng.standard_normal((num_blocks, block_size, H_kv, D)).astype(kv_dtype)
+        self.v = rng.standard_normal((num_blocks, block_size, H_kv, D)).astype(kv_dtype)
         blocks = rng.permutation(num_blocks).astype(np.int32)
         n_seqs = max(s for s, _ in rows) + 1
         per_seq = num_blocks // n_seqs
@@ -58,11 +59,13 @@ class _Pass:
         return attend(self.q, self.k_new, self.v_new, self.k, self.v, self.rows())
 
     def expected(self) -> list[np.ndarray]:
-        """Each row's float64 attention, with every row's k, v in the cache first."""
+        """Each row's float64 attention, with every row's k, v in the cache first (rounded to
+        the cache's type)."""
         k, v = self.k.astype(np.float64), self.v.astype(np.float64)
         for i, (s, p) in enumerate(zip(self.seqs, self.positions)):
             slot = self.tables[s][p // self.block_size], p % self.block_size
-            k[slot], v[slot] = self.k_new[i], self.v_new[i]
+            k[slot] = self.k_new[i].astype(self.k.dtype)
+            v[slot] = self.v_new[i].astype(self.k.dtype)
         wants = []
         for i, (s, p) in enumerate(zip(self.seqs, self.positions)):
             pos = np.arange(p + 1)
@@ -75,15 +78,17 @@ class _Pass:
 SHAPES = [(6, 2, 32, 8), (9, 3, 64, 16), (16, 2, 256, 16), (4, 4, 20, 3), (8, 1, 128, 5)]
 
 
+@pytest.mark.parametrize("kv_dtype", [np.float32, np.float16])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_rows_store_then_attend(shape: tuple[int, int, int, int], threads: int,
+def test_rows_store_then_attend(shape: tuple[int, int, int, int], threads: int, kv_dtype: type,
                                 rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
     """Decode rows of three sequences at positions 0, 13 and 150 (three output blocks), then a
-    prompt piece of the third: its rows read the k, v the call stored for the rows before."""
+    prompt piece of the third: its rows read the k, v the call stored for the rows before. A
+    float16 cache gets each new value rounded to nearest even, as numpy rounds it."""
     _split(monkeypatch, threads)
     rows = [(1, 13), (0, 0), (2, 150)] + [(2, p) for p in range(151, 160)]
-    p = _Pass(rng, shape, rows, num_blocks=3 * (200 // shape[3] + 1))
+    p = _Pass(rng, shape, rows, num_blocks=3 * (200 // shape[3] + 1), kv_dtype=kv_dtype)
     before = p.k.copy()
     got = p.run()
     assert got.shape == p.q.shape and got.dtype == np.float32
@@ -91,8 +96,8 @@ def test_rows_store_then_attend(shape: tuple[int, int, int, int], threads: int,
         np.testing.assert_allclose(got[i], want, rtol=2e-5, atol=2e-5)
     for i, (s, pos) in enumerate(zip(p.seqs, p.positions)):
         slot = p.tables[s][pos // p.block_size], pos % p.block_size
-        np.testing.assert_array_equal(p.k[slot], p.k_new[i])
-        np.testing.assert_array_equal(p.v[slot], p.v_new[i])
+        np.testing.assert_array_equal(p.k[slot], p.k_new[i].astype(kv_dtype))
+        np.testing.assert_array_equal(p.v[slot], p.v_new[i].astype(kv_dtype))
         before[slot] = p.k_new[i]
     np.testing.assert_array_equal(p.k, before)  # nothing else written
 
@@ -127,5 +132,9 @@ def test_shapes_that_do_not_fit_are_refused(rng: np.random.Generator) -> None:
         attend(p.q[:, :5], p.k_new, p.v_new, p.k, p.v, p.rows())  # 5 heads over 2 KV heads
     with pytest.raises(ValueError, match="do not fit"):
         attend(p.q, p.k_new, p.v_new, p.k[..., :16], p.v[..., :16], p.rows())
+    with pytest.raises(ValueError, match="do not fit"):  # a cache type with no kernel
+        attend(p.q, p.k_new, p.v_new, p.k.astype(np.float64), p.v.astype(np.float64), p.rows())
+    with pytest.raises(ValueError, match="do not fit"):
+        attend(p.q, p.k_new[:, :1], p.v_new, p.k, p.v, p.rows())
     with pytest.raises(ValueError, match="block tables"):
         PassRows([p.tables[0]] * 2, p.positions, p.block_size)

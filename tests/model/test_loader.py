@@ -13,12 +13,12 @@ from sparkinfer_cli.model.loader import load_runtime_model
 TINY_QWEN3 = Path(__file__).parent.parent / "fixtures" / "tiny" / "qwen3" / "qwen3-Q8_0.gguf"
 
 
-def test_kv_int8_on_the_cpu_warns_and_keeps_a_float32_cache(caplog) -> None:
+def test_kv_int8_on_the_cpu_warns_and_keeps_an_f16_cache(caplog) -> None:
     with caplog.at_level(logging.WARNING):
         model = load_runtime_model(GGUFFile(TINY_QWEN3), "cpu", {"SPARKINFER_KV_INT8": "1"})
     assert "SPARKINFER_KV_INT8" in caplog.text
     cache = model.create_cache(2, 16, 1)
-    assert cache.k.dtype == cache.v.dtype == np.float32
+    assert cache.k.dtype == cache.v.dtype == np.float16
 
 
 def test_without_kv_int8_nothing_is_logged(caplog) -> None:

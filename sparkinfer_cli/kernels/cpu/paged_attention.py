@@ -26,7 +26,6 @@ import struct
 from typing import Callable, NamedTuple
 
 import numpy as np
-from numba import njit
 
 from sparkinfer_cli.kernels.cpu import llvm_jit, parallel_calls, quant
 
@@ -57,19 +56,43 @@ def _mask(width: int) -> str:
     return "<8 x i1> <" + ", ".join(f"i1 {str(i < width).lower()}" for i in range(W)) + ">"
 
 
-def _load(name: str, ptr: str, width: int) -> str:
-    """IR: <8 x float> %name from ptr, its lanes ≥ width zero (masked: no read past the row)."""
-    if width == W:
-        return f"  %{name} = load <8 x float>, ptr {ptr}, align 4\n"
-    return (f"  %{name} = call <8 x float> @llvm.masked.load.v8f32.p0(ptr {ptr}, i32 4, "
-            f"{_mask(width)}, <8 x float> zeroinitializer)\n")
+# LLVM's name of a vector element type: (IR type, intrinsic suffix, bytes)
+_ELEMENTS = {"float": ("float", "f32", 4), "half": ("half", "f16", 2)}
 
 
-def _store(value: str, ptr: str, width: int) -> str:
+def _broadcast(name: str, scalar: str, ty: str = "float") -> str:
+    """IR: <8 x ty> %name, every lane the scalar."""
+    return (f"  %{name}_s = insertelement <8 x {ty}> poison, {ty} {scalar}, i32 0\n"
+            f"  %{name} = shufflevector <8 x {ty}> %{name}_s, <8 x {ty}> poison, "
+            "<8 x i32> zeroinitializer\n")
+
+
+def _load(name: str, ptr: str, width: int, ty: str = "float") -> str:
+    """IR: <8 x float> %name from ptr (elements of ty, widened), its lanes ≥ width zero (masked:
+    no read past the row)."""
+    ir_ty, suffix, size = _ELEMENTS[ty]
+    raw = f"%{name}" if ty == "float" else f"%{name}_raw"
     if width == W:
-        return f"  store <8 x float> {value}, ptr {ptr}, align 4\n"
-    return (f"  call void @llvm.masked.store.v8f32.p0(<8 x float> {value}, ptr {ptr}, i32 4, "
-            f"{_mask(width)})\n")
+        ir = f"  {raw} = load <8 x {ir_ty}>, ptr {ptr}, align {size}\n"
+    else:
+        ir = (f"  {raw} = call <8 x {ir_ty}> @llvm.masked.load.v8{suffix}.p0(ptr {ptr}, "
+              f"i32 {size}, {_mask(width)}, <8 x {ir_ty}> zeroinitializer)\n")
+    if ty != "float":
+        ir += f"  %{name} = fpext <8 x {ir_ty}> {raw} to <8 x float>\n"
+    return ir
+
+
+def _store(value: str, ptr: str, width: int, ty: str = "float") -> str:
+    """IR: store <8 x float> value to ptr (as elements of ty), lanes ≥ width left alone."""
+    ir_ty, suffix, size = _ELEMENTS[ty]
+    ir = ""
+    if ty != "float":
+        ir = f"  {value}_{ty} = fptrunc <8 x float> {value} to <8 x {ir_ty}>\n"
+        value = f"{value}_{ty}"
+    if width == W:
+        return ir + f"  store <8 x {ir_ty}> {value}, ptr {ptr}, align {size}\n"
+    return ir + (f"  call void @llvm.masked.store.v8{suffix}.p0(<8 x {ir_ty}> {value}, ptr {ptr}, "
+                 f"i32 {size}, {_mask(width)})\n")
 
 
 class Shape(NamedTuple):
@@ -77,6 +100,12 @@ class Shape(NamedTuple):
     n_head_kv: int
     head_dim: int
     block_size: int
+    kv: str  # the cache's element type: "float" (float32) or "half" (float16)
+
+    @property
+    def row_values(self) -> int:
+        """K (or V) values of one position: all its KV heads."""
+        return self.n_head_kv * self.head_dim
 
     @property
     def group(self) -> int:
@@ -87,8 +116,8 @@ class Shape(NamedTuple):
         return [(d, min(W, hi - d)) for d in range(lo, hi, W)]
 
 
-def _row_offset(shape: Shape, name: str, t: str, g: str) -> str:
-    """IR: i64 %name = float offset of (position t, KV head g) in the layer."""
+def _row_offset(shape: Shape, name: str, t: str) -> str:
+    """IR: i64 %name = element offset of position t's K/V row (all its KV heads) in the layer."""
     return (f"  %{name}b = udiv i64 {t}, {shape.block_size}\n"
             f"  %{name}s = urem i64 {t}, {shape.block_size}\n"
             f"  %{name}bp = getelementptr i32, ptr %bt, i64 %{name}b\n"
@@ -96,9 +125,17 @@ def _row_offset(shape: Shape, name: str, t: str, g: str) -> str:
             f"  %{name}bw = sext i32 %{name}bi to i64\n"
             f"  %{name}r0 = mul i64 %{name}bw, {shape.block_size}\n"
             f"  %{name}r1 = add i64 %{name}r0, %{name}s\n"
-            f"  %{name}r2 = mul i64 %{name}r1, {shape.n_head_kv}\n"
-            f"  %{name}r3 = add i64 %{name}r2, {g}\n"
-            f"  %{name} = mul i64 %{name}r3, {shape.head_dim}\n")
+            f"  %{name} = mul i64 %{name}r1, {shape.row_values}\n")
+
+
+def _prefetch_row(shape: Shape, base: str, offset: str, name: str) -> str:
+    """IR: prefetch the cache lines of the K/V row at element offset `offset` from base (the
+    next tile's rows, while this one computes: the rows of a long context come from DRAM)."""
+    ir = f"  %{name}p = getelementptr {shape.kv}, ptr {base}, i64 {offset}\n"
+    for line in range(0, _ELEMENTS[shape.kv][2] * shape.row_values, 64):
+        ir += (f"  %{name}l{line} = getelementptr i8, ptr %{name}p, i64 {line}\n"
+               f"  call void @llvm.prefetch.p0(ptr %{name}l{line}, i32 0, i32 3, i32 1)\n")
+    return ir
 
 
 def _lane_sums(acc: list[str], out: str) -> str:
@@ -123,61 +160,77 @@ def _lane_sums(acc: list[str], out: str) -> str:
     return ir + f"  %{out} = fadd <8 x float> {level[0]}, zeroinitializer\n"
 
 
-def _scores(shape: Shape) -> str:
-    """IR blocks: scratch[h, t] = s[h, t] (lanes past the length -inf), per KV head g and tile
-    of 8 positions, the tile's 8 K rows read once for the group's query heads."""
-    rows = "".join(f"  %t{j} = add i64 %tile, {j}\n"
+def _tile_rows(shape: Shape) -> str:
+    """IR: %ko{j}, the offsets of the tile's 8 K rows (past the length: the last row's), and
+    prefetches of the next tile's."""
+    return "".join(f"  %t{j} = add i64 %tile, {j}\n"
                    f"  %tc{j} = call i64 @llvm.umin.i64(i64 %t{j}, i64 %last)\n"
-                   + _row_offset(shape, f"ko{j}", f"%tc{j}", "%g")
-                   + f"  %kp{j} = getelementptr float, ptr %k, i64 %ko{j}\n" for j in range(W))
+                   + _row_offset(shape, f"ko{j}", f"%tc{j}")
+                   + f"  %tn{j} = add i64 %tile, {W + j}\n"
+                   f"  %tnc{j} = call i64 @llvm.umin.i64(i64 %tn{j}, i64 %last)\n"
+                   + _row_offset(shape, f"kf{j}", f"%tnc{j}")
+                   + _prefetch_row(shape, "%k", f"%kf{j}", f"kf{j}") for j in range(W))
+
+
+def _score_dots(shape: Shape) -> str:
+    """IR: <8 x float> %dot, lane j = q_h · (KV head g of the tile's row j): 8 accumulators
+    over the head's dims, then summed across lanes."""
     dots = ""
     for d, width in shape.widths(0, shape.head_dim):
         dots += (f"  %qp{d} = getelementptr float, ptr %qh, i64 {d}\n" + _load(f"q{d}", f"%qp{d}",
                                                                              width))
         for j in range(W):
             prev = f"%a{j}_{d - W}" if d else "zeroinitializer"
-            dots += (f"  %kq{j}_{d} = getelementptr float, ptr %kp{j}, i64 {d}\n"
-                     + _load(f"k{j}_{d}", f"%kq{j}_{d}", width)
+            dots += (f"  %kq{j}_{d} = getelementptr {shape.kv}, ptr %kp{j}, i64 {d}\n"
+                     + _load(f"k{j}_{d}", f"%kq{j}_{d}", width, shape.kv)
                      + f"  %a{j}_{d} = call <8 x float> @llvm.fma.v8f32(<8 x float> %q{d}, "
                      f"<8 x float> %k{j}_{d}, <8 x float> {prev})\n")
     last_d = shape.widths(0, shape.head_dim)[-1][0]
+    return dots + _lane_sums([f"%a{j}_{last_d}" for j in range(W)], "dot")
+
+
+def _scores(shape: Shape) -> str:
+    """IR blocks: scratch[h, t] = s[h, t] (lanes past the length -inf), per tile of 8 positions
+    (their K rows read once, in the cache's order) and KV head g, the tile's rows of g read
+    once for the group's query heads."""
+    heads = "".join(f"  %kg{j} = add i64 %ko{j}, %gd\n"
+                    f"  %kp{j} = getelementptr {shape.kv}, ptr %k, i64 %kg{j}\n" for j in range(W))
     scale = _splat(1.0 / np.sqrt(shape.head_dim))
-    return f"""  br label %sg
-sg:
-  %g = phi i64 [0, %entry], [%gn, %sgnext]
-  br label %st
+    return f"""  br label %st
 st:
-  %tile = phi i64 [0, %sg], [%tilen, %stnext]
-{rows}  %hl0 = mul i64 %g, {shape.group}
+  %tile = phi i64 [0, %entry], [%tilen, %stnext]
+{_tile_rows(shape)}  %tilei = trunc i64 %tile to i32
+{_broadcast("tilev", "%tilei", "i32")}  %tv = add <8 x i32> %tilev, {_ints(list(range(W)))}
+  %live = icmp ult <8 x i32> %tv, %lenv
+  br label %sg
+sg:
+  %g = phi i64 [0, %st], [%gn, %sgnext]
+  %gd = mul i64 %g, {shape.head_dim}
+{heads}  %hl0 = mul i64 %g, {shape.group}
+  %hl1 = add i64 %hl0, {shape.group}
   br label %sh
 sh:
-  %h = phi i64 [%hl0, %st], [%hn, %sh]
+  %h = phi i64 [%hl0, %sg], [%hn, %sh]
   %qo = mul i64 %h, {shape.head_dim}
   %qh = getelementptr float, ptr %q, i64 %qo
-{dots}{_lane_sums([f"%a{j}_{last_d}" for j in range(W)], "dot")}\
+{_score_dots(shape)}\
   %sc = fmul <8 x float> %dot, {scale}
-  %tilei = trunc i64 %tile to i32
-  %tiles = insertelement <8 x i32> poison, i32 %tilei, i32 0
-  %tilev = shufflevector <8 x i32> %tiles, <8 x i32> poison, <8 x i32> zeroinitializer
-  %tv = add <8 x i32> %tilev, {_ints(list(range(W)))}
-  %live = icmp ult <8 x i32> %tv, %lenv
   %sm = select <8 x i1> %live, <8 x float> %sc, <8 x float> {_splat(-np.inf)}
   %so0 = mul i64 %h, %lp
   %so = add i64 %so0, %tile
   %sp = getelementptr float, ptr %scr, i64 %so
   store <8 x float> %sm, ptr %sp, align 4
   %hn = add i64 %h, 1
-  %hl1 = add i64 %hl0, {shape.group}
   %hc = icmp ult i64 %hn, %hl1
-  br i1 %hc, label %sh, label %stnext
-stnext:
-  %tilen = add i64 %tile, {W}
-  %tc = icmp ult i64 %tilen, %len
-  br i1 %tc, label %st, label %sgnext
+  br i1 %hc, label %sh, label %sgnext
 sgnext:
   %gn = add i64 %g, 1
   %gc = icmp ult i64 %gn, {shape.n_head_kv}
-  br i1 %gc, label %sg, label %softmax
+  br i1 %gc, label %sg, label %stnext
+stnext:
+  %tilen = add i64 %tile, {W}
+  %tc = icmp ult i64 %tilen, %len
+  br i1 %tc, label %st, label %softmax
 """
 
 
@@ -213,8 +266,8 @@ def _exp(x: str, out: str) -> str:
 
 
 def _softmax() -> str:
-    """IR blocks: per head, scratch row ← exp(s - max s), and %inv_h... kept in scratch's
-    place: the row's 1/Σ goes to sums[h] (a second small scratch after the scores)."""
+    """IR blocks: per head h, its scratch row ← exp(s - max s), and sums[h] ← 1 / Σ of them
+    (sums: the H floats after the scores)."""
     return f"""softmax:
   br label %mh
 mh:
@@ -233,9 +286,7 @@ mt:
   br i1 %mc, label %mt, label %mdone
 mdone:
   %mxs = call float @llvm.vector.reduce.fmax.v8f32(<8 x float> %mx1)
-  %mxi = insertelement <8 x float> poison, float %mxs, i32 0
-  %mxv = shufflevector <8 x float> %mxi, <8 x float> poison, <8 x i32> zeroinitializer
-  br label %et
+{_broadcast("mxv", "%mxs")}  br label %et
 et:
   %ei = phi i64 [0, %mdone], [%ein, %et]
   %es0 = phi <8 x float> [zeroinitializer, %mdone], [%es1, %et]
@@ -258,20 +309,47 @@ enext:
 """
 
 
+def _output_pass(shape: Shape, i: int, vecs: list[tuple[int, int]], pred: str) -> str:
+    """IR: pass i over the block's positions for dims `vecs` of head h3: from block `pred`,
+    accumulators (out's values, or 0 at the first block) over the positions, then stored
+    (scaled after the last block); ends in block od{i}."""
+    starts = "".join(f"  %oi{i}_{d} = getelementptr float, ptr %oh_p, i64 {d}\n"
+                     + _load(f"ol{i}_{d}", f"%oi{i}_{d}", width)
+                     + f"  %c{i}_{d}0 = select i1 %first, <8 x float> zeroinitializer, "
+                     f"<8 x float> %ol{i}_{d}\n" for d, width in vecs)
+    phis = "".join(f"  %c{i}_{d} = phi <8 x float> [%c{i}_{d}0, %{pred}], "
+                   f"[%c{i}_{d}n, %ot{i}]\n" for d, _ in vecs)
+    fmas = "".join(f"  %vq{i}_{d} = getelementptr {shape.kv}, ptr %vr{i}, i64 {d}\n"
+                   + _load(f"v{i}_{d}", f"%vq{i}_{d}", width, shape.kv)
+                   + f"  %c{i}_{d}n = call <8 x float> @llvm.fma.v8f32(<8 x float> %pv{i}, "
+                   f"<8 x float> %v{i}_{d}, <8 x float> %c{i}_{d})\n" for d, width in vecs)
+    stores = "".join(f"  %on{i}_{d} = fmul <8 x float> %c{i}_{d}n, %ivv\n"
+                     + _store(f"%on{i}_{d}", f"%oi{i}_{d}", width) for d, width in vecs)
+    return f"""{starts}  br label %ot{i}
+ot{i}:
+  %ti{i} = phi i64 [%tb, %{pred}], [%ti{i}n, %ot{i}]
+{phis}  %pp{i} = getelementptr float, ptr %prow, i64 %ti{i}
+  %ps{i} = load float, ptr %pp{i}, align 4
+{_broadcast(f"pv{i}", f"%ps{i}")}  %ri{i} = sub i64 %ti{i}, %tb
+  %rq{i} = getelementptr i64, ptr %vrows, i64 %ri{i}
+  %vo{i} = load i64, ptr %rq{i}, align 8
+  %vr{i} = getelementptr {shape.kv}, ptr %vg, i64 %vo{i}
+{fmas}  %ti{i}n = add i64 %ti{i}, 1
+  %more{i} = icmp ult i64 %ti{i}n, %tend
+  br i1 %more{i}, label %ot{i}, label %od{i}
+od{i}:
+{stores}"""
+
+
 def _output(shape: Shape) -> str:
     """IR blocks: o[h] = (Σ_t p[h, t] V[t, g]) / Σ. Per KV head, positions in blocks of
     _OUT_BLOCK (their V rows stay in cache for the group's heads and every pass); per head, up
     to 64 dims of o in registers per pass over a block, added to what earlier blocks left in
     out, scaled by 1/Σ after the last block."""
-    passes = [(lo, min(lo + W * _CHUNKS_PER_PASS, shape.head_dim))
-              for lo in range(0, shape.head_dim, W * _CHUNKS_PER_PASS)]
     ir = f"""output:
-  br label %og
-og:
-  %g3 = phi i64 [0, %output], [%g3n, %ognext]
   br label %ob
 ob:
-  %tb = phi i64 [0, %og], [%tbn, %obnext]
+  %tb = phi i64 [0, %output], [%tbn, %obnext]
   %tb1 = add i64 %tb, {_OUT_BLOCK}
   %tend = call i64 @llvm.umin.i64(i64 %tb1, i64 %len)
   %first = icmp eq i64 %tb, 0
@@ -279,74 +357,45 @@ ob:
   br label %orow
 orow:
   %tr = phi i64 [%tb, %ob], [%trn, %orow]
-{_row_offset(shape, "vo", "%tr", "%g3")}  %ri = sub i64 %tr, %tb
+{_row_offset(shape, "vo", "%tr")}  %ri = sub i64 %tr, %tb
   %rp = getelementptr i64, ptr %vrows, i64 %ri
   store i64 %vo, ptr %rp, align 8
   %trn = add i64 %tr, 1
   %trc = icmp ult i64 %trn, %tend
-  br i1 %trc, label %orow, label %ohead
-ohead:
+  br i1 %trc, label %orow, label %og
+og:
+  %g3 = phi i64 [0, %orow], [%g3n, %ognext]
+  %g3d = mul i64 %g3, {shape.head_dim}
+  %vg = getelementptr {shape.kv}, ptr %v, i64 %g3d
   %hg0 = mul i64 %g3, {shape.group}
   %hg1 = add i64 %hg0, {shape.group}
   br label %oh
 oh:
-  %h3 = phi i64 [%hg0, %ohead], [%h3n, %ohnext]
+  %h3 = phi i64 [%hg0, %og], [%h3n, %ohnext]
   %pro = mul i64 %h3, %lp
   %prow = getelementptr float, ptr %scr, i64 %pro
   %ivp3 = getelementptr float, ptr %sums, i64 %h3
   %iv3 = load float, ptr %ivp3, align 4
   %mult = select i1 %final, float %iv3, float 1.0
-  %ivi = insertelement <8 x float> poison, float %mult, i32 0
-  %ivv = shufflevector <8 x float> %ivi, <8 x float> poison, <8 x i32> zeroinitializer
-  %oo = mul i64 %h3, {shape.head_dim}
+{_broadcast("ivv", "%mult")}  %oo = mul i64 %h3, {shape.head_dim}
   %oh_p = getelementptr float, ptr %out, i64 %oo
 """
-    first = "oh"
-    for i, (lo, hi) in enumerate(passes):
-        vecs = shape.widths(lo, hi)
-        starts = "".join(f"  %oi{i}_{d} = getelementptr float, ptr %oh_p, i64 {d}\n"
-                         + _load(f"ol{i}_{d}", f"%oi{i}_{d}", width)
-                         + f"  %c{i}_{d}0 = select i1 %first, <8 x float> zeroinitializer, "
-                         f"<8 x float> %ol{i}_{d}\n" for d, width in vecs)
-        phis = "".join(f"  %c{i}_{d} = phi <8 x float> [%c{i}_{d}0, %{first}], "
-                       f"[%c{i}_{d}n, %ot{i}]\n" for d, _ in vecs)
-        fmas = "".join(f"  %vq{i}_{d} = getelementptr float, ptr %vr{i}, i64 {d}\n"
-                       + _load(f"v{i}_{d}", f"%vq{i}_{d}", width)
-                       + f"  %c{i}_{d}n = call <8 x float> @llvm.fma.v8f32(<8 x float> %pv{i}, "
-                       f"<8 x float> %v{i}_{d}, <8 x float> %c{i}_{d})\n" for d, width in vecs)
-        stores = "".join(f"  %on{i}_{d} = fmul <8 x float> %c{i}_{d}n, %ivv\n"
-                         + _store(f"%on{i}_{d}", f"%oi{i}_{d}", width) for d, width in vecs)
-        nxt = f"od{i}"
-        ir += f"""{starts}  br label %ot{i}
-ot{i}:
-  %ti{i} = phi i64 [%tb, %{first}], [%ti{i}n, %ot{i}]
-{phis}  %pp{i} = getelementptr float, ptr %prow, i64 %ti{i}
-  %ps{i} = load float, ptr %pp{i}, align 4
-  %pi{i} = insertelement <8 x float> poison, float %ps{i}, i32 0
-  %pv{i} = shufflevector <8 x float> %pi{i}, <8 x float> poison, <8 x i32> zeroinitializer
-  %ri{i} = sub i64 %ti{i}, %tb
-  %rq{i} = getelementptr i64, ptr %vrows, i64 %ri{i}
-  %vo{i} = load i64, ptr %rq{i}, align 8
-  %vr{i} = getelementptr float, ptr %v, i64 %vo{i}
-{fmas}  %ti{i}n = add i64 %ti{i}, 1
-  %more{i} = icmp ult i64 %ti{i}n, %tend
-  br i1 %more{i}, label %ot{i}, label %{nxt}
-{nxt}:
-{stores}"""
-        first = nxt
+    for i, lo in enumerate(range(0, shape.head_dim, W * _CHUNKS_PER_PASS)):
+        hi = min(lo + W * _CHUNKS_PER_PASS, shape.head_dim)
+        ir += _output_pass(shape, i, shape.widths(lo, hi), "oh" if i == 0 else f"od{i - 1}")
     return ir + f"""  br label %ohnext
 ohnext:
   %h3n = add i64 %h3, 1
   %h3c = icmp ult i64 %h3n, %hg1
-  br i1 %h3c, label %oh, label %obnext
-obnext:
-  %tbn = add i64 %tb, {_OUT_BLOCK}
-  %tbc = icmp ult i64 %tbn, %len
-  br i1 %tbc, label %ob, label %ognext
+  br i1 %h3c, label %oh, label %ognext
 ognext:
   %g3n = add i64 %g3, 1
   %g3c = icmp ult i64 %g3n, {shape.n_head_kv}
-  br i1 %g3c, label %og, label %done
+  br i1 %g3c, label %og, label %obnext
+obnext:
+  %tbn = add i64 %tb, {_OUT_BLOCK}
+  %tbc = icmp ult i64 %tbn, %len
+  br i1 %tbc, label %ob, label %done
 done:
   ret void
 """
@@ -358,8 +407,11 @@ declare <8 x float> @llvm.roundeven.v8f32(<8 x float>)
 declare float @llvm.vector.reduce.fmax.v8f32(<8 x float>)
 declare float @llvm.vector.reduce.fadd.v8f32(float, <8 x float>)
 declare i64 @llvm.umin.i64(i64, i64)
+declare void @llvm.prefetch.p0(ptr, i32, i32, i32)
 declare <8 x float> @llvm.masked.load.v8f32.p0(ptr, i32, <8 x i1>, <8 x float>)
 declare void @llvm.masked.store.v8f32.p0(<8 x float>, ptr, i32, <8 x i1>)
+declare <8 x half> @llvm.masked.load.v8f16.p0(ptr, i32, <8 x i1>, <8 x half>)
+declare void @llvm.masked.store.v8f16.p0(<8 x half>, ptr, i32, <8 x i1>)
 """
 
 
@@ -386,9 +438,7 @@ entry:
   %sums = getelementptr float, ptr %scr, i64 %so_end
   %vrows = alloca [{_OUT_BLOCK} x i64], align 8
   %len32 = trunc i64 %len to i32
-  %leni = insertelement <8 x i32> poison, i32 %len32, i32 0
-  %lenv = shufflevector <8 x i32> %leni, <8 x i32> poison, <8 x i32> zeroinitializer
-{_scores(shape)}{_softmax()}{_output(shape)}}}
+{_broadcast("lenv", "%len32", "i32")}{_scores(shape)}{_softmax()}{_output(shape)}}}
 """
 
 
@@ -398,12 +448,51 @@ def _kernel(shape: Shape) -> Callable:
                                      [ctypes.c_int64] * (parallel_calls.CALL_FIELDS - 1))
 
 
-@njit(cache=True, nogil=True)
-def _store_rows(k_new, v_new, k, v, blocks, slots):
-    """k[blocks[i], slots[i]] = k_new[i] (and v) for every row i."""
-    for i in range(blocks.shape[0]):
-        k[blocks[i], slots[i]] = k_new[i]
-        v[blocks[i], slots[i]] = v_new[i]
+def _store_ir(shape: Shape) -> str:
+    """void store(k_new, v_new, k, v, blocks, slots, n, k_stride, v_stride): row i of k_new
+    (its H_kv·D values contiguous, rows k_stride floats apart) into k[blocks[i], slots[i]] in
+    the cache's element type (float16: rounded to nearest even), and v_new into v."""
+    copies = ""
+    for name in ("k", "v"):
+        copies += (f"  %{name}so = mul i64 %i, %{name}st\n"
+                   f"  %{name}src = getelementptr float, ptr %{name}n, i64 %{name}so\n"
+                   f"  %{name}dst = getelementptr {shape.kv}, ptr %{name}, i64 %dsto\n")
+        for e, width in [(e, min(W, shape.row_values - e)) for e in range(0, shape.row_values, W)]:
+            copies += (f"  %{name}s{e} = getelementptr float, ptr %{name}src, i64 {e}\n"
+                       + _load(f"{name}x{e}", f"%{name}s{e}", width)
+                       + f"  %{name}d{e} = getelementptr {shape.kv}, ptr %{name}dst, i64 {e}\n"
+                       + _store(f"%{name}x{e}", f"%{name}d{e}", width, shape.kv))
+    return f"""{_DECLARATIONS}
+define void @store(ptr %kn, ptr %vn, ptr %k, ptr %v, ptr %blocks, ptr %slots, i64 %n, i64 %kst,
+                   i64 %vst) {{
+entry:
+  %any = icmp sgt i64 %n, 0
+  br i1 %any, label %row, label %done
+row:
+  %i = phi i64 [0, %entry], [%in, %row]
+  %bp = getelementptr i64, ptr %blocks, i64 %i
+  %b = load i64, ptr %bp, align 8
+  %sp = getelementptr i64, ptr %slots, i64 %i
+  %sl = load i64, ptr %sp, align 8
+  %r0 = mul i64 %b, {shape.block_size}
+  %r1 = add i64 %r0, %sl
+  %dsto = mul i64 %r1, {shape.row_values}
+{copies}  %in = add i64 %i, 1
+  %more = icmp slt i64 %in, %n
+  br i1 %more, label %row, label %done
+done:
+  ret void
+}}
+"""
+
+
+@functools.cache
+def _store_kernel(shape: Shape) -> Callable:
+    return llvm_jit.compile_function(_store_ir(shape), "store",
+                                     [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3)
+
+
+KV_TYPES = {np.dtype(np.float32): "float", np.dtype(np.float16): "half"}
 
 
 # a call record's fields (parallel_calls): the kernel, then its arguments
@@ -469,6 +558,23 @@ class PassRows:
         return _Job(calls, ends.astype(np.int64), scratch, row_bytes)
 
 
+def _store_new_rows(shape: Shape, k_new: np.ndarray, v_new: np.ndarray, k: np.ndarray,
+                    v: np.ndarray, rows: PassRows) -> None:
+    """Row i's k_new, v_new (N, H_kv, D) into its cache slot (a row's own values contiguous)."""
+    new = []
+    for x in (k_new, v_new):
+        if x.shape != (len(rows), shape.n_head_kv, shape.head_dim):
+            raise ValueError(f"new k, v {x.shape} do not fit the cache layer {k.shape}")
+        x = np.asarray(x, np.float32)
+        if x.strides[1:] != (4 * shape.head_dim, 4):
+            x = np.ascontiguousarray(x)
+        new.append(x)
+    k_new, v_new = new
+    _store_kernel(shape)(k_new.ctypes.data, v_new.ctypes.data, k.ctypes.data, v.ctypes.data,
+                         rows.blocks.ctypes.data, rows.slots.ctypes.data, len(rows),
+                         k_new.strides[0] // 4, v_new.strides[0] // 4)
+
+
 def attend(q: np.ndarray, k_new: np.ndarray, v_new: np.ndarray, k: np.ndarray, v: np.ndarray,
            rows: PassRows) -> np.ndarray:
     """Stores row i's k_new, v_new (N, H_kv, D) at its own position of the cache layer k, v
@@ -476,13 +582,13 @@ def attend(q: np.ndarray, k_new: np.ndarray, v_new: np.ndarray, k: np.ndarray, v
     its positions 0..positions[i] (query head h reads KV head h // (H / H_kv)). Every row's k, v
     are stored before any row attends."""
     N, H, D = q.shape
-    shape = Shape(H, k.shape[2], D, k.shape[1])
-    if N != len(rows) or k.shape[3] != D or H % shape.n_head_kv or k.shape != v.shape or \
-            k.dtype != np.float32 or v.dtype != np.float32 or \
+    if N != len(rows) or k.ndim != 4 or k.shape[3] != D or H % k.shape[2] or \
+            k.shape != v.shape or k.dtype != v.dtype or k.dtype not in KV_TYPES or \
             not (k.flags.c_contiguous and v.flags.c_contiguous):
-        raise ValueError(f"q {q.shape} and the cache layer {k.shape} do not fit {len(rows)} "
-                         "rows of GQA attention")
-    _store_rows(k_new, v_new, k, v, rows.blocks, rows.slots)
+        raise ValueError(f"q {q.shape} and the cache layer {k.shape} {k.dtype} do not fit "
+                         f"{len(rows)} rows of GQA attention")
+    shape = Shape(H, k.shape[2], D, k.shape[1], KV_TYPES[k.dtype])
+    _store_new_rows(shape, k_new, v_new, k, v, rows)
     q = np.ascontiguousarray(q, np.float32)
     out = np.empty_like(q)  # (N, H, D)
     job = rows.job(shape)
