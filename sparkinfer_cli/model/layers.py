@@ -157,8 +157,9 @@ class Attention:
         them at a block, so a kernel chosen by the piece (a BLAS product over the piece's rows
         and keys sums by its shape) made greedy answers depend on the load. On 2 cores the row
         kernel also prefills a 512- or 2,048-token prompt faster than that product did."""
-        li = fwd.cache.attn_index[self.layer]
-        out = paged_attention.attend(q, k, v, fwd.cache.k[li], fwd.cache.v[li], fwd.attention_rows)
+        cache = fwd.cache
+        out = paged_attention.attend(q, k, v, cache.k, cache.v, cache.attn_index[self.layer],
+                                     fwd.attention_rows)
         return out.reshape(len(q), -1)
 
     def __call__(self, x: np.ndarray, fwd: Forward) -> np.ndarray:

@@ -56,7 +56,7 @@ class _Pass:
         return PassRows([self.tables[s] for s in self.seqs], self.positions, self.block_size)
 
     def run(self) -> np.ndarray:
-        return attend(self.q, self.k_new, self.v_new, self.k, self.v, self.rows())
+        return attend(self.q, self.k_new, self.v_new, self.k[None], self.v[None], 0, self.rows())
 
     def expected(self) -> list[np.ndarray]:
         """Each row's float64 attention, with every row's k, v in the cache first (rounded to
@@ -121,20 +121,41 @@ def test_a_rows_numbers_do_not_depend_on_its_pass(shape: tuple[int, int, int, in
     together = p.run()
     _split(monkeypatch, 1)
     for i in (0, 11, 23):
-        alone = attend(p.q[i:i + 1], p.k_new[i:i + 1], p.v_new[i:i + 1], p.k, p.v,
+        alone = attend(p.q[i:i + 1], p.k_new[i:i + 1], p.v_new[i:i + 1], p.k[None], p.v[None], 0,
                        PassRows([p.tables[p.seqs[i]]], p.positions[i:i + 1], p.block_size))
         np.testing.assert_array_equal(alone[0], together[i])
 
 
+def test_a_layer_of_the_cache_and_strided_new_rows(rng: np.random.Generator) -> None:
+    """Layer 1 of a three-layer cache, the new k, v as views into one (N, 2·H_kv·D) projection
+    (as the fused q/k/v output gives them), a non-contiguous q: the other layers untouched."""
+    p = _Pass(rng, (6, 2, 32, 8), [(0, 40), (1, 3)], num_blocks=12)
+    k, v = (np.stack([rng.standard_normal(p.k.shape).astype(np.float32), x,
+                      rng.standard_normal(p.k.shape).astype(np.float32)]) for x in (p.k, p.v))
+    others = k[[0, 2]].copy()
+    kv = np.concatenate([p.k_new.reshape(2, -1), p.v_new.reshape(2, -1)], axis=1)
+    k_new, v_new = kv[:, :64].reshape(2, 2, 32), kv[:, 64:].reshape(2, 2, 32)
+    q = np.asfortranarray(p.q)
+    got = attend(q, k_new, v_new, k, v, 1, p.rows())
+    for i, want in enumerate(p.expected()):
+        np.testing.assert_allclose(got[i], want, rtol=2e-5, atol=2e-5)
+    np.testing.assert_array_equal(k[[0, 2]], others)
+    with pytest.raises(ValueError, match="layer 3"):
+        attend(q, k_new, v_new, k, v, 3, p.rows())
+
+
 def test_shapes_that_do_not_fit_are_refused(rng: np.random.Generator) -> None:
     p = _Pass(rng, (6, 2, 32, 8), [(0, 3)], num_blocks=4)
+    k, v = p.k[None], p.v[None]
     with pytest.raises(ValueError, match="do not fit"):
-        attend(p.q[:, :5], p.k_new, p.v_new, p.k, p.v, p.rows())  # 5 heads over 2 KV heads
+        attend(p.q[:, :5], p.k_new, p.v_new, k, v, 0, p.rows())  # 5 heads over 2 KV heads
     with pytest.raises(ValueError, match="do not fit"):
-        attend(p.q, p.k_new, p.v_new, p.k[..., :16], p.v[..., :16], p.rows())
+        attend(p.q, p.k_new, p.v_new, k[..., :16], v[..., :16], 0, p.rows())
     with pytest.raises(ValueError, match="do not fit"):  # a cache type with no kernel
-        attend(p.q, p.k_new, p.v_new, p.k.astype(np.float64), p.v.astype(np.float64), p.rows())
+        attend(p.q, p.k_new, p.v_new, k.astype(np.float64), v.astype(np.float64), 0, p.rows())
     with pytest.raises(ValueError, match="do not fit"):
-        attend(p.q, p.k_new[:, :1], p.v_new, p.k, p.v, p.rows())
+        attend(p.q, p.k_new[:, :1], p.v_new, k, v, 0, p.rows())
+    with pytest.raises(ValueError, match="do not fit"):
+        attend(p.q, p.k_new, p.v_new, p.k, p.v, 0, p.rows())  # one layer without its axis
     with pytest.raises(ValueError, match="block tables"):
         PassRows([p.tables[0]] * 2, p.positions, p.block_size)

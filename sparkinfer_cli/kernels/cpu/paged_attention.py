@@ -26,6 +26,7 @@ import struct
 from typing import Callable, NamedTuple
 
 import numpy as np
+from numba import njit
 
 from sparkinfer_cli.kernels.cpu import llvm_jit, parallel_calls, quant
 
@@ -449,7 +450,7 @@ def _kernel(shape: Shape) -> Callable:
 
 
 def _store_ir(shape: Shape) -> str:
-    """void store(k_new, v_new, k, v, blocks, slots, n, k_stride, v_stride): row i of k_new
+    """void store(k_new, v_new, k, v, blocks, slots, n, k_stride, v_stride, 2 unused): row i of k_new
     (its H_kv·D values contiguous, rows k_stride floats apart) into k[blocks[i], slots[i]] in
     the cache's element type (float16: rounded to nearest even), and v_new into v."""
     copies = ""
@@ -463,9 +464,15 @@ def _store_ir(shape: Shape) -> str:
                        + f"  %{name}d{e} = getelementptr {shape.kv}, ptr %{name}dst, i64 {e}\n"
                        + _store(f"%{name}x{e}", f"%{name}d{e}", width, shape.kv))
     return f"""{_DECLARATIONS}
-define void @store(ptr %kn, ptr %vn, ptr %k, ptr %v, ptr %blocks, ptr %slots, i64 %n, i64 %kst,
-                   i64 %vst) {{
+define void @store(i64 %kna, i64 %vna, i64 %ka, i64 %va, i64 %blocksa, i64 %slotsa, i64 %n,
+                   i64 %kst, i64 %vst, i64 %unused0, i64 %unused1) {{
 entry:
+  %kn = inttoptr i64 %kna to ptr
+  %vn = inttoptr i64 %vna to ptr
+  %k = inttoptr i64 %ka to ptr
+  %v = inttoptr i64 %va to ptr
+  %blocks = inttoptr i64 %blocksa to ptr
+  %slots = inttoptr i64 %slotsa to ptr
   %any = icmp sgt i64 %n, 0
   br i1 %any, label %row, label %done
 row:
@@ -489,24 +496,72 @@ done:
 @functools.cache
 def _store_kernel(shape: Shape) -> Callable:
     return llvm_jit.compile_function(_store_ir(shape), "store",
-                                     [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3)
+                                     [ctypes.c_int64] * (parallel_calls.CALL_FIELDS - 1))
 
 
 KV_TYPES = {np.dtype(np.float32): "float", np.dtype(np.float16): "half"}
 
 
 # a call record's fields (parallel_calls): the kernel, then its arguments
-_FN, _Q, _K, _V, _TABLE, _LENGTH, _OUT, _SCRATCH = range(8)
+_FN, _Q, _K, _V, _TABLE, _LENGTH, _OUT, _SCRATCH = range(8)  # attend
+_K_NEW, _V_NEW, _K_LAYER, _V_LAYER, _BLOCKS, _SLOTS, _ROWS, _K_STRIDE, _V_STRIDE = range(1, 10)
+
+
+@njit(cache=True, nogil=True)
+def _bind(calls, store, q, out, k_new, v_new, k_at, v_at):
+    """Points a pass's records at one layer's arrays: row i's query and output, the cache
+    layer (k_at, v_at) and the new rows (numba reads the addresses faster than numpy does)."""
+    row_bytes = 4 * q.shape[1] * q.shape[2]
+    q_at, out_at = q.ctypes.data, out.ctypes.data
+    for i in range(calls.shape[0]):
+        calls[i, _Q], calls[i, _OUT] = q_at + i * row_bytes, out_at + i * row_bytes
+        calls[i, _K], calls[i, _V] = k_at, v_at
+    store[0, _K_NEW], store[0, _V_NEW] = k_new.ctypes.data, v_new.ctypes.data
+    store[0, _K_LAYER], store[0, _V_LAYER] = k_at, v_at
 
 
 class _Job:
-    """A pass's call records for one kernel shape (q, k, v and out filled in per layer), where
-    each thread's part ends, and the parts' scores scratch."""
+    """A pass's calls for one cache and shape of its inputs: the store record, then the rows'
+    attention records (split into parts of about equal q·K + p·V work, one per thread, at least
+    _MIN_MACS_PER_PART each, each part with its own scores scratch); _bind fills in what
+    changes from layer to layer."""
 
-    def __init__(self, calls: np.ndarray, part_ends: np.ndarray, scratch: np.ndarray,
-                 row_bytes: np.ndarray):
-        self.calls, self.part_ends, self.scratch, self.row_bytes = calls, part_ends, scratch, \
-            row_bytes
+    def __init__(self, rows: PassRows, shape: Shape, new_strides: tuple[int, int], k: np.ndarray,
+                 v: np.ndarray):
+        n = len(rows)
+        self.store = np.zeros((1, parallel_calls.CALL_FIELDS), np.int64)
+        self.store[0, [_FN, _BLOCKS, _SLOTS, _ROWS, _K_STRIDE, _V_STRIDE]] = [
+            parallel_calls.address(_store_kernel(shape)), rows.blocks.ctypes.data,
+            rows.slots.ctypes.data, n, new_strides[0] // 4, new_strides[1] // 4]
+        work = np.cumsum(rows.lengths)  # (n,)
+        macs = 2 * shape.n_head * shape.head_dim * int(work[-1])
+        n_parts = max(1, min(quant._num_threads(), macs // _MIN_MACS_PER_PART, n))
+        ends = np.searchsorted(work, work[-1] * np.arange(1, n_parts + 1) / n_parts, "left") + 1
+        ends[-1] = n
+        padded = (rows.lengths + W - 1) // W * W
+        stride = shape.n_head * (int(padded.max()) + 1)  # floats of one part's scratch
+        self.scratch = np.empty((n_parts, stride), np.float32)
+        part = np.repeat(np.arange(n_parts), np.diff(ends, prepend=0))  # (n,) each row's part
+        self.calls = np.zeros((n, parallel_calls.CALL_FIELDS), np.int64)
+        self.calls[:, _FN] = parallel_calls.address(_kernel(shape))
+        self.calls[:, _TABLE] = rows.table_at
+        self.calls[:, _LENGTH] = rows.lengths
+        self.calls[:, _SCRATCH] = self.scratch.ctypes.data + 4 * stride * part
+        self.part_ends = ends.astype(np.int64)
+        self.store_end = np.ones(1, np.int64)
+        self.at = [a.ctypes.data for a in (self.store, self.store_end, self.calls, self.part_ends)]
+        self.k_at, self.v_at = k.ctypes.data, v.ctypes.data
+        self.layer_bytes = k[0].nbytes
+
+    def run(self, q: np.ndarray, k_new: np.ndarray, v_new: np.ndarray, layer: int) -> np.ndarray:
+        out = np.empty_like(q)  # (N, H, D)
+        offset = layer * self.layer_bytes
+        _bind(self.calls, self.store, q, out, k_new, v_new, self.k_at + offset,
+              self.v_at + offset)
+        store_at, store_end_at, calls_at, ends_at = self.at
+        parallel_calls.run_parts_at(store_at, store_end_at, 1)
+        parallel_calls.run_parts_at(calls_at, ends_at, len(self.part_ends))
+        return out
 
 
 class PassRows:
@@ -524,77 +579,49 @@ class PassRows:
         self.blocks = np.array([t[p // block_size] for t, p in zip(own, positions.tolist())],
                                np.int64)
         self.table_at = np.array([t.ctypes.data for t in own], np.int64)
-        self._jobs: dict[Shape, _Job] = {}
+        self.jobs: dict[tuple, _Job] = {}  # by what decides the records (attend's key)
 
     def __len__(self) -> int:
         return len(self.lengths)
 
-    def job(self, shape: Shape) -> _Job:
-        """The rows' call records for kernels of this shape (made at a pass's first layer)."""
-        if shape not in self._jobs:
-            self._jobs[shape] = self._new_job(shape)
-        return self._jobs[shape]
-
-    def _new_job(self, shape: Shape) -> _Job:
-        """Records of every row, split into parts of about equal q·K + p·V work (one per
-        thread, at least _MIN_MACS_PER_PART each), each part with its own scratch."""
-        n = len(self)
-        work = np.cumsum(self.lengths)  # (n,)
-        macs = 2 * shape.n_head * shape.head_dim * int(work[-1])
-        n_parts = max(1, min(quant._num_threads(), macs // _MIN_MACS_PER_PART, n))
-        ends = np.searchsorted(work, work[-1] * np.arange(1, n_parts + 1) / n_parts, "left") + 1
-        ends[-1] = n
-        starts = np.concatenate([[0], ends[:-1]])
-        padded = (self.lengths + W - 1) // W * W
-        stride = shape.n_head * (int(padded.max()) + 1)  # floats of one part's scratch
-        scratch = np.empty((n_parts, stride), np.float32)
-        part = np.repeat(np.arange(n_parts), ends - starts)  # (n,) the part of each row
-        calls = np.zeros((n, parallel_calls.CALL_FIELDS), np.int64)
-        calls[:, _FN] = parallel_calls.address(_kernel(shape))
-        calls[:, _TABLE] = self.table_at
-        calls[:, _LENGTH] = self.lengths
-        calls[:, _SCRATCH] = scratch.ctypes.data + 4 * stride * part
-        row_bytes = 4 * shape.n_head * shape.head_dim * np.arange(n, dtype=np.int64)
-        return _Job(calls, ends.astype(np.int64), scratch, row_bytes)
-
-
-def _store_new_rows(shape: Shape, k_new: np.ndarray, v_new: np.ndarray, k: np.ndarray,
-                    v: np.ndarray, rows: PassRows) -> None:
-    """Row i's k_new, v_new (N, H_kv, D) into its cache slot (a row's own values contiguous)."""
-    new = []
-    for x in (k_new, v_new):
-        if x.shape != (len(rows), shape.n_head_kv, shape.head_dim):
-            raise ValueError(f"new k, v {x.shape} do not fit the cache layer {k.shape}")
-        x = np.asarray(x, np.float32)
-        if x.strides[1:] != (4 * shape.head_dim, 4):
-            x = np.ascontiguousarray(x)
-        new.append(x)
-    k_new, v_new = new
-    _store_kernel(shape)(k_new.ctypes.data, v_new.ctypes.data, k.ctypes.data, v.ctypes.data,
-                         rows.blocks.ctypes.data, rows.slots.ctypes.data, len(rows),
-                         k_new.strides[0] // 4, v_new.strides[0] // 4)
-
 
 def attend(q: np.ndarray, k_new: np.ndarray, v_new: np.ndarray, k: np.ndarray, v: np.ndarray,
-           rows: PassRows) -> np.ndarray:
-    """Stores row i's k_new, v_new (N, H_kv, D) at its own position of the cache layer k, v
-    (block, slot, H_kv, D), then returns out (N, H, D): row i's query q[i] (H, D) attended over
-    its positions 0..positions[i] (query head h reads KV head h // (H / H_kv)). Every row's k, v
-    are stored before any row attends."""
+           layer: int, rows: PassRows) -> np.ndarray:
+    """Stores row i's k_new, v_new (N, H_kv, D) at its own position of cache layer `layer` of
+    k, v (layer, block, slot, H_kv, D), then returns out (N, H, D): row i's query q[i] (H, D)
+    attended over its positions 0..positions[i] (query head h reads KV head h // (H / H_kv)).
+    Every row's k, v are stored before any row attends."""
+    job = rows.jobs.get(_job_key(q, k_new, v_new, k, v))
+    if job is None:  # the pass's first layer, or arrays the kernels cannot take as they are
+        shape = _shape(q, k_new, v_new, k, v, len(rows))
+        q = np.ascontiguousarray(q, np.float32)
+        k_new, v_new = (x if x.dtype == np.float32 and x.strides[1:] == (4 * shape.head_dim, 4)
+                        else np.ascontiguousarray(x, np.float32) for x in (k_new, v_new))
+        key = _job_key(q, k_new, v_new, k, v)
+        if key not in rows.jobs:
+            rows.jobs[key] = _Job(rows, shape, (k_new.strides[0], v_new.strides[0]), k, v)
+        job = rows.jobs[key]
+    if not 0 <= layer < len(k):
+        raise ValueError(f"layer {layer} of a cache of {len(k)}")
+    return job.run(q, k_new, v_new, layer)
+
+
+def _job_key(q: np.ndarray, k_new: np.ndarray, v_new: np.ndarray, k: np.ndarray,
+             v: np.ndarray) -> tuple:
+    """What a pass's records depend on besides its rows (the cache arrays live as long as the
+    pass, so their ids stand for them)."""
+    return (q.shape, q.dtype, q.strides, k_new.dtype, k_new.strides, v_new.dtype, v_new.strides,
+            id(k), id(v))
+
+
+def _shape(q: np.ndarray, k_new: np.ndarray, v_new: np.ndarray, k: np.ndarray, v: np.ndarray,
+           n_rows: int) -> Shape:
+    """The kernel shape of these arrays; ValueError if they do not fit together."""
     N, H, D = q.shape
-    if N != len(rows) or k.ndim != 4 or k.shape[3] != D or H % k.shape[2] or \
+    if N != n_rows or k.ndim != 5 or k.shape[4] != D or H % k.shape[3] or \
             k.shape != v.shape or k.dtype != v.dtype or k.dtype not in KV_TYPES or \
-            not (k.flags.c_contiguous and v.flags.c_contiguous):
-        raise ValueError(f"q {q.shape} and the cache layer {k.shape} {k.dtype} do not fit "
-                         f"{len(rows)} rows of GQA attention")
-    shape = Shape(H, k.shape[2], D, k.shape[1], KV_TYPES[k.dtype])
-    _store_new_rows(shape, k_new, v_new, k, v, rows)
-    q = np.ascontiguousarray(q, np.float32)
-    out = np.empty_like(q)  # (N, H, D)
-    job = rows.job(shape)
-    calls = job.calls
-    np.add(job.row_bytes, q.ctypes.data, out=calls[:, _Q])
-    np.add(job.row_bytes, out.ctypes.data, out=calls[:, _OUT])
-    calls[:, _K], calls[:, _V] = k.ctypes.data, v.ctypes.data
-    parallel_calls.run_parts_at(calls.ctypes.data, job.part_ends.ctypes.data, len(job.part_ends))
-    return out
+            not (k.flags.c_contiguous and v.flags.c_contiguous) or \
+            k_new.shape != (N,) + k.shape[3:] or v_new.shape != k_new.shape:
+        raise ValueError(f"q {q.shape}, new k {k_new.shape} and v {v_new.shape} do not fit "
+                         f"{n_rows} rows of GQA attention over a cache {k.shape} {k.dtype}")
+    return Shape(H, k.shape[3], D, k.shape[2], KV_TYPES[k.dtype])
