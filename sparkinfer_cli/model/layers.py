@@ -11,11 +11,12 @@ from functools import cached_property
 
 import numpy as np
 
-from sparkinfer_cli.kernels.cpu import decode_ops, ops, paged_attention
+from sparkinfer_cli.kernels.cpu import decode_ops, paged_attention
 from sparkinfer_cli.kernels.cpu.llvm_jit import has_avx2
 from sparkinfer_cli.kernels.cpu.packed_matvec import PackedMatvec
 from sparkinfer_cli.kernels.cpu.quant import embedding_rows, matmul, matmul_row_invariant
 from sparkinfer_cli.kernels.cpu.quant_packed import PackedWeight, can_pack, pack
+from sparkinfer_cli.kernels.cpu.swiglu import swiglu
 from sparkinfer_cli.model.batch import SequenceSpan
 from sparkinfer_cli.model.cache import ModelCache
 from sparkinfer_cli.model.config import ModelConfig
@@ -184,4 +185,4 @@ class SwiGLU:
             gate, up = self.gate_up_decode.split(self.gate_up_decode(x))
         else:
             gate, up = self.ffn_gate(x), self.ffn_up(x)
-        return self.ffn_down(ops.swiglu(gate, up))
+        return self.ffn_down(swiglu(gate, up))

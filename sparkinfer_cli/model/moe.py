@@ -16,6 +16,7 @@ from sparkinfer_cli.gguf.reader import GGUFError
 from sparkinfer_cli.kernels.cpu import ops
 from sparkinfer_cli.kernels.cpu.moe_routing import group_tokens_by_expert, route
 from sparkinfer_cli.kernels.cpu.quant import matmul_row_invariant
+from sparkinfer_cli.kernels.cpu.swiglu import swiglu
 from sparkinfer_cli.model.config import ModelConfig
 from sparkinfer_cli.model.layers import Linear, SwiGLU
 from sparkinfer_cli.model.weights import QTensor, Weights
@@ -77,7 +78,7 @@ class MoE:
         return per_slot.reshape(T, k, -1).sum(axis=1)
 
     def expert(self, e: int, x: np.ndarray) -> np.ndarray:
-        hidden = ops.swiglu(self.ffn_gate_exps(e, x), self.ffn_up_exps(e, x))  # (n, ff)
+        hidden = swiglu(self.ffn_gate_exps(e, x), self.ffn_up_exps(e, x))  # (n, ff)
         return self.ffn_down_exps(e, hidden)  # (n, n_embd)
 
 

@@ -20,10 +20,6 @@ def silu(x: np.ndarray) -> np.ndarray:
     return x / (np.float32(1.0) + np.exp(-x))
 
 
-def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
-    return silu(gate) * up
-
-
 def sigmoid(x: np.ndarray) -> np.ndarray:
     return np.float32(1.0) / (np.float32(1.0) + np.exp(-x))
 

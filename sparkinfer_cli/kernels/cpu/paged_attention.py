@@ -22,78 +22,30 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import struct
 from typing import Callable, NamedTuple
 
 import numpy as np
 from numba import njit
 
 from sparkinfer_cli.kernels.cpu import llvm_jit, parallel_calls, quant
+from sparkinfer_cli.kernels.cpu.ir_vectors import (
+    DECLARATIONS,
+    ELEMENTS,
+    W,
+    broadcast,
+    exp,
+    ints,
+    load,
+    splat,
+    store,
+)
 
-W = 8  # lanes of a vector, and positions of a score tile
 _CHUNKS_PER_PASS = 8  # vectors of o kept in registers over one pass over the positions
 _OUT_BLOCK = 64  # positions whose V rows one KV head's query heads read in turn
 # A pass's rows are split between the threads once each thread gets this many q·K and p·V
 # multiply-adds: parallel_calls hands off in microseconds, and a decode row of a 135M model at
 # position 100 is ~60 K.
 _MIN_MACS_PER_PART = 1 << 17
-
-
-def _f32(value: float) -> str:
-    """value rounded to float32, as an LLVM IR float constant (the hex of its double)."""
-    exact = float(np.float32(value))
-    return "0x%016X" % struct.unpack("<Q", struct.pack("<d", exact))[0]
-
-
-def _splat(value: float) -> str:
-    return "<" + ", ".join(f"float {_f32(value)}" for _ in range(W)) + ">"
-
-
-def _ints(values: list[int], ty: str = "i32") -> str:
-    return "<" + ", ".join(f"{ty} {v}" for v in values) + ">"
-
-
-def _mask(width: int) -> str:
-    return "<8 x i1> <" + ", ".join(f"i1 {str(i < width).lower()}" for i in range(W)) + ">"
-
-
-# LLVM's name of a vector element type: (IR type, intrinsic suffix, bytes)
-_ELEMENTS = {"float": ("float", "f32", 4), "half": ("half", "f16", 2)}
-
-
-def _broadcast(name: str, scalar: str, ty: str = "float") -> str:
-    """IR: <8 x ty> %name, every lane the scalar."""
-    return (f"  %{name}_s = insertelement <8 x {ty}> poison, {ty} {scalar}, i32 0\n"
-            f"  %{name} = shufflevector <8 x {ty}> %{name}_s, <8 x {ty}> poison, "
-            "<8 x i32> zeroinitializer\n")
-
-
-def _load(name: str, ptr: str, width: int, ty: str = "float") -> str:
-    """IR: <8 x float> %name from ptr (elements of ty, widened), its lanes ≥ width zero (masked:
-    no read past the row)."""
-    ir_ty, suffix, size = _ELEMENTS[ty]
-    raw = f"%{name}" if ty == "float" else f"%{name}_raw"
-    if width == W:
-        ir = f"  {raw} = load <8 x {ir_ty}>, ptr {ptr}, align {size}\n"
-    else:
-        ir = (f"  {raw} = call <8 x {ir_ty}> @llvm.masked.load.v8{suffix}.p0(ptr {ptr}, "
-              f"i32 {size}, {_mask(width)}, <8 x {ir_ty}> zeroinitializer)\n")
-    if ty != "float":
-        ir += f"  %{name} = fpext <8 x {ir_ty}> {raw} to <8 x float>\n"
-    return ir
-
-
-def _store(value: str, ptr: str, width: int, ty: str = "float") -> str:
-    """IR: store <8 x float> value to ptr (as elements of ty), lanes ≥ width left alone."""
-    ir_ty, suffix, size = _ELEMENTS[ty]
-    ir = ""
-    if ty != "float":
-        ir = f"  {value}_{ty} = fptrunc <8 x float> {value} to <8 x {ir_ty}>\n"
-        value = f"{value}_{ty}"
-    if width == W:
-        return ir + f"  store <8 x {ir_ty}> {value}, ptr {ptr}, align {size}\n"
-    return ir + (f"  call void @llvm.masked.store.v8{suffix}.p0(<8 x {ir_ty}> {value}, ptr {ptr}, "
-                 f"i32 {size}, {_mask(width)})\n")
 
 
 class Shape(NamedTuple):
@@ -133,7 +85,7 @@ def _prefetch_row(shape: Shape, base: str, offset: str, name: str) -> str:
     """IR: prefetch the cache lines of the K/V row at element offset `offset` from base (the
     next tile's rows, while this one computes: the rows of a long context come from DRAM)."""
     ir = f"  %{name}p = getelementptr {shape.kv}, ptr {base}, i64 {offset}\n"
-    for line in range(0, _ELEMENTS[shape.kv][2] * shape.row_values, 64):
+    for line in range(0, ELEMENTS[shape.kv][2] * shape.row_values, 64):
         ir += (f"  %{name}l{line} = getelementptr i8, ptr %{name}p, i64 {line}\n"
                f"  call void @llvm.prefetch.p0(ptr %{name}l{line}, i32 0, i32 3, i32 1)\n")
     return ir
@@ -152,9 +104,9 @@ def _lane_sums(acc: list[str], out: str) -> str:
             name = f"%{out}_{n}"
             n += 1
             ir += (f"  {name}l = shufflevector <8 x float> {a}, <8 x float> {b}, "
-                   f"<8 x i32> {_ints(lo)}\n"
+                   f"<8 x i32> {ints(lo)}\n"
                    f"  {name}h = shufflevector <8 x float> {a}, <8 x float> {b}, "
-                   f"<8 x i32> {_ints(hi)}\n"
+                   f"<8 x i32> {ints(hi)}\n"
                    f"  {name} = fadd <8 x float> {name}l, {name}h\n")
             nxt.append(name)
         level = nxt
@@ -178,12 +130,12 @@ def _score_dots(shape: Shape) -> str:
     over the head's dims, then summed across lanes."""
     dots = ""
     for d, width in shape.widths(0, shape.head_dim):
-        dots += (f"  %qp{d} = getelementptr float, ptr %qh, i64 {d}\n" + _load(f"q{d}", f"%qp{d}",
+        dots += (f"  %qp{d} = getelementptr float, ptr %qh, i64 {d}\n" + load(f"q{d}", f"%qp{d}",
                                                                              width))
         for j in range(W):
             prev = f"%a{j}_{d - W}" if d else "zeroinitializer"
             dots += (f"  %kq{j}_{d} = getelementptr {shape.kv}, ptr %kp{j}, i64 {d}\n"
-                     + _load(f"k{j}_{d}", f"%kq{j}_{d}", width, shape.kv)
+                     + load(f"k{j}_{d}", f"%kq{j}_{d}", width, shape.kv)
                      + f"  %a{j}_{d} = call <8 x float> @llvm.fma.v8f32(<8 x float> %q{d}, "
                      f"<8 x float> %k{j}_{d}, <8 x float> {prev})\n")
     last_d = shape.widths(0, shape.head_dim)[-1][0]
@@ -196,12 +148,12 @@ def _scores(shape: Shape) -> str:
     once for the group's query heads."""
     heads = "".join(f"  %kg{j} = add i64 %ko{j}, %gd\n"
                     f"  %kp{j} = getelementptr {shape.kv}, ptr %k, i64 %kg{j}\n" for j in range(W))
-    scale = _splat(1.0 / np.sqrt(shape.head_dim))
+    scale = splat(1.0 / np.sqrt(shape.head_dim))
     return f"""  br label %st
 st:
   %tile = phi i64 [0, %entry], [%tilen, %stnext]
 {_tile_rows(shape)}  %tilei = trunc i64 %tile to i32
-{_broadcast("tilev", "%tilei", "i32")}  %tv = add <8 x i32> %tilev, {_ints(list(range(W)))}
+{broadcast("tilev", "%tilei", "i32")}  %tv = add <8 x i32> %tilev, {ints(list(range(W)))}
   %live = icmp ult <8 x i32> %tv, %lenv
   br label %sg
 sg:
@@ -216,7 +168,7 @@ sh:
   %qh = getelementptr float, ptr %q, i64 %qo
 {_score_dots(shape)}\
   %sc = fmul <8 x float> %dot, {scale}
-  %sm = select <8 x i1> %live, <8 x float> %sc, <8 x float> {_splat(-np.inf)}
+  %sm = select <8 x i1> %live, <8 x float> %sc, <8 x float> {splat(-np.inf)}
   %so0 = mul i64 %h, %lp
   %so = add i64 %so0, %tile
   %sp = getelementptr float, ptr %scr, i64 %so
@@ -235,37 +187,6 @@ stnext:
 """
 
 
-def _exp(x: str, out: str) -> str:
-    """IR: %out = e^x for x ≤ 0 (-inf included: 0), Cephes' expf: x = n·ln2 + r, e^r by a
-    degree-5 polynomial, 2^n from the exponent bits."""
-    c = [1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1,
-         5.0000001201e-1]
-    ir = (f"  %{out}u = fcmp olt <8 x float> {x}, {_splat(-87.0)}\n"
-          f"  %{out}x = select <8 x i1> %{out}u, <8 x float> {_splat(-87.0)}, <8 x float> {x}\n"
-          f"  %{out}m = fmul <8 x float> %{out}x, {_splat(1.44269504088896341)}\n"
-          f"  %{out}n = call <8 x float> @llvm.roundeven.v8f32(<8 x float> %{out}m)\n"
-          f"  %{out}r0 = call <8 x float> @llvm.fma.v8f32(<8 x float> %{out}n, <8 x float> "
-          f"{_splat(-0.693359375)}, <8 x float> %{out}x)\n"
-          f"  %{out}r = call <8 x float> @llvm.fma.v8f32(<8 x float> %{out}n, <8 x float> "
-          f"{_splat(2.12194440e-4)}, <8 x float> %{out}r0)\n")
-    prev = _splat(c[0])
-    for i, ci in enumerate(c[1:]):
-        ir += (f"  %{out}c{i} = call <8 x float> @llvm.fma.v8f32(<8 x float> {prev}, "
-               f"<8 x float> %{out}r, <8 x float> {_splat(ci)})\n")
-        prev = f"%{out}c{i}"
-    return ir + (f"  %{out}r2 = fmul <8 x float> %{out}r, %{out}r\n"
-                 f"  %{out}y0 = call <8 x float> @llvm.fma.v8f32(<8 x float> {prev}, "
-                 f"<8 x float> %{out}r2, <8 x float> %{out}r)\n"
-                 f"  %{out}y = fadd <8 x float> %{out}y0, {_splat(1.0)}\n"
-                 f"  %{out}ni = fptosi <8 x float> %{out}n to <8 x i32>\n"
-                 f"  %{out}nb = add <8 x i32> %{out}ni, {_ints([127] * W)}\n"
-                 f"  %{out}ns = shl <8 x i32> %{out}nb, {_ints([23] * W)}\n"
-                 f"  %{out}two = bitcast <8 x i32> %{out}ns to <8 x float>\n"
-                 f"  %{out}e = fmul <8 x float> %{out}y, %{out}two\n"
-                 f"  %{out} = select <8 x i1> %{out}u, <8 x float> zeroinitializer, "
-                 f"<8 x float> %{out}e\n")
-
-
 def _softmax() -> str:
     """IR blocks: per head h, its scratch row ← exp(s - max s), and sums[h] ← 1 / Σ of them
     (sums: the H floats after the scores)."""
@@ -278,7 +199,7 @@ mh:
   br label %mt
 mt:
   %mi = phi i64 [0, %mh], [%min, %mt]
-  %mx0 = phi <8 x float> [{_splat(-np.inf)}, %mh], [%mx1, %mt]
+  %mx0 = phi <8 x float> [{splat(-np.inf)}, %mh], [%mx1, %mt]
   %mp = getelementptr float, ptr %row, i64 %mi
   %mv = load <8 x float>, ptr %mp, align 4
   %mx1 = call <8 x float> @llvm.maxnum.v8f32(<8 x float> %mx0, <8 x float> %mv)
@@ -287,14 +208,14 @@ mt:
   br i1 %mc, label %mt, label %mdone
 mdone:
   %mxs = call float @llvm.vector.reduce.fmax.v8f32(<8 x float> %mx1)
-{_broadcast("mxv", "%mxs")}  br label %et
+{broadcast("mxv", "%mxs")}  br label %et
 et:
   %ei = phi i64 [0, %mdone], [%ein, %et]
   %es0 = phi <8 x float> [zeroinitializer, %mdone], [%es1, %et]
   %ep = getelementptr float, ptr %row, i64 %ei
   %ev = load <8 x float>, ptr %ep, align 4
   %ex = fsub <8 x float> %ev, %mxv
-{_exp("%ex", "pe")}  store <8 x float> %pe, ptr %ep, align 4
+{exp("%ex", "pe")}  store <8 x float> %pe, ptr %ep, align 4
   %es1 = fadd <8 x float> %es0, %pe
   %ein = add i64 %ei, {W}
   %ec = icmp ult i64 %ein, %len
@@ -315,23 +236,23 @@ def _output_pass(shape: Shape, i: int, vecs: list[tuple[int, int]], pred: str) -
     accumulators (out's values, or 0 at the first block) over the positions, then stored
     (scaled after the last block); ends in block od{i}."""
     starts = "".join(f"  %oi{i}_{d} = getelementptr float, ptr %oh_p, i64 {d}\n"
-                     + _load(f"ol{i}_{d}", f"%oi{i}_{d}", width)
+                     + load(f"ol{i}_{d}", f"%oi{i}_{d}", width)
                      + f"  %c{i}_{d}0 = select i1 %first, <8 x float> zeroinitializer, "
                      f"<8 x float> %ol{i}_{d}\n" for d, width in vecs)
     phis = "".join(f"  %c{i}_{d} = phi <8 x float> [%c{i}_{d}0, %{pred}], "
                    f"[%c{i}_{d}n, %ot{i}]\n" for d, _ in vecs)
     fmas = "".join(f"  %vq{i}_{d} = getelementptr {shape.kv}, ptr %vr{i}, i64 {d}\n"
-                   + _load(f"v{i}_{d}", f"%vq{i}_{d}", width, shape.kv)
+                   + load(f"v{i}_{d}", f"%vq{i}_{d}", width, shape.kv)
                    + f"  %c{i}_{d}n = call <8 x float> @llvm.fma.v8f32(<8 x float> %pv{i}, "
                    f"<8 x float> %v{i}_{d}, <8 x float> %c{i}_{d})\n" for d, width in vecs)
     stores = "".join(f"  %on{i}_{d} = fmul <8 x float> %c{i}_{d}n, %ivv\n"
-                     + _store(f"%on{i}_{d}", f"%oi{i}_{d}", width) for d, width in vecs)
+                     + store(f"%on{i}_{d}", f"%oi{i}_{d}", width) for d, width in vecs)
     return f"""{starts}  br label %ot{i}
 ot{i}:
   %ti{i} = phi i64 [%tb, %{pred}], [%ti{i}n, %ot{i}]
 {phis}  %pp{i} = getelementptr float, ptr %prow, i64 %ti{i}
   %ps{i} = load float, ptr %pp{i}, align 4
-{_broadcast(f"pv{i}", f"%ps{i}")}  %ri{i} = sub i64 %ti{i}, %tb
+{broadcast(f"pv{i}", f"%ps{i}")}  %ri{i} = sub i64 %ti{i}, %tb
   %rq{i} = getelementptr i64, ptr %vrows, i64 %ri{i}
   %vo{i} = load i64, ptr %rq{i}, align 8
   %vr{i} = getelementptr {shape.kv}, ptr %vg, i64 %vo{i}
@@ -378,7 +299,7 @@ oh:
   %ivp3 = getelementptr float, ptr %sums, i64 %h3
   %iv3 = load float, ptr %ivp3, align 4
   %mult = select i1 %final, float %iv3, float 1.0
-{_broadcast("ivv", "%mult")}  %oo = mul i64 %h3, {shape.head_dim}
+{broadcast("ivv", "%mult")}  %oo = mul i64 %h3, {shape.head_dim}
   %oh_p = getelementptr float, ptr %out, i64 %oo
 """
     for i, lo in enumerate(range(0, shape.head_dim, W * _CHUNKS_PER_PASS)):
@@ -402,26 +323,12 @@ done:
 """
 
 
-_DECLARATIONS = """declare <8 x float> @llvm.fma.v8f32(<8 x float>, <8 x float>, <8 x float>)
-declare <8 x float> @llvm.maxnum.v8f32(<8 x float>, <8 x float>)
-declare <8 x float> @llvm.roundeven.v8f32(<8 x float>)
-declare float @llvm.vector.reduce.fmax.v8f32(<8 x float>)
-declare float @llvm.vector.reduce.fadd.v8f32(float, <8 x float>)
-declare i64 @llvm.umin.i64(i64, i64)
-declare void @llvm.prefetch.p0(ptr, i32, i32, i32)
-declare <8 x float> @llvm.masked.load.v8f32.p0(ptr, i32, <8 x i1>, <8 x float>)
-declare void @llvm.masked.store.v8f32.p0(<8 x float>, ptr, i32, <8 x i1>)
-declare <8 x half> @llvm.masked.load.v8f16.p0(ptr, i32, <8 x i1>, <8 x half>)
-declare void @llvm.masked.store.v8f16.p0(<8 x half>, ptr, i32, <8 x i1>)
-"""
-
-
 def _kernel_ir(shape: Shape) -> str:
     """void attend(q, k, v, block_table, length, out, scratch, 4 unused): out (H, D) = softmax
     attention of q (H, D) over positions 0..length-1 of the layer k, v (block, slot, H_kv, D)
     through block_table (int32); scratch: H · (roundup(length, 8) + 1) floats."""
     unused = ", ".join(f"i64 %unused{i}" for i in range(parallel_calls.CALL_FIELDS - 8))
-    return f"""{_DECLARATIONS}
+    return f"""{DECLARATIONS}
 define void @attend(i64 %qa, i64 %ka, i64 %va, i64 %bta, i64 %len, i64 %outa, i64 %scra,
                     {unused}) {{
 entry:
@@ -439,7 +346,7 @@ entry:
   %sums = getelementptr float, ptr %scr, i64 %so_end
   %vrows = alloca [{_OUT_BLOCK} x i64], align 8
   %len32 = trunc i64 %len to i32
-{_broadcast("lenv", "%len32", "i32")}{_scores(shape)}{_softmax()}{_output(shape)}}}
+{broadcast("lenv", "%len32", "i32")}{_scores(shape)}{_softmax()}{_output(shape)}}}
 """
 
 
@@ -450,9 +357,9 @@ def _kernel(shape: Shape) -> Callable:
 
 
 def _store_ir(shape: Shape) -> str:
-    """void store(k_new, v_new, k, v, blocks, slots, n, k_stride, v_stride, 2 unused): row i of k_new
-    (its H_kv·D values contiguous, rows k_stride floats apart) into k[blocks[i], slots[i]] in
-    the cache's element type (float16: rounded to nearest even), and v_new into v."""
+    """void store(k_new, v_new, k, v, blocks, slots, n, k_stride, v_stride, 2 unused): row i
+    of k_new (its H_kv·D values contiguous, rows k_stride floats apart) into k[blocks[i],
+    slots[i]] in the cache's element type (float16: rounded to nearest even), v_new into v."""
     copies = ""
     for name in ("k", "v"):
         copies += (f"  %{name}so = mul i64 %i, %{name}st\n"
@@ -460,10 +367,10 @@ def _store_ir(shape: Shape) -> str:
                    f"  %{name}dst = getelementptr {shape.kv}, ptr %{name}, i64 %dsto\n")
         for e, width in [(e, min(W, shape.row_values - e)) for e in range(0, shape.row_values, W)]:
             copies += (f"  %{name}s{e} = getelementptr float, ptr %{name}src, i64 {e}\n"
-                       + _load(f"{name}x{e}", f"%{name}s{e}", width)
+                       + load(f"{name}x{e}", f"%{name}s{e}", width)
                        + f"  %{name}d{e} = getelementptr {shape.kv}, ptr %{name}dst, i64 {e}\n"
-                       + _store(f"%{name}x{e}", f"%{name}d{e}", width, shape.kv))
-    return f"""{_DECLARATIONS}
+                       + store(f"%{name}x{e}", f"%{name}d{e}", width, shape.kv))
+    return f"""{DECLARATIONS}
 define void @store(i64 %kna, i64 %vna, i64 %ka, i64 %va, i64 %blocksa, i64 %slotsa, i64 %n,
                    i64 %kst, i64 %vst, i64 %unused0, i64 %unused1) {{
 entry:
