@@ -131,9 +131,9 @@ def _load(req: GenerateRequest, checked: CheckedModel, ctx: int, err: Console) -
 def cpu_kernels_are_cached() -> bool:
     """Whether numba's cache holds the CPU kernels (cold, a first run compiles them for tens of
     seconds). Judged by one kernel every pass calls."""
-    from sparkinfer_cli.kernels.cpu.quant_packed import quantize_x
+    from sparkinfer_cli.kernels.cpu.decode_ops import _rms_norm_rows
     try:
-        return Path(quantize_x._cache._cache_file._index_path).is_file()
+        return Path(_rms_norm_rows._cache._cache_file._index_path).is_file()
     except AttributeError:  # numba's cache internals moved: assume warm, say "warming up"
         return True
 

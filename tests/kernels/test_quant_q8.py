@@ -1,23 +1,53 @@
-"""int8 activation blocks (quant_q8.quantize_rows) vs llama.cpp's rule in float64 numpy."""
+"""int8 activation blocks (quant_packed.quantize_kernel) vs the Q8 rule in numpy float32: the same
+quants, scales and sums bit for bit, stored in the row kernel's order (per record, bytes in
+quant_packed._interleaved's order, each lane's block scale and quant sum, the chunk-major sums
+for the offsets), from strided rows, in groups that end in a partial chunk of rows."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
-from sparkinfer_cli.kernels.cpu.quant_q8 import Q8_BLOCK, quantize_rows
+from sparkinfer_cli.kernels.cpu.quant_packed import RECORD_ELEMENTS, _interleaved, quantize_kernel
+from sparkinfer_cli.kernels.cpu.quant_q8 import Q8_BLOCK
+
+ORDER = np.array([_interleaved(h, k) for h in range(2) for k in range(32)])  # (64,)
 
 
-def test_quantize_rows_matches_the_q8_rule(rng: np.random.Generator) -> None:
-    x = (rng.standard_normal((3, 4 * Q8_BLOCK)) * [[1.0], [1e-3], [50.0]]).astype(np.float32)
-    x[1, :Q8_BLOCK] = 0.0  # an all-zero block: scale 0, quants 0
-    xq = np.empty(x.shape, np.int8)
-    xd, xs = (np.empty((3, 4), np.float32) for _ in range(2))
-    quantize_rows(x, xq, xd, xs)
-    blocks = x.astype(np.float64).reshape(3, 4, Q8_BLOCK)
-    d = np.abs(blocks).max(axis=-1) / 127  # (3, 4)
-    q = np.where(d[..., None] > 0, np.rint(blocks / np.where(d > 0, d, 1)[..., None]), 0)
-    np.testing.assert_allclose(xd, d, rtol=1e-6)
-    assert np.abs(xq.reshape(q.shape) - q).max() <= 1  # float32 division may round a .5 tie
-    assert (xq.reshape(q.shape) != q).mean() < 0.01
-    np.testing.assert_allclose(xs, xd * xq.reshape(q.shape).sum(-1), rtol=1e-6)
-    assert not xq[1, :Q8_BLOCK].any() and xd[1, 0] == 0
+def _rule(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """xq (T, ne0) int8, xd and xs (T, ne0 / 32) float32: d = max|x| / 127 per block, q =
+    rint(x / d) in float32 (0 where d = 0), s = d · Σ q."""
+    blocks = x.reshape(len(x), -1, Q8_BLOCK)
+    d = (np.abs(blocks).max(axis=-1) / np.float32(127)).astype(np.float32)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        q = np.where(d[..., None] > 0, np.rint(blocks / d[..., None]), 0).astype(np.int8)
+    s = (d * q.sum(axis=-1, dtype=np.int32).astype(np.float32)).astype(np.float32)
+    return q.reshape(x.shape), d, s
+
+
+@pytest.mark.parametrize("rows, ne0", [(1, 64), (13, 576), (24, 1536)])
+def test_quantize_kernel_is_the_q8_rule_in_the_row_kernels_order(rows: int, ne0: int,
+                                                                 rng: np.random.Generator) -> None:
+    wide = (rng.standard_normal((rows, ne0 + 32)) * rng.uniform(1e-3, 50, (rows, 1)))
+    x = wide.astype(np.float32)[:, :ne0]  # rows ne0 + 32 floats apart
+    x[0, :Q8_BLOCK] = 0  # an all-zero block: scale 0, quants 0
+    x[-1, -Q8_BLOCK:] *= np.float32(1e-30)  # a block of tiny values
+    n_rec, n_blocks = ne0 // RECORD_ELEMENTS, ne0 // Q8_BLOCK
+    xq = np.empty((rows, ne0), np.int8)
+    xd = np.empty((rows, n_rec, 8), np.float32)
+    xl = np.empty((rows, n_rec, 8), np.int32)
+    xs = np.empty(rows * n_blocks, np.float32)
+    quantize_kernel(ne0)(x.ctypes.data, x.strides[0] // 4, rows, xq.ctypes.data, xd.ctypes.data,
+                         xl.ctypes.data, xs.ctypes.data, 0, 0, 0, 0)
+    q, d, s = _rule(x)
+    records = q.reshape(rows, n_rec, RECORD_ELEMENTS)
+    np.testing.assert_array_equal(xq.reshape(records.shape), records[:, :, ORDER])
+    lane_block = np.arange(8) % 2  # lane g holds block g % 2 of its record
+    np.testing.assert_array_equal(xd, d.reshape(rows, n_rec, 2)[:, :, lane_block])
+    in_order = xq.reshape(rows, n_rec, 2, 8, 4).astype(np.int32)  # (.., half, lane, 4)
+    np.testing.assert_array_equal(xl, in_order.sum(axis=(2, 4)))
+    for lo in range(0, rows, 8):  # chunk-major: (n_blocks, the chunk's rows)
+        m = min(8, rows - lo)
+        np.testing.assert_array_equal(xs[lo * n_blocks:(lo + m) * n_blocks].reshape(n_blocks, m),
+                                      s[lo:lo + m].T)
+    assert not xq[0, :RECORD_ELEMENTS][ORDER < Q8_BLOCK].any() and d[0, 0] == 0

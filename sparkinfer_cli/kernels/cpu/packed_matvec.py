@@ -23,7 +23,7 @@ from sparkinfer_cli.kernels.cpu.quant_packed import (
     MAX_ROWS,
     RECORD_ELEMENTS,
     PackedWeight,
-    quantize_x,
+    quantize_kernel,
     row_kernel,
 )
 from sparkinfer_cli.kernels.cpu.quant_q8 import Q8_BLOCK
@@ -38,13 +38,19 @@ GROUP_ROWS = 32 * MAX_ROWS
 
 
 class _Chunk(NamedTuple):
-    """Rows lo..lo+m of a call's x: quantize_x's output views for them, and those views'
-    pointers (xq, xd, xs, xl) for the kernel."""
+    """Rows lo..lo+m of a call's quantized x: the pointers (xq, xd, xs, xl) of their part of
+    each buffer, for the row kernel."""
 
     lo: int
     m: int
-    views: tuple[np.ndarray, ...]
     pointers: tuple[int, ...]
+
+
+class _Plan(NamedTuple):
+    """A call's chunks, and the buffers' addresses (xq, xd, xl, xs) for quantize_kernel."""
+
+    chunks: list[_Chunk]
+    buffers: tuple[int, ...]
 
 
 class _Scratch:
@@ -59,18 +65,17 @@ class _Scratch:
         self._plans: dict[tuple[int, int], list[_Chunk]] = {}
         self.generation = 0  # counts the times the buffers moved (plans made before are stale)
 
-    def chunks(self, n: int, ne0: int) -> list[_Chunk]:
+    def plan(self, n: int, ne0: int) -> _Plan:
         """x (n, ne0) in chunks of up to MAX_ROWS rows (the rows of one kernel pass)."""
         plan = self._plans.get((n, ne0))
         if plan is None:
             plan = self._plans[n, ne0] = self._plan(n, ne0)
         return plan
 
-    def _plan(self, n: int, ne0: int) -> list[_Chunk]:
+    def _plan(self, n: int, ne0: int) -> _Plan:
         nb, nr = ne0 // Q8_BLOCK, ne0 // RECORD_ELEMENTS
         sizes = {"xq": (n * ne0, np.int8), "xd": (n * nr * 8, np.float32),
-                 "xl": (n * nr * 8, np.int32), "xs": (n * nb, np.float32),
-                 "xq_rows": (MAX_ROWS * ne0, np.int8), "xd_rows": (MAX_ROWS * nb, np.float32)}
+                 "xl": (n * nr * 8, np.int32), "xs": (n * nb, np.float32)}
         for name, (size, dtype) in sizes.items():
             if name not in self._bufs or self._bufs[name].size < size:
                 self._bufs[name] = np.empty(size, dtype)
@@ -82,12 +87,10 @@ class _Scratch:
         chunks = []
         for lo in range(0, n, MAX_ROWS):
             m = min(MAX_ROWS, n - lo)
-            xs = buf["xs"][lo * nb:(lo + m) * nb].reshape(nb, m)  # (n_blocks, the chunk's rows)
-            rows_q = buf["xq_rows"][:m * ne0].reshape(m, ne0)  # quantize_x's own scratch
-            rows_d = buf["xd_rows"][:m * nb].reshape(m, nb)
-            views = (xq[lo:lo + m], xd[lo:lo + m], xs, xl[lo:lo + m], rows_q, rows_d)
-            chunks.append(_Chunk(lo, m, views, tuple(v.ctypes.data for v in views[:4])))
-        return chunks
+            xs = buf["xs"][lo * nb:(lo + m) * nb]  # (n_blocks, the chunk's rows)
+            views = (xq[lo:lo + m], xd[lo:lo + m], xs, xl[lo:lo + m])
+            chunks.append(_Chunk(lo, m, tuple(v.ctypes.data for v in views)))
+        return _Plan(chunks, tuple(buf[name].ctypes.data for name in ("xq", "xd", "xl", "xs")))
 
 
 _SCRATCH = _Scratch()
@@ -126,6 +129,7 @@ class PackedMatvec:
                           for n in range(1, MAX_ROWS + 1)] for layout, _, _ in self._members]
         # decode calls' records by (x rows, scratch generation, parts)
         self._decode_calls: dict[tuple[int, int, int], _Job] = {}
+        self._quantize = quantize_kernel(self.ne0)
 
     @property
     def rows(self) -> int:
@@ -138,13 +142,13 @@ class PackedMatvec:
             if x.ndim != 2 or x.shape[1] != self.ne0:
                 raise ValueError(f"x must be (n, {self.ne0}), got {x.shape}")
         y = np.empty((len(x), self.rows), np.float32)  # (n, Σ rows)
+        x_at, y_at = x.ctypes.data, y.ctypes.data
         with _SCRATCH.lock:
             for lo in range(0, len(x), GROUP_ROWS):
-                group = x[lo:lo + GROUP_ROWS]  # (n ≤ GROUP_ROWS, ne0)
-                chunks = _SCRATCH.chunks(len(group), self.ne0)
-                for c in chunks:
-                    quantize_x(group[c.lo:c.lo + c.m], *c.views)
-                self._run(chunks, len(group), y.ctypes.data + 4 * lo * self.rows)
+                n = min(GROUP_ROWS, len(x) - lo)  # rows of this group
+                plan = _SCRATCH.plan(n, self.ne0)
+                self._quantize(x_at + 4 * lo * self.ne0, self.ne0, n, *plan.buffers, 0, 0, 0, 0)
+                self._run(plan.chunks, n, y_at + 4 * lo * self.rows)
         if self.bias is not None:
             y += self.bias
         return y

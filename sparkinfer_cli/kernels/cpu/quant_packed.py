@@ -32,13 +32,12 @@ from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
-from numba import njit
 
 from sparkinfer_cli.gguf.ggml_types import BLOCK_GEOMETRY, row_bytes
 from sparkinfer_cli.kernels.cpu import llvm_jit
 from sparkinfer_cli.kernels.cpu.quant import _readonly
 from sparkinfer_cli.kernels.cpu.quant_blocks import Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
-from sparkinfer_cli.kernels.cpu.quant_q8 import quantize_rows
+from sparkinfer_cli.kernels.cpu.quant_q8 import Q8_BLOCK
 from sparkinfer_cli.kernels.cpu.quant_repack import _UNPACK
 
 RECORD_ELEMENTS = 64
@@ -160,27 +159,143 @@ def _interleaved(h: int, k: int) -> int:
     return 32 * (g % 2) + 16 * (g // 4) + 8 * h + 4 * (g % 4 // 2) + i
 
 
-_ORDER = np.array([_interleaved(h, k) for h in range(2) for k in range(32)])  # (64,)
+def _quantize_block(blk: int) -> str:
+    """IR: block blk of the record (32 floats at %xr) → float %d{blk} = max|x| / 127,
+    <32 x i8> %q{blk} = rint(x / d) (0 where d = 0), float %s{blk} = d · Σ q: quant_q8's rule,
+    the same float32 operations, so the same bits."""
+    t = f"_{blk}"
+    ir = ""
+    for j in range(4):
+        ir += (f"  %xp{t}{j} = getelementptr float, ptr %xr, i64 {32 * blk + 8 * j}\n"
+               f"  %v{t}{j} = load <8 x float>, ptr %xp{t}{j}, align 4\n"
+               f"  %a{t}{j} = call <8 x float> @llvm.fabs.v8f32(<8 x float> %v{t}{j})\n")
+    for name, a, b in ((f"m{t}a", f"a{t}0", f"a{t}1"), (f"m{t}b", f"a{t}2", f"a{t}3"),
+                       (f"m{t}", f"m{t}a", f"m{t}b")):
+        ir += (f"  %{name} = call <8 x float> @llvm.maxnum.v8f32(<8 x float> %{a}, "
+               f"<8 x float> %{b})\n")
+    ir += (f"  %amax{t} = call float @llvm.vector.reduce.fmax.v8f32(<8 x float> %m{t})\n"
+           f"  %d{blk} = fdiv float %amax{t}, 127.0\n"
+           f"  %pos{t} = fcmp ogt float %d{blk}, 0.0\n"
+           f"  %di{t} = insertelement <8 x float> poison, float %d{blk}, i32 0\n"
+           f"  %dv{t} = shufflevector <8 x float> %di{t}, <8 x float> poison, <8 x i32> "
+           "zeroinitializer\n")
+    for j in range(4):
+        ir += (f"  %r{t}{j} = fdiv <8 x float> %v{t}{j}, %dv{t}\n"
+               f"  %n{t}{j} = call <8 x float> @llvm.roundeven.v8f32(<8 x float> %r{t}{j})\n"
+               f"  %z{t}{j} = select i1 %pos{t}, <8 x float> %n{t}{j}, <8 x float> "
+               "zeroinitializer\n"
+               f"  %i{t}{j} = fptosi <8 x float> %z{t}{j} to <8 x i32>\n"
+               f"  %b{t}{j} = trunc <8 x i32> %i{t}{j} to <8 x i8>\n")
+    return ir + (f"  %s{t}a = add <8 x i32> %i{t}0, %i{t}1\n"
+                 f"  %s{t}b = add <8 x i32> %i{t}2, %i{t}3\n"
+                 f"  %s{t}c = add <8 x i32> %s{t}a, %s{t}b\n"
+                 f"  %qs{t} = call i32 @llvm.vector.reduce.add.v8i32(<8 x i32> %s{t}c)\n"
+                 f"  %qf{t} = sitofp i32 %qs{t} to float\n"
+                 f"  %s{blk} = fmul float %d{blk}, %qf{t}\n"
+                 f"  %c{t}a = shufflevector <8 x i8> %b{t}0, <8 x i8> %b{t}1, "
+                 f"<16 x i32> {_vec('i32', list(range(16)))}\n"
+                 f"  %c{t}b = shufflevector <8 x i8> %b{t}2, <8 x i8> %b{t}3, "
+                 f"<16 x i32> {_vec('i32', list(range(16)))}\n"
+                 f"  %q{blk} = shufflevector <16 x i8> %c{t}a, <16 x i8> %c{t}b, "
+                 f"<32 x i32> {_vec('i32', list(range(32)))}\n")
 
 
-@njit(cache=True, nogil=True)
-def quantize_x(x, xq, xd, xs, xl, xq_rows, xd_rows):
-    """quant_q8's quantization of x (n, ne0): xq (n, ne0) in the kernel's order; per lane of each
-    record its block's scale xd and Σ xq over the lane's 8 elements xl (n, n_records, 8); xs
-    (n_blocks, n) for the offsets of all n rows at once. xq_rows, xd_rows: scratch (n, ne0),
-    (n, n_blocks)."""
-    quantize_rows(x, xq_rows, xd_rows, xs.T)
-    for t in range(xl.shape[0]):
-        for r in range(xl.shape[1]):
-            e = 64 * r
-            for k in range(64):
-                xq[t, e + k] = xq_rows[t, e + _ORDER[k]]
-            for g in range(8):
-                xd[t, r, g] = xd_rows[t, 2 * r + g % 2]
-                total = np.int32(0)
-                for i in range(4):
-                    total += np.int32(xq[t, e + 4 * g + i]) + np.int32(xq[t, e + 32 + 4 * g + i])
-                xl[t, r, g] = total
+def _record_outputs() -> str:
+    """IR: a record's quants %q0, %q1 stored in the row kernel's order at %qr, each lane's
+    block scale to xd and quant sum to xl (at %lane0 + 8r), the blocks' Σ-weighted scales to
+    xs (chunk-major, this row's column %xsr, %m rows a chunk)."""
+    halves = "".join(f"  %h{h} = shufflevector <32 x i8> %q0, <32 x i8> %q1, <32 x i32> "
+                     f"{_vec('i32', [_interleaved(h, k) for k in range(32)])}\n"
+                     f"  %hp{h} = getelementptr i8, ptr %qr, i64 {32 * h}\n"
+                     f"  store <32 x i8> %h{h}, ptr %hp{h}, align 1\n"
+                     f"  %hw{h} = sext <32 x i8> %h{h} to <32 x i32>\n" for h in range(2))
+    lanes = "".join(f"  %l{i} = shufflevector <32 x i32> %hs, <32 x i32> poison, <8 x i32> "
+                    f"{_vec('i32', [4 * g + i for g in range(8)])}\n" for i in range(4))
+    return f"""{halves}  %hs = add <32 x i32> %hw0, %hw1
+{lanes}  %la = add <8 x i32> %l0, %l1
+  %lb = add <8 x i32> %l2, %l3
+  %lsum = add <8 x i32> %la, %lb
+  %r8 = mul i64 %r, 8
+  %lo8 = add i64 %lane0, %r8
+  %lp = getelementptr i32, ptr %xl, i64 %lo8
+  store <8 x i32> %lsum, ptr %lp, align 4
+  %dpa = insertelement <8 x float> poison, float %d0, i32 0
+  %dpb = insertelement <8 x float> %dpa, float %d1, i32 1
+  %dl = shufflevector <8 x float> %dpb, <8 x float> poison, <8 x i32> {_vec('i32', [0, 1] * 4)}
+  %dp = getelementptr float, ptr %xd, i64 %lo8
+  store <8 x float> %dl, ptr %dp, align 4
+  %b0 = mul i64 %r, 2
+  %b1 = add i64 %b0, 1
+  %sa0 = mul i64 %b0, %m
+  %sa = add i64 %xsr, %sa0
+  %sp0 = getelementptr float, ptr %xs, i64 %sa
+  store float %s0, ptr %sp0, align 4
+  %sb0 = mul i64 %b1, %m
+  %sb = add i64 %xsr, %sb0
+  %sp1 = getelementptr float, ptr %xs, i64 %sb
+  store float %s1, ptr %sp1, align 4
+"""
+
+
+def _quantize_ir(ne0: int) -> str:
+    """void quantize(x, x_stride, n, xq, xd, xl, xs, 4 unused): rows 0..n-1 of x (floats,
+    rows x_stride apart) → xq (n, ne0) int8 in the kernel's order, per lane of each record its
+    block's scale xd and Σ xq over the lane's 8 elements xl (n, ne0 / 64, 8); xs, Σ-weighted
+    scales for the offsets, by 8-row chunk (chunk c at 8c·n_blocks: (n_blocks, its rows))."""
+    n_rec, n_blocks = ne0 // RECORD_ELEMENTS, ne0 // Q8_BLOCK
+    return f"""declare <8 x float> @llvm.fabs.v8f32(<8 x float>)
+declare <8 x float> @llvm.maxnum.v8f32(<8 x float>, <8 x float>)
+declare <8 x float> @llvm.roundeven.v8f32(<8 x float>)
+declare float @llvm.vector.reduce.fmax.v8f32(<8 x float>)
+declare i32 @llvm.vector.reduce.add.v8i32(<8 x i32>)
+declare i64 @llvm.umin.i64(i64, i64)
+
+define void @quantize(i64 %xa, i64 %xst, i64 %n, i64 %xqa, i64 %xda, i64 %xla, i64 %xsa,
+                      i64 %u0, i64 %u1, i64 %u2, i64 %u3) {{
+entry:
+  %x = inttoptr i64 %xa to ptr
+  %xq = inttoptr i64 %xqa to ptr
+  %xd = inttoptr i64 %xda to ptr
+  %xl = inttoptr i64 %xla to ptr
+  %xs = inttoptr i64 %xsa to ptr
+  %any = icmp sgt i64 %n, 0
+  br i1 %any, label %row, label %done
+row:
+  %t = phi i64 [0, %entry], [%tn, %rowend]
+  %lo = and i64 %t, -8
+  %left = sub i64 %n, %lo
+  %m = call i64 @llvm.umin.i64(i64 %left, i64 8)
+  %tt = sub i64 %t, %lo
+  %xso0 = mul i64 %lo, {n_blocks}
+  %xsr = add i64 %xso0, %tt
+  %xo = mul i64 %t, %xst
+  %xrow = getelementptr float, ptr %x, i64 %xo
+  %qo = mul i64 %t, {ne0}
+  %qrow = getelementptr i8, ptr %xq, i64 %qo
+  %lane0 = mul i64 %t, {8 * n_rec}
+  br label %rec
+rec:
+  %r = phi i64 [0, %row], [%rn, %rec]
+  %e = mul i64 %r, {RECORD_ELEMENTS}
+  %xr = getelementptr float, ptr %xrow, i64 %e
+  %qr = getelementptr i8, ptr %qrow, i64 %e
+{_quantize_block(0)}{_quantize_block(1)}{_record_outputs()}  %rn = add i64 %r, 1
+  %rc = icmp ult i64 %rn, {n_rec}
+  br i1 %rc, label %rec, label %rowend
+rowend:
+  %tn = add i64 %t, 1
+  %tc = icmp slt i64 %tn, %n
+  br i1 %tc, label %row, label %done
+done:
+  ret void
+}}
+"""
+
+
+@functools.cache
+def quantize_kernel(ne0: int) -> Callable:
+    """quant_q8's quantization of a group's x rows for the row kernel (see _quantize_ir)."""
+    return llvm_jit.compile_function(_quantize_ir(ne0), "quantize", [ctypes.c_int64] * 11)
 
 
 # ---- kernel -----------------------------------------------------------------------------------
