@@ -20,14 +20,13 @@ Shapes (H, H_kv, D, block size) are constants of the compiled kernel; D need not
 
 from __future__ import annotations
 
-import ctypes
 import functools
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 from numba import njit
 
-from sparkinfer_cli.kernels.cpu import llvm_jit, parallel_calls, quant
+from sparkinfer_cli.kernels.cpu import parallel_calls, quant
 from sparkinfer_cli.kernels.cpu.ir_vectors import (
     DECLARATIONS,
     ELEMENTS,
@@ -327,18 +326,9 @@ def _kernel_ir(shape: Shape) -> str:
     """void attend(q, k, v, block_table, length, out, scratch, 4 unused): out (H, D) = softmax
     attention of q (H, D) over positions 0..length-1 of the layer k, v (block, slot, H_kv, D)
     through block_table (int32); scratch: H · (roundup(length, 8) + 1) floats."""
-    unused = ", ".join(f"i64 %unused{i}" for i in range(parallel_calls.CALL_FIELDS - 8))
+    head = parallel_calls.kernel_head("attend", ["*q", "*k", "*v", "*bt", "len", "*out", "*scr"])
     return f"""{DECLARATIONS}
-define void @attend(i64 %qa, i64 %ka, i64 %va, i64 %bta, i64 %len, i64 %outa, i64 %scra,
-                    {unused}) {{
-entry:
-  %q = inttoptr i64 %qa to ptr
-  %k = inttoptr i64 %ka to ptr
-  %v = inttoptr i64 %va to ptr
-  %bt = inttoptr i64 %bta to ptr
-  %out = inttoptr i64 %outa to ptr
-  %scr = inttoptr i64 %scra to ptr
-  %nh = add i64 0, {shape.n_head}
+{head}  %nh = add i64 0, {shape.n_head}
   %last = sub i64 %len, 1
   %lp0 = add i64 %len, {W - 1}
   %lp = and i64 %lp0, {-W}
@@ -351,9 +341,8 @@ entry:
 
 
 @functools.cache
-def _kernel(shape: Shape) -> Callable:
-    return llvm_jit.compile_function(_kernel_ir(shape), "attend",
-                                     [ctypes.c_int64] * (parallel_calls.CALL_FIELDS - 1))
+def _kernel(shape: Shape) -> int:
+    return parallel_calls.compile_kernel(_kernel_ir(shape), "attend")
 
 
 def _store_ir(shape: Shape) -> str:
@@ -371,16 +360,8 @@ def _store_ir(shape: Shape) -> str:
                        + f"  %{name}d{e} = getelementptr {shape.kv}, ptr %{name}dst, i64 {e}\n"
                        + store(f"%{name}x{e}", f"%{name}d{e}", width, shape.kv))
     return f"""{DECLARATIONS}
-define void @store(i64 %kna, i64 %vna, i64 %ka, i64 %va, i64 %blocksa, i64 %slotsa, i64 %n,
-                   i64 %kst, i64 %vst, i64 %unused0, i64 %unused1) {{
-entry:
-  %kn = inttoptr i64 %kna to ptr
-  %vn = inttoptr i64 %vna to ptr
-  %k = inttoptr i64 %ka to ptr
-  %v = inttoptr i64 %va to ptr
-  %blocks = inttoptr i64 %blocksa to ptr
-  %slots = inttoptr i64 %slotsa to ptr
-  %any = icmp sgt i64 %n, 0
+{parallel_calls.kernel_head("store", ["*kn", "*vn", "*k", "*v", "*blocks", "*slots", "n", "kst",
+                                        "vst"])}  %any = icmp sgt i64 %n, 0
   br i1 %any, label %row, label %done
 row:
   %i = phi i64 [0, %entry], [%in, %row]
@@ -401,9 +382,8 @@ done:
 
 
 @functools.cache
-def _store_kernel(shape: Shape) -> Callable:
-    return llvm_jit.compile_function(_store_ir(shape), "store",
-                                     [ctypes.c_int64] * (parallel_calls.CALL_FIELDS - 1))
+def _store_kernel(shape: Shape) -> int:
+    return parallel_calls.compile_kernel(_store_ir(shape), "store")
 
 
 KV_TYPES = {np.dtype(np.float32): "float", np.dtype(np.float16): "half"}
@@ -438,7 +418,7 @@ class _Job:
         n = len(rows)
         self.store = np.zeros((1, parallel_calls.CALL_FIELDS), np.int64)
         self.store[0, [_FN, _BLOCKS, _SLOTS, _ROWS, _K_STRIDE, _V_STRIDE]] = [
-            parallel_calls.address(_store_kernel(shape)), rows.blocks.ctypes.data,
+            _store_kernel(shape), rows.blocks.ctypes.data,
             rows.slots.ctypes.data, n, new_strides[0] // 4, new_strides[1] // 4]
         work = np.cumsum(rows.lengths)  # (n,)
         macs = 2 * shape.n_head * shape.head_dim * int(work[-1])
@@ -450,7 +430,7 @@ class _Job:
         self.scratch = np.empty((n_parts, stride), np.float32)
         part = np.repeat(np.arange(n_parts), np.diff(ends, prepend=0))  # (n,) each row's part
         self.calls = np.zeros((n, parallel_calls.CALL_FIELDS), np.int64)
-        self.calls[:, _FN] = parallel_calls.address(_kernel(shape))
+        self.calls[:, _FN] = _kernel(shape)
         self.calls[:, _TABLE] = rows.table_at
         self.calls[:, _LENGTH] = rows.lengths
         self.calls[:, _SCRATCH] = self.scratch.ctypes.data + 4 * stride * part

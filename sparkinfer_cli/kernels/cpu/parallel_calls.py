@@ -167,6 +167,24 @@ _helper = llvm_jit.compile_function(_IR, "helper", [_I64] * 4)
 _run_job = llvm_jit.compile_function(_IR, "run_job", [_I64] * 5)
 
 
+def kernel_head(name: str, params: list[str]) -> str:
+    """IR: the head of a kernel that call records run: `define void @name(` CALL_FIELDS - 1
+    i64 parameters `) {`, its entry block, and `%p = inttoptr` for each parameter written `*p`
+    (the pointers); the parameters past `params` are unused."""
+    names = [p.lstrip("*") for p in params]
+    args = [f"i64 %{n}_i" if p.startswith("*") else f"i64 %{n}" for p, n in zip(params, names)]
+    args += [f"i64 %unused{i}" for i in range(len(args), _N_ARGS)]
+    pointers = "".join(f"  %{n} = inttoptr i64 %{n}_i to ptr\n"
+                       for p, n in zip(params, names) if p.startswith("*"))
+    return f"define void @{name}({', '.join(args)}) {{\nentry:\n{pointers}"
+
+
+def compile_kernel(ir: str, name: str) -> int:
+    """The address, for call records, of kernel `name` of module `ir` (its head written by
+    kernel_head); llvm_jit keeps the compiled code alive."""
+    return address(llvm_jit.compile_function(ir, name, [_I64] * _N_ARGS))
+
+
 def address(fn: ctypes._CFuncPtr) -> int:
     """A ctypes function's address, for a call record."""
     return ctypes.cast(fn, ctypes.c_void_p).value or 0

@@ -34,7 +34,7 @@ from typing import Callable
 import numpy as np
 
 from sparkinfer_cli.gguf.ggml_types import BLOCK_GEOMETRY, row_bytes
-from sparkinfer_cli.kernels.cpu import llvm_jit
+from sparkinfer_cli.kernels.cpu import llvm_jit, parallel_calls
 from sparkinfer_cli.kernels.cpu.quant import _readonly
 from sparkinfer_cli.kernels.cpu.quant_blocks import Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
 from sparkinfer_cli.kernels.cpu.quant_q8 import Q8_BLOCK
@@ -243,6 +243,7 @@ def _quantize_ir(ne0: int) -> str:
     block's scale xd and Σ xq over the lane's 8 elements xl (n, ne0 / 64, 8); xs, Σ-weighted
     scales for the offsets, by 8-row chunk (chunk c at 8c·n_blocks: (n_blocks, its rows))."""
     n_rec, n_blocks = ne0 // RECORD_ELEMENTS, ne0 // Q8_BLOCK
+    head = parallel_calls.kernel_head("quantize", ["*x", "xst", "n", "*xq", "*xd", "*xl", "*xs"])
     return f"""declare <8 x float> @llvm.fabs.v8f32(<8 x float>)
 declare <8 x float> @llvm.maxnum.v8f32(<8 x float>, <8 x float>)
 declare <8 x float> @llvm.roundeven.v8f32(<8 x float>)
@@ -250,15 +251,7 @@ declare float @llvm.vector.reduce.fmax.v8f32(<8 x float>)
 declare i32 @llvm.vector.reduce.add.v8i32(<8 x i32>)
 declare i64 @llvm.umin.i64(i64, i64)
 
-define void @quantize(i64 %xa, i64 %xst, i64 %n, i64 %xqa, i64 %xda, i64 %xla, i64 %xsa,
-                      i64 %u0, i64 %u1, i64 %u2, i64 %u3) {{
-entry:
-  %x = inttoptr i64 %xa to ptr
-  %xq = inttoptr i64 %xqa to ptr
-  %xd = inttoptr i64 %xda to ptr
-  %xl = inttoptr i64 %xla to ptr
-  %xs = inttoptr i64 %xsa to ptr
-  %any = icmp sgt i64 %n, 0
+{head}  %any = icmp sgt i64 %n, 0
   br i1 %any, label %row, label %done
 row:
   %t = phi i64 [0, %entry], [%tn, %rowend]

@@ -10,14 +10,12 @@ depend on the other rows.
 
 from __future__ import annotations
 
-import ctypes
 import functools
-from typing import Callable
 
 import numpy as np
 from numba import njit
 
-from sparkinfer_cli.kernels.cpu import llvm_jit, parallel_calls, quant
+from sparkinfer_cli.kernels.cpu import parallel_calls, quant
 from sparkinfer_cli.kernels.cpu.ir_vectors import DECLARATIONS, W, exp, load, splat, store
 
 # Rows go to the other threads once each gets this many values: parallel_calls hands off in
@@ -47,7 +45,7 @@ def _kernel_ir(cols: int) -> str:
     """void swiglu(gate, up, out, rows, gate_stride, up_stride, out_stride, 4 unused): rows of
     `cols` floats, strides in floats."""
     full, tail = cols // W * W, cols % W
-    unused = ", ".join(f"i64 %unused{i}" for i in range(parallel_calls.CALL_FIELDS - 8))
+    head = parallel_calls.kernel_head("swiglu", ["*g0", "*u0", "*o0", "rows", "gs", "us", "os"])
     last = (f"  %ct = add i64 0, {full}\n" + _chunk(tail, "t")) if tail else ""
     loop = f"""  br label %col
 col:
@@ -59,19 +57,13 @@ rowend:
 """ if full else "  br label %rowend\nrowend:\n"
     return f"""{DECLARATIONS}declare <8 x float> @llvm.fabs.v8f32(<8 x float>)
 
-define void @swiglu(i64 %ga, i64 %ua, i64 %oa, i64 %rows, i64 %gs, i64 %us, i64 %os,
-                    {unused}) {{
-entry:
-  %any = icmp sgt i64 %rows, 0
+{head}  %any = icmp sgt i64 %rows, 0
   br i1 %any, label %row, label %done
 row:
   %r = phi i64 [0, %entry], [%rn, %rowend]
   %go = mul i64 %r, %gs
   %uo = mul i64 %r, %us
   %oo = mul i64 %r, %os
-  %g0 = inttoptr i64 %ga to ptr
-  %u0 = inttoptr i64 %ua to ptr
-  %o0 = inttoptr i64 %oa to ptr
   %gr = getelementptr float, ptr %g0, i64 %go
   %ur = getelementptr float, ptr %u0, i64 %uo
   %or = getelementptr float, ptr %o0, i64 %oo
@@ -86,10 +78,8 @@ done:
 
 @functools.cache
 def _kernel(cols: int) -> int:
-    """The address of the kernel for rows of `cols` (llvm_jit keeps it alive)."""
-    fn: Callable = llvm_jit.compile_function(_kernel_ir(cols), "swiglu",
-                                             [ctypes.c_int64] * (parallel_calls.CALL_FIELDS - 1))
-    return parallel_calls.address(fn)
+    """The address of the kernel for rows of `cols`."""
+    return parallel_calls.compile_kernel(_kernel_ir(cols), "swiglu")
 
 
 @functools.cache
