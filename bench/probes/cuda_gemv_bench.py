@@ -145,7 +145,7 @@ def mma_row(ggml_type: GGMLType, k: int, n_rows: int, rng, stream, n_tokens: int
 
 def mmq_row(k: int, n_rows: int, rng, stream, n_tokens: int) -> dict:
     """A Q8_0 dense linear on int8 tensor cores over q8 activations (mmq_q8, as Workspace.linear
-    runs it for ≤ 64 tokens), k split as mmq_q8.k_splits says."""
+    runs it), k split as mmq_q8.k_splits says."""
     mats = weight_copies(GGMLType.Q8_0, k, n_rows, 1, rng)
     cols = qg.MAX_COLS
     act = random_activations(n_tokens // cols, k, rng, stream, cols)
@@ -154,8 +154,9 @@ def mmq_row(k: int, n_rows: int, rng, stream, n_tokens: int) -> dict:
     partials = cuda.device_array(size, np.float32) if size else None
     us = gpu_us(lambda s, i: mmq.matmul(mats[i % len(mats)], act, y, partials=partials,
                                         stream=s), stream)
-    return _row(f"batch-{n_tokens} mmq Q8_0 k={k} rows={n_rows} ({mmq.k_splits(mats[0])} k "
-                f"ranges)", us, n_rows * row_bytes(GGMLType.Q8_0, k))
+    splits = mmq.k_splits(mats[0], n_tokens)
+    return _row(f"batch-{n_tokens} mmq Q8_0 k={k} rows={n_rows} ({splits} k ranges)", us,
+                n_rows * row_bytes(GGMLType.Q8_0, k))
 
 
 def batch_rows(rng, stream) -> list[dict]:

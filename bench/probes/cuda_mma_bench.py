@@ -2,7 +2,8 @@
 
     python bench/probes/cuda_mma_bench.py [--tokens 4096] [--reps 20] [--types Q4_K,Q8_0]
 
-Dense: x (tokens, 2048) @ W (4096 | 512, 2048)ᵀ per weight type, and the fused SwiGLU at 512 rows.
+Dense: x (tokens, 2048) @ W (4096 | 512, 2048)ᵀ per weight type (Q8_0: the f16-tile GEMM, then
+the int8 one over q8 activations), and the fused SwiGLU at 512 rows.
 Grouped (MoE): tokens × top-8 slots over 256 experts, gate+up fused (2048 → 512) and down
 (512 → 2048), routed by expert_route.route_experts. GPU time by CUDA events, mean of --reps
 launches behind a sleeping kernel (so host launch overhead is not timed); random weights and
@@ -17,10 +18,14 @@ import numpy as np
 from numba import cuda
 
 from sparkinfer_cli.gguf.ggml_types import BLOCK_GEOMETRY, GGMLType
-from sparkinfer_cli.kernels.cuda import fragment_gemm
+from sparkinfer_cli.kernels.cuda import fragment_gemm, mmq_q8
 from sparkinfer_cli.kernels.cuda import mma_gemm as mg
 from sparkinfer_cli.kernels.cuda.expert_route import ExpertRoute, route_experts
-from sparkinfer_cli.kernels.cuda.quant_gemv import DeviceQuantMatrix
+from sparkinfer_cli.kernels.cuda.quant_gemv import (
+    DeviceQuantMatrix,
+    QuantizedActivations,
+    quantize_activations,
+)
 from sparkinfer_cli.kernels.cuda.runtime.launch import to_device_bytes
 
 N_EMBD, EXPERT_FF, N_EXPERT, TOP_K = 2048, 512, 256, 8
@@ -75,12 +80,20 @@ def _report(name: str, us: float, flops: float, y, weight_bytes: int = 0) -> Non
 
 def bench_dense(types: list[GGMLType], n_tok: int, reps: int, rng) -> None:
     x = cuda.to_device(rng.standard_normal((n_tok, N_EMBD), np.float32))  # (n_tok, k)
+    xq = QuantizedActivations(1, n_tok, N_EMBD)  # x as q8, for the int8 GEMM
+    quantize_activations(x.reshape(1, n_tok, N_EMBD), xq)
     for t in types:
         for n_rows in (4096, 512):
             w = random_matrix(t, 1, n_rows, N_EMBD, rng)
             y = cuda.device_array((n_tok, n_rows), np.float32)
             us = gpu_us(lambda: mg.matmul(w, x, y), reps)
             _report(f"{t.name} {n_tok}×{N_EMBD} → {n_rows}", us, 2.0 * n_tok * N_EMBD * n_rows, y)
+            if mmq_q8.supports(w, n_tok):
+                size = mmq_q8.partials_size(w, n_tok)
+                part = cuda.device_array(size, np.float32) if size else None
+                us = gpu_us(lambda: mmq_q8.matmul(w, xq, y, partials=part), reps)
+                _report(f"  int8 (mmq_q8), {mmq_q8.k_splits(w, n_tok)} k ranges", us,
+                        2.0 * n_tok * N_EMBD * n_rows, y)
     gate, up = (random_matrix(types[0], 1, EXPERT_FF, N_EMBD, rng) for _ in range(2))
     y = cuda.device_array((n_tok, EXPERT_FF), np.float32)
     us = gpu_us(lambda: mg.matmul(gate, x, y, up=up), reps)

@@ -73,7 +73,8 @@ class EngineConfig:
             (all(t >= 0 for t in self.prefix_token_ids), "prefix token ids must be >= 0"),
             (self.sampling_threads >= 0, "sampling_threads must be >= 0"),
             (self.decode_steps >= 1, "decode_steps must be at least 1"),
-            (0 <= self.spec_tokens <= MAX_SPEC_TOKENS, f"spec_tokens must be in [0, {MAX_SPEC_TOKENS}]"),
+            (0 <= self.spec_tokens <= MAX_SPEC_TOKENS,
+             f"spec_tokens must be in [0, {MAX_SPEC_TOKENS}]"),
             (self.prefix_snapshots >= 0, "prefix_snapshots must be >= 0"),
             (self.prefix_snapshot_tokens >= 0, "prefix_snapshot_tokens must be >= 0"),
         ]

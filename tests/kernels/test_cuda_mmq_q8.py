@@ -88,8 +88,21 @@ def test_matmul_whole_grid_writes_outputs_with_bias(rng, monkeypatch):
 def test_matmul_splits_k_over_a_small_grid(rng):
     # 1 row block, 3 steps in 3 ranges; a full 64-token tile
     w = _weights(20, 384, rng)[0]
-    assert mmq_q8.k_splits(w) == 3
+    assert mmq_q8.k_splits(w, 64) == 3
     _run(20, 384, 64, rng, bias=True)
+
+
+def test_matmul_walks_prefill_tokens_in_tiles(rng, monkeypatch):
+    # 2 row blocks × 3 token tiles (the last cut at 2 of 64 tokens), no split; then the same
+    # product split in 2 k ranges: the partials hold every tile's tokens
+    monkeypatch.setattr(mmq_q8, "SPLIT_BELOW_BLOCKS", 1)
+    w = _weights(70, 256, rng)[0]
+    assert mmq_q8.partials_size(w, 130) == 0
+    _run(70, 256, 130, rng, parts=(30, 40), bias=True)
+    monkeypatch.setattr(mmq_q8, "SPLIT_BELOW_BLOCKS", 8)
+    monkeypatch.setattr(mmq_q8, "SPLIT_TARGET_BLOCKS", 12)
+    assert mmq_q8.k_splits(w, 130) == 2
+    _run(70, 256, 130, rng, bias=True)
 
 
 def test_matmul_fused_swiglu(rng):
@@ -99,18 +112,18 @@ def test_matmul_fused_swiglu(rng):
 
 def test_matmul_rejects_what_it_does_not_take(rng):
     w, _ = _weights(20, 256, rng)
-    act, _ = _activations(65, 256, rng)
-    y = cuda.device_array((65, 20), np.float32)
-    with pytest.raises(ValueError, match="65 tokens"):
-        mmq_q8.matmul(w, act, y)
     act, _ = _activations(8, 256, rng)
+    y = cuda.device_array((8, 20), np.float32)
     with pytest.raises(ValueError, match="partials buffer"):
-        mmq_q8.matmul(w, act, y[:8])
+        mmq_q8.matmul(w, act, y)
+    w_odd_k = qg.DeviceQuantMatrix(to_device_bytes(random_weights(GGMLType.Q8_0, 20, 96, rng)),
+                                   GGMLType.Q8_0, 96, 20)  # k not a whole number of steps
+    assert not mmq_q8.supports(w_odd_k, 8)
     w6 = qg.DeviceQuantMatrix(to_device_bytes(random_weights(GGMLType.Q6_K, 20, 256, rng)),
                               GGMLType.Q6_K, 256, 20)
     assert not mmq_q8.supports(w6, 8)
     with pytest.raises(ValueError, match="Q6_K"):
-        mmq_q8.matmul(w6, act, y[:8])
+        mmq_q8.matmul(w6, act, y)
 
 
 # ---------------------------------------------------------------- real shapes (H200)

@@ -27,6 +27,9 @@ EXPERTS_MMA_MIN_ROWS = 256
 # once per token tile, where the GEMV re-reads and re-dequantizes its matrix once per 8 tokens
 # (what that cost at 64 sequences: bench/results/2026-11-30-cuda-decode-latency.md).
 LINEAR_MMA_MIN_ROWS = 32
+# Q8_0 tensor-core products of at most this many tokens take the int8 GEMM over the q8
+# activations (mmq_q8); longer ones the f16-tile GEMM.
+INT8_GEMM_MAX_ROWS = 64
 
 
 def sums_in_fixed_order(ws: Workspace) -> bool:
@@ -63,7 +66,10 @@ class DeviceLinear:
         must then have quantized: the GEMVs of quantized types and the int8 tensor-core GEMM."""
         if not ws.quantized or self.takes_float_activations:
             return False
-        return not self.on_tensor_cores(ws, n_tokens) or mmq_q8.supports(self.matrix, n_tokens)
+        return not self.on_tensor_cores(ws, n_tokens) or self._on_int8_gemm(n_tokens)
+
+    def _on_int8_gemm(self, n_tokens: int) -> bool:
+        return n_tokens <= INT8_GEMM_MAX_ROWS and mmq_q8.supports(self.matrix, n_tokens)
 
     def __call__(self, ws: Workspace, x: Act, y, stream, up: DeviceLinear | None = None) -> None:
         """y (groups, cols, rows) = W·x (+ bias); up: fused silu(W·x) ⊙ (up·x).
@@ -79,7 +85,7 @@ class DeviceLinear:
             return
         parts = [p.reshape(n_tokens, -1) for p in (y if isinstance(y, list) else [y])]
         # Q8_0 decode batches: int8 tensor cores on the q8 activations; else f16 tiles
-        gemm, xs = ((mmq_q8, x.q) if mmq_q8.supports(self.matrix, n_tokens)
+        gemm, xs = ((mmq_q8, x.q) if self._on_int8_gemm(n_tokens)
                     else (mma_gemm, x.f.reshape(n_tokens, -1)))
         partials = ws.gemm_partials(gemm.partials_size(self.matrix, n_tokens, up is not None),
                                     stream)

@@ -441,7 +441,6 @@ def _chunk_fns(bn: int, swiglu: bool, grouped: bool):
     t = _tiling(bn, swiglu)
     warps_n, mt_out, nt, half_tile = t.warps_n, t.mt_out, t.nt, t.half_tile
     rows_warp = 8 if half_tile else 16 * mt_out
-    n_e = 2 if half_tile else 4  # elements of a tile that hold outputs
     up_at = 2 if half_tile else 4 * nt * mt_out  # an output's up sum: this far on in acc
     staged = 2 if swiglu else 1  # partial sums a row
 

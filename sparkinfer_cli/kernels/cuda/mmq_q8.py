@@ -1,4 +1,4 @@
-"""Decode-batch GEMM for Q8_0 weights on int8 tensor cores, over the GEMVs' q8 activations.
+"""GEMM for Q8_0 weights on int8 tensor cores, over the GEMVs' q8 activations (any token count).
 
 y[t, r] = Σ_b dw[r, b] · dx[t, b] · Σ_{i<32} qw[r, 32b + i] · qx[t, 32b + i]   (+ bias[r])
 
@@ -9,17 +9,19 @@ of mma.sync m16n8k32 (s8·s8 → s32) and its sums are scaled by dw·dx into flo
 its threads read a 34-byte Q8_0 block as six 2-4-byte loads from 16 rows a warp instruction
 (H200, 64 tokens, Q8_0 12,352 × 2,048: 117 µs, L1 68 % busy, DRAM 5 %).
 
-- A block: BM = 64 weight rows × BN = 64 tokens; 8 warps of 16 rows × 32 tokens (4 n8 tiles).
+- A block: BM = 64 weight rows × BN = 64 tokens; 8 warps of 16 rows × 32 tokens (4 n8 tiles);
+  grid.y walks the tokens in tiles of BN (prefill passes), grid.x the row blocks, so the blocks
+  in flight share one token tile and read the matrix through L2.
 - Pipeline steps of CHUNK = 4 Q8_0 blocks (k 128): the threads load the 64 rows' 136-byte pieces
   as consecutive 8-byte words (rows of k % 128 == 0 are 8-byte multiples) and the tokens' 128 q8
   bytes as 16-byte words; the next step's loads go out before the warps multiply this one. The
   weight words go to shared memory as they are: a Q8_0 block's int8 values follow its 2-byte
   scale, 2-byte (not ldmatrix's 16) aligned, so a warp reads its A fragments with word loads and
   funnel shifts (intrinsics.ld_s8_fragments_x4) and the scales beside them.
-- Split-K as mma_gemm: grids under SPLIT_BELOW_BLOCKS blocks walk k in ranges on grid.z, raw sums
-  to `partials`, then mma_gemm.add_partials. Fused SwiGLU (`up=`): a block's 64 rows are 32 gate
-  rows and the same 32 rows of `up` (warps 0-1 and 4-5 / 2-3 and 6-7), always through the
-  partials, whose epilogue pairs them.
+- Split-K as mma_gemm: grids under SPLIT_BELOW_BLOCKS blocks (row blocks × token tiles) walk k
+  in ranges on grid.z, raw sums to `partials`, then mma_gemm.add_partials. Fused SwiGLU (`up=`):
+  a block's 64 rows are 32 gate rows and the same 32 rows of `up` (warps 0-1 and 4-5 / 2-3 and
+  6-7), always through the partials, whose epilogue pairs them.
 """
 
 from __future__ import annotations
@@ -73,15 +75,14 @@ MAX_K_SPLITS = 16
 
 
 def supports(w: DeviceQuantMatrix, n_tok: int) -> bool:
-    """Whether this GEMM takes W × n_tok tokens: one Q8_0 matrix, k in whole steps, ≤ BN tokens."""
-    return (w.ggml_type == GGMLType.Q8_0 and w.n_mats == 1 and w.k % CHUNK_K == 0
-            and 0 < n_tok <= BN)
+    """Whether this GEMM takes W × n_tok tokens: one Q8_0 matrix, k in whole steps."""
+    return w.ggml_type == GGMLType.Q8_0 and w.n_mats == 1 and w.k % CHUNK_K == 0 and n_tok > 0
 
 
-def k_splits(w: DeviceQuantMatrix, swiglu: bool = False) -> int:
-    """The k ranges matmul walks W in: 1 for grids of ≥ SPLIT_BELOW_BLOCKS row blocks, else enough
+def k_splits(w: DeviceQuantMatrix, n_tok: int, swiglu: bool = False) -> int:
+    """The k ranges matmul walks W in: 1 for grids of ≥ SPLIT_BELOW_BLOCKS blocks, else enough
     to reach SPLIT_TARGET_BLOCKS (≤ MAX_K_SPLITS, ≥ one step each)."""
-    n_blocks = cdiv(w.n_rows, BM // 2 if swiglu else BM)
+    n_blocks = cdiv(w.n_rows, BM // 2 if swiglu else BM) * cdiv(n_tok, BN)
     if n_blocks >= SPLIT_BELOW_BLOCKS:
         return 1
     return max(1, min(cdiv(SPLIT_TARGET_BLOCKS, n_blocks), MAX_K_SPLITS, w.k // CHUNK_K))
@@ -89,7 +90,7 @@ def k_splits(w: DeviceQuantMatrix, swiglu: bool = False) -> int:
 
 def partials_size(w: DeviceQuantMatrix, n_tok: int, swiglu: bool = False) -> int:
     """Floats of the partials buffer matmul needs (0: it writes y directly)."""
-    n_splits = k_splits(w, swiglu)
+    n_splits = k_splits(w, n_tok, swiglu)
     if n_splits == 1 and not swiglu:
         return 0
     return n_splits * n_tok * w.n_rows * (2 if swiglu else 1)
@@ -102,10 +103,10 @@ def _stage_fns(swiglu: bool):
     half = BM // 2 if swiglu else BM  # with SwiGLU, staged rows ≥ half are up rows
 
     @device_function(numba_inline=True)
-    def fetch(c, w, w2, row0, n_rows, row_bytes, k, xq, xd, n_tok, wv, xv, dv):
-        """Step c's words: weight rows' 8-byte words (wv), q8 16-byte words (xv), scales (dv).
-        Rows past the matrix repeat its last row, tokens past n_tok the last token (computed,
-        never stored)."""
+    def fetch(c, w, w2, row0, n_rows, row_bytes, k, xq, xd, tok0, n_tok, wv, xv, dv):
+        """Step c's words: weight rows' 8-byte words (wv), the q8 16-byte words of tokens tok0 …
+        tok0 + BN - 1 (xv) and their scales (dv). Rows past the matrix repeat its last row, tokens
+        past n_tok the last token (computed, never stored)."""
         tid = cuda.threadIdx.x
         for i in range(W_LOADS):
             p = min(tid + THREADS * i, BM * ROW_WORDS - 1)  # the last word may be fetched twice
@@ -117,13 +118,14 @@ def _stage_fns(swiglu: bool):
             wv[2 * i + 1] = v[1]
         for i in range(X_LOADS):
             q = tid + THREADS * i
-            tok = min(q // (CHUNK_K // 16), n_tok - 1)
+            tok = min(tok0 + q // (CHUNK_K // 16), n_tok - 1)
             v = ld_v4_u32(xq, int64(tok) * k + c * CHUNK_K + 16 * (q % (CHUNK_K // 16)))
             for e in range(4):
                 xv[4 * i + e] = v[e]
         for i in range(D_LOADS):
             q = tid + THREADS * i
-            dv[i] = xd[uint32((k // 32) * min(q // CHUNK, n_tok - 1) + c * CHUNK + q % CHUNK)]
+            tok = min(tok0 + q // CHUNK, n_tok - 1)
+            dv[i] = xd[int64(k // 32) * tok + c * CHUNK + q % CHUNK]
 
     @device_function(numba_inline=True)
     def put(buf, sa, sb, sx, wv, xv, dv):
@@ -206,7 +208,7 @@ def _gemm_kernel(swiglu: bool):
     def gemm_q8(w, w2, row_bytes, n_rows, k, n_tok, xq, xd, bias, has_bias, y0, y1, y2, y3,
                 ends, part, use_part):
         chain_start()
-        row0 = cuda.blockIdx.x * half
+        row0, tok0 = cuda.blockIdx.x * half, cuda.blockIdx.y * BN
         sa = cuda.shared.array(tile_words, uint32)  # (2 buffers, BM rows, TILE_STRIDE bytes)
         sb = cuda.shared.array(tile_words, uint32, alignment=LDMATRIX_ALIGN)  # (2, BN, ·)
         sx = cuda.shared.array(x_scales, float32)  # (2, BN, CHUNK) activation scales
@@ -219,13 +221,13 @@ def _gemm_kernel(swiglu: bool):
         n_steps, n_splits = k // CHUNK_K, cuda.gridDim.z
         c0 = cuda.blockIdx.z * n_steps // n_splits
         c1 = (cuda.blockIdx.z + 1) * n_steps // n_splits
-        fetch(c0, w, w2, row0, n_rows, row_bytes, k, xq, xd, n_tok, wv, xv, dv)
+        fetch(c0, w, w2, row0, n_rows, row_bytes, k, xq, xd, tok0, n_tok, wv, xv, dv)
         put(0, sa, sb, sx, wv, xv, dv)
         cuda.syncthreads()
         for s in range(c1 - c0):
             # step s + 1's loads go out before step s's mma (the last step fetches itself again)
-            fetch(c0 + min(s + 1, c1 - c0 - 1), w, w2, row0, n_rows, row_bytes, k, xq, xd, n_tok,
-                  wv, xv, dv)
+            fetch(c0 + min(s + 1, c1 - c0 - 1), w, w2, row0, n_rows, row_bytes, k, xq, xd, tok0,
+                  n_tok, wv, xv, dv)
             _multiply(s & 1, sa, sb, sx, acc)
             put((s + 1) & 1, sa, sb, sx, wv, xv, dv)
             cuda.syncthreads()
@@ -235,7 +237,7 @@ def _gemm_kernel(swiglu: bool):
             for e in range(4):
                 r = staged + 8 * (e >> 1)
                 row = row0 + r % half
-                tok = WARP_TOKENS * (warp >> 2) + 8 * n + 2 * (lane & 3) + (e & 1)
+                tok = tok0 + WARP_TOKENS * (warp >> 2) + 8 * n + 2 * (lane & 3) + (e & 1)
                 if row < n_rows and tok < n_tok:
                     v = acc[4 * n + e]
                     if use_part:  # (splits, n_tok, rows · (2 with SwiGLU: gate, then up))
@@ -276,8 +278,8 @@ def matmul(w: DeviceQuantMatrix, x: QuantizedActivations, y, *, bias=None,
     parts, ends = output_parts(y, n_tok, w.n_rows)
     if bias is not None:
         check_array("bias", bias, np.float32, (w.n_rows,))
-    n_splits = k_splits(w, swiglu)
-    grid = (cdiv(w.n_rows, BM // 2 if swiglu else BM), 1, n_splits)
+    n_splits = k_splits(w, n_tok, swiglu)
+    grid = (cdiv(w.n_rows, BM // 2 if swiglu else BM), cdiv(n_tok, BN), n_splits)
     _gemm_kernel(swiglu)[grid, THREADS, stream](
         w.data, w.data if up is None else up.data, w.row_bytes, w.n_rows, w.k, n_tok, x.xq, x.xd,
         parts[0] if bias is None else bias, bias is not None, *parts, ends,
