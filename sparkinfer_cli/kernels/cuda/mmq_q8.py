@@ -144,23 +144,20 @@ def _stage_fns(swiglu: bool):
             for e in range(4):
                 sb[at + uint32(e)] = xv[4 * i + e]
         for i in range(D_LOADS):
-            sx[uint32(buf * BN * CHUNK + tid + THREADS * i)] = dv[i]
+            q = tid + THREADS * i  # token q // CHUNK, block q % CHUNK
+            sx[uint32(buf * BN * CHUNK + (q % CHUNK) * BN + q // CHUNK)] = dv[i]
     return fetch, put
 
 
-@device_function(numba_inline=True)
-def _row_scale(sa, at):
-    """The f16 scale of the Q8_0 block at byte `at` (2-byte aligned) of shared u32 array sa."""
-    return f16(sa[uint32(at >> 2)] >> (8 * (at & 3)))
+ROW_WORDS_STAGED = TILE_STRIDE // 4  # words between staged rows
 
 
 @device_function(numba_inline=True)
-def _add_scaled(acc, buf, sx, n, c, dw_lo, dw_hi, j):
-    """acc of the warp's n8 tile n += its s32 sums c of Q8_0 block j, times dw (rows g, g + 8) ·
-    dx (tokens 2t, 2t + 1)."""
-    tok = WARP_TOKENS * (cuda.threadIdx.x >> 7) + 8 * n + 2 * (cuda.threadIdx.x & 3)
-    dx0 = sx[uint32((buf * BN + tok) * CHUNK + j)]
-    dx1 = sx[uint32((buf * BN + tok + 1) * CHUNK + j)]
+def _add_scaled(acc, sx, dx_at, n, c, dw_lo, dw_hi):
+    """acc of the warp's n8 tile n += its s32 sums c of one Q8_0 block, times dw (rows g, g + 8)
+    · dx (tokens 2t, 2t + 1 of the tile: sx[dx_at + 8n], the next)."""
+    dx0 = sx[dx_at + uint32(8 * n)]
+    dx1 = sx[dx_at + uint32(8 * n + 1)]
     acc[4 * n] += float32(c[0]) * (dw_lo * dx0)
     acc[4 * n + 1] += float32(c[1]) * (dw_lo * dx1)
     acc[4 * n + 2] += float32(c[2]) * (dw_hi * dx0)
@@ -168,31 +165,50 @@ def _add_scaled(acc, buf, sx, n, c, dw_lo, dw_hi, j):
 
 
 @device_function(numba_inline=True)
-def _two_tiles(acc, a, buf, sb, sx, p, dw_lo, dw_hi, j):
+def _two_tiles(acc, a, sb, sx, b_at, dx_at, p, dw_lo, dw_hi, lane):
     """acc of the warp's n8 tiles 2p, 2p + 1 (one ldmatrix of 16 tokens: (b0, b1), (b2, b3))."""
-    lane = cuda.threadIdx.x & 31
-    tokens = WARP_TOKENS * (cuda.threadIdx.x >> 7) + 16 * p
-    b = ldmatrix_x4_b8_pairs(sb, 4 * buf * TILE_WORDS + tokens * TILE_STRIDE + 32 * j,
-                             TILE_STRIDE, lane)
+    b = ldmatrix_x4_b8_pairs(sb, b_at + uint32(16 * p * TILE_STRIDE), TILE_STRIDE, lane)
     zero = np.int32(0)
     c = mma_s8_s32(a[0], a[1], a[2], a[3], b[0], b[1], zero, zero, zero, zero)
-    _add_scaled(acc, buf, sx, 2 * p, c, dw_lo, dw_hi, j)
+    _add_scaled(acc, sx, dx_at, 2 * p, c, dw_lo, dw_hi)
     c = mma_s8_s32(a[0], a[1], a[2], a[3], b[2], b[3], zero, zero, zero, zero)
-    _add_scaled(acc, buf, sx, 2 * p + 1, c, dw_lo, dw_hi, j)
+    _add_scaled(acc, sx, dx_at, 2 * p + 1, c, dw_lo, dw_hi)
+
+
+@device_function(numba_inline=True)
+def _block(sa, sb, sx, acc, rows_word, scale_word, b_at, dx_at, lane, j):
+    """acc += this warp's 16 rows × 32 tokens over Q8_0 block j (a constant) of the step.
+
+    A staged row holds block j's f16 scale at byte 34j, its int8 values from byte 34j + 2: 2
+    bytes into a word for even j, at a word's start for odd j."""
+    a = ld_s8_fragments_x4(sa, rows_word + uint32((34 * j + 2) // 4), ROW_WORDS_STAGED, lane,
+                           j % 2 == 0)
+    at, shift = uint32(scale_word + (34 * j) // 4), 16 * (j % 2)
+    dw_lo = f16(sa[at] >> shift)
+    dw_hi = f16(sa[at + uint32(8 * ROW_WORDS_STAGED)] >> shift)
+    # NOTE: two calls, not a loop: acc's indices must be constants for it to stay in registers
+    _two_tiles(acc, a, sb, sx, b_at + uint32(32 * j), dx_at + uint32(j * BN), 0, dw_lo, dw_hi,
+               lane)
+    _two_tiles(acc, a, sb, sx, b_at + uint32(32 * j), dx_at + uint32(j * BN), 1, dw_lo, dw_hi,
+               lane)
 
 
 @device_function(numba_inline=True)
 def _multiply(buf, sa, sb, sx, acc):
-    """acc += this warp's 16 rows × 32 tokens over step buffer `buf` (CHUNK int8 mma k steps)."""
-    lane, warp_m = cuda.threadIdx.x & 31, (cuda.threadIdx.x >> 5) & 3
-    rows = 4 * buf * TILE_WORDS + 16 * warp_m * TILE_STRIDE  # byte of the warp's first row
-    for j in range(CHUNK):
-        a = ld_s8_fragments_x4(sa, rows + 34 * j + 2, TILE_STRIDE, lane)
-        dw_lo = _row_scale(sa, rows + (lane >> 2) * TILE_STRIDE + 34 * j)
-        dw_hi = _row_scale(sa, rows + ((lane >> 2) + 8) * TILE_STRIDE + 34 * j)
-        # NOTE: two calls, not a loop: acc's indices must be constants for it to stay in registers
-        _two_tiles(acc, a, buf, sb, sx, 0, dw_lo, dw_hi, j)
-        _two_tiles(acc, a, buf, sb, sx, 1, dw_lo, dw_hi, j)
+    """acc += this warp's 16 rows × 32 tokens over step buffer `buf` (CHUNK int8 mma k steps).
+    Each lane's shared-memory indices are computed once here, every block's are these plus
+    constants."""
+    lane, warp = cuda.threadIdx.x & 31, cuda.threadIdx.x >> 5
+    rows_word = uint32(buf * TILE_WORDS + 16 * (warp & 3) * ROW_WORDS_STAGED)  # warp's first row
+    scale_word = rows_word + uint32((lane >> 2) * ROW_WORDS_STAGED)  # this lane's row g
+    tokens = WARP_TOKENS * (warp >> 2)  # the warp's first token
+    b_at = uint32(4 * buf * TILE_WORDS + tokens * TILE_STRIDE)  # its byte in sb
+    dx_at = uint32(buf * CHUNK * BN + tokens + 2 * (lane & 3))  # token 2t's scale, block 0
+    # NOTE: one call a block, not a loop: constant j folds each block's offsets into the loads
+    _block(sa, sb, sx, acc, rows_word, scale_word, b_at, dx_at, lane, 0)
+    _block(sa, sb, sx, acc, rows_word, scale_word, b_at, dx_at, lane, 1)
+    _block(sa, sb, sx, acc, rows_word, scale_word, b_at, dx_at, lane, 2)
+    _block(sa, sb, sx, acc, rows_word, scale_word, b_at, dx_at, lane, 3)
 
 
 @functools.cache
@@ -211,7 +227,7 @@ def _gemm_kernel(swiglu: bool):
         row0, tok0 = cuda.blockIdx.x * half, cuda.blockIdx.y * BN
         sa = cuda.shared.array(tile_words, uint32)  # (2 buffers, BM rows, TILE_STRIDE bytes)
         sb = cuda.shared.array(tile_words, uint32, alignment=LDMATRIX_ALIGN)  # (2, BN, ·)
-        sx = cuda.shared.array(x_scales, float32)  # (2, BN, CHUNK) activation scales
+        sx = cuda.shared.array(x_scales, float32)  # (2, CHUNK, BN) activation scales
         wv = cuda.local.array(w_words, uint32)
         xv = cuda.local.array(x_words, uint32)
         dv = cuda.local.array(D_LOADS, float32)

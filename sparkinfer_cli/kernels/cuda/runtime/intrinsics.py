@@ -21,7 +21,7 @@ fragments (ldmatrix .trans).
 Int8 tensor cores (mma.sync m16n8k32, s8 inputs, s32 sums): `ldmatrix_x4_b8` is the same ldmatrix
 over a 16×32-byte tile (its fragments are the A of m16n8k32 for a row-major (m, k) tile and the B of
 two n8 tiles for an (n, k) tile) and `mma_s8_s32` multiplies them, exactly.
-`ld_s8_fragments_x4` gives the same A registers for rows that are not 16-byte aligned.
+`ld_s8_fragments_x4` gives the same A registers for rows that are only 4- or 2-byte aligned.
 """
 
 from __future__ import annotations
@@ -180,8 +180,8 @@ if IS_SIMULATOR:
     def ldmatrix_x4_b8_pairs(arr, tile_off, row_stride, lane):
         return _b_pairs(ldmatrix_x4_b8(arr, tile_off, row_stride, lane))
 
-    def ld_s8_fragments_x4(arr, tile_off, row_stride, lane):
-        return ldmatrix_x4_b8(arr, tile_off, row_stride, lane)  # the twin takes any offset
+    def ld_s8_fragments_x4(arr, tile_word, row_words, lane, half_word):
+        return ldmatrix_x4_b8(arr, 4 * tile_word + (2 if half_word else 0), 4 * row_words, lane)
 
     def _mma_twin(a0, a1, a2, a3, b0, b1):
         """This lane's sums of A × B: (row g × cols 2t, 2t+1), (row g + 8 × the same cols)."""
@@ -457,19 +457,26 @@ else:
     ldmatrix_x4_b8_pairs = ldmatrix_x4_pairs
 
     @cuda.jit(device=True, forceinline=True)
-    def _word_at(words, off):
-        """The 4 bytes at 2-byte-aligned byte `off` of u32 array `words` (reads the next word)."""
-        i = uint32(off >> 2)
-        return funnel_shift_r(words[i], words[i + uint32(1)], 8 * (off & 3))
+    def _word_at(words, i, half_word):
+        """The 4 bytes at word i of u32 array `words`, or where half_word 2 bytes on (word i's
+        upper half, word i + 1's lower half)."""
+        if half_word:
+            return funnel_shift_r(words[i], words[i + uint32(1)], 16)
+        return words[i]
 
     @cuda.jit(device=True, forceinline=True)
-    def ld_s8_fragments_x4(words, tile_off, row_stride, lane):
-        """ldmatrix_x4_b8's registers for a 16×32 s8 tile whose rows start 2-byte aligned (GGUF
-        blocks put int8 values after a 2-byte scale) in shared u32 array `words`: 2 word loads
-        and a funnel shift a register instead of one ldmatrix."""
-        at = tile_off + (lane >> 2) * row_stride + 4 * (lane & 3)
-        return (_word_at(words, at), _word_at(words, at + 8 * row_stride),
-                _word_at(words, at + 16), _word_at(words, at + 8 * row_stride + 16))
+    def ld_s8_fragments_x4(words, tile_word, row_words, lane, half_word):
+        """ldmatrix_x4_b8's registers for a 16×32 s8 tile in shared u32 array `words` whose rows
+        (row_words words apart) start at word tile_word + row · row_words, or 2 bytes on where
+        half_word (GGUF blocks put int8 values after a 2-byte scale): a word load a register, or
+        two and a funnel shift, instead of one ldmatrix. half_word should be a compile-time
+        constant and tile_word a per-thread base plus a constant, so that the loads take their
+        offsets as immediates."""
+        at = uint32(tile_word + (lane >> 2) * row_words + (lane & 3))
+        below = uint32(8 * row_words)
+        return (_word_at(words, at, half_word), _word_at(words, at + below, half_word),
+                _word_at(words, at + uint32(4), half_word),
+                _word_at(words, at + below + uint32(4), half_word))
 
     # D = A·B + C for a warp: A 16×32 s8 (4 u32 a lane), B 32×8 s8 (2 u32), C/D 16×8 s32
     mma_s8_s32 = _mma_intrinsic("m16n8k32.row.col.s32.s8.s8.s32", types.int32, _I32, "r")
