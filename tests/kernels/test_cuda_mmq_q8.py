@@ -128,18 +128,19 @@ def test_matmul_rejects_what_it_does_not_take(rng):
 
 # ---------------------------------------------------------------- real shapes (H200)
 @pytest.mark.gpu
+@pytest.mark.parametrize("n_tok", [64, 300, 2048])  # a decode batch; prefill passes
 @pytest.mark.parametrize("k, n_rows, swiglu", [
     (2048, 12352, False),  # Qwen3.6 GDN input projection (qkv, z, a, b): whole grid
-    (4096, 2048, False),  # GDN output projection: k split
+    (4096, 2048, False),  # GDN output projection: k split at 64 tokens
     (2048, 512, True),  # the shared expert's gate/up
     (512, 2048, False),  # ... its down projection
 ])
-def test_matmul_real_shapes(k, n_rows, swiglu, rng):
+def test_matmul_real_shapes(k, n_rows, swiglu, n_tok, rng):
     w, w_ref = _weights(n_rows, k, rng)
     up, up_ref = _weights(n_rows, k, rng) if swiglu else (None, None)
-    act, x = _activations(64, k, rng)
-    y = cuda.device_array((64, n_rows), np.float32)
-    size = mmq_q8.partials_size(w, 64, swiglu)
+    act, x = _activations(n_tok, k, rng)
+    y = cuda.device_array((n_tok, n_rows), np.float32)
+    size = mmq_q8.partials_size(w, n_tok, swiglu)
     partials = cuda.device_array(size, np.float32) if size else None
     mmq_q8.matmul(w, act, y, up=up, partials=partials)
     rows = np.sort(rng.choice(n_rows, 256, replace=False))
