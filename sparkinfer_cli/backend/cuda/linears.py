@@ -2,7 +2,7 @@
 
 A linear decides from the pass's token count and its matrix type: the quantized GEMV (a few
 tokens: decode), or a tensor-core GEMM (mma_gemm on f16 tiles; mmq_q8 on int8 activations for
-Q8_0 decode batches), splitting k over the grid when the row blocks alone do not fill the GPU.
+Q8_0 at any token count), splitting k over the grid when the row blocks alone do not fill the GPU.
 Exact mode (float32 weights, the oracle tests) always takes the GEMV. The workspace only holds
 the buffers they read and write.
 """
@@ -27,9 +27,6 @@ EXPERTS_MMA_MIN_ROWS = 256
 # once per token tile, where the GEMV re-reads and re-dequantizes its matrix once per 8 tokens
 # (what that cost at 64 sequences: bench/results/2026-11-30-cuda-decode-latency.md).
 LINEAR_MMA_MIN_ROWS = 32
-# Q8_0 tensor-core products of at most this many tokens take the int8 GEMM over the q8
-# activations (mmq_q8); longer ones the f16-tile GEMM.
-INT8_GEMM_MAX_ROWS = 64
 
 
 def sums_in_fixed_order(ws: Workspace) -> bool:
@@ -69,7 +66,9 @@ class DeviceLinear:
         return not self.on_tensor_cores(ws, n_tokens) or self._on_int8_gemm(n_tokens)
 
     def _on_int8_gemm(self, n_tokens: int) -> bool:
-        return n_tokens <= INT8_GEMM_MAX_ROWS and mmq_q8.supports(self.matrix, n_tokens)
+        """Q8_0 products take the int8 GEMM over the q8 activations (mmq_q8) at every token count:
+        it reads half the bytes of the f16 tiles and its mma does twice the work a step."""
+        return mmq_q8.supports(self.matrix, n_tokens)
 
     def __call__(self, ws: Workspace, x: Act, y, stream, up: DeviceLinear | None = None) -> None:
         """y (groups, cols, rows) = W·x (+ bias); up: fused silu(W·x) ⊙ (up·x).
@@ -84,7 +83,6 @@ class DeviceLinear:
                     fixed_order=sums_in_fixed_order(ws))
             return
         parts = [p.reshape(n_tokens, -1) for p in (y if isinstance(y, list) else [y])]
-        # Q8_0 decode batches: int8 tensor cores on the q8 activations; else f16 tiles
         gemm, xs = ((mmq_q8, x.q) if self._on_int8_gemm(n_tokens)
                     else (mma_gemm, x.f.reshape(n_tokens, -1)))
         partials = ws.gemm_partials(gemm.partials_size(self.matrix, n_tokens, up is not None),
