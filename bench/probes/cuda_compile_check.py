@@ -33,6 +33,7 @@ import functools
 import importlib
 import json
 import os
+import pkgutil
 import re
 import shutil
 import subprocess
@@ -41,10 +42,13 @@ import tempfile
 import time
 from pathlib import Path
 
-KERNEL_MODULES = ("activation", "attention", "attention_flash", "attention_input", "attention_mma",
-                  "attention_prefill", "embedding", "expert_route", "gated_delta", "mma_gemm",
-                  "mmq_q8", "model_ops", "moe", "norm", "quant_gemv", "sampling")
 PACKAGE = "sparkinfer_cli.kernels.cuda"
+
+
+def kernel_modules() -> list[str]:
+    """The op modules of the CUDA kernel package (the runtime package builds no kernels)."""
+    package = importlib.import_module(PACKAGE)
+    return [m.name for m in pkgutil.iter_modules(package.__path__) if not m.ispkg]
 
 
 # ---- phase 1: record launches in the simulator ---------------------------------------------------
@@ -71,7 +75,7 @@ def record(out: Path, pytest_args: list[str]) -> int:
     from numba.cuda.simulator import kernel as sim_kernel
 
     made: dict[int, list] = {}  # id(kernel fn) → [module, factory, params]
-    for name in KERNEL_MODULES:
+    for name in kernel_modules():
         module = importlib.import_module(f"{PACKAGE}.{name}")
         for attr, factory in vars(module).items():
             if callable(factory) and hasattr(factory, "cache_info"):

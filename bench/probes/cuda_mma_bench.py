@@ -5,7 +5,8 @@
 Dense: x (tokens, 2048) @ W (4096 | 512, 2048)ᵀ per weight type (Q8_0: the f16-tile GEMM, then
 the int8 one over q8 activations), and the fused SwiGLU at 512 rows.
 Grouped (MoE): tokens × top-8 slots over 256 experts, gate+up fused (2048 → 512) and down
-(512 → 2048), routed by expert_route.route_experts. GPU time by CUDA events, mean of --reps
+(512 → 2048), routed by expert_route.route_experts. K-quant types also on the int8 grouped
+GEMM (mmq_k) over the same slots' q8 activations. GPU time by CUDA events, mean of --reps
 launches behind a sleeping kernel (so host launch overhead is not timed); random weights and
 activations (never zeros). Effective TFLOP/s count 2·n·k·rows per matrix (×2 for SwiGLU).
 """
@@ -18,7 +19,7 @@ import numpy as np
 from numba import cuda
 
 from sparkinfer_cli.gguf.ggml_types import BLOCK_GEOMETRY, GGMLType
-from sparkinfer_cli.kernels.cuda import fragment_gemm, mmq_q8
+from sparkinfer_cli.kernels.cuda import fragment_gemm, mmq_k, mmq_q8
 from sparkinfer_cli.kernels.cuda import mma_gemm as mg
 from sparkinfer_cli.kernels.cuda.expert_route import ExpertRoute, route_experts
 from sparkinfer_cli.kernels.cuda.quant_gemv import (
@@ -120,12 +121,32 @@ def bench_grouped(t: GGMLType, n_tok: int, tile: int, reps: int, rng) -> None:
     us = gpu_us(lambda: mg.grouped_matmul(down, h, y, route, slot_h), reps)
     _report(f"{t.name} grouped down {n_slots} slots tile {tile}", us,
             2.0 * n_slots * EXPERT_FF * N_EMBD, y, touched * down.n_rows * down.row_bytes)
+    if mmq_k.supports(gate) and tile <= mmq_k.BN:
+        _bench_grouped_int8(gate, up, down, x, h, y, route, slot_x, slot_h, reps, touched)
     for swiglu, w in ((True, gate), (False, down)):
         kernel = (fragment_gemm.gemm_kernel(t, tile, swiglu, True)
                   if fragment_gemm.supports(t, w.k)
                   else mg._gemm_kernel(t, tile, swiglu, True, mg._stages(tile, w.k // mg.BK)))
         for compiled in kernel.overloads.values():  # spills show as local memory
             print(f"  swiglu {swiglu}: {compiled.regs_per_thread} registers, "
+                  f"{compiled.local_mem_per_thread} local bytes a thread")
+
+
+def _bench_grouped_int8(gate, up, down, x, h, y, route, slot_x, slot_h, reps, touched) -> None:
+    """bench_grouped's two products on mmq_k, each over its input quantized to q8."""
+    n_tok, n_slots = x.shape[0], h.shape[0]
+    xq, hq = QuantizedActivations(1, n_tok, N_EMBD), QuantizedActivations(1, n_slots, EXPERT_FF)
+    quantize_activations(x.reshape(1, n_tok, N_EMBD), xq)
+    quantize_activations(h.reshape(1, n_slots, EXPERT_FF), hq)
+    us = gpu_us(lambda: mmq_k.grouped_matmul(gate, xq, h, route, slot_x, up=up), reps)
+    _report("  int8 (mmq_k) gate+up", us, 4.0 * n_slots * N_EMBD * EXPERT_FF, h,
+            2 * touched * gate.n_rows * gate.row_bytes)
+    us = gpu_us(lambda: mmq_k.grouped_matmul(down, hq, y, route, slot_h), reps)
+    _report("  int8 (mmq_k) down", us, 2.0 * n_slots * EXPERT_FF * N_EMBD, y,
+            touched * down.n_rows * down.row_bytes)
+    for swiglu in (True, False):
+        for compiled in mmq_k._gemm_kernel(gate.ggml_type, swiglu).overloads.values():
+            print(f"  mmq_k swiglu {swiglu}: {compiled.regs_per_thread} registers, "
                   f"{compiled.local_mem_per_thread} local bytes a thread")
 
 

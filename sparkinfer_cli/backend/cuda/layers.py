@@ -20,6 +20,7 @@ from sparkinfer_cli.kernels.cuda import (
     attention_prefill,
     gated_delta,
     mma_gemm,
+    mmq_k,
     moe,
     norm,
 )
@@ -101,7 +102,7 @@ class CudaMoE:
         route = self._route(ws, stream)
         hidden = ws.act("moe.hidden", self.gate.n_rows, rows * k, 1)  # (slots, 1, ff)
         self._experts(ws, route, ws.x.as_rows(), hidden.f, ws.iota(rows * k, k), stream)
-        if not self._on_tensor_cores(route, self.down):  # the GEMV takes q8 activations
+        if self._reads_q8(route, self.down):
             hidden.quantize(stream)
         self._expert_gemv(ws, route, self.down, hidden, self._down(ws), ws.iota(rows * k), stream)
 
@@ -113,6 +114,8 @@ class CudaMoE:
             return None
         n_slots = ws.n_rows * self.k
         tile = mma_gemm.expert_tile(n_slots, self.n_expert, self.gate.matrix)
+        if any(mmq_k.supports(w.matrix) for w in (self.gate, self.down)):
+            tile = min(tile, mmq_k.BN)
         route = ws.expert_route(self.n_expert, n_slots, tile)
         route_experts(self._picks(ws)[0].reshape(n_slots), n_slots, route, stream)
         return route
@@ -154,12 +157,25 @@ class CudaMoE:
     def _on_tensor_cores(route: ExpertRoute | None, w: DeviceLinear) -> bool:
         return route is not None and mma_gemm.supports(w.matrix)
 
+    @staticmethod
+    def _on_int8_gemm(route: ExpertRoute | None, w: DeviceLinear) -> bool:
+        """K-quant experts take the int8 grouped GEMM over q8 activations (mmq_k): its mma does
+        twice an f16 mma's work and nothing is converted to f16."""
+        return route is not None and mmq_k.supports(w.matrix)
+
+    def _reads_q8(self, route: ExpertRoute | None, w: DeviceLinear) -> bool:
+        """Whether W's product reads the q8 activations: the GEMV's and the int8 GEMM."""
+        return not self._on_tensor_cores(route, w) or self._on_int8_gemm(route, w)
+
     def _expert_gemv(self, ws, route, w: DeviceLinear, x, y, slot_x, stream, up=None) -> None:
         """y[slot] = W[expert(slot)]·x[slot_x[slot]]: tensor-core GEMMs per expert tile when
         routed, else one GEMV per slot reading only the selected experts (slot_mat = ids)."""
         up_matrix = None if up is None else up.matrix
         n_slots = y.shape[0]
-        if self._on_tensor_cores(route, w):
+        if self._on_int8_gemm(route, w):
+            mmq_k.grouped_matmul(w.matrix, x.q, y.reshape(n_slots, -1), route, slot_x,
+                                 up=up_matrix, stream=stream)
+        elif self._on_tensor_cores(route, w):
             mma_gemm.grouped_matmul(w.matrix, x.f.reshape(x.f.shape[0] * x.f.shape[1], -1),
                                     y.reshape(n_slots, -1), route, slot_x, up=up_matrix,
                                     stream=stream)
