@@ -1,10 +1,12 @@
 """GPU time of the Gated DeltaNet recurrent kernels at the Qwen3.6-35B-A3B shape (one layer).
 
-    python bench/probes/cuda_delta_bench.py [--tokens 4096] [--batch 64] [--reps 20]
+    python bench/probes/cuda_delta_bench.py [--tokens 4096] [--split 1,16] [--batch 64] [--reps 20]
 
 Cases, as CudaGatedDeltaNet launches them (seq_lo / seq_n / state_slots hold n_rows entries, the
-unused ones zero): a prefill of --tokens rows in one sequence, and a decode step of --batch
-sequences of one token each. Per case: µs per launch (CUDA events, mean of --reps), µs per
+unused ones zero): a prefill of --tokens rows in K sequences for each K of --split (as a burst
+of clients sends them), run as the model runs multi-token passes (prepare: q/k norms and gates
+computed for all rows first) and without that step, and a decode step of --batch sequences of
+one token each. Per case: µs per launch (CUDA events, mean of --reps), µs per
 token, the 30-layer total, and effective GB/s over the bytes the kernel must move (state read +
 written, q/k/v/gates read, output written).
 """
@@ -45,10 +47,16 @@ def _case(rng, lengths: list[int], n_rows: int) -> dict:
     return dev
 
 
-def _delta(d: dict) -> None:
+def _delta(d: dict, prepare: bool = False) -> None:
+    """One launch; prepare rewrites u's q/k and a/b in place, which stay finite and non-zero
+    when prepared again (k keeps unit norm, q returns to 1/sqrt(dk), gates map into (0, 1))."""
     gd.delta_rule_seq(d["u"], d["a"], d["b"], d["ssm_a"], d["dt_bias"], d["state"],
                       d["state_slots"], d["seq_lo"], d["seq_n"], d["out"], n_k_heads=H_K,
-                      head_map_mod=True, eps=1e-6)
+                      head_map_mod=True, eps=1e-6, prepare=prepare)
+
+
+def _prepared(d: dict) -> None:
+    _delta(d, prepare=True)
 
 
 def _conv(d: dict) -> None:
@@ -89,6 +97,7 @@ def _report(name: str, us: float, tokens: int, n_seqs: int, bytes_per_token: int
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--split", default="1", help="comma-separated prefill sequence counts")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args()
@@ -97,12 +106,16 @@ def main() -> None:
           f"dk {DK}, dv {DV}")
     delta_bytes = 4 * (2 * H_K * DK + H_V * DV + 2 * H_V + H_V * DV)  # q,k,v,a,b in; out
     conv_bytes = 4 * 2 * CONV_DIM  # mixed in, out
-    for name, lengths, n_rows in (
-            (f"prefill {args.tokens} × 1 sequence", [args.tokens], args.tokens),
-            (f"decode {args.batch} sequences × 1", [1] * args.batch, args.batch)):
+    cases = [(f"prefill {k} × {args.tokens // k}", [args.tokens // k] * k, args.tokens, True)
+             for k in map(int, args.split.split(","))]
+    cases.append((f"decode {args.batch} × 1", [1] * args.batch, args.batch, False))
+    for name, lengths, n_rows, multi_token in cases:
         d = _case(rng, lengths, n_rows)
         _report(f"delta_rule_seq {name}", _gpu_us(_delta, d, args.reps), sum(lengths),
                 len(lengths), delta_bytes)
+        if multi_token:
+            _report(f"  prepared {name}", _gpu_us(_prepared, d, args.reps), sum(lengths),
+                    len(lengths), delta_bytes)
         if not np.isfinite(d["out"].copy_to_host()).all():
             raise SystemExit("delta_rule_seq wrote non-finite outputs")
         _report(f"conv_silu_seq  {name}", _gpu_us(_conv, d, args.reps), sum(lengths), 0,

@@ -111,18 +111,19 @@ def _delta_seq_reference(u, a, b, ssm_a, dt_bias, state, slots, lo, n, n_k, head
     return out, new_state
 
 
-def _run_delta_seq(u, a, b, ssm_a, dt_bias, state, slots, lo, n, n_k, head_map_mod):
+def _run_delta_seq(u, a, b, ssm_a, dt_bias, state, slots, lo, n, n_k, head_map_mod,
+                   prepare=False):
     dev_state = cuda.to_device(state)
     out = cuda.to_device(np.full((u.shape[0], state.shape[1], state.shape[2]), 7, np.float32))
     gd.delta_rule_seq(*(cuda.to_device(x) for x in (u, a, b, ssm_a, dt_bias)), dev_state,
                       *(cuda.to_device(np.asarray(x, np.int32)) for x in (slots, lo, n)), out,
-                      n_k_heads=n_k, head_map_mod=head_map_mod, eps=1e-6)
+                      n_k_heads=n_k, head_map_mod=head_map_mod, eps=1e-6, prepare=prepare)
     return out.copy_to_host(), dev_state.copy_to_host()
 
 
-@pytest.mark.parametrize("head_map_mod", [True, False])
+@pytest.mark.parametrize("head_map_mod, prepare", [(True, False), (False, False), (True, True)])
 @pytest.mark.slow
-def test_delta_rule_seq_runs_sequences_from_their_rows_and_slots(head_map_mod):
+def test_delta_rule_seq_runs_sequences_from_their_rows_and_slots(head_map_mod, prepare):
     """Odd and even lengths (both prefetch buffers end a sequence), a length-1 sequence, an empty
     entry between sequences, columns past dv (dv = 6: 8 lane groups, 2 idle) and an untouched
     slot; rows no sequence owns keep their old output."""
@@ -131,7 +132,7 @@ def test_delta_rule_seq_runs_sequences_from_their_rows_and_slots(head_map_mod):
     u, a, b, ssm_a, dt_bias, state = _delta_inputs(rng, 13, n_k, n_v, dk, dv, slots=4)
     slots, lo, n = [2, 0, 3, 1], [1, 6, 0, 12], [5, 6, 0, 1]  # row 0 belongs to nobody
     out, new_state = _run_delta_seq(u, a, b, ssm_a, dt_bias, state, slots, lo, n, n_k,
-                                    head_map_mod)
+                                    head_map_mod, prepare)
     ref_out, ref_state = _delta_seq_reference(u, a, b, ssm_a, dt_bias, state, slots, lo, n, n_k,
                                               head_map_mod)
     np.testing.assert_allclose(out[1:], ref_out[1:], rtol=1e-4, atol=1e-5)
@@ -157,8 +158,9 @@ def test_delta_rule_seq_long_sequence_and_more_entries_than_grid_rows():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("lengths", [[300, 1, 77], [1] * 64])
-def test_delta_rule_seq_qwen36_shape(lengths):
+@pytest.mark.parametrize("lengths, prepare", [([300, 1, 77], True), ([300, 1, 77], False),
+                                              ([1] * 64, False)])
+def test_delta_rule_seq_qwen36_shape(lengths, prepare):
     """Qwen3.6 GDN heads (16 k / 32 v, dk = dv = 128): a prefill batch and a decode batch."""
     rng = np.random.default_rng(5)
     n_k, n_v, dk, dv = 16, 32, 128, 128
@@ -167,7 +169,7 @@ def test_delta_rule_seq_qwen36_shape(lengths):
     u, a, b, ssm_a, dt_bias, state = _delta_inputs(rng, sum(lengths), n_k, n_v, dk, dv, S + 1)
     slots = rng.permutation(S + 1)[:S].astype(np.int32)
     out, new_state = _run_delta_seq(u, a, b, ssm_a, dt_bias, state, slots, lo, lengths, n_k,
-                                    True)
+                                    True, prepare)
     ref_out, ref_state = _delta_seq_reference(u, a, b, ssm_a, dt_bias, state, slots, lo, lengths,
                                               n_k, True)
     np.testing.assert_allclose(out, ref_out, rtol=1e-3, atol=1e-4)

@@ -251,7 +251,7 @@ class CudaGatedDeltaNet:
         gated_delta.delta_rule_seq(u, a.reshape(rows, -1), b.reshape(rows, -1), self.a, self.dt,
                                    cache.delta_state[li], ws.state_slots, ws.seq_lo, ws.seq_n, o,
                                    n_k_heads=self.H_k, head_map_mod=self.head_map_mod,
-                                   eps=self.eps, stream=stream)
+                                   eps=self.eps, prepare=ws.multi_token, stream=stream)
         y = ws.act("gdn.y", self.z_rows)
         norm.rms_norm_silu_gate(o.reshape(G, C, -1), z, self.norm_w, y.f, self.eps, stream=stream,
                                 act=y.q)

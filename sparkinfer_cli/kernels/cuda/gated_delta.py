@@ -345,43 +345,64 @@ def _row_moves(dk: int):
     return load_row, store_row, load_token
 
 
+@device_function
+def _gates(ga, gb, neg_a, bias):
+    """A token's (decay, beta) of one value head from its pre-activations a, b."""
+    t = ga + bias
+    soft = math.log(float32(1.0) + math.exp(min(t, float32(20.0))))  # both sides: no branch
+    decay = math.exp(neg_a * (t if t > float32(20.0) else soft))
+    return decay, float32(1.0) / (float32(1.0) + math.exp(-gb))
+
+
+@device_function
+def _split_dot(s, k, half):
+    """Σ s·k over this lane's 2·half floats, as two partial sums (a shorter dependency chain)."""
+    p0, p1 = float32(0.0), float32(0.0)
+    for e in range(half):
+        p0 += s[e] * k[e]
+        p1 += s[half + e] * k[half + e]
+    return p0 + p1
+
+
 @functools.cache
-def _token_step(dk: int):
-    """token_step: the delta rule for one token on this lane's part of a value column."""
+def _token_step(dk: int, prepared: bool):
+    """token_step: the delta rule for one token on this lane's part of a value column. prepared:
+    q, k arrive L2-normalised (q also / sqrt(dk)) and a, b as decay, beta (prepare_delta_inputs),
+    so a token costs the state's products alone."""
     per_lane = dk // 8
     half = per_lane // 2
 
     @device_function
     def token_step(s, q, k, v, ga, gb, neg_a, bias, eps):
         """Advance the state by one token; returns this column's output Sᵀq̂ / sqrt(dk)."""
-        sq, sk, p0, p1 = float32(0.0), float32(0.0), float32(0.0), float32(0.0)
-        for e in range(half):  # two partial sums shorten the s → proj dependency chain
-            p0 += s[e] * k[e]
-            p1 += s[half + e] * k[half + e]
-        for e in range(per_lane):
-            sq += q[e] * q[e]
-            sk += k[e] * k[e]
-        proj, sq, sk = _group_sum(p0 + p1), _group_sum(sq), _group_sum(sk)
-        t = ga + bias
-        soft = math.log(float32(1.0) + math.exp(min(t, float32(20.0))))  # both sides: no branch
-        decay = math.exp(neg_a * (t if t > float32(20.0) else soft))
-        beta = float32(1.0) / (float32(1.0) + math.exp(-gb))
-        k_scale = rsqrt(sk + eps)
-        kd = beta * (v - decay * proj * k_scale) * k_scale  # δ·k_scale
+        proj = _group_sum(_split_dot(s, k, half))
+        if prepared:
+            decay, kd = ga, gb * (v - ga * proj)  # δ
+            q_scale = float32(1.0)
+        else:
+            sq, sk = float32(0.0), float32(0.0)
+            for e in range(per_lane):
+                sq += q[e] * q[e]
+                sk += k[e] * k[e]
+            sq, sk = _group_sum(sq), _group_sum(sk)
+            decay, beta = _gates(ga, gb, neg_a, bias)
+            k_scale = rsqrt(sk + eps)
+            kd = beta * (v - decay * proj * k_scale) * k_scale  # δ·k_scale
+            q_scale = rsqrt((sq + eps) * float32(dk))
         o = float32(0.0)
         for e in range(per_lane):
             s[e] = s[e] * decay + k[e] * kd
             o += s[e] * q[e]
-        return _group_sum(o) * rsqrt((sq + eps) * float32(dk))
+        return _group_sum(o) * q_scale
 
     return token_step
 
 
 @functools.cache
-def _token_runner(dk: int):
+def _token_runner(dk: int, prepared: bool):
     """run_tokens: a column's state advanced over a sequence's rows, loads one token ahead."""
     load_token = _row_moves(dk)[2]
-    token_step = _token_step(dk)
+    token_step = _token_step(dk, prepared)
 
     @device_function
     def step_and_prefetch(u, a, b, out, s, left, rows, lane_offs, store, gates, cur, nxt):
@@ -418,11 +439,11 @@ def _token_runner(dk: int):
 
 
 @functools.cache
-def _delta_seq_kernel(dk: int, dv: int):
+def _delta_seq_kernel(dk: int, dv: int, prepared: bool):
     per_lane = dk // 8
     warps, col_blocks = _delta_seq_blocks(dv)
     load_row, store_row, _ = _row_moves(dk)
-    run_tokens = _token_runner(dk)
+    run_tokens = _token_runner(dk, prepared)
 
     @kernel(fastmath=True)
     def delta_seq(u, a, b, ssm_a, dt_bias, state, state_slots, seq_lo, seq_n, n_k_heads,
@@ -461,11 +482,16 @@ def _delta_seq_kernel(dk: int, dv: int):
 
 
 def delta_rule_seq(u, a, b, ssm_a, dt_bias, state, state_slots, seq_lo, seq_n, out, *,
-                   n_k_heads: int, head_map_mod: bool, eps: float, stream=0) -> None:
+                   n_k_heads: int, head_map_mod: bool, eps: float, prepare: bool = False,
+                   stream=0) -> None:
     """The gated delta rule over each sequence's rows (see delta_rule_step for the math).
 
     u (n_rows, 2·H_k·dk + H_v·dv), a/b (n_rows, H_v), out (n_rows, H_v, dv); state (slots, H_v,
-    dv, dk) of slot state_slots[s] advances over rows seq_lo[s] .. + seq_n[s]."""
+    dv, dk) of slot state_slots[s] advances over rows seq_lo[s] .. + seq_n[s].
+    prepare: first compute what depends on one token alone (q/k norms, decay, beta) for every
+    row at once, over u's q/k and a, b in place (they are then spent), so that the recurrence,
+    one token after another, does only the state's products: about half its instructions a
+    token, for one launch more (passes of multi-token sequences)."""
     n_rows, n_v_heads, dv = out.shape
     dk = state.shape[3]
     n_seqs = seq_n.size
@@ -477,9 +503,52 @@ def delta_rule_seq(u, a, b, ssm_a, dt_bias, state, state_slots, seq_lo, seq_n, o
     check_array("b", b, np.float32, (n_rows, n_v_heads))
     if (n_v_heads * dv) % 4 or u.size * 4 >= 2**31:
         raise ValueError(f"u {u.shape}: H_v·dv must be a multiple of 4 and u under 2 GiB")
+    if prepare:
+        _prepare_inputs(u, a, b, ssm_a, dt_bias, n_k_heads, dk, eps, stream)
     warps, col_blocks = _delta_seq_blocks(dv)
-    _delta_seq_kernel(dk, dv)[(n_v_heads * col_blocks, min(n_seqs, SEQ_BLOCKS)), 32 * warps,
-                              stream](
+    _delta_seq_kernel(dk, dv, prepare)[(n_v_heads * col_blocks, min(n_seqs, SEQ_BLOCKS)),
+                                       32 * warps, stream](
         u.reshape(u.size), a.reshape(a.size), b.reshape(b.size), ssm_a, dt_bias,
         state.reshape(state.size), state_slots, seq_lo, seq_n, n_k_heads, head_map_mod,
         float32(eps), out.reshape(out.size))
+
+
+PREPARE_WARPS = 4
+
+
+@kernel(fastmath=True)
+def _prepare_kernel(u, a, b, ssm_a, dt_bias, n_rows, n_k_heads, dk, eps):
+    chain_start()
+    # a warp per (row, head j of q | k): j < H_k scales q head j by 1 / sqrt((Σq² + eps)·dk),
+    # the others k head j − H_k by 1 / sqrt(Σk² + eps); warp j = 0 of a row also turns the row's
+    # a, b into each value head's decay, beta
+    lane = cuda.threadIdx.x % 32
+    n_heads = 2 * n_k_heads
+    w = cuda.blockIdx.x * PREPARE_WARPS + cuda.threadIdx.x // 32
+    if w >= n_rows * n_heads:
+        return
+    row, j = w // n_heads, w % n_heads
+    base = row * (u.size // n_rows) + j * dk
+    ss = float32(0.0)
+    for i in range(lane, dk, 32):
+        ss += u[base + i] * u[base + i]
+    ss = warp_sum(ss)
+    scale = rsqrt((ss + eps) * float32(dk)) if j < n_k_heads else rsqrt(ss + eps)
+    for i in range(lane, dk, 32):
+        u[base + i] *= scale
+    if j == 0:
+        n_v_heads = a.size // n_rows
+        for h in range(lane, n_v_heads, 32):
+            at = row * n_v_heads + h
+            decay, beta = _gates(a[at], b[at], ssm_a[h], dt_bias[h])
+            a[at] = decay
+            b[at] = beta
+
+
+def _prepare_inputs(u, a, b, ssm_a, dt_bias, n_k_heads: int, dk: int, eps: float,
+                    stream) -> None:
+    n_rows = u.shape[0]
+    n_warps = n_rows * 2 * n_k_heads
+    _prepare_kernel[cdiv(n_warps, PREPARE_WARPS), 32 * PREPARE_WARPS, stream](
+        u.reshape(u.size), a.reshape(a.size), b.reshape(b.size), ssm_a, dt_bias, n_rows,
+        n_k_heads, dk, float32(eps))
