@@ -199,6 +199,10 @@ SPARKINFER_KV_INT8: EnvVar[bool | None] = EnvVar(
 SPARKINFER_CUDA_PDL: EnvVar[bool] = EnvVar(
     "SPARKINFER_CUDA_PDL", parse_bool, True,
     "launch each CUDA kernel while the one before it runs (programmatic dependent launch, sm_90+)")
+SPARKINFER_INT8_EXPERTS: EnvVar[bool] = EnvVar(
+    "SPARKINFER_INT8_EXPERTS", parse_bool, False,
+    "CUDA prefill: MoE experts of Q4_K / Q5_K on the int8 grouped GEMM over q8 activations "
+    "(mmq_k) instead of the f16 tensor-core GEMMs")
 SPARKINFER_STEP_TRACE: EnvVar[str] = EnvVar(
     "SPARKINFER_STEP_TRACE", parse_new_file_path, "",
     "file the engine appends one JSON line per step to: what it carried and what it cost")
@@ -213,7 +217,7 @@ ALL_VARS: tuple[EnvVar, ...] = (
     SPARKINFER_MAX_QUEUE_DEPTH, SPARKINFER_REQUEST_TIMEOUT_S, SPARKINFER_SHUTDOWN_GRACE_S,
     SPARKINFER_READ_TIMEOUT_S, SPARKINFER_WRITE_TIMEOUT_S, SPARKINFER_SERVER_PREFIX_TOKEN_FILE,
     SPARKINFER_SERVER_PREFIX_TOKEN_IDS, SPARKINFER_PREFIX_CACHE, SPARKINFER_PREFIX_CACHE_SNAPSHOTS,
-    SPARKINFER_SPEC_TOKENS, SPARKINFER_KV_INT8, SPARKINFER_CUDA_PDL,
+    SPARKINFER_SPEC_TOKENS, SPARKINFER_KV_INT8, SPARKINFER_CUDA_PDL, SPARKINFER_INT8_EXPERTS,
     SPARKINFER_STEP_TRACE, SPARKINFER_TOKENIZER_URL,
 )
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from sparkinfer_cli import env
 from sparkinfer_cli.backend.cuda.cache import CudaModelCache
 from sparkinfer_cli.backend.cuda.linears import DeviceLinear, sums_in_fixed_order
 from sparkinfer_cli.backend.cuda.weights import Uploader
@@ -74,6 +75,7 @@ class CudaMoE:
         self.up = DeviceLinear(up.matrix(ffn.ffn_up_exps.weight))
         self.down = DeviceLinear(up.matrix(ffn.ffn_down_exps.weight))
         self.k, self.n_expert = ffn.n_expert_used, ffn.n_expert
+        self.int8_experts = env.SPARKINFER_INT8_EXPERTS.get()
         self.fused = self.gate.matrix.ggml_type == self.up.matrix.ggml_type
         self.shared = None
         routers: list = [ffn.ffn_gate_inp]
@@ -114,7 +116,7 @@ class CudaMoE:
             return None
         n_slots = ws.n_rows * self.k
         tile = mma_gemm.expert_tile(n_slots, self.n_expert, self.gate.matrix)
-        if any(mmq_k.supports(w.matrix) for w in (self.gate, self.down)):
+        if self._takes_int8(self.gate) or self._takes_int8(self.down):
             tile = min(tile, mmq_k.BN)
         route = ws.expert_route(self.n_expert, n_slots, tile)
         route_experts(self._picks(ws)[0].reshape(n_slots), n_slots, route, stream)
@@ -157,11 +159,14 @@ class CudaMoE:
     def _on_tensor_cores(route: ExpertRoute | None, w: DeviceLinear) -> bool:
         return route is not None and mma_gemm.supports(w.matrix)
 
-    @staticmethod
-    def _on_int8_gemm(route: ExpertRoute | None, w: DeviceLinear) -> bool:
-        """K-quant experts take the int8 grouped GEMM over q8 activations (mmq_k): its mma does
-        twice an f16 mma's work and nothing is converted to f16."""
-        return route is not None and mmq_k.supports(w.matrix)
+    def _on_int8_gemm(self, route: ExpertRoute | None, w: DeviceLinear) -> bool:
+        """K-quant experts take the int8 grouped GEMM over q8 activations (mmq_k) where
+        SPARKINFER_INT8_EXPERTS asks for it: its mma does twice an f16 mma's work and nothing
+        is converted to f16."""
+        return route is not None and self._takes_int8(w)
+
+    def _takes_int8(self, w: DeviceLinear) -> bool:
+        return self.int8_experts and mmq_k.supports(w.matrix)
 
     def _reads_q8(self, route: ExpertRoute | None, w: DeviceLinear) -> bool:
         """Whether W's product reads the q8 activations: the GEMV's and the int8 GEMM."""
