@@ -202,7 +202,7 @@ SPARKINFER_CUDA_PDL: EnvVar[bool] = EnvVar(
 SPARKINFER_INT8_EXPERTS: EnvVar[bool] = EnvVar(
     "SPARKINFER_INT8_EXPERTS", parse_bool, False,
     "CUDA prefill: MoE experts of Q4_K / Q5_K on the int8 grouped GEMM over q8 activations "
-    "(mmq_k) instead of the f16 tensor-core GEMMs")
+    "(mmq_k) instead of the f16 tensor-core GEMMs (off: slower than them so far)")
 SPARKINFER_STEP_TRACE: EnvVar[str] = EnvVar(
     "SPARKINFER_STEP_TRACE", parse_new_file_path, "",
     "file the engine appends one JSON line per step to: what it carried and what it cost")

@@ -161,8 +161,7 @@ class CudaMoE:
 
     def _on_int8_gemm(self, route: ExpertRoute | None, w: DeviceLinear) -> bool:
         """K-quant experts take the int8 grouped GEMM over q8 activations (mmq_k) where
-        SPARKINFER_INT8_EXPERTS asks for it: its mma does twice an f16 mma's work and nothing
-        is converted to f16."""
+        SPARKINFER_INT8_EXPERTS asks for it (see mmq_k for why it is not the default)."""
         return route is not None and self._takes_int8(w)
 
     def _takes_int8(self, w: DeviceLinear) -> bool:

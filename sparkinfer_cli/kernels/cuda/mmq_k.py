@@ -9,7 +9,9 @@ min, d / dmin the super-block's f16 scales; qx, dx, xs: the activations quantize
 (quant_gemv.QuantizedActivations, xs = dx·Σqx, which carries the min term). The codes times the
 q8 values are one mma.sync m16n8k32 (s8·s8 → s32) a sub-block, scaled into float32 accumulators
 (llama.cpp's MMQ). mma_gemm and fragment_gemm instead turn each weight into an f16 and the
-activations into f16 tiles, and their k steps of 32-64 elements wait on load latency.
+activations into f16 tiles. Opt-in (SPARKINFER_INT8_EXPERTS): on the H200 it has not yet beaten
+them (bench/results/2026-12-05-int8-experts.md): the float scale and min terms of each
+sub-block, per n8 tile, cost more instructions a k step than the mma.
 
 - A block: BM = 64 staged weight rows × BN = 64 slots of one route tile (mma_gemm's ExpertRoute:
   every slot of a tile uses one expert); 8 warps of 16 rows × 32 slots (4 n8 tiles). A warp
