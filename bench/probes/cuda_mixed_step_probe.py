@@ -32,17 +32,18 @@ from sparkinfer_cli.model.loader import load_model  # noqa: E402
 
 CTX = 130  # tokens each decoding sequence already holds
 REPEATS = 5
-MAX_BLOCKS_PER_SEQ = 160  # 2,560 tokens
+BLOCK = 16  # tokens a KV block
 
 
 class MixedPasses:
     """A cache with max_decodes decoding sequences (prefilled once) and `split` prompt slots."""
 
-    def __init__(self, model, max_decodes: int, split: int = 1):
+    def __init__(self, model, max_decodes: int, split: int = 1, max_piece: int = 2048):
         self.model, self.rng, self.split = model, np.random.default_rng(0), split
         n = max_decodes + split
-        self.cache = model.create_cache(n * MAX_BLOCKS_PER_SEQ, 16, n)
-        self.tables = [np.arange(MAX_BLOCKS_PER_SEQ, dtype=np.int32) + i * MAX_BLOCKS_PER_SEQ
+        per_seq = -(-(max(max_piece, CTX) + 1) // BLOCK)  # blocks a sequence may fill
+        self.cache = model.create_cache(n * per_seq, BLOCK, n)
+        self.tables = [np.arange(per_seq, dtype=np.int32) + i * per_seq
                        for i in range(n)]  # the last `split`: the prompts'
         self.first_prompt_slot = max_decodes
         for i in range(max_decodes):
@@ -97,7 +98,7 @@ def main() -> None:
     t0 = time.perf_counter()
     model = load_model(ensure_synthetic(args.preset, Console(stderr=True)), "cuda")
     print(f"loaded in {time.perf_counter() - t0:.1f} s", flush=True)
-    passes = MixedPasses(model, max(args.decodes), args.split)
+    passes = MixedPasses(model, max(args.decodes), args.split, max(args.prompts) // args.split)
     results = []
     for decodes in args.decodes:
         for prompt in [0, *args.prompts] if decodes else args.prompts:

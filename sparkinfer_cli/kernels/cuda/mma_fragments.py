@@ -1,14 +1,23 @@
-"""Device functions shared by the tensor-core kernels: one mma into an accumulator array, and the
-GEMMs' block tile, k range and output epilogue."""
+"""Device functions shared by the tensor-core kernels: one mma into an accumulator array, the int8
+mma's sums as floats, and the GEMMs' block tile, k range and output epilogue."""
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 from numba import cuda, float32
 
-from sparkinfer_cli.kernels.cuda.runtime.intrinsics import mma_f16_f32
+from sparkinfer_cli.kernels.cuda.runtime.intrinsics import bits_to_f32, mma_f16_f32, mma_s8_s32
 from sparkinfer_cli.kernels.cuda.runtime.jit import device_function
+
+# The int8 GEMMs scale each k32 step's s32 sums by per-block floats, so every sum becomes a float.
+# A conversion instruction (I2F) issues at 16 lanes a clock an SM, an eighth of a float add's rate,
+# and bounded those k loops. A sum of 32 products of int8 values lies within ±2^22, so an mma
+# whose accumulators start at the bits of the float 1.5·2^23 returns the bits of 1.5·2^23 + sum:
+# one exact float subtraction gives the sum.
+_S32_BIAS = np.int32(0x4B400000)  # the bits of float32 12582912.0 = 1.5·2^23
+_F32_BIAS = float32(12582912.0)
 
 
 @device_function(numba_inline=True)
@@ -19,6 +28,19 @@ def mma_into(acc, i, a, b0, b1):
     acc[i + 1] = d[1]
     acc[i + 2] = d[2]
     acc[i + 3] = d[3]
+
+
+@device_function(numba_inline=True)
+def mma_s8_biased(a, b0, b1):
+    """One m16n8k32 int8 tile A (a: 4 registers) · B (b0, b1): its 4 s32 sums, each biased so that
+    s32_sum_f32 reads it as a float without a conversion."""
+    return mma_s8_s32(a[0], a[1], a[2], a[3], b0, b1, _S32_BIAS, _S32_BIAS, _S32_BIAS, _S32_BIAS)
+
+
+@device_function(numba_inline=True)
+def s32_sum_f32(c):
+    """The float value of one of mma_s8_biased's sums (exact)."""
+    return bits_to_f32(c) - _F32_BIAS
 
 
 @device_function(numba_inline=True)

@@ -37,7 +37,12 @@ from numba import cuda, float32, int64, uint32
 
 from sparkinfer_cli.gguf.ggml_types import GGMLType
 from sparkinfer_cli.kernels.cuda.ggml_blocks import M1, M4, f16, scale_min_k4
-from sparkinfer_cli.kernels.cuda.mma_fragments import block_tile, gemm_epilogue
+from sparkinfer_cli.kernels.cuda.mma_fragments import (
+    block_tile,
+    gemm_epilogue,
+    mma_s8_biased,
+    s32_sum_f32,
+)
 from sparkinfer_cli.kernels.cuda.mma_gemm import output_parts
 from sparkinfer_cli.kernels.cuda.quant_gemv import (
     DeviceQuantMatrix,
@@ -51,7 +56,6 @@ from sparkinfer_cli.kernels.cuda.runtime.intrinsics import (
     ld_v4_u32,
     ldmatrix_x4_b8,
     ldmatrix_x4_b8_pairs,
-    mma_s8_s32,
 )
 from sparkinfer_cli.kernels.cuda.runtime.jit import device_function, kernel
 from sparkinfer_cli.kernels.cuda.runtime.launch import cdiv, check_array
@@ -153,20 +157,19 @@ def _add_scaled(acc, sx, x_at, n, c, scale_lo, scale_hi, min_lo, min_hi):
     at = x_at + uint32(8 * n)
     dx0, dx1 = sx[at], sx[at + uint32(1)]
     xs0, xs1 = sx[at + uint32(SUBS * BN)], sx[at + uint32(SUBS * BN + 1)]
-    acc[4 * n] += float32(c[0]) * (scale_lo * dx0) - min_lo * xs0
-    acc[4 * n + 1] += float32(c[1]) * (scale_lo * dx1) - min_lo * xs1
-    acc[4 * n + 2] += float32(c[2]) * (scale_hi * dx0) - min_hi * xs0
-    acc[4 * n + 3] += float32(c[3]) * (scale_hi * dx1) - min_hi * xs1
+    acc[4 * n] += s32_sum_f32(c[0]) * (scale_lo * dx0) - min_lo * xs0
+    acc[4 * n + 1] += s32_sum_f32(c[1]) * (scale_lo * dx1) - min_lo * xs1
+    acc[4 * n + 2] += s32_sum_f32(c[2]) * (scale_hi * dx0) - min_hi * xs0
+    acc[4 * n + 3] += s32_sum_f32(c[3]) * (scale_hi * dx1) - min_hi * xs1
 
 
 @device_function(numba_inline=True)
 def _two_tiles(acc, a, sb, sx, b_at, x_at, p, scales, lane):
     """acc of the warp's n8 tiles 2p, 2p + 1 (one ldmatrix of 16 slots: (b0, b1), (b2, b3))."""
     b = ldmatrix_x4_b8_pairs(sb, b_at + uint32(16 * p * TILE_STRIDE), TILE_STRIDE, lane)
-    zero = np.int32(0)
-    c = mma_s8_s32(a[0], a[1], a[2], a[3], b[0], b[1], zero, zero, zero, zero)
+    c = mma_s8_biased(a, b[0], b[1])
     _add_scaled(acc, sx, x_at, 2 * p, c, scales[0], scales[1], scales[2], scales[3])
-    c = mma_s8_s32(a[0], a[1], a[2], a[3], b[2], b[3], zero, zero, zero, zero)
+    c = mma_s8_biased(a, b[2], b[3])
     _add_scaled(acc, sx, x_at, 2 * p + 1, c, scales[0], scales[1], scales[2], scales[3])
 
 

@@ -33,6 +33,7 @@ from numba import cuda, float32, int64, uint32
 
 from sparkinfer_cli.gguf.ggml_types import GGMLType
 from sparkinfer_cli.kernels.cuda.ggml_blocks import f16
+from sparkinfer_cli.kernels.cuda.mma_fragments import mma_s8_biased, s32_sum_f32
 from sparkinfer_cli.kernels.cuda.mma_gemm import add_partials, output_parts
 from sparkinfer_cli.kernels.cuda.quant_gemv import (
     DeviceQuantMatrix,
@@ -47,7 +48,6 @@ from sparkinfer_cli.kernels.cuda.runtime.intrinsics import (
     ld_v2_u32,
     ld_v4_u32,
     ldmatrix_x4_b8_pairs,
-    mma_s8_s32,
 )
 from sparkinfer_cli.kernels.cuda.runtime.jit import device_function, kernel
 from sparkinfer_cli.kernels.cuda.runtime.launch import cdiv, check_array
@@ -158,20 +158,19 @@ def _add_scaled(acc, sx, dx_at, n, c, dw_lo, dw_hi):
     · dx (tokens 2t, 2t + 1 of the tile: sx[dx_at + 8n], the next)."""
     dx0 = sx[dx_at + uint32(8 * n)]
     dx1 = sx[dx_at + uint32(8 * n + 1)]
-    acc[4 * n] += float32(c[0]) * (dw_lo * dx0)
-    acc[4 * n + 1] += float32(c[1]) * (dw_lo * dx1)
-    acc[4 * n + 2] += float32(c[2]) * (dw_hi * dx0)
-    acc[4 * n + 3] += float32(c[3]) * (dw_hi * dx1)
+    acc[4 * n] += s32_sum_f32(c[0]) * (dw_lo * dx0)
+    acc[4 * n + 1] += s32_sum_f32(c[1]) * (dw_lo * dx1)
+    acc[4 * n + 2] += s32_sum_f32(c[2]) * (dw_hi * dx0)
+    acc[4 * n + 3] += s32_sum_f32(c[3]) * (dw_hi * dx1)
 
 
 @device_function(numba_inline=True)
 def _two_tiles(acc, a, sb, sx, b_at, dx_at, p, dw_lo, dw_hi, lane):
     """acc of the warp's n8 tiles 2p, 2p + 1 (one ldmatrix of 16 tokens: (b0, b1), (b2, b3))."""
     b = ldmatrix_x4_b8_pairs(sb, b_at + uint32(16 * p * TILE_STRIDE), TILE_STRIDE, lane)
-    zero = np.int32(0)
-    c = mma_s8_s32(a[0], a[1], a[2], a[3], b[0], b[1], zero, zero, zero, zero)
+    c = mma_s8_biased(a, b[0], b[1])
     _add_scaled(acc, sx, dx_at, 2 * p, c, dw_lo, dw_hi)
-    c = mma_s8_s32(a[0], a[1], a[2], a[3], b[2], b[3], zero, zero, zero, zero)
+    c = mma_s8_biased(a, b[2], b[3])
     _add_scaled(acc, sx, dx_at, 2 * p + 1, c, dw_lo, dw_hi)
 
 
