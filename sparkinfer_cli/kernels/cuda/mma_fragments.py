@@ -8,15 +8,21 @@ import math
 import numpy as np
 from numba import cuda, float32
 
-from sparkinfer_cli.kernels.cuda.runtime.intrinsics import bits_to_f32, mma_f16_f32, mma_s8_s32
+from sparkinfer_cli.kernels.cuda.runtime.intrinsics import (
+    bits_to_f32,
+    fma_f32,
+    mma_f16_f32,
+    mma_s8_s32,
+)
 from sparkinfer_cli.kernels.cuda.runtime.jit import device_function
 
 # The int8 GEMMs scale each k32 step's s32 sums by per-block floats, so every sum becomes a float.
-# A conversion instruction (I2F) issues at 16 lanes a clock an SM, an eighth of a float add's rate,
-# and bounded those k loops. A sum of 32 products of int8 values lies within ±2^22, so an mma
-# whose accumulators start at the bits of the float 1.5·2^23 returns the bits of 1.5·2^23 + sum:
-# one exact float subtraction gives the sum.
-_S32_BIAS = np.int32(0x4B400000)  # the bits of float32 12582912.0 = 1.5·2^23
+# A conversion instruction (I2F) issues at 16 lanes a clock an SM, an eighth of an FMA's rate, and
+# bounded those k loops. A sum of 32 products of int8 values lies within ±2^22, so an mma whose
+# accumulators start at the bits of the float B = 1.5·2^23 returns the bits of B + sum, and
+# fma(B + sum, scale, −B·scale) is sum·scale rounded once: −B·scale is exact for a scale of ≤ 22
+# significant bits (B has 2), as an f16 block scale, or one times a 6-bit sub-block scale, has.
+_S32_BIAS = np.int32(0x4B400000)  # the bits of float32 B = 12582912.0
 _F32_BIAS = float32(12582912.0)
 
 
@@ -33,14 +39,21 @@ def mma_into(acc, i, a, b0, b1):
 @device_function(numba_inline=True)
 def mma_s8_biased(a, b0, b1):
     """One m16n8k32 int8 tile A (a: 4 registers) · B (b0, b1): its 4 s32 sums, each biased so that
-    s32_sum_f32 reads it as a float without a conversion."""
+    scaled_sum reads it without a conversion."""
     return mma_s8_s32(a[0], a[1], a[2], a[3], b0, b1, _S32_BIAS, _S32_BIAS, _S32_BIAS, _S32_BIAS)
 
 
 @device_function(numba_inline=True)
-def s32_sum_f32(c):
-    """The float value of one of mma_s8_biased's sums (exact)."""
-    return bits_to_f32(c) - _F32_BIAS
+def sum_offset(scale):
+    """The third operand of scaled_sum for this scale (≤ 22 significant bits): −B·scale, exact."""
+    return -_F32_BIAS * scale
+
+
+@device_function(numba_inline=True)
+def scaled_sum(c, scale, offset):
+    """One of mma_s8_biased's sums times scale, rounded once (offset = sum_offset(scale)): an
+    FMA."""
+    return fma_f32(bits_to_f32(c), scale, offset)
 
 
 @device_function(numba_inline=True)

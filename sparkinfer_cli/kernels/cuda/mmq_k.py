@@ -41,7 +41,8 @@ from sparkinfer_cli.kernels.cuda.mma_fragments import (
     block_tile,
     gemm_epilogue,
     mma_s8_biased,
-    s32_sum_f32,
+    scaled_sum,
+    sum_offset,
 )
 from sparkinfer_cli.kernels.cuda.mma_gemm import output_parts
 from sparkinfer_cli.kernels.cuda.quant_gemv import (
@@ -151,16 +152,18 @@ def _stage_fns(ggml_type: GGMLType):
 
 # ---------------------------------------------------------------- the warps' mma
 @device_function(numba_inline=True)
-def _add_scaled(acc, sx, x_at, n, c, scale_lo, scale_hi, min_lo, min_hi):
-    """acc of n8 tile n += its s32 sums c of one sub-block: scale·dx·c − min·xs, for rows g,
-    g + 8 (scale_lo / min_lo, scale_hi / min_hi) × slots 2t, 2t + 1 of the tile."""
+def _add_scaled(acc, sx, x_at, n, c, scales):
+    """acc of n8 tile n += its s32 sums c of one sub-block: scale·c·dx − min·xs, for rows g,
+    g + 8 (scales: their scales, mins and the scales' sum_offset, each lo, hi) × slots 2t,
+    2t + 1 of the tile."""
     at = x_at + uint32(8 * n)
     dx0, dx1 = sx[at], sx[at + uint32(1)]
     xs0, xs1 = sx[at + uint32(SUBS * BN)], sx[at + uint32(SUBS * BN + 1)]
-    acc[4 * n] += s32_sum_f32(c[0]) * (scale_lo * dx0) - min_lo * xs0
-    acc[4 * n + 1] += s32_sum_f32(c[1]) * (scale_lo * dx1) - min_lo * xs1
-    acc[4 * n + 2] += s32_sum_f32(c[2]) * (scale_hi * dx0) - min_hi * xs0
-    acc[4 * n + 3] += s32_sum_f32(c[3]) * (scale_hi * dx1) - min_hi * xs1
+    # NOTE: acc + a·b − c·d, left to right: two FMAs
+    acc[4 * n] = acc[4 * n] + scaled_sum(c[0], scales[0], scales[4]) * dx0 - scales[2] * xs0
+    acc[4 * n + 1] = acc[4 * n + 1] + scaled_sum(c[1], scales[0], scales[4]) * dx1 - scales[2] * xs1
+    acc[4 * n + 2] = acc[4 * n + 2] + scaled_sum(c[2], scales[1], scales[5]) * dx0 - scales[3] * xs0
+    acc[4 * n + 3] = acc[4 * n + 3] + scaled_sum(c[3], scales[1], scales[5]) * dx1 - scales[3] * xs1
 
 
 @device_function(numba_inline=True)
@@ -168,9 +171,9 @@ def _two_tiles(acc, a, sb, sx, b_at, x_at, p, scales, lane):
     """acc of the warp's n8 tiles 2p, 2p + 1 (one ldmatrix of 16 slots: (b0, b1), (b2, b3))."""
     b = ldmatrix_x4_b8_pairs(sb, b_at + uint32(16 * p * TILE_STRIDE), TILE_STRIDE, lane)
     c = mma_s8_biased(a, b[0], b[1])
-    _add_scaled(acc, sx, x_at, 2 * p, c, scales[0], scales[1], scales[2], scales[3])
+    _add_scaled(acc, sx, x_at, 2 * p, c, scales)
     c = mma_s8_biased(a, b[2], b[3])
-    _add_scaled(acc, sx, x_at, 2 * p + 1, c, scales[0], scales[1], scales[2], scales[3])
+    _add_scaled(acc, sx, x_at, 2 * p + 1, c, scales)
 
 
 @device_function(numba_inline=True)
@@ -179,8 +182,9 @@ def _sub_block(sa, sb, sw, sx, acc, a_at, b_at, w_at, x_at, lane, n_groups, j):
     of the step."""
     a = ldmatrix_x4_b8(sa, a_at + uint32(32 * j), TILE_STRIDE, lane)
     at = w_at + uint32(j * BM)
-    scales = (sw[at], sw[at + uint32(8)], sw[at + uint32(SUBS * BM)],
-              sw[at + uint32(SUBS * BM + 8)])
+    lo, hi = sw[at], sw[at + uint32(8)]
+    scales = (lo, hi, sw[at + uint32(SUBS * BM)], sw[at + uint32(SUBS * BM + 8)],
+              sum_offset(lo), sum_offset(hi))
     x_at += uint32(j * BN)
     # NOTE: two calls, not a loop: acc's indices must be constants for it to stay in registers
     _two_tiles(acc, a, sb, sx, b_at + uint32(32 * j), x_at, 0, scales, lane)

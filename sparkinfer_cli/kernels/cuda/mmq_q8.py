@@ -33,7 +33,7 @@ from numba import cuda, float32, int64, uint32
 
 from sparkinfer_cli.gguf.ggml_types import GGMLType
 from sparkinfer_cli.kernels.cuda.ggml_blocks import f16
-from sparkinfer_cli.kernels.cuda.mma_fragments import mma_s8_biased, s32_sum_f32
+from sparkinfer_cli.kernels.cuda.mma_fragments import mma_s8_biased, scaled_sum, sum_offset
 from sparkinfer_cli.kernels.cuda.mma_gemm import add_partials, output_parts
 from sparkinfer_cli.kernels.cuda.quant_gemv import (
     DeviceQuantMatrix,
@@ -153,25 +153,26 @@ ROW_WORDS_STAGED = TILE_STRIDE // 4  # words between staged rows
 
 
 @device_function(numba_inline=True)
-def _add_scaled(acc, sx, dx_at, n, c, dw_lo, dw_hi):
-    """acc of the warp's n8 tile n += its s32 sums c of one Q8_0 block, times dw (rows g, g + 8)
-    · dx (tokens 2t, 2t + 1 of the tile: sx[dx_at + 8n], the next)."""
+def _add_scaled(acc, sx, dx_at, n, c, dw, offsets):
+    """acc of the warp's n8 tile n += its s32 sums c of one Q8_0 block, times dw (rows g, g + 8:
+    dw[0], dw[1], with their sum_offset) · dx (tokens 2t, 2t + 1 of the tile: sx[dx_at + 8n],
+    the next)."""
     dx0 = sx[dx_at + uint32(8 * n)]
     dx1 = sx[dx_at + uint32(8 * n + 1)]
-    acc[4 * n] += s32_sum_f32(c[0]) * (dw_lo * dx0)
-    acc[4 * n + 1] += s32_sum_f32(c[1]) * (dw_lo * dx1)
-    acc[4 * n + 2] += s32_sum_f32(c[2]) * (dw_hi * dx0)
-    acc[4 * n + 3] += s32_sum_f32(c[3]) * (dw_hi * dx1)
+    acc[4 * n] += scaled_sum(c[0], dw[0], offsets[0]) * dx0
+    acc[4 * n + 1] += scaled_sum(c[1], dw[0], offsets[0]) * dx1
+    acc[4 * n + 2] += scaled_sum(c[2], dw[1], offsets[1]) * dx0
+    acc[4 * n + 3] += scaled_sum(c[3], dw[1], offsets[1]) * dx1
 
 
 @device_function(numba_inline=True)
-def _two_tiles(acc, a, sb, sx, b_at, dx_at, p, dw_lo, dw_hi, lane):
+def _two_tiles(acc, a, sb, sx, b_at, dx_at, p, dw, offsets, lane):
     """acc of the warp's n8 tiles 2p, 2p + 1 (one ldmatrix of 16 tokens: (b0, b1), (b2, b3))."""
     b = ldmatrix_x4_b8_pairs(sb, b_at + uint32(16 * p * TILE_STRIDE), TILE_STRIDE, lane)
     c = mma_s8_biased(a, b[0], b[1])
-    _add_scaled(acc, sx, dx_at, 2 * p, c, dw_lo, dw_hi)
+    _add_scaled(acc, sx, dx_at, 2 * p, c, dw, offsets)
     c = mma_s8_biased(a, b[2], b[3])
-    _add_scaled(acc, sx, dx_at, 2 * p + 1, c, dw_lo, dw_hi)
+    _add_scaled(acc, sx, dx_at, 2 * p + 1, c, dw, offsets)
 
 
 @device_function(numba_inline=True)
@@ -183,12 +184,12 @@ def _block(sa, sb, sx, acc, rows_word, scale_word, b_at, dx_at, lane, j):
     a = ld_s8_fragments_x4(sa, rows_word + uint32((34 * j + 2) // 4), ROW_WORDS_STAGED, lane,
                            j % 2 == 0)
     at, shift = uint32(scale_word + (34 * j) // 4), 16 * (j % 2)
-    dw_lo = f16(sa[at] >> shift)
-    dw_hi = f16(sa[at + uint32(8 * ROW_WORDS_STAGED)] >> shift)
+    dw = (f16(sa[at] >> shift), f16(sa[at + uint32(8 * ROW_WORDS_STAGED)] >> shift))
+    offsets = (sum_offset(dw[0]), sum_offset(dw[1]))
     # NOTE: two calls, not a loop: acc's indices must be constants for it to stay in registers
-    _two_tiles(acc, a, sb, sx, b_at + uint32(32 * j), dx_at + uint32(j * BN), 0, dw_lo, dw_hi,
+    _two_tiles(acc, a, sb, sx, b_at + uint32(32 * j), dx_at + uint32(j * BN), 0, dw, offsets,
                lane)
-    _two_tiles(acc, a, sb, sx, b_at + uint32(32 * j), dx_at + uint32(j * BN), 1, dw_lo, dw_hi,
+    _two_tiles(acc, a, sb, sx, b_at + uint32(32 * j), dx_at + uint32(j * BN), 1, dw, offsets,
                lane)
 
 

@@ -114,6 +114,10 @@ if IS_SIMULATOR:
     def bits_to_f32(u):
         return np.array([int(u) & 0xFFFFFFFF], np.uint32).view(np.float32)[0]
 
+    def fma_f32(a, b, c):
+        # the float64 product of two float32 is exact (the simulator's cuda.fma rounds it first)
+        return np.float32(np.float64(a) * np.float64(b) + np.float64(c))
+
     def chain_start():
         pass
 
@@ -332,6 +336,19 @@ else:
             bits = context.cast(builder, args[0], sig.args[0], types.uint32)
             return builder.bitcast(bits, ir.FloatType())
         return types.float32(u), codegen
+
+    @intrinsic
+    def fma_f32(typingctx, a, b, c):
+        """a·b + c in float32, rounded once (fma.rn.f32 whatever the kernel's fastmath flags)."""
+        if not all(isinstance(t, types.Float) for t in (a, b, c)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            v = [context.cast(builder, x, t, types.float32) for x, t in zip(args, sig.args)]
+            asm = ir.InlineAsm(ir.FunctionType(ir.FloatType(), [ir.FloatType()] * 3),
+                               "fma.rn.f32 $0, $1, $2, $3;", "=f,f,f,f")
+            return builder.call(asm, v, attrs=_PURE)
+        return types.float32(a, b, c), codegen
 
     @intrinsic
     def chain_start(typingctx):
