@@ -17,11 +17,12 @@ from sparkinfer_cli.kernels.cuda.runtime.intrinsics import (
 from sparkinfer_cli.kernels.cuda.runtime.jit import device_function
 
 # The int8 GEMMs scale each k32 step's s32 sums by per-block floats, so every sum becomes a float.
-# A conversion instruction (I2F) issues at 16 lanes a clock an SM, an eighth of an FMA's rate, and
-# bounded those k loops. A sum of 32 products of int8 values lies within ±2^22, so an mma whose
-# accumulators start at the bits of the float B = 1.5·2^23 returns the bits of B + sum, and
-# fma(B + sum, scale, −B·scale) is sum·scale rounded once: −B·scale is exact for a scale of ≤ 22
-# significant bits (B has 2), as an f16 block scale, or one times a 6-bit sub-block scale, has.
+# A conversion (I2F) issues at 16 lanes a clock an SM, an eighth of an FMA's rate; with the scale
+# product it took 3 instructions a sum. A sum of 32 products of int8 values lies within ±2^22, so
+# an mma whose accumulators start at the bits of the float B = 1.5·2^23 returns the bits of
+# B + sum, and fma(B + sum, scale, −B·scale) is sum·scale rounded once: −B·scale is exact for a
+# scale of ≤ 22 significant bits (B has 2), as an f16 block scale, or one times a 6-bit
+# sub-block scale, has.
 _S32_BIAS = np.int32(0x4B400000)  # the bits of float32 B = 12582912.0
 _F32_BIAS = float32(12582912.0)
 
