@@ -141,16 +141,19 @@ def test_delta_rule_seq_runs_sequences_from_their_rows_and_slots(head_map_mod, p
     np.testing.assert_array_equal(new_state[3], state[3])
 
 
+@pytest.mark.parametrize("prepare", [False, True])
 @pytest.mark.slow
-def test_delta_rule_seq_long_sequence_and_more_entries_than_grid_rows():
+def test_delta_rule_seq_long_sequence_and_more_entries_than_grid_rows(prepare):
     """A 30-token sequence keeps its state in registers throughout (dk = 64: two float4s a
-    lane); with 66 sequence entries (model padding) grid row 1 also runs entry 65."""
+    lane; prepared, two stages of inputs, the second partial); with 66 sequence entries (model
+    padding) grid row 1 also runs entry 65."""
     rng = np.random.default_rng(4)
     n_k, n_v, dk, dv = 1, 1, 64, 4
     u, a, b, ssm_a, dt_bias, state = _delta_inputs(rng, 66, n_k, n_v, dk, dv, slots=3)
     slots, lo, n = np.zeros((3, 66), np.int32)
     slots[0], slots[65], lo[65], n[0], n[65] = 1, 2, 30, 30, 1
-    out, new_state = _run_delta_seq(u, a, b, ssm_a, dt_bias, state, slots, lo, n, n_k, False)
+    out, new_state = _run_delta_seq(u, a, b, ssm_a, dt_bias, state, slots, lo, n, n_k, False,
+                                    prepare)
     ref_out, ref_state = _delta_seq_reference(u, a, b, ssm_a, dt_bias, state, slots, lo, n, n_k,
                                               False)
     np.testing.assert_allclose(out[:31], ref_out[:31], rtol=1e-4, atol=1e-5)
