@@ -15,12 +15,12 @@ NE0 = 768  # three 256-superblocks, 24 activation blocks
 N_ROWS = 37
 
 
-def random_weight(t: GGMLType, rng: np.random.Generator) -> np.ndarray:
+def random_weight(t: GGMLType, rng: np.random.Generator, ne0: int = NE0) -> np.ndarray:
     """(N_ROWS, row_bytes) of random quant bytes with finite fp16 scales of either sign."""
     block, size = BLOCK_GEOMETRY[t]
-    n_blocks = N_ROWS * NE0 // block
+    n_blocks = N_ROWS * ne0 // block
     raw = rng.integers(0, 256, (n_blocks, size), dtype=np.uint8)  # (n_blocks, block_bytes)
     for off in FP16_FIELDS[t]:
         scale = rng.uniform(1e-3, 0.1, n_blocks) * rng.choice([-1, 1], n_blocks)
         raw[:, off:off + 2] = scale.astype(np.float16).view(np.uint8).reshape(n_blocks, 2)
-    return raw.reshape(N_ROWS, row_bytes(t, NE0))
+    return raw.reshape(N_ROWS, row_bytes(t, ne0))

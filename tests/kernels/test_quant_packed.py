@@ -144,6 +144,24 @@ def test_rows_of_one_call_equal_each_row_alone(t: GGMLType, rng: np.random.Gener
 
 
 @needs_avx2
+@pytest.mark.parametrize("ne0", [64, 576])
+@pytest.mark.parametrize("t", [GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q8_0],
+                         ids=lambda t: t.name)
+def test_rows_of_an_odd_number_of_records(t: GGMLType, ne0: int,
+                                          rng: np.random.Generator) -> None:
+    """Rows of 1 and 9 records (the kernel takes records in pairs, the last one alone): the
+    oracle, and each row of a call equal to that row alone, with and without offsets."""
+    raw = random_weight(t, rng, ne0)
+    matvec = PackedMatvec([pack(raw, t, ne0)], [None])
+    x = (rng.standard_normal((MAX_ROWS + 2, ne0)) * rng.uniform(0.01, 10, (MAX_ROWS + 2, 1)))
+    x = x.astype(np.float32)
+    got = matvec(x)
+    want, scale = oracle([(raw, t)], x)
+    assert np.all(np.abs(got - want) <= 1e-5 * scale), np.max(np.abs(got - want) / scale)
+    np.testing.assert_array_equal(matvec(x[3:4]), got[3:4])
+
+
+@needs_avx2
 @pytest.mark.skipif(not has_vnni(), reason="this CPU has no VNNI dot to compare with")
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
 def test_vnni_and_avx2_dots_agree(t: GGMLType, rng: np.random.Generator,

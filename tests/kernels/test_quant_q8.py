@@ -1,17 +1,16 @@
 """int8 activation blocks (quant_packed.quantize_kernel) vs the Q8 rule in numpy float32: the same
-quants, scales and sums bit for bit, stored in the row kernel's order (per record, bytes in
-quant_packed._interleaved's order, each lane's block scale and quant sum, the chunk-major sums
-for the offsets), from strided rows, in groups that end in a partial chunk of rows."""
+quants, scales and sums bit for bit, stored in the row kernel's order (quant_packed.x_order: pairs
+of records as four 32-byte vectors, a last lone record as two; each lane's block scale and quant
+sum, the chunk-major sums for the offsets), from strided rows, in groups that end in a partial
+chunk of rows; rows of an even and an odd number of records."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from sparkinfer_cli.kernels.cpu.quant_packed import RECORD_ELEMENTS, _interleaved, quantize_kernel
+from sparkinfer_cli.kernels.cpu.quant_packed import RECORD_ELEMENTS, quantize_kernel, x_order
 from sparkinfer_cli.kernels.cpu.quant_q8 import Q8_BLOCK
-
-ORDER = np.array([_interleaved(h, k) for h in range(2) for k in range(32)])  # (64,)
 
 
 def _rule(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -40,14 +39,21 @@ def test_quantize_kernel_is_the_q8_rule_in_the_row_kernels_order(rows: int, ne0:
     quantize_kernel(ne0)(x.ctypes.data, x.strides[0] // 4, rows, xq.ctypes.data, xd.ctypes.data,
                          xl.ctypes.data, xs.ctypes.data, 0, 0, 0, 0)
     q, d, s = _rule(x)
-    records = q.reshape(rows, n_rec, RECORD_ELEMENTS)
-    np.testing.assert_array_equal(xq.reshape(records.shape), records[:, :, ORDER])
-    lane_block = np.arange(8) % 2  # lane g holds block g % 2 of its record
-    np.testing.assert_array_equal(xd, d.reshape(rows, n_rec, 2)[:, :, lane_block])
-    in_order = xq.reshape(rows, n_rec, 2, 8, 4).astype(np.int32)  # (.., half, lane, 4)
-    np.testing.assert_array_equal(xl, in_order.sum(axis=(2, 4)))
+    order, lane_blocks = x_order(ne0)  # (ne0,), (lane groups, 8)
+    np.testing.assert_array_equal(np.sort(order), np.arange(ne0))  # each element once
+    np.testing.assert_array_equal(xq, q[:, order])
+    n_groups = len(lane_blocks)
+    np.testing.assert_array_equal(xd[:, :n_groups], d[:, lane_blocks])
+    start = 0
+    for p, blocks in enumerate(lane_blocks):  # a group: 4 vectors of 32 bytes (a pair) or 2
+        n_vec = 4 if 2 * p + 1 < n_rec else 2
+        lanes = order[start:start + 32 * n_vec].reshape(n_vec, 8, 4)  # (vector, lane, byte)
+        assert (lanes // Q8_BLOCK == blocks[None, :, None]).all()  # a lane stays in its block
+        in_lanes = xq[:, start:start + 32 * n_vec].reshape(rows, n_vec, 8, 4).astype(np.int32)
+        np.testing.assert_array_equal(xl[:, p], in_lanes.sum(axis=(1, 3)))
+        start += 32 * n_vec
     for lo in range(0, rows, 8):  # chunk-major: (n_blocks, the chunk's rows)
         m = min(8, rows - lo)
         np.testing.assert_array_equal(xs[lo * n_blocks:(lo + m) * n_blocks].reshape(n_blocks, m),
                                       s[lo:lo + m].T)
-    assert not xq[0, :RECORD_ELEMENTS][ORDER < Q8_BLOCK].any() and d[0, 0] == 0
+    assert not xq[0, order < Q8_BLOCK].any() and d[0, 0] == 0

@@ -16,18 +16,20 @@ a 1-bit plane (uint32) holds q & 1 at bit 8b + k, a 2-bit plane (uint64) holds q
 32·(k & 1) + 8b + 2·(k >> 1), so that one variable shift per 32-bit lane k lines them up
 (legacy types: ggml's own bytes; K-quants 0.75-1.0 bytes per weight against ggml's 0.56-0.82).
 
-The row kernel (LLVM IR, llvm_jit) multiplies a record's unsigned quants with up to MAX_ROWS
-rows of x's int8 quants (quant_q8's rounding, blocks of 32; x stored in the kernel's order, see
-_interleaved): per x row, vpmaddubsw + vpmaddwd (or VNNI's vpdpbusd) sum the record into 8 int32
-lanes of 8 elements of one block each, so that one bias subtraction (bias·Σxq, exact integers),
-one conversion and one multiply-add by the lanes' scales d·xd serve both blocks. Offsets add
-m·xs for all rows at once. Q8_0 uses llama.cpp's sign trick for its signed quants.
+The row kernel (LLVM IR, llvm_jit) multiplies a row's records, two at a time, with up to
+MAX_ROWS rows of x's int8 quants (quant_q8's rounding, blocks of 32; x stored in the kernel's
+order, see x_order): per x row, vpmaddubsw + vpmaddwd (or VNNI's vpdpbusd) sum a pair of records
+into 8 int32 lanes of 16 elements of one block each, so that one bias subtraction (bias·Σxq,
+exact integers), one conversion and one multiply-add by the lanes' scales d·xd serve four
+blocks. Offsets add m·xs for all rows at once. Q8_0 uses llama.cpp's sign trick for its signed
+quants.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import re
 from dataclasses import dataclass
 from typing import Callable
 
@@ -146,17 +148,53 @@ def _bytes(a: np.ndarray, dtype: str, per_record: int) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=dtype).reshape(-1, per_record).view(np.uint8)
 
 
+def _renamed(ir: str, suffix: str, free: dict[str, str]) -> str:
+    """IR with each value it defines renamed %v → %v{suffix} and the values in `free` (not
+    defined in it) replaced: one body of IR placed twice in a function."""
+    names = {n: n + suffix for n in re.findall(r"%([\w.]+) =", ir)} | free
+    return re.sub(r"%([\w.]+)", lambda m: "%" + names.get(m.group(1), m.group(1)), ir)
+
+
 # ---- activations -------------------------------------------------------------------------------
 # The kernel multiplies a record in two 32-byte halves h = 0, 1 whose 4-byte groups alternate
 # between its blocks A and B (vpunpckldq / vpunpckhdq of the two): group g of half h holds block
-# g % 2, elements 16·(g // 4) + 8·h + 4·(g % 4 // 2) + 0..3. Int32 lane g sums group g of both
-# halves, 8 elements of one block, so one conversion and one multiply-add by the lanes' scales
-# d·xd serve both blocks. x is stored in this order.
+# g % 2, elements 16·(g // 4) + 8·h + 4·(g % 4 // 2) + 0..3. Int32 lane g of one record sums group
+# g of both halves, 8 elements of one block.
+# Records go through the kernel in pairs (a, b), as four 32-byte vectors c = 2h + k: lanes 0, 1, 4,
+# 5 hold record a's groups, lanes 2, 3, 6, 7 record b's, k = 1 with each record's lanes swapped in
+# pairs (PAIR_LANES). A lane then sums 16 elements of one block over the four vectors, so one
+# conversion and one multiply-add by the lanes' scales d·xd serve four blocks: the float work a
+# weight is half of a lone record's. A row of an odd number of records ends with one record in the
+# lone order. x is stored in this order.
+
+# PAIR_LANES[k][g]: the lane of the two records' lanes (a: 0-7, b: 8-15) that lane g of vector
+# 2h + k takes from half h
+PAIR_LANES = ([0, 1, 10, 11, 4, 5, 14, 15], [2, 3, 8, 9, 6, 7, 12, 13])
+
 
 def _interleaved(h: int, k: int) -> int:
     """Which of the record's 64 quants (32·block + element) is byte k of half h."""
     g, i = divmod(k, 4)
     return 32 * (g % 2) + 16 * (g // 4) + 8 * h + 4 * (g % 4 // 2) + i
+
+
+def x_order(ne0: int) -> np.ndarray:
+    """int (ne0,): the element of a row of x that byte k of its quantized row holds, and int
+    (ne0 / 64 rounded up, 8): the block of x that each lane of each lane group sums (lane group
+    p: pair p of records, or the last, lone record)."""
+    n_rec = ne0 // RECORD_ELEMENTS
+    lone = np.array([_interleaved(h, k) for h in range(2) for k in range(32)])  # (64,)
+    order, blocks = [], []
+    for p in range(n_rec // 2):
+        words = np.concatenate([lone + 128 * p, lone + 128 * p + 64]).reshape(2, 2, 8, 4)
+        for c in range(4):  # words (record, half, lane, byte)
+            h, k = divmod(c, 2)
+            order += [words[lane // 8, h, lane % 8] for lane in PAIR_LANES[k]]
+        blocks.append([4 * p + 2 * (lane // 8) + lane % 2 for lane in PAIR_LANES[0]])
+    if n_rec % 2:
+        order.append(lone + 64 * (n_rec - 1))
+        blocks.append([2 * (n_rec - 1) + g % 2 for g in range(8)])
+    return np.concatenate(order).ravel(), np.array(blocks)
 
 
 def _quantize_block(blk: int) -> str:
@@ -200,50 +238,103 @@ def _quantize_block(blk: int) -> str:
                  f"<32 x i32> {_vec('i32', list(range(32)))}\n")
 
 
-def _record_outputs() -> str:
-    """IR: a record's quants %q0, %q1 stored in the row kernel's order at %qr, each lane's
-    block scale to xd and quant sum to xl (at %lane0 + 8r), the blocks' Σ-weighted scales to
-    xs (chunk-major, this row's column %xsr, %m rows a chunk)."""
-    halves = "".join(f"  %h{h} = shufflevector <32 x i8> %q0, <32 x i8> %q1, <32 x i32> "
-                     f"{_vec('i32', [_interleaved(h, k) for k in range(32)])}\n"
-                     f"  %hp{h} = getelementptr i8, ptr %qr, i64 {32 * h}\n"
-                     f"  store <32 x i8> %h{h}, ptr %hp{h}, align 1\n"
-                     f"  %hw{h} = sext <32 x i8> %h{h} to <32 x i32>\n" for h in range(2))
-    lanes = "".join(f"  %l{i} = shufflevector <32 x i32> %hs, <32 x i32> poison, <8 x i32> "
-                    f"{_vec('i32', [4 * g + i for g in range(8)])}\n" for i in range(4))
-    return f"""{halves}  %hs = add <32 x i32> %hw0, %hw1
-{lanes}  %la = add <8 x i32> %l0, %l1
+def _pair_vectors(src: str, dst: str, ty: str = "i8") -> str:
+    """IR: the pair's four vectors %{dst}0..3 (<32 x i8>) from its records' halves %{src}{h}a and
+    %{src}{h}b (see PAIR_LANES)."""
+    ir = ""
+    for c in range(4):
+        h, k = divmod(c, 2)
+        ir += "".join(f"  %{dst}{c}{r} = bitcast <32 x {ty}> %{src}{h}{r} to <8 x i32>\n"
+                      for r in "ab")
+        ir += (f"  %{dst}{c}i = shufflevector <8 x i32> %{dst}{c}a, <8 x i32> %{dst}{c}b, "
+               f"<8 x i32> {_vec('i32', PAIR_LANES[k])}\n"
+               f"  %{dst}{c} = bitcast <8 x i32> %{dst}{c}i to <32 x i8>\n")
+    return ir
+
+
+def _x_outputs(n_blocks: int) -> str:
+    """IR: the quants %q0 .. %q{n_blocks - 1} of one record (2 blocks) or a pair (4), stored in
+    the row kernel's order at %qr; each lane's block scale to xd and quant sum to xl (lane group
+    %lg of the row's, from %lane0); the blocks' Σ-weighted scales to xs (blocks from %blk0:
+    chunk-major, this row's column %xsr, %m rows a chunk)."""
+    ir = ""
+    for r, name in enumerate("ab"[:n_blocks // 2]):
+        ir += "".join(f"  %h{h}{name} = shufflevector <32 x i8> %q{2 * r}, <32 x i8> "
+                      f"%q{2 * r + 1}, <32 x i32> "
+                      f"{_vec('i32', [_interleaved(h, k) for k in range(32)])}\n"
+                      for h in range(2))
+    if n_blocks == 4:
+        ir += _pair_vectors("h", "v")
+        vectors = [f"%v{c}" for c in range(4)]
+        lane_blocks = [PAIR_LANES[0][g] // 8 * 2 + g % 2 for g in range(8)]
+    else:
+        vectors, lane_blocks = ["%h0a", "%h1a"], [g % 2 for g in range(8)]
+    for c, v in enumerate(vectors):
+        ir += (f"  %vp{c} = getelementptr i8, ptr %qr, i64 {32 * c}\n"
+               f"  store <32 x i8> {v}, ptr %vp{c}, align 1\n"
+               f"  %vw{c} = sext <32 x i8> {v} to <32 x i32>\n")
+    ir += "  %vs0 = add <32 x i32> %vw0, %vw1\n"
+    if n_blocks == 4:
+        ir += ("  %vs1 = add <32 x i32> %vw2, %vw3\n"
+               "  %vs = add <32 x i32> %vs0, %vs1\n")
+    ir += "".join(f"  %l{i} = shufflevector <32 x i32> %vs{'' if n_blocks == 4 else '0'}, "
+                  f"<32 x i32> poison, <8 x i32> {_vec('i32', [4 * g + i for g in range(8)])}\n"
+                  for i in range(4))
+    ir += "".join(f"  %di{j} = insertelement <{n_blocks} x float> "
+                  f"{'poison' if j == 0 else f'%di{j - 1}'}, float %d{j}, i32 {j}\n"
+                  for j in range(n_blocks))
+    ir += f"""  %la = add <8 x i32> %l0, %l1
   %lb = add <8 x i32> %l2, %l3
   %lsum = add <8 x i32> %la, %lb
-  %r8 = mul i64 %r, 8
-  %lo8 = add i64 %lane0, %r8
+  %lg8 = mul i64 %lg, 8
+  %lo8 = add i64 %lane0, %lg8
   %lp = getelementptr i32, ptr %xl, i64 %lo8
   store <8 x i32> %lsum, ptr %lp, align 4
-  %dpa = insertelement <8 x float> poison, float %d0, i32 0
-  %dpb = insertelement <8 x float> %dpa, float %d1, i32 1
-  %dl = shufflevector <8 x float> %dpb, <8 x float> poison, <8 x i32> {_vec('i32', [0, 1] * 4)}
+  %dl = shufflevector <{n_blocks} x float> %di{n_blocks - 1}, <{n_blocks} x float> poison, \
+<8 x i32> {_vec('i32', lane_blocks)}
   %dp = getelementptr float, ptr %xd, i64 %lo8
   store <8 x float> %dl, ptr %dp, align 4
-  %b0 = mul i64 %r, 2
-  %b1 = add i64 %b0, 1
-  %sa0 = mul i64 %b0, %m
-  %sa = add i64 %xsr, %sa0
-  %sp0 = getelementptr float, ptr %xs, i64 %sa
-  store float %s0, ptr %sp0, align 4
-  %sb0 = mul i64 %b1, %m
-  %sb = add i64 %xsr, %sb0
-  %sp1 = getelementptr float, ptr %xs, i64 %sb
-  store float %s1, ptr %sp1, align 4
 """
+    for j in range(n_blocks):
+        ir += (f"  %bk{j} = add i64 %blk0, {j}\n"
+               f"  %sa{j}0 = mul i64 %bk{j}, %m\n"
+               f"  %sa{j} = add i64 %xsr, %sa{j}0\n"
+               f"  %sp{j} = getelementptr float, ptr %xs, i64 %sa{j}\n"
+               f"  store float %s{j}, ptr %sp{j}, align 4\n")
+    return ir
 
 
 def _quantize_ir(ne0: int) -> str:
     """void quantize(x, x_stride, n, xq, xd, xl, xs, 4 unused): rows 0..n-1 of x (floats,
-    rows x_stride apart) → xq (n, ne0) int8 in the kernel's order, per lane of each record its
-    block's scale xd and Σ xq over the lane's 8 elements xl (n, ne0 / 64, 8); xs, Σ-weighted
-    scales for the offsets, by 8-row chunk (chunk c at 8c·n_blocks: (n_blocks, its rows))."""
+    rows x_stride apart) → xq (n, ne0) int8 in the kernel's order (x_order), per lane of each
+    lane group its block's scale xd and Σ xq over the lane's elements xl (n, ne0 / 64, 8: the
+    lane groups first, the rest unused); xs, Σ-weighted scales for the offsets, by 8-row chunk
+    (chunk c at 8c·n_blocks: (n_blocks, its rows))."""
     n_rec, n_blocks = ne0 // RECORD_ELEMENTS, ne0 // Q8_BLOCK
+    n_pairs = n_rec // 2
     head = parallel_calls.kernel_head("quantize", ["*x", "xst", "n", "*xq", "*xd", "*xl", "*xs"])
+    pair = f"""pair:
+  %p = phi i64 [0, %row], [%pn, %pair]
+  %xe = mul i64 %p, {2 * RECORD_ELEMENTS}
+  %xr = getelementptr float, ptr %xrow, i64 %xe
+  %qr = getelementptr i8, ptr %qrow, i64 %xe
+  %blk0 = mul i64 %p, 4
+  %lg = add i64 %p, 0
+{"".join(_quantize_block(b) for b in range(4))}{_x_outputs(4)}  %pn = add i64 %p, 1
+  %pc = icmp ult i64 %pn, {n_pairs}
+  br i1 %pc, label %pair, label %paired
+""" if n_pairs else ""
+    lone = _renamed(f"""  %rr = phi i64 [{2 * n_pairs}, %paired], [%rrn, %lone]
+  %xe = mul i64 %rr, {RECORD_ELEMENTS}
+  %xr = getelementptr float, ptr %xrow, i64 %xe
+  %qr = getelementptr i8, ptr %qrow, i64 %xe
+  %blk0 = mul i64 %rr, 2
+  %lg = sub i64 %rr, {n_pairs}
+{_quantize_block(0)}{_quantize_block(1)}{_x_outputs(2)}  %rrn = add i64 %rr, 1
+  %rrc = icmp ult i64 %rrn, {n_rec}
+  br i1 %rrc, label %lone, label %rowend
+""", ".t", {})
+    lone = f"lone:\n{lone}" if 2 * n_pairs < n_rec else ""
     return f"""declare <8 x float> @llvm.fabs.v8f32(<8 x float>)
 declare <8 x float> @llvm.maxnum.v8f32(<8 x float>, <8 x float>)
 declare <8 x float> @llvm.roundeven.v8f32(<8 x float>)
@@ -266,16 +357,10 @@ row:
   %qo = mul i64 %t, {ne0}
   %qrow = getelementptr i8, ptr %xq, i64 %qo
   %lane0 = mul i64 %t, {8 * n_rec}
-  br label %rec
-rec:
-  %r = phi i64 [0, %row], [%rn, %rec]
-  %e = mul i64 %r, {RECORD_ELEMENTS}
-  %xr = getelementptr float, ptr %xrow, i64 %e
-  %qr = getelementptr i8, ptr %qrow, i64 %e
-{_quantize_block(0)}{_quantize_block(1)}{_record_outputs()}  %rn = add i64 %r, 1
-  %rc = icmp ult i64 %rn, {n_rec}
-  br i1 %rc, label %rec, label %rowend
-rowend:
+  br label {"%pair" if n_pairs else "%paired"}
+{pair}paired:
+  br label {"%lone" if 2 * n_pairs < n_rec else "%rowend"}
+{lone}rowend:
   %tn = add i64 %t, 1
   %tc = icmp slt i64 %tn, %n
   br i1 %tc, label %row, label %done
@@ -368,63 +453,79 @@ def _halves(lay: RecordLayout) -> str:
     return ir
 
 
-def _x_halves(lay: RecordLayout, t: int) -> tuple[str, list[str]]:
-    """IR, and the names of x row t's two 32-byte halves of the record (Q8_0: with the signs of
-    its quants: llama.cpp's sign trick, |q| ≤ 128 unsigned · x·sign(q))."""
+def _x_vectors(lay: RecordLayout, t: int, signs: list[str]) -> tuple[str, list[str]]:
+    """IR, and the names of x row t's 32-byte vectors from byte %xe of its row, one a weight
+    vector (Q8_0: with the signs of its quants `signs`: llama.cpp's sign trick, |q| ≤ 128
+    unsigned · x·sign(q))."""
     ir, x = "", []
-    for h in range(2):
-        ir += (f"  %xo{h}_{t} = add i64 %xe, {32 * h}\n"
-               f"  %xp{h}_{t} = getelementptr i8, ptr %xqr{t}, i64 %xo{h}_{t}\n"
-               f"  %xv{h}_{t} = load <32 x i8>, ptr %xp{h}_{t}, align 1\n")
-        x.append(f"%xv{h}_{t}")
+    for c, sign in enumerate(signs):
+        ir += (f"  %xo{c}_{t} = add i64 %xe, {32 * c}\n"
+               f"  %xp{c}_{t} = getelementptr i8, ptr %xqr{t}, i64 %xo{c}_{t}\n"
+               f"  %xv{c}_{t} = load <32 x i8>, ptr %xp{c}_{t}, align 1\n")
+        x.append(f"%xv{c}_{t}")
         if lay.is_q8:
-            ir += (f"  %xa{h}_{t} = call <32 x i8> @llvm.x86.avx2.psign.b(<32 x i8> {x[h]}, "
-                   f"<32 x i8> %ws{h})\n")
-            x[h] = f"%xa{h}_{t}"
+            ir += (f"  %xa{c}_{t} = call <32 x i8> @llvm.x86.avx2.psign.b(<32 x i8> {x[c]}, "
+                   f"<32 x i8> {sign})\n")
+            x[c] = f"%xa{c}_{t}"
     return ir, x
 
 
-def _int_dot(lay: RecordLayout, t: int, vnni: bool) -> str:
-    """IR: <8 x i32> %u{t}, lane g = Σ q·xq over group g of both halves, x row t."""
-    ir, x = _x_halves(lay, t)
-    if vnni:  # vpdpbusd: both halves into one accumulator, no int16 intermediate
-        for h in range(2):
-            ir += (f"  %wi{h}_{t} = bitcast <32 x i8> %w{h} to <8 x i32>\n"
-                   f"  %xi{h}_{t} = bitcast <32 x i8> {x[h]} to <8 x i32>\n")
-        return ir + (f"  %v{t} = call <8 x i32> @llvm.x86.avx512.vpdpbusd.256(<8 x i32> "
-                     f"zeroinitializer, <8 x i32> %wi0_{t}, <8 x i32> %xi0_{t})\n"
-                     f"  %u{t} = call <8 x i32> @llvm.x86.avx512.vpdpbusd.256(<8 x i32> %v{t}, "
-                     f"<8 x i32> %wi1_{t}, <8 x i32> %xi1_{t})\n")
-    for h in range(2):
-        ir += (f"  %p{h}_{t} = call <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8> %w{h}, "
-               f"<32 x i8> {x[h]})\n")
+def _int_dot(lay: RecordLayout, t: int, vnni: bool, w: list[str], signs: list[str]) -> str:
+    """IR: <8 x i32> %u{t}, lane g = Σ q·xq over lane g of each weight vector w[c] and x row t's
+    vector c (2 of a lone record, 4 of a pair)."""
+    ir, x = _x_vectors(lay, t, signs)
+    if vnni:  # vpdpbusd: every vector into one accumulator, no int16 intermediate
+        acc = "zeroinitializer"
+        for c, (wc, xc) in enumerate(zip(w, x)):
+            out = f"%u{t}" if c == len(w) - 1 else f"%v{c}_{t}"
+            ir += (f"  %wi{c}_{t} = bitcast <32 x i8> {wc} to <8 x i32>\n"
+                   f"  %xi{c}_{t} = bitcast <32 x i8> {xc} to <8 x i32>\n"
+                   f"  {out} = call <8 x i32> @llvm.x86.avx512.vpdpbusd.256(<8 x i32> {acc}, "
+                   f"<8 x i32> %wi{c}_{t}, <8 x i32> %xi{c}_{t})\n")
+            acc = out
+        return ir
+    for c, (wc, xc) in enumerate(zip(w, x)):
+        ir += (f"  %p{c}_{t} = call <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8> {wc}, "
+               f"<32 x i8> {xc})\n")
     ones = _vec("i16", [1] * 16)
-    if lay.is_q8:  # int16 pair sums reach 2·128·127: widen each half before adding
-        return ir + "".join(f"  %m{h}_{t} = call <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16> "
-                            f"%p{h}_{t}, <16 x i16> {ones})\n" for h in range(2)) + \
-            f"  %u{t} = add <8 x i32> %m0_{t}, %m1_{t}\n"
-    # quants ≤ 63: four products stay below 4·63·127 < 2^15
-    return ir + (f"  %p{t} = add <16 x i16> %p0_{t}, %p1_{t}\n"
-                 f"  %u{t} = call <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16> %p{t}, "
-                 f"<16 x i16> {ones})\n")
+    # int16 pair sums: quants ≤ 63 let two vectors' products add (2·2·63·127 < 2^15); Q8_0's
+    # reach 2·128·127, widened one vector at a time
+    step = 1 if lay.is_q8 else 2
+    sums = []
+    for c in range(0, len(w), step):
+        p = f"%p{c}_{t}"
+        if step == 2:
+            ir += f"  %pp{c}_{t} = add <16 x i16> %p{c}_{t}, %p{c + 1}_{t}\n"
+            p = f"%pp{c}_{t}"
+        ir += (f"  %m{c}_{t} = call <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16> {p}, "
+               f"<16 x i16> {ones})\n")
+        sums.append(f"%m{c}_{t}")
+    while len(sums) > 1:  # a tree of adds, the last named %u{t}
+        a, b, *rest = sums
+        out = f"%u{t}" if not rest else f"%ms{len(rest)}_{t}"
+        ir += f"  {out} = add <8 x i32> {a}, {b}\n"
+        sums = rest + [out]
+    return ir.replace(f"%m0_{t} =", f"%u{t} =") if len(w) == step else ir
 
 
 def _x_lanes(name: str, ty: str, t: int) -> str:
-    """IR: <8 x ty> %{name}{t}, this record's lanes of x row t's (n_records, 8) array."""
-    return (f"  %{name}p{t} = getelementptr <8 x {ty}>, ptr %{name}r{t}, i64 %i\n"
+    """IR: <8 x ty> %{name}{t}, lane group %lg of x row t's (lane groups, 8) array."""
+    return (f"  %{name}p{t} = getelementptr <8 x {ty}>, ptr %{name}r{t}, i64 %lg\n"
             f"  %{name}{t} = load <8 x {ty}>, ptr %{name}p{t}, align 4\n")
 
 
-def _row_dot(lay: RecordLayout, t: int, vnni: bool) -> str:
-    """IR: %acc1_{t} = %acc0_{t} + the record's dot with x row t."""
-    ir = _int_dot(lay, t, vnni)
+def _row_dot(lay: RecordLayout, t: int, vnni: bool, w: list[str], signs: list[str],
+             dv: str) -> str:
+    """IR: %acc1_{t} = %acc0_{t} + the dot of weight vectors w with x row t, lanes scaled by
+    the weights' lane scales dv."""
+    ir = _int_dot(lay, t, vnni, w, signs)
     if lay.bias:  # Σ (q - bias)·xq = Σ q·xq - bias·Σ xq, in exact integers
         log2_bias = _vec("i32", [lay.bias.bit_length() - 1] * 8)
         ir += (_x_lanes("xl", "i32", t) + f"  %xb{t} = shl <8 x i32> %xl{t}, {log2_bias}\n"
                f"  %s{t} = sub <8 x i32> %u{t}, %xb{t}\n")
     else:
-        ir = ir.replace(f"%u{t} =", f"%s{t} =")
-    return ir + (_x_lanes("xd", "float", t) + f"  %sc{t} = fmul <8 x float> %dv, %xd{t}\n"
+        ir = ir.replace(f"%u{t} =", f"%s{t} =").replace(f"%u{t},", f"%s{t},")
+    return ir + (_x_lanes("xd", "float", t) + f"  %sc{t} = fmul <8 x float> {dv}, %xd{t}\n"
                  f"  %f{t} = sitofp <8 x i32> %s{t} to <8 x float>\n"
                  f"  %acc1_{t} = call <8 x float> @llvm.fma.v8f32(<8 x float> %f{t}, "
                  f"<8 x float> %sc{t}, <8 x float> %acc0_{t})\n")
@@ -439,7 +540,8 @@ def _load_scale(name: str, offset: int, scale: str) -> str:
 
 
 def _offsets(lay: RecordLayout, n: int) -> str:
-    """IR: <n x float> %accm2 = %accm0 + m·xs of both blocks, for all n rows at once."""
+    """IR: <n x float> %accm2 = %accm0 + m·xs of both blocks of record %ri (at %rp), for all n
+    rows at once."""
     ir = ""
     for j in range(2):
         ir += (_load_scale(f"m{j}", lay.m_offset + lay.scale_bytes * j, lay.scale)
@@ -451,7 +553,7 @@ def _offsets(lay: RecordLayout, n: int) -> str:
                f"  %xsv{j} = load <{n} x float>, ptr %xsp{j}, align 4\n"
                f"  %accm{j + 1} = call <{n} x float> @llvm.fma.v{n}f32(<{n} x float> %mv{j}, "
                f"<{n} x float> %xsv{j}, <{n} x float> %accm{j})\n")
-    return "  %b0 = mul i64 %i, 2\n  %b1 = add i64 %b0, 1\n" + ir
+    return "  %b0 = mul i64 %ri, 2\n  %b1 = add i64 %b0, 1\n" + ir
 
 
 def _x_rows(n: int) -> str:
@@ -468,23 +570,15 @@ def _x_rows(n: int) -> str:
     return ir
 
 
-def _accumulators(lay: RecordLayout, n: int) -> str:
-    """IR (record loop head): the phis of every row's accumulators."""
-    ir = "".join(f"  %acc0_{t} = phi <8 x float> [zeroinitializer, %row], [%acc1_{t}, %rec]\n"
-                 for t in range(n))
-    if lay.has_m:
-        ir += f"  %accm0 = phi <{n} x float> [zeroinitializer, %row], [%accm2, %rec]\n"
-    return ir
-
-
 def _store_rows(lay: RecordLayout, n: int) -> str:
-    """IR (row end): out[t·out_stride + r] = Σ lanes of row t's accumulator (+ its offsets')."""
+    """IR (row end): out[t·out_stride + r] = Σ lanes of row t's accumulator %accf_{t} (+ its
+    offsets')."""
     ir = ""
     for t in range(n):
         ir += (f"  %sum{t} = call float @llvm.vector.reduce.fadd.v8f32(float -0.0, "
-               f"<8 x float> %acc1_{t})\n")
+               f"<8 x float> %accf_{t})\n")
         if lay.has_m:
-            ir += (f"  %am{t} = extractelement <{n} x float> %accm2, i64 {t}\n"
+            ir += (f"  %am{t} = extractelement <{n} x float> %accfm, i64 {t}\n"
                    f"  %tot{t} = fadd float %sum{t}, %am{t}\n")
         total = f"%tot{t}" if lay.has_m else f"%sum{t}"
         ir += (f"  %op{t} = getelementptr float, ptr %outr{t}, i64 %r\n"
@@ -492,7 +586,7 @@ def _store_rows(lay: RecordLayout, n: int) -> str:
     return ir
 
 
-# Software prefetch this far ahead in the row (one per record): measured per core on this
+# Software prefetch this far ahead in the row (a line a record): measured per core on this
 # model's matrices, none / 1 KiB / 4 KiB: gate+up 23.2 / 20.2 / 18.2 ms, output 21.5 / 18.2 / 18.1.
 _PREFETCH_BYTES = 4096
 
@@ -511,34 +605,112 @@ declare float @llvm.vector.reduce.fadd.v8f32(float, <8 x float>)
 """
 
 
+def _record(lay: RecordLayout) -> str:
+    """IR: the record at %rp: its quants in the kernel's order %w0, %w1 (Q8_0: |q|, and the
+    signed %ws0, %ws1) and its lanes' weight scales %dv."""
+    nib = "" if lay.is_q8 else (_at("nibp", lay.nibble_offset)
+                                + "  %nib = load <32 x i8>, ptr %nibp, align 1\n")
+    return nib + _quants(lay, 0) + _quants(lay, 1) + _halves(lay) + _record_scales(lay)
+
+
+def _prefetch(name: str, base: str, offset: int) -> str:
+    """IR: a software prefetch of the line at byte offset from %{base}."""
+    return (f"  %{name} = getelementptr i8, ptr %{base}, i64 {offset}\n"
+            f"  call void @llvm.prefetch.p0(ptr %{name}, i32 0, i32 3, i32 1)\n")
+
+
+def _abs_vectors() -> str:
+    """IR: Q8_0's |q| %W0..3 of its signed pair vectors %S0..3."""
+    return "".join(f"  %W{c} = call <32 x i8> @llvm.abs.v32i8(<32 x i8> %S{c}, i1 false)\n"
+                   for c in range(4))
+
+
+def _pair_body(lay: RecordLayout, n: int, vnni: bool) -> str:
+    """IR (pair loop): records 2·%i (a) and 2·%i + 1 (b) of the row into every row's
+    accumulators %acc0_{t} → %acc1_{t} (offsets %acc0m → %accm2b)."""
+    ir = f"""  %lg = add i64 %i, 0
+  %xe = shl i64 %i, 7
+  %ria = shl i64 %i, 1
+  %rib = add i64 %ria, 1
+  %rpo = mul i64 %ria, {lay.size}
+  %rpa = getelementptr i8, ptr %rowp, i64 %rpo
+  %rpb = getelementptr i8, ptr %rpa, i64 {lay.size}
+{_prefetch("pfp", "rpa", _PREFETCH_BYTES)}{_prefetch("pfq", "rpa", _PREFETCH_BYTES + 64)}\
+{_renamed(_record(lay), "a", {"rp": "rpa"})}{_renamed(_record(lay), "b", {"rp": "rpb"})}\
+{_pair_vectors("ws", "S") + _abs_vectors() if lay.is_q8 else _pair_vectors("w", "W")}\
+  %dvp = shufflevector <8 x float> %dva, <8 x float> %dvb, <8 x i32> {_vec("i32", PAIR_LANES[0])}
+"""
+    w = [f"%W{c}" for c in range(4)]
+    signs = [f"%S{c}" for c in range(4)] if lay.is_q8 else w
+    ir += "".join(_row_dot(lay, t, vnni, w, signs, "%dvp") for t in range(n))
+    if lay.has_m:
+        ir += _renamed(_offsets(lay, n), "a", {"rp": "rpa", "ri": "ria", "accm0": "acc0m"})
+        ir += _renamed(_offsets(lay, n), "b", {"rp": "rpb", "ri": "rib", "accm0": "accm2a"})
+    return ir
+
+
+def _lone_body(lay: RecordLayout, n: int, vnni: bool) -> str:
+    """IR (lone loop): record %ri of the row, in the lone order, into the accumulators
+    %accl_{t} → %acc1_{t}.t (offsets %acclm → %accm2.t)."""
+    w = ["%w0", "%w1"]
+    signs = ["%ws0", "%ws1"] if lay.is_q8 else w
+    ir = f"""  %lg = sub i64 %ri, %np
+  %xe = shl i64 %ri, 6
+  %rpo = mul i64 %ri, {lay.size}
+  %rp = getelementptr i8, ptr %rowp, i64 %rpo
+{_prefetch("pfp", "rp", _PREFETCH_BYTES)}{_record(lay)}{"".join(_row_dot(lay, t, vnni, w, signs, "%dv") for t in range(n))}\
+{_offsets(lay, n) if lay.has_m else ""}"""
+    free = {f"acc0_{t}": f"accl_{t}" for t in range(n)} | {"accm0": "acclm"}
+    return _renamed(ir, ".t", free)
+
+
+def _phis(lay: RecordLayout, n: int, name: str, arms: list[tuple[str, str, str]]) -> str:
+    """IR: %{name}_{t} for each row t (and %{name}m, the offsets) = phi of arms (block, its
+    accumulator name: `{t}` stands for the row, or "0": zeros; its offsets' name)."""
+    def value(v: str, t: int | None) -> str:
+        return "zeroinitializer" if v == "0" else "%" + v.format(t=t)
+    ir = "".join(f"  %{name}_{t} = phi <8 x float> "
+                 + ", ".join(f"[{value(acc, t)}, %{blk}]" for blk, acc, _ in arms) + "\n"
+                 for t in range(n))
+    if lay.has_m:
+        ir += (f"  %{name}m = phi <{n} x float> "
+               + ", ".join(f"[{value(m, None)}, %{blk}]" for blk, _, m in arms) + "\n")
+    return ir
+
+
 def _row_kernel_ir(lay: RecordLayout, n: int, vnni: bool) -> str:
     """void dots(w, row_bytes, xq, xd, xs, xl, n_records, r0, r1, out, out_stride):
     out[t·out_stride + r] = W row r · x row t for r0 <= r < r1, t < n."""
-    nib = "" if lay.is_q8 else (_at("nibp", lay.nibble_offset)
-                                + "  %nib = load <32 x i8>, ptr %nibp, align 1\n")
+    loop = [("row", "0", "0"), ("pair", "acc1_{t}", "accm2b")]
+    lone = [("paired", "accp_{t}", "accpm"), ("lone", "acc1_{t}.t", "accm2.t")]
     return f"""{_declarations(n)}
 define void @dots(ptr %w, i64 %rb, ptr %xq, ptr %xd, ptr %xs, ptr %xl, i64 %nrec, i64 %r0,
                   i64 %r1, ptr %out, i64 %os) {{
 entry:
-{_x_rows(n)}  br label %row
+{_x_rows(n)}  %np = lshr i64 %nrec, 1
+  %anypair = icmp ne i64 %np, 0
+  %first = shl i64 %np, 1
+  %anylone = icmp ult i64 %first, %nrec
+  br label %row
 row:
   %r = phi i64 [%r0, %entry], [%rn, %rowend]
   %ro = mul i64 %r, %rb
   %rowp = getelementptr i8, ptr %w, i64 %ro
-  br label %rec
-rec:
-  %i = phi i64 [0, %row], [%in, %rec]
-{_accumulators(lay, n)}  %xe = shl i64 %i, 6
-  %rpo = mul i64 %i, {lay.size}
-  %rp = getelementptr i8, ptr %rowp, i64 %rpo
-{_at("pfp", _PREFETCH_BYTES)}  call void @llvm.prefetch.p0(ptr %pfp, i32 0, i32 3, i32 1)
-{nib}{_quants(lay, 0)}{_quants(lay, 1)}{_halves(lay)}{_record_scales(lay)}\
-{"".join(_row_dot(lay, t, vnni) for t in range(n))}{_offsets(lay, n) if lay.has_m else ""}
-  %in = add i64 %i, 1
-  %ic = icmp ult i64 %in, %nrec
-  br i1 %ic, label %rec, label %rowend
+  br i1 %anypair, label %pair, label %paired
+pair:
+  %i = phi i64 [0, %row], [%in, %pair]
+{_phis(lay, n, "acc0", loop)}{_pair_body(lay, n, vnni)}  %in = add i64 %i, 1
+  %ic = icmp ult i64 %in, %np
+  br i1 %ic, label %pair, label %paired
+paired:
+{_phis(lay, n, "accp", loop)}  br i1 %anylone, label %lone, label %rowend
+lone:
+  %ri = phi i64 [%first, %paired], [%rin, %lone]
+{_phis(lay, n, "accl", lone)}{_lone_body(lay, n, vnni)}  %rin = add i64 %ri, 1
+  %ric = icmp ult i64 %rin, %nrec
+  br i1 %ric, label %lone, label %rowend
 rowend:
-{_store_rows(lay, n)}  %rn = add i64 %r, 1
+{_phis(lay, n, "accf", lone)}{_store_rows(lay, n)}  %rn = add i64 %r, 1
   %rc = icmp slt i64 %rn, %r1
   br i1 %rc, label %row, label %done
 done:
