@@ -304,16 +304,11 @@ def _x_outputs(n_blocks: int) -> str:
     return ir
 
 
-def _quantize_ir(ne0: int) -> str:
-    """void quantize(x, x_stride, n, xq, xd, xl, xs, 4 unused): rows 0..n-1 of x (floats,
-    rows x_stride apart) → xq (n, ne0) int8 in the kernel's order (x_order), per lane of each
-    lane group its block's scale xd and Σ xq over the lane's elements xl (n, ne0 / 64, 8: the
-    lane groups first, the rest unused); xs, Σ-weighted scales for the offsets, by 8-row chunk
-    (chunk c at 8c·n_blocks: (n_blocks, its rows))."""
-    n_rec, n_blocks = ne0 // RECORD_ELEMENTS, ne0 // Q8_BLOCK
-    n_pairs = n_rec // 2
-    head = parallel_calls.kernel_head("quantize", ["*x", "xst", "n", "*xq", "*xd", "*xl", "*xs"])
-    pair = f"""pair:
+def _quantize_pairs(n_pairs: int) -> str:
+    """IR (quantize): the loop over a row's pairs of records, from %row to %paired."""
+    if not n_pairs:
+        return ""
+    return f"""pair:
   %p = phi i64 [0, %row], [%pn, %pair]
   %xe = mul i64 %p, {2 * RECORD_ELEMENTS}
   %xr = getelementptr float, ptr %xrow, i64 %xe
@@ -323,8 +318,15 @@ def _quantize_ir(ne0: int) -> str:
 {"".join(_quantize_block(b) for b in range(4))}{_x_outputs(4)}  %pn = add i64 %p, 1
   %pc = icmp ult i64 %pn, {n_pairs}
   br i1 %pc, label %pair, label %paired
-""" if n_pairs else ""
-    lone = _renamed(f"""  %rr = phi i64 [{2 * n_pairs}, %paired], [%rrn, %lone]
+"""
+
+
+def _quantize_lone(ne0: int, n_pairs: int) -> str:
+    """IR (quantize): the loop over the records after the pairs (none, or one), to %rowend."""
+    n_rec = ne0 // RECORD_ELEMENTS
+    if 2 * n_pairs == n_rec:
+        return ""
+    return "lone:\n" + _renamed(f"""  %rr = phi i64 [{2 * n_pairs}, %paired], [%rrn, %lone]
   %xe = mul i64 %rr, {RECORD_ELEMENTS}
   %xr = getelementptr float, ptr %xrow, i64 %xe
   %qr = getelementptr i8, ptr %qrow, i64 %xe
@@ -334,7 +336,18 @@ def _quantize_ir(ne0: int) -> str:
   %rrc = icmp ult i64 %rrn, {n_rec}
   br i1 %rrc, label %lone, label %rowend
 """, ".t", {})
-    lone = f"lone:\n{lone}" if 2 * n_pairs < n_rec else ""
+
+
+def _quantize_ir(ne0: int) -> str:
+    """void quantize(x, x_stride, n, xq, xd, xl, xs, 4 unused): rows 0..n-1 of x (floats,
+    rows x_stride apart) → xq (n, ne0) int8 in the kernel's order (x_order), per lane of each
+    lane group its block's scale xd and Σ xq over the lane's elements xl (n, ne0 / 64, 8: the
+    lane groups first, the rest unused); xs, Σ-weighted scales for the offsets, by 8-row chunk
+    (chunk c at 8c·n_blocks: (n_blocks, its rows))."""
+    n_rec, n_blocks = ne0 // RECORD_ELEMENTS, ne0 // Q8_BLOCK
+    n_pairs = n_rec // 2
+    head = parallel_calls.kernel_head("quantize", ["*x", "xst", "n", "*xq", "*xd", "*xl", "*xs"])
+    pair, lone = _quantize_pairs(n_pairs), _quantize_lone(ne0, n_pairs)
     return f"""declare <8 x float> @llvm.fabs.v8f32(<8 x float>)
 declare <8 x float> @llvm.maxnum.v8f32(<8 x float>, <8 x float>)
 declare <8 x float> @llvm.roundeven.v8f32(<8 x float>)
