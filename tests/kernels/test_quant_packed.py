@@ -19,9 +19,11 @@ from sparkinfer_cli.kernels.cpu.packed_matvec import PackedMatvec
 from sparkinfer_cli.kernels.cpu.quant_packed import (
     MAX_ROWS,
     PACKED_TYPES,
+    RECORD_ELEMENTS,
     RecordLayout,
     can_pack,
     pack,
+    x_order,
 )
 
 TYPES = sorted(GGMLType(t) for t in PACKED_TYPES)
@@ -30,32 +32,56 @@ needs_avx2 = pytest.mark.skipif(not has_avx2(), reason="the packed kernel is AVX
 
 def dequantize_packed(records: np.ndarray, layout: RecordLayout) -> np.ndarray:
     """float32 (rows, ne0) from packed records, following the layout in quant_packed's
-    docstring."""
+    docstring: each row's pairs of records, then its last record alone if it has an odd number."""
     rows = records.shape[0]
-    r = records.reshape(-1, layout.size)  # (n_records, size)
     if layout.is_q8:  # two GGUF blocks
-        b = r.reshape(-1, 34)
+        b = records.reshape(-1, 34)
         d = b[:, :2].copy().view(np.float16).astype(np.float32)  # (2n, 1)
         return (b[:, 2:].view(np.int8).astype(np.float32) * d).reshape(rows, -1)
-    n_sc, sb = layout.n_scales, layout.scale_bytes
+    n_rec = records.shape[1] // layout.size
+    paired = n_rec // 2 * 2 * layout.size  # bytes of a row's pairs
+    parts = []
+    if paired:
+        order = x_order(2 * RECORD_ELEMENTS)[0]  # element of the pair that vector byte k holds
+        values = _decode(records[:, :paired].reshape(-1, 2 * layout.size), layout, 4)
+        natural = np.empty_like(values)
+        natural[:, order] = values
+        parts.append(natural.reshape(rows, -1))
+    if paired < records.shape[1]:
+        parts.append(_decode(records[:, paired:], layout, 2).reshape(rows, -1))
+    return np.concatenate(parts, axis=1)
+
+
+def _decode(r: np.ndarray, layout: RecordLayout, n_vec: int) -> np.ndarray:
+    """float32 (n, 32·n_vec): records of n_vec 32-quant vectors (2: a lone record, blocks A, B
+    in element order; 4: a pair, in the kernel's vector order, scales in lane order)."""
+    n_sc, sb, lb = layout.n_scales, layout.scale_bytes, layout.low_bits
     sdt = "<f2" if layout.scale == "half" else "<f4"
-    d = r[:, :2 * sb * n_sc].copy().view(sdt).astype(np.float32).reshape(-1, 2, n_sc)
-    nib = r[:, layout.nibble_offset:]  # (n, 32)
-    q = np.stack([nib & 15, nib >> 4], axis=1).astype(np.int64)  # (n, AB, 32)
-    lb = layout.low_bits
+    grow = n_vec // 2  # a pair's fields are twice a record's
+    d = r[:, :n_vec * sb * n_sc].copy().view(sdt).astype(np.float32)  # (n, n_vec·n_sc)
+    nib = r[:, grow * layout.nibble_offset:].reshape(-1, grow, 32)
+    q = np.stack([nib & 15, nib >> 4], axis=2).reshape(-1, n_vec, 32).astype(np.int64)
     if lb:
-        planes = r[:, layout.low_offset:layout.nibble_offset].copy().view(
-            "<u4" if lb == 1 else "<u8").astype(np.uint64)  # (n, AB)
+        planes = r[:, grow * layout.low_offset:grow * layout.nibble_offset].copy().view(
+            "<u4" if lb == 1 else "<u8").astype(np.uint64)  # (n, n_vec)
         e = np.arange(32)
         k, b = e // 4, e % 4
         pos = (8 * b + k if lb == 1 else 32 * (k & 1) + 8 * b + 2 * (k >> 1)).astype(np.uint64)
-        low = (planes[:, :, None] >> pos) & np.uint64(2 ** lb - 1)  # (n, AB, 32)
+        low = (planes[:, :, None] >> pos) & np.uint64(2 ** lb - 1)  # (n, n_vec, 32)
         q = (q << lb) | low.astype(np.int64)
-    w = (q - layout.bias).astype(np.float32).reshape(-1, 2, n_sc, 32 // n_sc) * d[..., None]
+    if n_vec == 2:  # element e of block j: scale j·n_sc + e // (32 / n_sc), block-major
+        scale = np.repeat(d.reshape(-1, 2, n_sc), 32 // n_sc, axis=2)  # (n, 2, 32)
+        block = np.repeat(np.arange(2)[:, None], 32, axis=1)  # (2, 32)
+    else:  # byte k of a vector is in lane k // 4; lane g: block g % 4 (Q6_K: half g // 4)
+        lane = np.arange(32) // 4
+        scale = d[:, lane % 4 + 4 * (lane // 4) * (n_sc - 1)][:, None, :]  # (n, 1, 32)
+        block = np.repeat((lane % 4)[None, :], 4, axis=0)  # (4, 32)
+    w = (q - layout.bias).astype(np.float32) * scale
     if layout.has_m:
-        m = r[:, layout.m_offset:layout.m_offset + 2 * sb].copy().view(sdt).astype(np.float32)
-        w = w + m[:, :, None, None]
-    return w.reshape(rows, -1)
+        m = r[:, grow * layout.m_offset:grow * layout.m_offset + n_vec * sb].copy().view(
+            sdt).astype(np.float32)  # (n, blocks)
+        w = w + m[:, block]
+    return w.reshape(len(r), -1)
 
 
 def q8_reference(x: np.ndarray) -> np.ndarray:
@@ -149,10 +175,14 @@ def test_rows_of_one_call_equal_each_row_alone(t: GGMLType, rng: np.random.Gener
                          ids=lambda t: t.name)
 def test_rows_of_an_odd_number_of_records(t: GGMLType, ne0: int,
                                           rng: np.random.Generator) -> None:
-    """Rows of 1 and 9 records (the kernel takes records in pairs, the last one alone): the
-    oracle, and each row of a call equal to that row alone, with and without offsets."""
+    """Rows of 1 and 9 records (the kernel takes records in pairs, the last one alone): packed
+    losslessly, the oracle, and each row of a call equal to that row alone, with and without
+    offsets."""
     raw = random_weight(t, rng, ne0)
-    matvec = PackedMatvec([pack(raw, t, ne0)], [None])
+    w = pack(raw, t, ne0)
+    want_w = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(t))
+    np.testing.assert_array_equal(dequantize_packed(w.records, w.layout), want_w)
+    matvec = PackedMatvec([w], [None])
     x = (rng.standard_normal((MAX_ROWS + 2, ne0)) * rng.uniform(0.01, 10, (MAX_ROWS + 2, 1)))
     x = x.astype(np.float32)
     got = matvec(x)

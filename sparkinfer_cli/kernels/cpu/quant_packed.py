@@ -6,15 +6,21 @@ the kernel is compute-bound at ggml's own layouts). Q8_0 keeps its GGUF rows (ze
 blocks at a time). Every other type is unpacked losslessly (quant_repack's unpackers) to unsigned
 quants q in 0..2^bits-1, a scale d per 32 (Q6_K: per 16) and an offset m (Q4_1, Q5_1, K-quants),
 with value = (q - bias)·d + m, bit for bit ggml's (d, m float16 as in ggml for the legacy types,
-float32 products d·sc for the K-quants), and stored as records of two 32-blocks A and B:
+float32 products d·sc for the K-quants). A row is stored as pairs of records (64 elements each:
+blocks A, B; A', B'), then its last record alone when it has an odd number (ne0 % 128 = 64).
 
-    [d_A d_B (Q6_K: 2 each)] [m_A m_B]? [low bits of A, of B]? [32 nibble bytes]
-
-Byte i of the nibble bytes holds q_A[i] >> lb (low nibble) and q_B[i] >> lb (high nibble), lb =
-0 (Q4_*), 1 (Q5_*) or 2 (Q6_K) low bits kept apart: with element e = 4k + b (k = 0..7, b = 0..3),
-a 1-bit plane (uint32) holds q & 1 at bit 8b + k, a 2-bit plane (uint64) holds q & 3 at bit
-32·(k & 1) + 8b + 2·(k >> 1), so that one variable shift per 32-bit lane k lines them up
-(legacy types: ggml's own bytes; K-quants 0.75-1.0 bytes per weight against ggml's 0.56-0.82).
+A lone record: [d_A d_B (Q6_K: 2 each, block-major)] [m_A m_B]? [low bits of A, of B]? [32
+nibble bytes], byte i of the nibble bytes holding q_A[i] >> lb (low nibble) and q_B[i] >> lb
+(high nibble), lb = 0 (Q4_*), 1 (Q5_*) or 2 (Q6_K) low bits kept apart: with element e = 4k + b
+(k = 0..7, b = 0..3), a 1-bit plane (uint32) holds q & 1 at bit 8b + k, a 2-bit plane (uint64)
+holds q & 3 at bit 32·(k & 1) + 8b + 2·(k >> 1), so that one variable shift per 32-bit lane k
+lines them up (legacy types: ggml's own bytes; K-quants 0.75-1.0 bytes per weight against ggml's
+0.56-0.82).
+A pair record has the same fields, each twice as long, over the four 32-quant vectors the kernel
+multiplies (x_order: vector c byte k is element x_order(128)[0][32c + k] of the pair): d in lane
+order (A, B, A', B'; Q6_K: their first halves' scales, then their second halves'), m per block,
+a plane per vector, vectors 0 and 1 in the low and high nibbles of 32 bytes, 2 and 3 of the next
+32. So the kernel loads them with no shuffle.
 
 The row kernel (LLVM IR, llvm_jit) multiplies a row's records, two at a time, with up to
 MAX_ROWS rows of x's int8 quants (quant_q8's rounding, blocks of 32; x stored in the kernel's
@@ -123,24 +129,49 @@ def pack(raw: np.ndarray, ggml_type: int, ne0: int) -> PackedWeight:
 
 
 def _records(raw: np.ndarray, ggml_type: int, layout: RecordLayout) -> np.ndarray:
-    """ggml blocks → records: uint8 (rows, n_records · layout.size)."""
+    """ggml blocks → each row's pairs of records, then its last record alone when it has an
+    odd number: uint8 (rows, n_records · layout.size)."""
     q, d, m = _UNPACK[ggml_type][1](np.ascontiguousarray(raw).reshape(
         -1, BLOCK_GEOMETRY[ggml_type][1]))
-    q = (q.astype(np.int16) + layout.bias).astype(np.uint8).reshape(-1, 2, 32)  # (n_rec, AB, e)
+    rows = raw.shape[0]
+    n_blocks = q.size // 32 // rows  # 32-element blocks a row
+    q = (q.astype(np.int16) + layout.bias).astype(np.uint8).reshape(rows, n_blocks, 32)
+    d = np.asarray(d, np.float32).reshape(rows, n_blocks, layout.n_scales)
+    m = None if m is None else np.asarray(m, np.float32).reshape(rows, n_blocks)
+    paired = n_blocks // 4 * 4  # blocks in pairs of records
+    parts = []
+    if paired:
+        pq = q[:, :paired].reshape(-1, 4 * 32)[:, x_order(2 * RECORD_ELEMENTS)[0]]
+        pd = d[:, :paired].reshape(-1, 4, layout.n_scales).transpose(0, 2, 1)  # lane order
+        pm = None if m is None else m[:, :paired].reshape(-1, 4)
+        parts.append(_fields(pq.reshape(-1, 4, 32), pd, pm, layout).reshape(rows, -1))
+    if paired < n_blocks:  # the lone record: blocks A, B in element order, d block-major
+        lm = None if m is None else m[:, paired:].reshape(-1, 2)
+        parts.append(_fields(q[:, paired:], d[:, paired:], lm, layout).reshape(rows, -1))
+    return np.concatenate(parts, axis=1)
+
+
+def _fields(vectors: np.ndarray, d: np.ndarray, m: np.ndarray | None,
+            layout: RecordLayout) -> np.ndarray:
+    """Records of 2 blocks (a lone record) or 4 (a pair) from their quants as the kernel's
+    32-byte vectors (n, 2 | 4, 32), their weight scales d and offsets m in record order:
+    uint8 (n, size)."""
+    n, n_vec, _ = vectors.shape
     scale = "<f2" if layout.scale == "half" else "<f4"  # float16: ggml's own d, m, exactly
-    parts = [_bytes(d, scale, 2 * layout.n_scales)]
+    parts = [_bytes(d, scale, n_vec * layout.n_scales)]
     if layout.has_m:
-        parts.append(_bytes(m, scale, 2))
+        parts.append(_bytes(m, scale, n_vec))
     lb = layout.low_bits
     if lb:
         e = np.arange(32)
         k, b = e // 4, e % 4
         pos = 8 * b + k if lb == 1 else 32 * (k & 1) + 8 * b + 2 * (k >> 1)  # (32,)
-        low = (q & (2 ** lb - 1)).astype(np.uint64) << pos.astype(np.uint64)  # (n_rec, AB, e)
-        plane = low.sum(axis=2, dtype=np.uint64)  # (n_rec, AB)
-        parts.append(_bytes(plane, "<u4" if lb == 1 else "<u8", 2))
-    parts.append((q[:, 0] >> lb) | ((q[:, 1] >> lb) << 4))  # (n_rec, 32)
-    return np.concatenate(parts, axis=1).reshape(raw.shape[0], -1)
+        low = (vectors & (2 ** lb - 1)).astype(np.uint64) << pos.astype(np.uint64)
+        plane = low.sum(axis=2, dtype=np.uint64)  # (n, vectors)
+        parts.append(_bytes(plane, "<u4" if lb == 1 else "<u8", n_vec))
+    for v in range(0, n_vec, 2):  # vector v in the low nibbles, v + 1 in the high
+        parts.append((vectors[:, v] >> lb) | ((vectors[:, v + 1] >> lb) << 4))  # (n, 32)
+    return np.concatenate(parts, axis=1)
 
 
 def _bytes(a: np.ndarray, dtype: str, per_record: int) -> np.ndarray:
@@ -178,7 +209,7 @@ def _interleaved(h: int, k: int) -> int:
     return 32 * (g % 2) + 16 * (g // 4) + 8 * h + 4 * (g % 4 // 2) + i
 
 
-def x_order(ne0: int) -> np.ndarray:
+def x_order(ne0: int) -> tuple[np.ndarray, np.ndarray]:
     """int (ne0,): the element of a row of x that byte k of its quantized row holds, and int
     (ne0 / 64 rounded up, 8): the block of x that each lane of each lane group sums (lane group
     p: pair p of records, or the last, lone record)."""
@@ -411,19 +442,21 @@ def _at(name: str, offset: int | str) -> str:
     return f"  %{name} = getelementptr i8, ptr %rp, i64 {offset}\n"
 
 
-def _quants(lay: RecordLayout, j: int) -> str:
-    """IR: <32 x i8> %q{j}: block j's quants (unsigned; Q8_0: signed)."""
+def _quants(lay: RecordLayout, j: int, nib: str = "nib", plane_at: int | None = None) -> str:
+    """IR: <32 x i8> %q{j}: block j's quants (unsigned; Q8_0: signed): the low (even j) or high
+    nibbles of %{nib} with the low bits of the plane at byte plane_at (default: block j's)."""
     if lay.is_q8:
         return _at(f"qp{j}", 34 * j + 2) + f"  %q{j} = load <32 x i8>, ptr %qp{j}, align 1\n"
     lb, mask = lay.low_bits, _i8s(15 << lay.low_bits)
-    shift = f"shl <32 x i8> %nib, {_i8s(lb)}" if j == 0 else f"lshr <32 x i8> %nib, {_i8s(4 - lb)}"
+    shift = f"shl <32 x i8> %{nib}, {_i8s(lb)}" if j % 2 == 0 else \
+        f"lshr <32 x i8> %{nib}, {_i8s(4 - lb)}"
     ir = f"  %n{j}s = {shift}\n  %n{j} = and <32 x i8> %n{j}s, {mask}\n"
     if not lb:
         return ir.replace(f"%n{j} =", f"%q{j} =")
     lanes = [0, 1, 2, 3, 4, 5, 6, 7] if lb == 1 else [0, 0, 2, 2, 4, 4, 6, 6]
     ty = "i32" if lb == 1 else "i64"
     n = 8 if lb == 1 else 4
-    ir += (_at(f"lp{j}", lay.low_offset + 4 * lb * j)
+    ir += (_at(f"lp{j}", lay.low_offset + 4 * lb * j if plane_at is None else plane_at)
            + f"  %l{j} = load {ty}, ptr %lp{j}, align 1\n"
            f"  %l{j}i = insertelement <{n} x {ty}> poison, {ty} %l{j}, i32 0\n"
            f"  %l{j}v = shufflevector <{n} x {ty}> %l{j}i, <{n} x {ty}> poison, <{n} x i32> "
@@ -433,6 +466,25 @@ def _quants(lay: RecordLayout, j: int) -> str:
            f"  %l{j}b = bitcast <8 x i32> %l{j}s to <32 x i8>\n"
            f"  %l{j}m = and <32 x i8> %l{j}b, {_i8s(2 ** lb - 1)}\n")
     return ir + f"  %q{j} = or <32 x i8> %n{j}, %l{j}m\n"
+
+
+def _pair_quants(lay: RecordLayout) -> str:
+    """IR: a pair record's four vectors %W0..3 (<32 x i8>) and lane scales %dvp, as stored:
+    the same fields as a record's, each twice as long (see _fields), nothing to shuffle."""
+    ir = "".join(_at(f"nibp{h}", 2 * lay.nibble_offset + 32 * h)
+                 + f"  %nib{h} = load <32 x i8>, ptr %nibp{h}, align 1\n" for h in range(2))
+    for c in range(4):
+        ir += _quants(lay, c, f"nib{c // 2}", 2 * lay.low_offset + 4 * lay.low_bits * c)
+        ir += f"  %W{c} = or <32 x i8> %q{c}, zeroinitializer\n"
+    k = 4 * lay.n_scales
+    lanes = list(range(8)) if lay.n_scales == 2 else [0, 1, 2, 3] * 2
+    if lay.scale == "half":
+        ir += (f"  %dph = load <{k} x half>, ptr %rp, align 1\n"
+               f"  %dp = fpext <{k} x half> %dph to <{k} x float>\n")
+    else:
+        ir += f"  %dp = load <{k} x float>, ptr %rp, align 1\n"
+    return ir + (f"  %dvp = shufflevector <{k} x float> %dp, <{k} x float> poison, "
+                 f"<8 x i32> {_vec('i32', lanes)}\n")
 
 
 def _record_scales(lay: RecordLayout) -> str:
@@ -552,12 +604,13 @@ def _load_scale(name: str, offset: int, scale: str) -> str:
     return ir + f"  %{name} = fadd float %{name}r, -0.0\n"
 
 
-def _offsets(lay: RecordLayout, n: int) -> str:
-    """IR: <n x float> %accm2 = %accm0 + m·xs of both blocks of record %ri (at %rp), for all n
-    rows at once."""
+def _offsets(lay: RecordLayout, n: int, m_at: int | None = None) -> str:
+    """IR: <n x float> %accm2 = %accm0 + m·xs of blocks 2·%ri and 2·%ri + 1, their m at byte
+    m_at of %rp (default: a record's), for all n rows at once."""
     ir = ""
+    m_at = lay.m_offset if m_at is None else m_at
     for j in range(2):
-        ir += (_load_scale(f"m{j}", lay.m_offset + lay.scale_bytes * j, lay.scale)
+        ir += (_load_scale(f"m{j}", m_at + lay.scale_bytes * j, lay.scale)
                + f"  %mi{j} = insertelement <{n} x float> poison, float %m{j}, i32 0\n"
                f"  %mv{j} = shufflevector <{n} x float> %mi{j}, <{n} x float> poison, "
                f"<{n} x i32> zeroinitializer\n"
@@ -632,10 +685,16 @@ def _prefetch(name: str, base: str, offset: int) -> str:
             f"  call void @llvm.prefetch.p0(ptr %{name}, i32 0, i32 3, i32 1)\n")
 
 
-def _abs_vectors() -> str:
-    """IR: Q8_0's |q| %W0..3 of its signed pair vectors %S0..3."""
-    return "".join(f"  %W{c} = call <32 x i8> @llvm.abs.v32i8(<32 x i8> %S{c}, i1 false)\n"
-                   for c in range(4))
+def _q8_pair() -> str:
+    """IR: Q8_0's two records at %rpa, %rpb (its GGUF blocks as they are) shuffled into the
+    pair's signed vectors %S0..3, |q| %W0..3 and lane scales %dvp."""
+    lay = LAYOUTS[Q8_0]
+    ir = _renamed(_record(lay), "a", {"rp": "rpa"}) + _renamed(_record(lay), "b", {"rp": "rpb"})
+    ir += _pair_vectors("ws", "S")
+    ir += "".join(f"  %W{c} = call <32 x i8> @llvm.abs.v32i8(<32 x i8> %S{c}, i1 false)\n"
+                  for c in range(4))
+    return ir + (f"  %dvp = shufflevector <8 x float> %dva, <8 x float> %dvb, <8 x i32> "
+                 f"{_vec('i32', PAIR_LANES[0])}\n")
 
 
 def _pair_body(lay: RecordLayout, n: int, vnni: bool) -> str:
@@ -649,16 +708,15 @@ def _pair_body(lay: RecordLayout, n: int, vnni: bool) -> str:
   %rpa = getelementptr i8, ptr %rowp, i64 %rpo
   %rpb = getelementptr i8, ptr %rpa, i64 {lay.size}
 {_prefetch("pfp", "rpa", _PREFETCH_BYTES)}{_prefetch("pfq", "rpa", _PREFETCH_BYTES + 64)}\
-{_renamed(_record(lay), "a", {"rp": "rpa"})}{_renamed(_record(lay), "b", {"rp": "rpb"})}\
-{_pair_vectors("ws", "S") + _abs_vectors() if lay.is_q8 else _pair_vectors("w", "W")}\
-  %dvp = shufflevector <8 x float> %dva, <8 x float> %dvb, <8 x i32> {_vec("i32", PAIR_LANES[0])}
-"""
+{_q8_pair() if lay.is_q8 else _renamed(_pair_quants(lay), "", {"rp": "rpa"})}"""
     w = [f"%W{c}" for c in range(4)]
     signs = [f"%S{c}" for c in range(4)] if lay.is_q8 else w
     ir += "".join(_row_dot(lay, t, vnni, w, signs, "%dvp") for t in range(n))
-    if lay.has_m:
-        ir += _renamed(_offsets(lay, n), "a", {"rp": "rpa", "ri": "ria", "accm0": "acc0m"})
-        ir += _renamed(_offsets(lay, n), "b", {"rp": "rpb", "ri": "rib", "accm0": "accm2a"})
+    if lay.has_m:  # a pair record's m: blocks 4i, 4i + 1, then 4i + 2, 4i + 3
+        m_at = 2 * lay.m_offset
+        ir += _renamed(_offsets(lay, n, m_at), "a", {"rp": "rpa", "ri": "ria", "accm0": "acc0m"})
+        ir += _renamed(_offsets(lay, n, m_at + 2 * lay.scale_bytes), "b",
+                       {"rp": "rpa", "ri": "rib", "accm0": "accm2a"})
     return ir
 
 
