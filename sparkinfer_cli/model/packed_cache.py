@@ -3,9 +3,10 @@
 Packing every linear of a model takes seconds (3.7 s for Qwen2.5-Coder-0.5B on 2 cores) and
 gives the same bytes each time, so the first load writes them to one file in the user's cache,
 and later loads map that file read-only instead of packing. The file is named after what decides
-its content: the GGUF's identity (resolved path, size, mtime) and the record layouts (a layout
-change in quant_packed yields a new name). A file that is missing, stale, truncated or corrupt
-(its header, sizes or crc32 disagree) is ignored and rewritten, so the cache can only cost time.
+its content: the GGUF's identity (resolved path, size, mtime), the record layouts and their
+arrangement (quant_packed.PACKING_VERSION: a change there yields a new name). A file that is
+missing, stale, truncated or corrupt (its header, sizes or crc32 disagree) is ignored and
+rewritten, so the cache can only cost time.
 
     [8 bytes: header length] [JSON header] [zero padding to 64] [records of each weight, 64-aligned]
 """
@@ -26,7 +27,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from sparkinfer_cli.kernels.cpu.quant_packed import LAYOUTS, RECORD_ELEMENTS, PackedWeight
+from sparkinfer_cli.kernels.cpu.quant_packed import (
+    LAYOUTS,
+    PACKING_VERSION,
+    RECORD_ELEMENTS,
+    PackedWeight,
+)
 from sparkinfer_cli.paths import user_cache_dir
 
 if TYPE_CHECKING:
@@ -46,8 +52,8 @@ def cache_file(gguf_path: Path, root: Path | None = None) -> Path:
     """Where the records of this version of `gguf_path` live."""
     path = gguf_path.resolve()
     st = path.stat()
-    identity = json.dumps([FORMAT_VERSION, str(path), st.st_size, st.st_mtime_ns,
-                           sorted((t, repr(lay)) for t, lay in LAYOUTS.items())])
+    identity = json.dumps([FORMAT_VERSION, PACKING_VERSION, str(path), st.st_size,
+                           st.st_mtime_ns, sorted((t, repr(lay)) for t, lay in LAYOUTS.items())])
     digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
     return (root or packed_cache_dir()) / f"{path.stem}-{digest}.packed"
 

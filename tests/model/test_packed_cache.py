@@ -12,6 +12,7 @@ import pytest
 
 from sparkinfer_cli.gguf.reader import GGUFFile
 from sparkinfer_cli.model.loader import load_model
+from sparkinfer_cli.model import packed_cache
 from sparkinfer_cli.model.packed_cache import cache_file, use_cached_int8_decode
 
 TINY_Q4_K_M = Path(__file__).parent.parent / "fixtures" / "tiny" / "qwen3" / "qwen3-Q4_K_M.gguf"
@@ -74,6 +75,16 @@ def test_a_changed_model_file_gets_its_own_records(gguf, tmp_path):
     assert cache_file(gguf, root) != before
     assert not loaded(gguf, root)[0]
     assert list(root.iterdir()) == [cache_file(gguf, root)]  # the stale records are gone
+
+
+def test_records_of_another_packing_get_their_own_file(gguf, tmp_path, monkeypatch):
+    """Records written by a build that arranged them differently are never mapped."""
+    root = tmp_path / "cache"
+    loaded(gguf, root)
+    before = cache_file(gguf, root)
+    monkeypatch.setattr(packed_cache, "PACKING_VERSION", packed_cache.PACKING_VERSION + 1)
+    assert cache_file(gguf, root) != before
+    assert not loaded(gguf, root)[0]
 
 
 def test_an_unwritable_cache_only_costs_the_repack(gguf, tmp_path):

@@ -51,6 +51,11 @@ from sparkinfer_cli.kernels.cpu.quant_repack import _UNPACK
 RECORD_ELEMENTS = 64
 
 
+# Which arrangement of the records pack() writes (with LAYOUTS, the key of the packed disk cache):
+# 2 = a row's records in pairs, in the row kernel's vector order.
+PACKING_VERSION = 2
+
+
 @dataclass(frozen=True)
 class RecordLayout:
     """A record of two 32-element blocks."""
