@@ -274,13 +274,13 @@ def _quantize_block(blk: int) -> str:
                  f"<32 x i32> {_vec('i32', list(range(32)))}\n")
 
 
-def _pair_vectors(src: str, dst: str, ty: str = "i8") -> str:
+def _pair_vectors(src: str, dst: str) -> str:
     """IR: the pair's four vectors %{dst}0..3 (<32 x i8>) from its records' halves %{src}{h}a and
     %{src}{h}b (see PAIR_LANES)."""
     ir = ""
     for c in range(4):
         h, k = divmod(c, 2)
-        ir += "".join(f"  %{dst}{c}{r} = bitcast <32 x {ty}> %{src}{h}{r} to <8 x i32>\n"
+        ir += "".join(f"  %{dst}{c}{r} = bitcast <32 x i8> %{src}{h}{r} to <8 x i32>\n"
                       for r in "ab")
         ir += (f"  %{dst}{c}i = shufflevector <8 x i32> %{dst}{c}a, <8 x i32> %{dst}{c}b, "
                f"<8 x i32> {_vec('i32', PAIR_LANES[k])}\n"
@@ -474,13 +474,12 @@ def _quants(lay: RecordLayout, j: int, nib: str = "nib", plane_at: int | None = 
 
 
 def _pair_quants(lay: RecordLayout) -> str:
-    """IR: a pair record's four vectors %W0..3 (<32 x i8>) and lane scales %dvp, as stored:
+    """IR: a pair record's four vectors %q0..3 (<32 x i8>) and lane scales %dvp, as stored:
     the same fields as a record's, each twice as long (see _fields), nothing to shuffle."""
     ir = "".join(_at(f"nibp{h}", 2 * lay.nibble_offset + 32 * h)
                  + f"  %nib{h} = load <32 x i8>, ptr %nibp{h}, align 1\n" for h in range(2))
     for c in range(4):
         ir += _quants(lay, c, f"nib{c // 2}", 2 * lay.low_offset + 4 * lay.low_bits * c)
-        ir += f"  %W{c} = or <32 x i8> %q{c}, zeroinitializer\n"
     k = 4 * lay.n_scales
     lanes = list(range(8)) if lay.n_scales == 2 else [0, 1, 2, 3] * 2
     if lay.scale == "half":
@@ -594,7 +593,7 @@ def _row_dot(lay: RecordLayout, t: int, vnni: bool, w: list[str], signs: list[st
         ir += (_x_lanes("xl", "i32", t) + f"  %xb{t} = shl <8 x i32> %xl{t}, {log2_bias}\n"
                f"  %s{t} = sub <8 x i32> %u{t}, %xb{t}\n")
     else:
-        ir = ir.replace(f"%u{t} =", f"%s{t} =").replace(f"%u{t},", f"%s{t},")
+        ir = ir.replace(f"%u{t} =", f"%s{t} =")
     return ir + (_x_lanes("xd", "float", t) + f"  %sc{t} = fmul <8 x float> {dv}, %xd{t}\n"
                  f"  %f{t} = sitofp <8 x i32> %s{t} to <8 x float>\n"
                  f"  %acc1_{t} = call <8 x float> @llvm.fma.v8f32(<8 x float> %f{t}, "
@@ -714,7 +713,7 @@ def _pair_body(lay: RecordLayout, n: int, vnni: bool) -> str:
   %rpb = getelementptr i8, ptr %rpa, i64 {lay.size}
 {_prefetch("pfp", "rpa", _PREFETCH_BYTES)}{_prefetch("pfq", "rpa", _PREFETCH_BYTES + 64)}\
 {_q8_pair() if lay.is_q8 else _renamed(_pair_quants(lay), "", {"rp": "rpa"})}"""
-    w = [f"%W{c}" for c in range(4)]
+    w = [f"%{'W' if lay.is_q8 else 'q'}{c}" for c in range(4)]
     signs = [f"%S{c}" for c in range(4)] if lay.is_q8 else w
     ir += "".join(_row_dot(lay, t, vnni, w, signs, "%dvp") for t in range(n))
     if lay.has_m:  # a pair record's m: blocks 4i, 4i + 1, then 4i + 2, 4i + 3
@@ -734,8 +733,9 @@ def _lone_body(lay: RecordLayout, n: int, vnni: bool) -> str:
   %xe = shl i64 %ri, 6
   %rpo = mul i64 %ri, {lay.size}
   %rp = getelementptr i8, ptr %rowp, i64 %rpo
-{_prefetch("pfp", "rp", _PREFETCH_BYTES)}{_record(lay)}{"".join(_row_dot(lay, t, vnni, w, signs, "%dv") for t in range(n))}\
-{_offsets(lay, n) if lay.has_m else ""}"""
+{_prefetch("pfp", "rp", _PREFETCH_BYTES)}{_record(lay)}"""
+    ir += "".join(_row_dot(lay, t, vnni, w, signs, "%dv") for t in range(n))
+    ir += _offsets(lay, n) if lay.has_m else ""
     free = {f"acc0_{t}": f"accl_{t}" for t in range(n)} | {"accm0": "acclm"}
     return _renamed(ir, ".t", free)
 

@@ -447,20 +447,20 @@ def _stage_tokens(dk: int) -> int:
     return min(16, 2048 // dk)
 
 
-def _stage_sizes(dk: int, dv: int) -> tuple[int, int, int, int, int]:
-    """(threads, columns of a block, tokens a stage, float4s of a stage's q | k rows, their
-    float4 loads a thread)."""
+def _stage_sizes(dk: int, dv: int) -> tuple[int, int, int, int, int, int, int]:
+    """(threads, columns of a block, tokens a stage, float4s of a stage's q | k rows, and a
+    thread's loads a stage: q | k float4s, v values, gates)."""
     warps, _ = _delta_seq_blocks(dv)
     threads, cols, stage = 32 * warps, 4 * warps, _stage_tokens(dk)
     qk_vecs = stage * dk // 2
-    return threads, cols, stage, qk_vecs, cdiv(qk_vecs, threads)
+    return (threads, cols, stage, qk_vecs, cdiv(qk_vecs, threads), cdiv(stage * cols, threads),
+            cdiv(2 * stage, threads))
 
 
 @functools.cache
 def _stage_moves(dk: int, dv: int):
     """(fetch, put): a stage's inputs from global memory into registers, then into shared."""
-    threads, cols, stage, qk_vecs, qk_loads = _stage_sizes(dk, dv)
-    v_loads, g_loads = cdiv(stage * cols, threads), cdiv(2 * stage, threads)
+    threads, cols, stage, qk_vecs, qk_loads, v_loads, g_loads = _stage_sizes(dk, dv)
 
     @device_function(numba_inline=True)
     def fetch(u, a, b, n, lo, t0, offs, regs):
@@ -511,7 +511,7 @@ def _staged_runner(dk: int, dv: int):
     sizes of its three shared arrays, of its three staging register arrays)."""
     token_step = _token_step(dk, True)
     fetch, put = _stage_moves(dk, dv)
-    threads, cols, stage, qk_vecs, qk_loads = _stage_sizes(dk, dv)
+    _, cols, stage, qk_vecs, qk_loads, v_loads, g_loads = _stage_sizes(dk, dv)
     per_lane, vecs = dk // 8, dk // 32
 
     @device_function(numba_inline=True)
@@ -545,8 +545,8 @@ def _staged_runner(dk: int, dv: int):
             put((c + 1) & 1, shared, regs)
             cuda.syncthreads()
 
-    return run_staged, (2 * 4 * qk_vecs, 2 * stage * cols, 2 * 2 * stage), (
-        4 * qk_loads, cdiv(stage * cols, threads), cdiv(2 * stage, threads))
+    return run_staged, (2 * 4 * qk_vecs, 2 * stage * cols, 2 * 2 * stage), (4 * qk_loads,
+                                                                             v_loads, g_loads)
 
 
 @functools.cache
