@@ -145,7 +145,7 @@ def test_delta_rule_seq_runs_sequences_from_their_rows_and_slots(head_map_mod, p
 @pytest.mark.slow
 def test_delta_rule_seq_long_sequence_and_more_entries_than_grid_rows(prepare):
     """A 30-token sequence keeps its state in registers throughout (dk = 64: two float4s a
-    lane; prepared, two stages of inputs, the second partial); with 66 sequence entries (model
+    lane; also with its q/k norms and gates prepared first); with 66 sequence entries (model
     padding) grid row 1 also runs entry 65."""
     rng = np.random.default_rng(4)
     n_k, n_v, dk, dv = 1, 1, 64, 4

@@ -399,10 +399,10 @@ def _token_step(dk: int, prepared: bool):
 
 
 @functools.cache
-def _token_runner(dk: int):
+def _token_runner(dk: int, prepared: bool):
     """run_tokens: a column's state advanced over a sequence's rows, loads one token ahead."""
     load_token = _row_moves(dk)[2]
-    token_step = _token_step(dk, False)
+    token_step = _token_step(dk, prepared)
 
     @device_function
     def step_and_prefetch(u, a, b, out, s, left, rows, lane_offs, store, gates, cur, nxt):
@@ -438,127 +438,12 @@ def _token_runner(dk: int):
     return run_tokens
 
 
-# Prepared passes (multi-token) stage STAGE tokens' inputs at a time in shared memory: q | k rows
-# of the block's key head, its value columns' v and the gates, fetched by the whole block (its
-# columns all read the same q, k) while the warps compute the stage before. Loading token r + 1
-# per lane while r computed left every token waiting on a global load.
-def _stage_tokens(dk: int) -> int:
-    """Tokens a stage: 16, fewer for dk > 128 (two stages of q | k rows ≤ 32 KiB)."""
-    return min(16, 2048 // dk)
-
-
-def _stage_sizes(dk: int, dv: int) -> tuple[int, int, int, int, int, int, int]:
-    """(threads, columns of a block, tokens a stage, float4s of a stage's q | k rows, and a
-    thread's loads a stage: q | k float4s, v values, gates)."""
-    warps, _ = _delta_seq_blocks(dv)
-    threads, cols, stage = 32 * warps, 4 * warps, _stage_tokens(dk)
-    qk_vecs = stage * dk // 2
-    return (threads, cols, stage, qk_vecs, cdiv(qk_vecs, threads), cdiv(stage * cols, threads),
-            cdiv(2 * stage, threads))
-
-
-@functools.cache
-def _stage_moves(dk: int, dv: int):
-    """(fetch, put): a stage's inputs from global memory into registers, then into shared."""
-    threads, cols, stage, qk_vecs, qk_loads, v_loads, g_loads = _stage_sizes(dk, dv)
-
-    @device_function(numba_inline=True)
-    def fetch(u, a, b, n, lo, t0, offs, regs):
-        """Registers regs = (q|k, v, gates) ← rows t0 .. t0 + stage − 1 of the sequence (rows
-        past n repeat its last row): q | k as float4s, the block's cols v values, decay then
-        beta of each token. offs: (u row stride, the head's q, k and v: bytes in a u row, the
-        block's first column, h, H_v)."""
-        tid = cuda.threadIdx.x
-        u_stride, q0, k0, v0, j0, h, n_v_heads = offs
-        rq, rv, rg = regs
-        for i in range(qk_loads):
-            p = min(tid + threads * i, qk_vecs - 1)
-            w = p % (dk // 2)  # float4 w of the token's q (w < dk / 4), then of its k
-            at = q0 + 16 * w if w < dk // 4 else k0 + 16 * (w - dk // 4)
-            x = ld_v4_u32(u, (lo + min(t0 + p // (dk // 2), n - 1)) * u_stride + at)
-            for e in range(4):
-                rq[4 * i + e] = x[e]
-        for i in range(v_loads):
-            p = min(tid + threads * i, stage * cols - 1)
-            row = lo + min(t0 + p // cols, n - 1)
-            rv[i] = ld_u32(u, row * u_stride + v0 + 4 * min(j0 + p % cols, dv - 1))
-        for i in range(g_loads):
-            p = min(tid + threads * i, 2 * stage - 1)
-            g_at = 4 * ((lo + min(t0 + p % stage, n - 1)) * n_v_heads + h)
-            rg[i] = ld_u32(a, g_at) if p < stage else ld_u32(b, g_at)
-
-    @device_function(numba_inline=True)
-    def put(buf, shared, regs):
-        """fetch's registers into stage buffer buf of shared = (q|k, v, gates)."""
-        tid = cuda.threadIdx.x
-        sqk, sv, sg = shared
-        rq, rv, rg = regs
-        for i in range(qk_loads):
-            p = min(tid + threads * i, qk_vecs - 1)  # the last float4 may be stored twice
-            for e in range(4):
-                sqk[buf * 4 * qk_vecs + 4 * p + e] = bits_to_f32(rq[4 * i + e])
-        for i in range(v_loads):
-            sv[buf * stage * cols + min(tid + threads * i, stage * cols - 1)] = bits_to_f32(rv[i])
-        for i in range(g_loads):
-            sg[buf * 2 * stage + min(tid + threads * i, 2 * stage - 1)] = bits_to_f32(rg[i])
-
-    return fetch, put
-
-
-@functools.cache
-def _staged_runner(dk: int, dv: int):
-    """(run_staged: a column's state advanced over a sequence's rows of prepared inputs, the
-    sizes of its three shared arrays, of its three staging register arrays)."""
-    token_step = _token_step(dk, True)
-    fetch, put = _stage_moves(dk, dv)
-    _, cols, stage, qk_vecs, qk_loads, v_loads, g_loads = _stage_sizes(dk, dv)
-    per_lane, vecs = dk // 8, dk // 32
-
-    @device_function(numba_inline=True)
-    def token(buf, t, s, q, k, shared, col, sub):
-        """Advance s by token t of stage buffer buf; returns the column's output."""
-        sqk, sv, sg = shared
-        at = buf * 4 * qk_vecs + t * 2 * dk + 4 * sub
-        for m in range(vecs):
-            for c in range(4):
-                q[4 * m + c] = sqk[at + 32 * m + c]
-                k[4 * m + c] = sqk[at + dk + 32 * m + c]
-        g = buf * 2 * stage + t
-        return token_step(s, q, k, sv[(buf * stage + t) * cols + col], sg[g], sg[g + stage],
-                          float32(0.0), float32(0.0), float32(0.0))
-
-    @device_function(numba_inline=True)
-    def run_staged(u, a, b, out, s, n, lo, offs, o_at, o_step, store, shared, regs):
-        """s ← s advanced over the sequence's n rows from row lo; outputs from byte o_at."""
-        q, k = cuda.local.array(per_lane, float32), cuda.local.array(per_lane, float32)
-        col, sub = cuda.threadIdx.x // GROUP, cuda.threadIdx.x % GROUP  # column in the block
-        n_stages = (n + stage - 1) // stage
-        fetch(u, a, b, n, lo, 0, offs, regs)
-        put(0, shared, regs)
-        cuda.syncthreads()
-        for c in range(n_stages):
-            fetch(u, a, b, n, lo, stage * min(c + 1, n_stages - 1), offs, regs)
-            for t in range(min(stage, n - stage * c)):
-                o = token(c & 1, t, s, q, k, shared, col, sub)
-                if store:
-                    st_f32(out, o_at + (stage * c + t) * o_step, o)
-            put((c + 1) & 1, shared, regs)
-            cuda.syncthreads()
-
-    return run_staged, (2 * 4 * qk_vecs, 2 * stage * cols, 2 * 2 * stage), (4 * qk_loads,
-                                                                             v_loads, g_loads)
-
-
 @functools.cache
 def _delta_seq_kernel(dk: int, dv: int, prepared: bool):
     per_lane = dk // 8
     warps, col_blocks = _delta_seq_blocks(dv)
     load_row, store_row, _ = _row_moves(dk)
-    run_tokens = _token_runner(dk)
-    run_staged, shared_sizes, reg_sizes = _staged_runner(dk, dv)
-    if not prepared:  # no staging
-        shared_sizes, reg_sizes = (1, 1, 1), (1, 1, 1)
-    (qk_floats, v_floats, g_floats), (qk_regs, v_regs, g_regs) = shared_sizes, reg_sizes
+    run_tokens = _token_runner(dk, prepared)
 
     @kernel(fastmath=True)
     def delta_seq(u, a, b, ssm_a, dt_bias, state, state_slots, seq_lo, seq_n, n_k_heads,
@@ -568,27 +453,17 @@ def _delta_seq_kernel(dk: int, dv: int, prepared: bool):
         h = cuda.blockIdx.x // col_blocks
         lane = cuda.threadIdx.x % 32
         sub = lane % GROUP
-        j0 = (cuda.blockIdx.x % col_blocks) * warps * 4  # the block's first column
-        j = j0 + cuda.threadIdx.x // GROUP
+        j = ((cuda.blockIdx.x % col_blocks) * warps + cuda.threadIdx.x // 32) * 4 + lane // GROUP
         jc = min(j, dv - 1)  # columns past dv compute a copy of the last one and store nothing
         kh = h % n_k_heads if head_map_mod else h // (n_v_heads // n_k_heads)
         key_dim = n_k_heads * dk
         q_off = 4 * kh * dk + 16 * sub  # byte offsets within a u row, then row strides
         lane_offs = (q_off, q_off + 4 * key_dim, 4 * (2 * key_dim + h * dv + jc),
                      4 * (2 * key_dim + n_v_heads * dv), 4 * n_v_heads, 4 * n_v_heads * dv)
-        stage_offs = (lane_offs[3], 4 * kh * dk, 4 * (key_dim + kh * dk),
-                      4 * (2 * key_dim + h * dv), j0, h, n_v_heads)
         gates = (ssm_a[h], dt_bias[h], eps)
         s = cuda.local.array(per_lane, float32)  # (per_lane,) S[j][4·(sub + 8m) + c]
         qa, ka = cuda.local.array(per_lane, float32), cuda.local.array(per_lane, float32)
         qb, kb = cuda.local.array(per_lane, float32), cuda.local.array(per_lane, float32)
-        # one allocation a line: the simulator tells shared arrays apart by their source line
-        sqk = cuda.shared.array(qk_floats, float32)  # (2 stages, tokens, q | k)
-        sv = cuda.shared.array(v_floats, float32)  # (2 stages, tokens, the block's columns)
-        sg = cuda.shared.array(g_floats, float32)  # (2 stages, decay | beta, tokens)
-        shared = (sqk, sv, sg)
-        regs = (cuda.local.array(qk_regs, uint32), cuda.local.array(v_regs, uint32),
-                cuda.local.array(g_regs, uint32))
         stride, busy = cuda.gridDim.y, uint32(0)
         for seq in range(cuda.blockIdx.y, seq_n.size, stride):
             bit = seq // stride % 32  # this entry's bit of busy
@@ -597,15 +472,10 @@ def _delta_seq_kernel(dk: int, dv: int, prepared: bool):
             if busy >> bit & 1:
                 lo = seq_lo[seq]
                 col = 4 * (((state_slots[seq] * n_v_heads + h) * dv + jc) * dk) + 16 * sub  # bytes
-                o_at = 4 * ((lo * n_v_heads + h) * dv + j)
                 load_row(state, col, s)
-                if prepared:
-                    run_staged(u, a, b, out, s, seq_n[seq], lo, stage_offs, o_at, lane_offs[5],
-                               sub == 0 and j < dv, shared, regs)
-                else:
-                    run_tokens(u, a, b, out, s, seq_n[seq], lo * lane_offs[3],
-                               lo * lane_offs[4] + 4 * h, o_at, lane_offs, sub == 0 and j < dv,
-                               gates, qa, ka, qb, kb)
+                run_tokens(u, a, b, out, s, seq_n[seq], lo * lane_offs[3],
+                           lo * lane_offs[4] + 4 * h, 4 * ((lo * n_v_heads + h) * dv + j),
+                           lane_offs, sub == 0 and j < dv, gates, qa, ka, qb, kb)
                 if j < dv:
                     store_row(state, col, s)
     return delta_seq
