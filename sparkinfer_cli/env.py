@@ -203,6 +203,10 @@ SPARKINFER_INT8_EXPERTS: EnvVar[bool] = EnvVar(
     "SPARKINFER_INT8_EXPERTS", parse_bool, False,
     "CUDA prefill: MoE experts of Q4_K / Q5_K on the int8 grouped GEMM over q8 activations "
     "(mmq_k) instead of the f16 tensor-core GEMMs (off: slower than them so far)")
+SPARKINFER_F16_PREFILL: EnvVar[bool] = EnvVar(
+    "SPARKINFER_F16_PREFILL", parse_bool, True,
+    "CUDA prefill: keep f16 copies of the dense projections (2 bytes a weight) for the f16 "
+    "tensor-core GEMM of long passes (gemm_f16); off: the quantized GEMMs, no extra memory")
 SPARKINFER_STEP_TRACE: EnvVar[str] = EnvVar(
     "SPARKINFER_STEP_TRACE", parse_new_file_path, "",
     "file the engine appends one JSON line per step to: what it carried and what it cost")
@@ -218,7 +222,7 @@ ALL_VARS: tuple[EnvVar, ...] = (
     SPARKINFER_READ_TIMEOUT_S, SPARKINFER_WRITE_TIMEOUT_S, SPARKINFER_SERVER_PREFIX_TOKEN_FILE,
     SPARKINFER_SERVER_PREFIX_TOKEN_IDS, SPARKINFER_PREFIX_CACHE, SPARKINFER_PREFIX_CACHE_SNAPSHOTS,
     SPARKINFER_SPEC_TOKENS, SPARKINFER_KV_INT8, SPARKINFER_CUDA_PDL, SPARKINFER_INT8_EXPERTS,
-    SPARKINFER_STEP_TRACE, SPARKINFER_TOKENIZER_URL,
+    SPARKINFER_F16_PREFILL, SPARKINFER_STEP_TRACE, SPARKINFER_TOKENIZER_URL,
 )
 
 

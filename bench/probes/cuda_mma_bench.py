@@ -3,7 +3,8 @@
     python bench/probes/cuda_mma_bench.py [--tokens 4096] [--reps 20] [--types Q4_K,Q8_0]
 
 Dense: x (tokens, 2048) @ W (4096 | 512, 2048)ᵀ per weight type (Q8_0: the f16-tile GEMM, then
-the int8 one over q8 activations), and the fused SwiGLU at 512 rows.
+the int8 one over q8 activations), the f16 GEMM over the weights' f16 copy (gemm_f16, and the
+conversion of x it needs), and the fused SwiGLU at 512 rows.
 Grouped (MoE): tokens × top-8 slots over 256 experts, gate+up fused (2048 → 512) and down
 (512 → 2048), routed by expert_route.route_experts. K-quant types also on the int8 grouped
 GEMM (mmq_k) over the same slots' q8 activations. GPU time by CUDA events, mean of --reps
@@ -19,7 +20,7 @@ import numpy as np
 from numba import cuda
 
 from sparkinfer_cli.gguf.ggml_types import BLOCK_GEOMETRY, GGMLType
-from sparkinfer_cli.kernels.cuda import fragment_gemm, mmq_k, mmq_q8
+from sparkinfer_cli.kernels.cuda import fragment_gemm, gemm_f16, mmq_k, mmq_q8
 from sparkinfer_cli.kernels.cuda import mma_gemm as mg
 from sparkinfer_cli.kernels.cuda.expert_route import ExpertRoute, route_experts
 from sparkinfer_cli.kernels.cuda.quant_gemv import (
@@ -95,6 +96,12 @@ def bench_dense(types: list[GGMLType], n_tok: int, reps: int, rng) -> None:
                 us = gpu_us(lambda: mmq_q8.matmul(w, xq, y, partials=part), reps)
                 _report(f"  int8 (mmq_q8), {mmq_q8.k_splits(w, n_tok)} k ranges", us,
                         2.0 * n_tok * N_EMBD * n_rows, y)
+            if gemm_f16.supports(w):
+                half, xh = gemm_f16.dequantize(w), cuda.device_array(x.size // 2, np.uint32)
+                us = gpu_us(lambda: gemm_f16.to_f16(x, xh), reps)
+                _report("  f16 copy (gemm_f16): to_f16 of x", us, 0.0, y)
+                us = gpu_us(lambda: gemm_f16.matmul(half, xh, y), reps)
+                _report("  f16 copy (gemm_f16)", us, 2.0 * n_tok * N_EMBD * n_rows, y)
     gate, up = (random_matrix(types[0], 1, EXPERT_FF, N_EMBD, rng) for _ in range(2))
     y = cuda.device_array((n_tok, EXPERT_FF), np.float32)
     us = gpu_us(lambda: mg.matmul(gate, x, y, up=up), reps)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from numba import cuda
+from numba import cuda, float32
 
 from sparkinfer_cli.kernels.cuda.runtime import jit
 from sparkinfer_cli.kernels.cuda.runtime.intrinsics import chain_start
@@ -29,6 +29,26 @@ def test_a_chained_kernel_waits_before_its_first_statement_and_runs():
     out = cuda.device_array_like(x)
     double[2, 32](cuda.to_device(x), out)
     np.testing.assert_array_equal(out.copy_to_host(), 2 * x)
+
+
+@pytest.mark.parametrize("n_bytes", [16 * 1024, 100 * 1024])
+def test_a_kernel_gets_the_dynamic_shared_memory_it_asks_for(n_bytes):
+    # over 48 KiB a launch fails unless the function opted in first (jit's launch does it)
+    @jit.kernel
+    def reverse_through_shared(x, out):
+        chain_start()
+        buf = cuda.shared.array(0, float32)
+        n = x.size
+        for i in range(cuda.threadIdx.x, n, cuda.blockDim.x):
+            buf[i] = x[i]
+        cuda.syncthreads()
+        for i in range(cuda.threadIdx.x, n, cuda.blockDim.x):
+            out[i] = buf[n - 1 - i]
+
+    x = np.random.default_rng(0).standard_normal(n_bytes // 4).astype(np.float32)
+    out = cuda.device_array_like(x)
+    reverse_through_shared[1, 128, 0, n_bytes](cuda.to_device(x), out)
+    np.testing.assert_array_equal(out.copy_to_host(), x[::-1])
 
 
 def test_a_kernel_that_touches_anything_before_chain_start_is_refused():

@@ -75,6 +75,40 @@ def test_a_linear_of_enough_tokens_runs_on_tensor_cores(ggml_type):
     np.testing.assert_allclose(y.copy_to_host().reshape(ref.shape), ref, rtol=2e-3, atol=2e-3)
 
 
+def test_a_long_pass_over_a_linear_with_an_f16_copy_runs_gemm_f16(monkeypatch):
+    """With f16 copies on, a linear asked for one (prefill=True, enough rows) keeps its weights
+    as f16; from F16_GEMM_MIN_ROWS tokens it multiplies them by the f16-rounded activations (its
+    outputs beside the bias), below that it keeps the quantized path; without prefill=True or
+    with copies off it keeps no copy."""
+    from sparkinfer_cli.backend.cuda import linears, weights
+    from sparkinfer_cli.kernels.cuda import gemm_f16
+
+    monkeypatch.setattr(weights, "F16_COPY_MIN_ROWS", 64)
+    monkeypatch.setattr(linears, "F16_GEMM_MIN_ROWS", 32)
+    rng = np.random.default_rng(7)
+    k, n_out, n_tokens = 64, 72, 32
+    member = quantized_linear(rng, GGMLType.Q8_0, n_out, k)
+    member.bias = rng.standard_normal(n_out).astype(np.float32)
+    assert Uploader(exact=False, f16_copies=True).linear(member).half is None
+    assert Uploader(exact=False).linear(member, prefill=True).half is None
+    lin = Uploader(exact=False, f16_copies=True).linear(member, prefill=True)
+    assert lin.half is not None
+    ran, matmul = [], gemm_f16.matmul
+    monkeypatch.setattr(gemm_f16, "matmul", lambda *a, **kw: ran.append(True) or matmul(*a, **kw))
+    ws = Workspace(n_tokens, SimpleNamespace(num_blocks=1), k, True, 0, 0)
+    x = rng.standard_normal((ws.groups, ws.cols, k)).astype(np.float32)
+    ws.x.f.copy_to_device(x)
+    ws.x.quantize(0)
+    y = ws.buf("y", ws.groups, ws.cols, n_out)
+    lin(ws, ws.x, y, 0)
+    assert ran and not lin.reads_q8(ws, n_tokens)
+    rows = x.reshape(n_tokens, k).astype(np.float16).astype(np.float64)
+    w16 = dequantize(member.weight.raw, GGMLType.Q8_0).astype(np.float16).astype(np.float64)
+    ref = rows @ w16.T + member.bias
+    np.testing.assert_allclose(y.copy_to_host().reshape(ref.shape), ref, rtol=1e-4, atol=1e-4)
+    assert lin.reads_q8(ws, n_tokens - 1)  # fewer tokens: the quantized path again
+
+
 def test_a_queued_decode_pass_stages_its_inputs_and_takes_device_token_ids():
     """A 3-sequence decode in a bucket of 4 staged in staging row 2 (as the third queued pass of
     CudaModel.decode_greedy): the device gets its token ids (-1 on the padding row: a zero

@@ -38,7 +38,7 @@ from sparkinfer_cli.model.moe import MoE
 class CudaSwiGLU:
     def __init__(self, up: Uploader, ffn: SwiGLU, name: str):
         self.gate, self.up = up.linear(ffn.ffn_gate), up.linear(ffn.ffn_up)
-        self.down = up.linear(ffn.ffn_down)
+        self.down = up.linear(ffn.ffn_down, prefill=True)
         self.fused = self.gate.matrix.ggml_type == self.up.matrix.ggml_type
         self.name = name
 
@@ -195,8 +195,9 @@ class CudaAttention:
     def __init__(self, up: Uploader, mixer: Attention, config: ModelConfig):
         gate = getattr(mixer, "attn_q_gate", None)
         self.gated = gate is not None
-        self.qkv = up.stacked([mixer.attn_q, mixer.attn_k, mixer.attn_v] + ([gate] if gate else []))
-        self.o = up.linear(mixer.attn_output)
+        self.qkv = up.stacked([mixer.attn_q, mixer.attn_k, mixer.attn_v] + ([gate] if gate else []),
+                              prefill=True)
+        self.o = up.linear(mixer.attn_output, prefill=True)
         q_norm, k_norm = mixer.attn_q_norm, mixer.attn_k_norm
         self.q_norm = up.f32(q_norm.weight) if q_norm is not None else None
         self.k_norm = up.f32(k_norm.weight) if k_norm is not None else None
@@ -236,10 +237,10 @@ class CudaAttention:
 class CudaGatedDeltaNet:
     def __init__(self, up: Uploader, mixer: GatedDeltaNet, config: ModelConfig):
         m = mixer
-        self.proj = up.stacked([m.attn_qkv, m.attn_gate, m.ssm_alpha, m.ssm_beta])
+        self.proj = up.stacked([m.attn_qkv, m.attn_gate, m.ssm_alpha, m.ssm_beta], prefill=True)
         self.qkv_rows, self.z_rows = self.proj.n_rows[:2]
         self.conv_w, self.dt, self.a = up.f32(m.ssm_conv1d), up.f32(m.ssm_dt), up.f32(m.ssm_a)
-        self.norm_w, self.out = up.f32(m.ssm_norm.weight), up.linear(m.ssm_out)
+        self.norm_w, self.out = up.f32(m.ssm_norm.weight), up.linear(m.ssm_out, prefill=True)
         self.H_k, self.H_v, self.d_v = m.H_k, m.H_v, m.d_v
         self.head_map_mod, self.eps, self.layer = m.head_map == "mod", m.eps, m.layer
 

@@ -2,7 +2,8 @@
 
 A linear decides from the pass's token count and its matrix type: the quantized GEMV (a few
 tokens: decode), or a tensor-core GEMM (mma_gemm on f16 tiles; mmq_q8 on int8 activations for
-Q8_0 at any token count), splitting k over the grid when the row blocks alone do not fill the GPU.
+Q8_0 at any token count; gemm_f16 over an f16 copy of the weights, where the linear keeps one, for
+long passes), splitting k over the grid when the row blocks alone do not fill the GPU.
 Exact mode (float32 weights, the oracle tests) always takes the GEMV. The workspace only holds
 the buffers they read and write.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from sparkinfer_cli.kernels.cuda import mma_gemm, mmq_q8
+from sparkinfer_cli.kernels.cuda import gemm_f16, mma_gemm, mmq_q8
 from sparkinfer_cli.kernels.cuda import quant_gemv as qg
 from sparkinfer_cli.kernels.cuda.runtime.graphs import side_stream
 
@@ -27,6 +28,10 @@ EXPERTS_MMA_MIN_ROWS = 256
 # once per token tile, where the GEMV re-reads and re-dequantizes its matrix once per 8 tokens
 # (what that cost at 64 sequences: bench/results/2026-11-30-cuda-decode-latency.md).
 LINEAR_MMA_MIN_ROWS = 32
+# Dense linears with an f16 copy of their weights (gemm_f16) take it from this many tokens: a
+# compute-bound pass, where the quantized GEMMs' staging and scaling cost more than the copy's
+# twice as many weight bytes.
+F16_GEMM_MIN_ROWS = 1024
 
 
 def sums_in_fixed_order(ws: Workspace) -> bool:
@@ -43,6 +48,7 @@ class DeviceLinear:
     """y = W·x (+ bias) on the device; `matrix` holds n_mats stacked matrices (experts)."""
     matrix: qg.DeviceQuantMatrix
     bias: object | None = None  # float32 device (n_rows,)
+    half: gemm_f16.HalfMatrix | None = None  # the weights as f16, for long passes
 
     @property
     def n_rows(self) -> int:
@@ -61,9 +67,13 @@ class DeviceLinear:
     def reads_q8(self, ws: Workspace, n_tokens: int) -> bool:
         """Whether the product over n_tokens rows reads the q8 activations (x.q), which the caller
         must then have quantized: the GEMVs of quantized types and the int8 tensor-core GEMM."""
-        if not ws.quantized or self.takes_float_activations:
+        if not ws.quantized or self.takes_float_activations or self._on_f16_gemm(n_tokens):
             return False
         return not self.on_tensor_cores(ws, n_tokens) or self._on_int8_gemm(n_tokens)
+
+    def _on_f16_gemm(self, n_tokens: int, fused: bool = False) -> bool:
+        """Long passes over a linear with an f16 copy take gemm_f16 (no fused SwiGLU there)."""
+        return self.half is not None and not fused and n_tokens >= F16_GEMM_MIN_ROWS
 
     def _on_int8_gemm(self, n_tokens: int) -> bool:
         """Q8_0 products take the int8 GEMM over the q8 activations (mmq_q8) at every token count:
@@ -83,6 +93,11 @@ class DeviceLinear:
                     fixed_order=sums_in_fixed_order(ws))
             return
         parts = [p.reshape(n_tokens, -1) for p in (y if isinstance(y, list) else [y])]
+        half = self.half if self._on_f16_gemm(n_tokens, up is not None) else None
+        if half is not None:
+            gemm_f16.matmul(half, ws.half_activations(x.f, stream), parts, bias=self.bias,
+                            stream=stream)
+            return
         gemm, xs = ((mmq_q8, x.q) if self._on_int8_gemm(n_tokens)
                     else (mma_gemm, x.f.reshape(n_tokens, -1)))
         partials = ws.gemm_partials(gemm.partials_size(self.matrix, n_tokens, up is not None),

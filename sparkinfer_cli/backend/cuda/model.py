@@ -36,6 +36,7 @@ import numpy as np
 from numba import cuda
 from rich.console import Console
 
+from sparkinfer_cli import env
 from sparkinfer_cli.backend.cuda.cache import CudaModelCache
 from sparkinfer_cli.backend.cuda.layers import CudaAttention, CudaGatedDeltaNet, CudaMoE, CudaSwiGLU
 from sparkinfer_cli.backend.cuda.weights import Uploader, upload_progress
@@ -118,7 +119,8 @@ class CudaModel(ModelBackend[CudaModelCache]):
         self.stream = cuda.stream()
         self._marks = [StreamMark() for _ in range(MAX_QUEUED_STEPS)]  # decode_greedy's passes
         self.times = StepTimes()
-        up = Uploader(exact, stream=self.stream)
+        up = Uploader(exact, stream=self.stream,
+                      f16_copies=not exact and env.SPARKINFER_F16_PREFILL.get())
         with upload_progress(console) as progress:
             up.progress, up.task = progress, progress.add_task("weights", total=total_bytes)
             self.layers = [self._upload_layer(up, layer) for layer in cpu_model.layers]
@@ -126,11 +128,13 @@ class CudaModel(ModelBackend[CudaModelCache]):
             self.output = up.linear(cpu_model.output)
             self.token_embd = self._upload_embedding(up, cpu_model)
             self.stream.synchronize()
-        self.weight_bytes = up.n_bytes
+        self.weight_bytes = up.n_bytes + up.half_bytes
         self.console = console
         if console is not None:
+            halves = f", f16 copies for prefill {up.half_bytes / 2**30:.2f} GiB" \
+                if up.half_bytes else ""
             console.print(f"CUDA weights: {up.n_tensors} tensors, {up.n_bytes / 2**30:.2f} GiB"
-                          f"{' (dequantized to F32: exact mode)' if exact else ''}")
+                          f"{' (dequantized to F32: exact mode)' if exact else ''}{halves}")
 
     def _upload_layer(self, up: Uploader, layer: DecoderLayer) -> CudaLayer:
         cfg, mixer, ffn = self.config, layer.mixer, layer.ffn

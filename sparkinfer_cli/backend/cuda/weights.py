@@ -25,21 +25,30 @@ from rich.progress import (
 from sparkinfer_cli.backend.cuda.linears import DeviceLinear, StackedLinears
 from sparkinfer_cli.gguf.ggml_types import GGMLType
 from sparkinfer_cli.kernels.cpu.quant import dequantize
+from sparkinfer_cli.kernels.cuda import gemm_f16
 from sparkinfer_cli.kernels.cuda.quant_gemv import MAX_PARTS, DeviceQuantMatrix
 from sparkinfer_cli.kernels.cuda.runtime.launch import to_device_bytes
 from sparkinfer_cli.model.layers import Linear
 from sparkinfer_cli.model.weights import QTensor
 
+# Dense linears of fewer rows keep no f16 copy: a long pass over them is short anyway.
+F16_COPY_MIN_ROWS = 1024
+
 
 @dataclass
 class Uploader:
-    """Uploads tensors, counting bytes; `progress` advances by each tensor's host size."""
+    """Uploads tensors, counting bytes; `progress` advances by each tensor's host size.
+
+    f16_copies: linears asked for one (`prefill=True`) also get their weights as f16 on the
+    device (gemm_f16, long passes), counted in half_bytes."""
     exact: bool
     progress: Progress | None = None
     task: TaskID | None = None
     n_bytes: int = 0
     n_tensors: int = 0
     stream: object = field(default_factory=lambda: cuda.default_stream())
+    f16_copies: bool = False
+    half_bytes: int = 0
 
     def _advance(self, n_bytes: int) -> None:
         self.n_bytes += n_bytes
@@ -62,13 +71,15 @@ class Uploader:
         self._advance(data.size)
         return DeviceQuantMatrix(data, ggml_type, k, n_rows, n_mats)
 
-    def stacked(self, members: list[Linear | np.ndarray]) -> StackedLinears:
+    def stacked(self, members: list[Linear | np.ndarray], prefill: bool = False) -> StackedLinears:
         """Linears (or (k,) float vectors: one-row F32 matrices) that read the same input, stacked
-        row-wise per (type, k) into at most MAX_PARTS members, so one GEMV computes each stack."""
+        row-wise per (type, k) into at most MAX_PARTS members, so one GEMV computes each stack.
+        prefill: each stack may keep an f16 copy (see with_half)."""
         tensors = [QTensor("vector", GGMLType.F32, (m.size, 1), np.asarray(m, np.float32)[None])
                    if isinstance(m, np.ndarray) else m.weight for m in members]
         biases = [None if isinstance(m, np.ndarray) else m.bias for m in members]
-        stacks = [(self._stack([tensors[i] for i in idx], [biases[i] for i in idx]), tuple(idx))
+        stacks = [(self.with_half(self._stack([tensors[i] for i in idx],
+                                               [biases[i] for i in idx]), prefill), tuple(idx))
                   for idx in self._stackable_groups(tensors)]
         return StackedLinears(stacks, tuple(t.shape[1] for t in tensors))
 
@@ -95,9 +106,20 @@ class Uploader:
                                             for t, b in zip(tensors, biases)]))  # (n_rows,)
         return DeviceLinear(DeviceQuantMatrix(data, types[0], tensors[0].shape[0], n_rows), bias)
 
-    def linear(self, lin: Linear) -> DeviceLinear:
+    def linear(self, lin: Linear, prefill: bool = False) -> DeviceLinear:
+        """prefill: the linear may keep an f16 copy (see with_half)."""
         bias = self.f32(lin.bias) if lin.bias is not None else None
-        return DeviceLinear(self.matrix(lin.weight), bias)
+        return self.with_half(DeviceLinear(self.matrix(lin.weight), bias), prefill)
+
+    def with_half(self, lin: DeviceLinear, prefill: bool) -> DeviceLinear:
+        """lin with an f16 copy of its weights when asked (prefill), enabled (f16_copies) and
+        worth it: a dense matrix gemm_f16 takes, of at least F16_COPY_MIN_ROWS rows."""
+        w = lin.matrix
+        if prefill and self.f16_copies and w.n_rows >= F16_COPY_MIN_ROWS \
+                and gemm_f16.supports(w):
+            lin.half = gemm_f16.dequantize(w, self.stream)
+            self.half_bytes += 2 * w.n_rows * w.k
+        return lin
 
     def f32(self, a: np.ndarray):
         dev = cuda.to_device(np.ascontiguousarray(a, np.float32), stream=self.stream)

@@ -18,8 +18,8 @@ import numpy as np
 from numba import cuda
 
 from sparkinfer_cli.backend.cuda.cache import CudaModelCache, device_zeros
+from sparkinfer_cli.kernels.cuda import gemm_f16, sampling
 from sparkinfer_cli.kernels.cuda import quant_gemv as qg
-from sparkinfer_cli.kernels.cuda import sampling
 from sparkinfer_cli.kernels.cuda.attention import DecodeWorkspace
 from sparkinfer_cli.kernels.cuda.expert_route import ExpertRoute
 from sparkinfer_cli.kernels.cuda.runtime.driver_calls import copy_to_device_async
@@ -197,6 +197,14 @@ class Workspace:
         if n == 0:
             return None
         return self.buf("mma.partials.side" if is_side_stream(stream) else "mma.partials", n)
+
+    def half_activations(self, x, stream):
+        """x's float32 values as f16 pairs (gemm_f16's input), in a buffer per size and stream
+        (main / side: products that may run at once never share one)."""
+        out = self.buf("x16.side" if is_side_stream(stream) else "x16", x.size // 2,
+                       dtype=np.uint32)
+        gemm_f16.to_f16(x, out, stream)
+        return out
 
     def zeros_i32(self, n: int):
         return self.buf("zeros_i32", n, dtype=np.int32)

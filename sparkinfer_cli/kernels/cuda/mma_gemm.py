@@ -315,7 +315,7 @@ class _Tiling(NamedTuple):
     x_threads: int  # threads that stage activations (the block's first ones; a warp multiple)
 
 
-def _tiling(bn: int, swiglu: bool) -> _Tiling:
+def tiling(bn: int, swiglu: bool) -> _Tiling:
     warp_tokens = min(bn, 32)
     warps_n = bn // warp_tokens
     warp_rows = BM * warps_n // (THREADS // 32)
@@ -346,7 +346,7 @@ def _stage_fns(ggml_type: GGMLType, bn: int):
     Both keep a step's words in slot u of the caller's register arrays qw (8 words) / xw."""
     piece = _PIECES[ggml_type]
     a_words, b_words = BM * ROW_WORDS, bn * ROW_WORDS
-    x_words = _tiling(bn, False).tok_elems // 2
+    x_words = tiling(bn, False).tok_elems // 2
 
     @device_function(numba_inline=True)
     def fetch(k0, w_src, w_off, x, x_off, qw, xw, u, stages_x):
@@ -375,8 +375,8 @@ def _stage_fns(ggml_type: GGMLType, bn: int):
 
 
 @functools.cache
-def _multiply_fn(bn: int):
-    t = _tiling(bn, False)
+def multiply_fn(bn: int):
+    t = tiling(bn, False)
     a_bytes, b_bytes, mt, nt = 4 * BM * ROW_WORDS, 4 * bn * ROW_WORDS, t.mt, t.nt
 
     @device_function(numba_inline=True)
@@ -401,7 +401,7 @@ def _multiply_fn(bn: int):
 
 @functools.cache
 def _operands_fn(bn: int, swiglu: bool, grouped: bool):
-    t = _tiling(bn, swiglu)
+    t = tiling(bn, swiglu)
     warp_rows, half = t.warp_rows, t.warp_rows // 2
     tok_threads, tok_elems, x_threads = t.tok_threads, t.tok_elems, t.x_threads
 
@@ -438,7 +438,7 @@ def _chunk_fns(bn: int, swiglu: bool, grouped: bool):
     A lane holds rows lane//4 (+8: elements e ≥ 2) × tokens 2·(lane%4) (+1) of each m16×n8 tile.
     SwiGLU pairs a gate sum with the up sum of the same row: mt_out m16 tiles further on, or in a
     half tile (mt = 1) the same tile's element e + 2 (row + 8), each warp then owning 8 rows."""
-    t = _tiling(bn, swiglu)
+    t = tiling(bn, swiglu)
     warps_n, mt_out, nt, half_tile = t.warps_n, t.mt_out, t.nt, t.half_tile
     rows_warp = 8 if half_tile else 16 * mt_out
     up_at = 2 if half_tile else 4 * nt * mt_out  # an output's up sum: this far on in acc
@@ -486,12 +486,12 @@ def _chunk_fns(bn: int, swiglu: bool, grouped: bool):
 
 
 @functools.cache
-def _store_fns(bn: int, swiglu: bool, grouped: bool):
+def store_fns(bn: int, swiglu: bool, grouped: bool):
     """(store, store_sums): all C fragments through _chunk_fns' chunks, each its own loop nest of
     ≤ 16 iterations, which LLVM unrolls, so that acc's indices are constants and it stays in
     registers (one nest over a 64-token tile's 32-64 elements stayed rolled and put acc in local
     memory)."""
-    t = _tiling(bn, swiglu)
+    t = tiling(bn, swiglu)
     mt_out, n_e = t.mt_out, 2 if t.half_tile else 4
     store_chunk, sums_chunk = _chunk_fns(bn, swiglu, grouped)
 
@@ -524,8 +524,8 @@ def _store_fns(bn: int, swiglu: bool, grouped: bool):
 def _walk_fn(ggml_type: GGMLType, bn: int, n_stages: int):
     """walk: a block's k steps s0..s1 into its accumulators, one step a barrier through two
     buffers (n_stages 1) or n_stages steps between two barriers."""
-    (fetch, put), multiply = _stage_fns(ggml_type, bn), _multiply_fn(bn)
-    x_words = _tiling(bn, False).tok_elems // 2
+    (fetch, put), multiply = _stage_fns(ggml_type, bn), multiply_fn(bn)
+    x_words = tiling(bn, False).tok_elems // 2
     qw_size, xw_size = 8 * n_stages, x_words * n_stages
 
     @device_function(numba_inline=True)
@@ -569,11 +569,11 @@ def _walk_fn(ggml_type: GGMLType, bn: int, n_stages: int):
 
 @functools.cache
 def _gemm_kernel(ggml_type: GGMLType, bn: int, swiglu: bool, grouped: bool, n_stages: int = 1):
-    t = _tiling(bn, swiglu)
+    t = tiling(bn, swiglu)
     warps_n, warp_rows, rows_block = t.warps_n, t.warp_rows, t.rows_block
     walk = _walk_fn(ggml_type, bn, n_stages)
     operands, (store, store_sums) = _operands_fn(bn, swiglu, grouped), \
-        _store_fns(bn, swiglu, grouped)
+        store_fns(bn, swiglu, grouped)
     n_buf = max(2, n_stages)
     sa_size, sb_size, n_acc = n_buf * BM * ROW_WORDS, n_buf * bn * ROW_WORDS, 4 * t.nt * t.mt
 
@@ -610,7 +610,7 @@ def _gemm_kernel(ggml_type: GGMLType, bn: int, swiglu: bool, grouped: bool, n_st
 _DUMMY = {}
 
 
-def _dummy_i32():
+def dummy_i32():
     # NOTE: cached device array [0] for the unused route arguments of the dense kernel.
     if "i32" not in _DUMMY:
         _DUMMY["i32"] = cuda.to_device(np.zeros(1, np.int32))
@@ -755,7 +755,7 @@ def matmul(w: DeviceQuantMatrix, x, y, *, bias=None, up: DeviceQuantMatrix | Non
         needed = partials_size(w, n_tok, up is not None)
         if partials.size < needed:
             raise ValueError(f"partials: {partials.size} floats, split-K needs {needed}")
-    dummy = _dummy_i32()
+    dummy = dummy_i32()
     _launch(w, up, x, y, n_tok, cdiv(n_tok, bn), bn, False, (dummy,) * 5, bias, stream,
             partials, n_splits)
 

@@ -28,6 +28,14 @@ def check(result) -> object:
     return rest[0] if rest else None
 
 
+def allow_dynamic_shared(kernel_handle, n_bytes: int) -> None:
+    """Let launches of a kernel (a cuda.core kernel's CUkernel handle) ask for n_bytes of dynamic
+    shared memory: over 48 KiB, the driver refuses a launch until the function opts in."""
+    attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    dev = check(driver.cuCtxGetDevice())
+    check(driver.cuKernelSetAttribute(attr, n_bytes, kernel_handle, dev))
+
+
 def _device_ptr(arr) -> int:
     return int(arr.__cuda_array_interface__["data"][0])
 

@@ -22,6 +22,12 @@ Int8 tensor cores (mma.sync m16n8k32, s8 inputs, s32 sums): `ldmatrix_x4_b8` is 
 over a 16×32-byte tile (its fragments are the A of m16n8k32 for a row-major (m, k) tile and the B of
 two n8 tiles for an (n, k) tile) and `mma_s8_s32` multiplies them, exactly.
 `ld_s8_fragments_x4` gives the same A registers for rows that are only 4- or 2-byte aligned.
+
+Asynchronous copies (sm_80+): `cp_async_16` starts a 16-byte copy from global to shared memory
+that no register waits on; `cp_async_commit` closes the thread's group of copies started since the
+last one, and `cp_async_wait(n)` (n a compile-time constant) waits until at most n of its groups
+are still in flight. A barrier after the wait makes every thread's copies visible to the block.
+The simulator copies at once.
 """
 
 from __future__ import annotations
@@ -119,6 +125,16 @@ if IS_SIMULATOR:
         return np.float32(np.float64(a) * np.float64(b) + np.float64(c))
 
     def chain_start():
+        pass
+
+    def cp_async_16(dst, dst_off, src, src_off):
+        d, dst_off, src_off = _bytes(dst), int(dst_off), int(src_off)
+        d[dst_off:dst_off + 16] = _bytes(src)[src_off:src_off + 16]
+
+    def cp_async_commit():
+        pass
+
+    def cp_async_wait(n):
         pass
 
     def pack_f16x2(lo, hi):
@@ -368,6 +384,53 @@ else:
             return context.get_dummy_value()
         return types.none(), codegen
 
+    def _shared_address(context, builder, arrty, arr, offty, off):
+        """32-bit shared-window address of byte `off` in shared array `arr` (one cvta a kernel
+        after CSE; shared addresses fit in 32 bits)."""
+        ary = context.make_array(arrty)(context, builder, value=arr)
+        to_shared = ir.InlineAsm(ir.FunctionType(_I64, [_I64]), "cvta.to.shared.u64 $0, $1;",
+                                 "=l,l")
+        base = builder.call(to_shared, [builder.ptrtoint(ary.data, _I64)], attrs=_PURE)
+        off = context.cast(builder, off, offty, types.int64)
+        return builder.add(builder.trunc(base, _I32), builder.trunc(off, _I32))
+
+    @intrinsic
+    def cp_async_16(typingctx, dst, dst_off, src, src_off):
+        """Start copying 16 bytes from byte src_off of global array src to byte dst_off of
+        shared array dst (both 16-byte aligned), bypassing L1 (.cg)."""
+        if not (isinstance(dst, types.Array) and isinstance(src, types.Array)
+                and isinstance(dst_off, types.Integer) and isinstance(src_off, types.Integer)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            s_addr = _shared_address(context, builder, sig.args[0], args[0], sig.args[1],
+                                     args[1])
+            g_addr = _address(context, builder, sig.args[2], args[2], sig.args[3], args[3])
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [_I32, _I64]),
+                               "cp.async.cg.shared.global [$0], [$1], 16;", "r,l,~{memory}",
+                               side_effect=True)
+            builder.call(asm, [s_addr, g_addr])
+            return context.get_dummy_value()
+        return types.none(dst, dst_off, src, src_off), codegen
+
+    def _void_asm(ptx: str):
+        def codegen(context, builder, sig, args):
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), ptx, "~{memory}",
+                               side_effect=True)
+            builder.call(asm, [])
+            return context.get_dummy_value()
+        return codegen
+
+    @intrinsic
+    def cp_async_commit(typingctx):
+        return types.none(), _void_asm("cp.async.commit_group;")
+
+    @intrinsic
+    def cp_async_wait(typingctx, n):
+        if not isinstance(n, types.IntegerLiteral):
+            return None
+        return types.none(n), _void_asm(f"cp.async.wait_group {n.literal_value};")
+
     @intrinsic
     def pack_f16x2(typingctx, lo, hi):
         """f16(lo) in the low half, f16(hi) in the high half of a u32 (round to nearest even)."""
@@ -391,14 +454,8 @@ else:
                 return None
 
             def codegen(context, builder, sig, args):
-                # the array's shared-window address once (one cvta a kernel after CSE), plus the
-                # offset in 32 bits: shared addresses fit in 32 bits
-                ary = context.make_array(sig.args[0])(context, builder, value=args[0])
-                to_shared = ir.InlineAsm(ir.FunctionType(_I64, [_I64]),
-                                         "cvta.to.shared.u64 $0, $1;", "=l,l")
-                base = builder.call(to_shared, [builder.ptrtoint(ary.data, _I64)], attrs=_PURE)
-                off = context.cast(builder, args[1], sig.args[1], types.int64)
-                addr = builder.add(builder.trunc(base, _I32), builder.trunc(off, _I32))
+                addr = _shared_address(context, builder, sig.args[0], args[0], sig.args[1],
+                                       args[1])
                 asm = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([_I32] * 4), [_I32]),
                                    f"ldmatrix.sync.aligned.{shape}.shared.b16 "
                                    "{$0, $1, $2, $3}, [$4];",

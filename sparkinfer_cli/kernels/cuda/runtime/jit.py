@@ -73,33 +73,47 @@ _PROLOGUE_OPS = frozenset({"RESUME", "NOP", "PUSH_NULL", "PRECALL", "COPY_FREE_V
                            "EXTENDED_ARG", "CACHE"})
 
 
-def _install_chained_launch() -> None:
+STATIC_SHARED_LIMIT = 48 * 1024  # bytes of shared memory a launch gets without opting in
+
+
+def _install_launch() -> None:
     """numba-cuda launches through cuda.core (`launch(stream, LaunchConfig, kernel, *args)` in
-    _Kernel.launch); chained kernels get the same launch with programmatic stream serialization.
+    _Kernel.launch). Two additions: a launch asking for more than STATIC_SHARED_LIMIT bytes of
+    dynamic shared memory first raises the function's limit (the driver refuses the launch
+    otherwise, and numba never sets it); chained kernels (PDL on, sm_90) get the same launch with
+    programmatic stream serialization.
     NOTE: wraps a private method of numba-cuda 0.30; other versions keep plain launches."""
     from importlib.metadata import version
 
     from numba.cuda import dispatcher
 
+    from sparkinfer_cli.kernels.cuda.runtime import driver_calls
+
     plain = dispatcher._Kernel.launch
     if not version("numba-cuda").startswith("0.30."):
         return
+    chain = env.SPARKINFER_CUDA_PDL.get() and cuda.get_current_device().compute_capability >= (9, 0)
+    raised: dict[int, int] = {}  # id of a cufunc → dynamic shared bytes its limit allows
 
     def launch(self, args, griddim, blockdim, stream=0, sharedmem=0):
-        if not getattr(self.py_func, _CHAINED, False) or self.debug or self.cooperative:
+        cufunc = self._codelibrary.get_cufunc()
+        if sharedmem > max(STATIC_SHARED_LIMIT, raised.get(id(cufunc), 0)):
+            driver_calls.allow_dynamic_shared(cufunc.handle, sharedmem)
+            raised[id(cufunc)] = sharedmem
+        if not (chain and getattr(self.py_func, _CHAINED, False)) or self.debug \
+                or self.cooperative:
             return plain(self, args, griddim, blockdim, stream, sharedmem)
         retr, kernelargs = [], []  # as _Kernel.launch marshals them
         for t, v in zip(self.argument_types, args):
             self._prepare_args(t, v, stream, retr, kernelargs)
         config = dispatcher.LaunchConfig(grid=griddim, block=blockdim, shmem_size=sharedmem,
                                          programmatic_stream_serialization=True)
-        dispatcher.launch(stream, config, self._codelibrary.get_cufunc().kernel, *kernelargs)
+        dispatcher.launch(stream, config, cufunc.kernel, *kernelargs)
         for write_back in retr:
             write_back()
 
     dispatcher._Kernel.launch = launch
 
 
-if not IS_SIMULATOR and env.SPARKINFER_CUDA_PDL.get() and cuda.is_available() \
-        and cuda.get_current_device().compute_capability >= (9, 0):
-    _install_chained_launch()
+if not IS_SIMULATOR and cuda.is_available():
+    _install_launch()
