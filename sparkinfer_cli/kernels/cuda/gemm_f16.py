@@ -53,8 +53,10 @@ PIECES = BK * 2 // 16  # 16-byte pieces of a row a step
 ROWS_STEP = THREADS // PIECES  # rows apart of a thread's successive pieces
 ROWS_APART = ROWS_STEP * ROW_STRIDE  # ... in staged bytes
 LOADS = BM // ROWS_STEP  # pieces of weights (and as many of tokens: BN == BM) a thread copies
+assert BN == BM, "_issue copies as many token rows as weight rows"
 _IN_FLIGHT = STAGES - 2  # groups a thread may leave in flight at step s's wait
-# two blocks an SM (≤ 128 registers a thread): one block of twice the tile ran 1.8× slower
+# two blocks an SM (≤ 128 registers a thread): with one block of a twice larger tile, nothing
+# covered its barrier and loads (bench/results/2026-12-06-f16-prefill-gemm.md)
 _LAUNCH_BOUNDS = {} if IS_SIMULATOR else {"launch_bounds": (THREADS, 2)}
 CONVERT_THREADS = 256
 
