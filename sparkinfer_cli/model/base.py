@@ -1,11 +1,11 @@
-"""CausalLM: the shape every supported model shares.
+"""CausalLM: the shape every supported model shares, on the CPU.
 
     x = token_embd(ids)
     for each layer:  x = x + mixer(norm₁(x));  x = x + ffn(norm₂(x))
     logits = output(output_norm(x))
 
-Architecture files only say which mixer (attention or Gated DeltaNet) and which FFN (dense or MoE)
-each layer has, and how its tensors are named.
+Which mixer (attention, gated attention or Gated DeltaNet) and which FFN (dense or MoE) each
+layer has comes from its tensor records (tensors.py): one model class for every architecture.
 """
 
 from __future__ import annotations
@@ -21,8 +21,18 @@ from sparkinfer_cli.model.backend import ModelBackend
 from sparkinfer_cli.model.batch import SequenceBatch
 from sparkinfer_cli.model.cache import ModelCache
 from sparkinfer_cli.model.config import ModelConfig
+from sparkinfer_cli.model.gated_attention import GatedAttention
+from sparkinfer_cli.model.gated_delta_net import GatedDeltaNet
 from sparkinfer_cli.model.layers import Attention, Embedding, Forward, Linear, RMSNorm, SwiGLU
-from sparkinfer_cli.model.weights import Weights
+from sparkinfer_cli.model.moe import MoE
+from sparkinfer_cli.model.tensors import (
+    AttentionTensors,
+    DeltaNetTensors,
+    ModelTensors,
+    MoETensors,
+    SwiGLUTensors,
+    resolve_tensors,
+)
 
 Mixer = Callable[[np.ndarray, Forward], np.ndarray]
 FFN = Callable[[np.ndarray], np.ndarray]
@@ -41,27 +51,24 @@ class DecoderLayer:
 
 
 class CausalLM(ModelBackend[ModelCache]):
-    """Base of every architecture (the CPU backend); subclasses implement `build_layer`."""
+    """Every architecture on the CPU backend."""
 
     scores_drafts = True  # every token attends row by row (layers.Attention.attend)
     kv_dtype: type = np.float32  # of the KV cache: float16 with int8 decode
 
-    def __init__(self, gguf: GGUFFile, config: ModelConfig):
+    def __init__(self, tensors: ModelTensors, config: ModelConfig):
         self.config = config
-        w = Weights(gguf, config.n_layer)
-        E, V = config.n_embd, config.n_vocab
-        self.token_embd = Embedding(w.get("token_embd.weight", (E, V)))
-        self.layers = [self.build_layer(w, i) for i in range(config.n_layer)]
-        self.output_norm = RMSNorm(w.get("output_norm.weight", (E,)), config.rms_eps)
-        self.output = Linear(w.get("token_embd.weight") if config.tied_embeddings
-                             else w.get("output.weight", (E, V)))
-        w.check_all_used()
+        self.token_embd = Embedding(tensors.token_embd)
+        self.layers = [DecoderLayer(RMSNorm(t.attn_norm, config.rms_eps),
+                                    _mixer(t.mixer, config, i),
+                                    RMSNorm(t.ffn_norm, config.rms_eps), _ffn(t.ffn, config))
+                       for i, t in enumerate(tensors.layers)]
+        self.output_norm = RMSNorm(tensors.output_norm, config.rms_eps)
+        self.output = Linear(tensors.output)
 
-    def build_layer(self, w: Weights, layer: int) -> DecoderLayer:
-        raise NotImplementedError
-
-    def norm(self, w: Weights, name: str) -> RMSNorm:
-        return RMSNorm(w.get(name, (self.config.n_embd,)), self.config.rms_eps)
+    @classmethod
+    def from_gguf(cls, gguf: GGUFFile, config: ModelConfig) -> CausalLM:
+        return cls(resolve_tensors(gguf, config), config)
 
     def use_int8_decode(self, stored: Mapping[str, PackedWeight] | None = None
                         ) -> dict[str, PackedWeight]:
@@ -94,6 +101,17 @@ class CausalLM(ModelBackend[ModelCache]):
         for layer in self.layers:
             x = layer(x, fwd)
         return self.output(self.output_norm(x[batch.logit_rows()]))  # (rows, n_vocab)
+
+
+def _mixer(t: AttentionTensors | DeltaNetTensors, cfg: ModelConfig, layer: int) -> Mixer:
+    if isinstance(t, DeltaNetTensors):
+        return GatedDeltaNet(t, cfg, layer)
+    return GatedAttention(t, t.q_gate, cfg, layer) if t.q_gate is not None else \
+        Attention(t, cfg, layer)
+
+
+def _ffn(t: SwiGLUTensors | MoETensors, cfg: ModelConfig) -> FFN:
+    return MoE(t, cfg) if isinstance(t, MoETensors) else SwiGLU(t)
 
 
 def _find(root: object, kind: type | tuple[type, ...]) -> list:

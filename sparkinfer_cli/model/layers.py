@@ -20,7 +20,8 @@ from sparkinfer_cli.kernels.cpu.swiglu import swiglu
 from sparkinfer_cli.model.batch import SequenceSpan
 from sparkinfer_cli.model.cache import ModelCache
 from sparkinfer_cli.model.config import ModelConfig
-from sparkinfer_cli.model.weights import QTensor, Weights
+from sparkinfer_cli.model.tensors import AttentionTensors, SwiGLUTensors
+from sparkinfer_cli.model.weights import QTensor
 
 
 class Linear:
@@ -110,29 +111,18 @@ class Attention:
     Optional per arch: q/k/v biases (qwen2), per-head q/k RMSNorm before RoPE (qwen3*).
     """
 
-    def __init__(self, w: Weights, cfg: ModelConfig, layer: int, qkv_bias: bool, qk_norm: bool):
-        p, E = f"blk.{layer}.", cfg.n_embd
-        q_dim, kv_dim = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
-        bias = (lambda n, d: w.get(p + n + ".bias", (d,))) if qkv_bias else (lambda n, d: None)
-        self.attn_q = self.build_query(w, cfg, p, bias("attn_q", q_dim))
-        self.attn_k = Linear(w.get(p + "attn_k.weight", (E, kv_dim)), bias("attn_k", kv_dim))
-        self.attn_v = Linear(w.get(p + "attn_v.weight", (E, kv_dim)), bias("attn_v", kv_dim))
-        self.attn_output = Linear(w.get(p + "attn_output.weight", (q_dim, E)))
-        hd = cfg.head_dim
-        self.attn_q_norm = RMSNorm(w.get(p + "attn_q_norm.weight", (hd,)), cfg.rms_eps) \
-            if qk_norm else None
-        self.attn_k_norm = RMSNorm(w.get(p + "attn_k_norm.weight", (hd,)), cfg.rms_eps) \
-            if qk_norm else None
+    def __init__(self, t: AttentionTensors, cfg: ModelConfig, layer: int):
+        self.attn_q = Linear(t.q, t.q_bias)
+        self.attn_k = Linear(t.k, t.k_bias)
+        self.attn_v = Linear(t.v, t.v_bias)
+        self.attn_output = Linear(t.output)
+        self.attn_q_norm = RMSNorm(t.q_norm, cfg.rms_eps) if t.q_norm is not None else None
+        self.attn_k_norm = RMSNorm(t.k_norm, cfg.rms_eps) if t.k_norm is not None else None
         self.layer, self.cfg = layer, cfg
         self.qkv_decode: PackedMatvec | None = None
 
     def fuse_int8_decode(self) -> None:
         self.qkv_decode = fuse_decode([self.attn_q, self.attn_k, self.attn_v])
-
-    def build_query(self, w: Weights, cfg: ModelConfig, prefix: str,
-                    bias: QTensor | None) -> Linear:
-        shape = (cfg.n_embd, cfg.n_head * cfg.head_dim)
-        return Linear(w.get(prefix + "attn_q.weight", shape), bias)
 
     def project_qkv(self, x: np.ndarray, fwd: Forward) -> tuple[np.ndarray, ...]:
         """Normalised, rotated q (N, H, D) and k, v (N, H_kv, D)."""
@@ -169,12 +159,10 @@ class Attention:
 
 
 class SwiGLU:
-    """down(silu(gate(x)) ⊙ up(x)); tensors `{prefix}gate{suffix}.weight` etc."""
+    """down(silu(gate(x)) ⊙ up(x))."""
 
-    def __init__(self, w: Weights, prefix: str, suffix: str, n_embd: int, n_ff: int):
-        self.ffn_gate = Linear(w.get(f"{prefix}gate{suffix}.weight", (n_embd, n_ff)))
-        self.ffn_up = Linear(w.get(f"{prefix}up{suffix}.weight", (n_embd, n_ff)))
-        self.ffn_down = Linear(w.get(f"{prefix}down{suffix}.weight", (n_ff, n_embd)))
+    def __init__(self, t: SwiGLUTensors):
+        self.ffn_gate, self.ffn_up, self.ffn_down = Linear(t.gate), Linear(t.up), Linear(t.down)
         self.gate_up_decode: PackedMatvec | None = None
 
     def fuse_int8_decode(self) -> None:

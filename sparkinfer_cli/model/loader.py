@@ -1,8 +1,7 @@
-"""load_model: GGUF file → the architecture's Model (the module named like general.architecture)."""
+"""load_model: GGUF file → the model on the chosen backend."""
 
 from __future__ import annotations
 
-import importlib
 import logging
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -33,8 +32,7 @@ def load_model(path: str | Path | GGUFFile, device: str = "cpu", *,
         return load_cuda_model(gguf, config, kv_int8=kv_int8)
     if device != "cpu":
         raise ValueError(f"device {device!r} is not available in this build (use 'cpu' or 'cuda')")
-    module = importlib.import_module(f"sparkinfer_cli.model.{config.arch}")
-    model = module.Model(gguf, config)
+    model = CausalLM.from_gguf(gguf, config)
     if int8_decode:
         model.use_int8_decode()
     return model

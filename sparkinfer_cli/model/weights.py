@@ -18,6 +18,7 @@ class QTensor:
     ggml_type: int
     shape: tuple[int, ...]  # ggml order, ne0 (input features) first
     raw: np.ndarray
+    offset: int | None = None  # where raw starts in the file, when raw is all of a file tensor
 
     @property
     def ne0(self) -> int:
@@ -55,7 +56,7 @@ class Weights:
                             "which this engine cannot compute with yet "
                             f"(supported: {', '.join(sorted(t.name for t in COMPUTE_TYPES))})")
         self.taken.add(name)
-        return QTensor(name, info.ggml_type, info.shape, self.gguf.raw(name))
+        return QTensor(name, info.ggml_type, info.shape, self.gguf.raw(name), info.offset)
 
     def optional(self, name: str, shape: tuple[int, ...] | None = None) -> QTensor | None:
         return self.get(name, shape) if self.has(name) else None

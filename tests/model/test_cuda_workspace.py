@@ -3,24 +3,22 @@ numpy on the dequantized weights."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 from gguf.quants import dequantize, quantize
 
+from sparkinfer_cli.backend.cuda.cache import PoolShape
 from sparkinfer_cli.backend.cuda.linears import LINEAR_MMA_MIN_ROWS
-from sparkinfer_cli.backend.cuda.weights import Uploader
+from sparkinfer_cli.backend.cuda.weights import Uploader, one_row
 from sparkinfer_cli.backend.cuda.workspace import Workspace
 from sparkinfer_cli.gguf.ggml_types import GGMLType
 from sparkinfer_cli.kernels.cuda import quant_gemv as qg
-from sparkinfer_cli.model.layers import Linear
 from sparkinfer_cli.model.weights import QTensor
 
 
-def quantized_linear(rng, ggml_type: GGMLType, n_rows: int, k: int) -> Linear:
+def quantized_weight(rng, ggml_type: GGMLType, n_rows: int, k: int) -> QTensor:
     w = (rng.standard_normal((n_rows, k)) * 0.03).astype(np.float32)
-    return Linear(QTensor("w", ggml_type, (k, n_rows), quantize(w, ggml_type)))
+    return QTensor("w", ggml_type, (k, n_rows), quantize(w, ggml_type))
 
 
 def test_stacked_linears_of_several_weight_types_fill_each_members_output():
@@ -28,24 +26,23 @@ def test_stacked_linears_of_several_weight_types_fill_each_members_output():
     stream on a GPU; the simulator has one stream), each member's rows in its own buffer."""
     rng = np.random.default_rng(21)
     k, n_rows = 256, 2
-    members = [quantized_linear(rng, GGMLType.Q8_0, 8, k),
-               quantized_linear(rng, GGMLType.Q4_0, 4, k),
-               quantized_linear(rng, GGMLType.Q8_0, 4, k),
-               rng.standard_normal(k).astype(np.float32)]
-    stacked = Uploader(exact=False).stacked(members)
+    vector = QTensor("v", GGMLType.F32, (k,), rng.standard_normal(k).astype(np.float32))
+    members = [quantized_weight(rng, GGMLType.Q8_0, 8, k),
+               quantized_weight(rng, GGMLType.Q4_0, 4, k),
+               quantized_weight(rng, GGMLType.Q8_0, 4, k), one_row(vector)]
+    stacked = Uploader(exact=False).stacked([(m, None) for m in members])
     assert len(stacked.stacks) == 3  # the path under test
-    ws = Workspace(n_rows, SimpleNamespace(num_blocks=1), k, True, 0, 0)
+    ws = Workspace(n_rows, PoolShape(1, 16, 1, 0), k, True, 0, 0)
     x = rng.standard_normal((1, n_rows, k)).astype(np.float32)  # (groups, cols, k)
     ws.x.f.copy_to_device(x)
     ws.x.quantize(0)
     outs = stacked(ws, ws.x, ("a", "b", "c", "d"), 0)
     q, d, _ = qg.quantize_q8_reference(x[0])
     x_q8 = (q.reshape(*d.shape, 32) * d[..., None]).reshape(x[0].shape)  # what the GEMV reads
-    for member, out in zip(members, outs):
-        if isinstance(member, np.ndarray):  # F32: float activations
-            ref = x[0].astype(np.float64) @ member
+    for w, out in zip(members, outs):
+        if w.ggml_type == GGMLType.F32:  # float activations
+            ref = x[0].astype(np.float64) @ np.asarray(w.raw).T
         else:
-            w = member.weight
             ref = x_q8.astype(np.float64) @ dequantize(w.raw, w.ggml_type).T
         np.testing.assert_allclose(out.copy_to_host().reshape(ref.shape), ref, rtol=1e-4,
                                    atol=1e-5)
@@ -58,9 +55,9 @@ def test_a_linear_of_enough_tokens_runs_on_tensor_cores(ggml_type):
     mmq_q8 on the q8 activations, as the GEMVs read them) and computes W·x."""
     rng = np.random.default_rng(5)
     k, n_out, n_tokens = 256, 128, LINEAR_MMA_MIN_ROWS
-    member = quantized_linear(rng, ggml_type, n_out, k)
+    member = quantized_weight(rng, ggml_type, n_out, k)
     lin = Uploader(exact=False).linear(member)
-    ws = Workspace(n_tokens, SimpleNamespace(num_blocks=1), k, True, 0, 0)
+    ws = Workspace(n_tokens, PoolShape(1, 16, 1, 0), k, True, 0, 0)
     assert lin.on_tensor_cores(ws, n_tokens) and not lin.on_tensor_cores(ws, n_tokens - 1)
     x = rng.standard_normal((ws.groups, ws.cols, k)).astype(np.float32)
     ws.x.f.copy_to_device(x)
@@ -71,7 +68,7 @@ def test_a_linear_of_enough_tokens_runs_on_tensor_cores(ggml_type):
     if lin.reads_q8(ws, n_tokens):  # int8 tensor cores: the q8 activations
         q, d, _ = qg.quantize_q8_reference(rows)
         rows = (q.reshape(*d.shape, 32) * d[..., None]).reshape(rows.shape)
-    ref = rows.astype(np.float64) @ dequantize(member.weight.raw, ggml_type).T
+    ref = rows.astype(np.float64) @ dequantize(member.raw, ggml_type).T
     np.testing.assert_allclose(y.copy_to_host().reshape(ref.shape), ref, rtol=2e-3, atol=2e-3)
 
 
@@ -87,15 +84,15 @@ def test_a_long_pass_over_a_linear_with_an_f16_copy_runs_gemm_f16(monkeypatch):
     monkeypatch.setattr(linears, "F16_GEMM_MIN_ROWS", 32)
     rng = np.random.default_rng(7)
     k, n_out, n_tokens = 64, 72, 32
-    member = quantized_linear(rng, GGMLType.Q8_0, n_out, k)
-    member.bias = rng.standard_normal(n_out).astype(np.float32)
-    assert Uploader(exact=False, f16_copies=True).linear(member).half is None
-    assert Uploader(exact=False).linear(member, prefill=True).half is None
-    lin = Uploader(exact=False, f16_copies=True).linear(member, prefill=True)
+    member = quantized_weight(rng, GGMLType.Q8_0, n_out, k)
+    bias = QTensor("b", GGMLType.F32, (n_out,), rng.standard_normal(n_out).astype(np.float32))
+    assert Uploader(exact=False, f16_copies=True).linear(member, bias).half is None
+    assert Uploader(exact=False).linear(member, bias, prefill=True).half is None
+    lin = Uploader(exact=False, f16_copies=True).linear(member, bias, prefill=True)
     assert lin.half is not None
     ran, matmul = [], gemm_f16.matmul
     monkeypatch.setattr(gemm_f16, "matmul", lambda *a, **kw: ran.append(True) or matmul(*a, **kw))
-    ws = Workspace(n_tokens, SimpleNamespace(num_blocks=1), k, True, 0, 0)
+    ws = Workspace(n_tokens, PoolShape(1, 16, 1, 0), k, True, 0, 0)
     x = rng.standard_normal((ws.groups, ws.cols, k)).astype(np.float32)
     ws.x.f.copy_to_device(x)
     ws.x.quantize(0)
@@ -103,8 +100,8 @@ def test_a_long_pass_over_a_linear_with_an_f16_copy_runs_gemm_f16(monkeypatch):
     lin(ws, ws.x, y, 0)
     assert ran and not lin.reads_q8(ws, n_tokens)
     rows = x.reshape(n_tokens, k).astype(np.float16).astype(np.float64)
-    w16 = dequantize(member.weight.raw, GGMLType.Q8_0).astype(np.float16).astype(np.float64)
-    ref = rows @ w16.T + member.bias
+    w16 = dequantize(member.raw, GGMLType.Q8_0).astype(np.float16).astype(np.float64)
+    ref = rows @ w16.T + bias.raw
     np.testing.assert_allclose(y.copy_to_host().reshape(ref.shape), ref, rtol=1e-4, atol=1e-4)
     assert lin.reads_q8(ws, n_tokens - 1)  # fewer tokens: the quantized path again
 
@@ -119,7 +116,7 @@ def test_a_queued_decode_pass_stages_its_inputs_and_takes_device_token_ids():
     from sparkinfer_cli.kernels.cuda.runtime.driver_calls import copy_device_async
     from sparkinfer_cli.model.batch import SequenceBatch
 
-    cache = SimpleNamespace(num_blocks=9, block_size=4, scratch_block=9, scratch_slot=3)
+    cache = PoolShape(num_blocks=9, block_size=4, scratch_block=9, scratch_slot=3)
     ws = Workspace(4, cache, 32, True, 0, 0)
     tables = [np.array([5, 2]), np.array([7]), np.array([1, 8, 0])]
     batch = SequenceBatch(np.array([11, 12, 13], np.int32), [5, 0, 9], [1, 1, 1], tables,
@@ -162,7 +159,7 @@ def test_a_pass_uploads_the_tables_of_its_sequences_and_a_scratch_row_after_them
     rows' sequence) only the scratch block, after a pass with more sequences too."""
     from sparkinfer_cli.model.batch import SequenceBatch
 
-    cache = SimpleNamespace(num_blocks=9, block_size=4, scratch_block=9, scratch_slot=3)
+    cache = PoolShape(num_blocks=9, block_size=4, scratch_block=9, scratch_slot=3)
     ws = Workspace(8, cache, 32, True, 0, 0)
     three = SequenceBatch(np.array([1, 2, 3], np.int32), [0, 0, 0], [1, 1, 1],
                           [np.array([4]), np.array([5]), np.array([6])], [0, 1, 2])

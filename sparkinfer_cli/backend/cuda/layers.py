@@ -1,7 +1,7 @@
-"""The CPU model's layers on the GPU: each reads the normed input ws.x and writes ws.delta.
+"""The model's layers on the GPU: each reads the normed input ws.x and writes ws.delta.
 
-Built from the CPU layer objects (model/layers.py, moe.py, gated_attention.py, gated_delta_net.py),
-whose math they mirror; see those files for the formulas. All launches go to `stream` and use only
+Built from the tensor records (model/tensors.py); their math is the CPU layers' (model/layers.py,
+moe.py, gated_attention.py, gated_delta_net.py); see those files for the formulas. All launches go to `stream` and use only
 workspace / cache buffers, so the same calls run eagerly (prefill) or inside a CUDA graph (decode).
 """
 
@@ -12,7 +12,7 @@ import numpy as np
 from sparkinfer_cli import env
 from sparkinfer_cli.backend.cuda.cache import CudaModelCache
 from sparkinfer_cli.backend.cuda.linears import DeviceLinear, sums_in_fixed_order
-from sparkinfer_cli.backend.cuda.weights import Uploader
+from sparkinfer_cli.backend.cuda.weights import Uploader, one_row
 from sparkinfer_cli.backend.cuda.workspace import Workspace
 from sparkinfer_cli.kernels.cuda import (
     activation,
@@ -30,15 +30,19 @@ from sparkinfer_cli.kernels.cuda.attention_input import prepare_attention_input
 from sparkinfer_cli.kernels.cuda.expert_route import ExpertRoute, route_experts
 from sparkinfer_cli.kernels.cuda.runtime import graphs
 from sparkinfer_cli.model.config import ROPE_NEOX, ModelConfig
-from sparkinfer_cli.model.gated_delta_net import GatedDeltaNet
-from sparkinfer_cli.model.layers import Attention, SwiGLU
-from sparkinfer_cli.model.moe import MoE
+from sparkinfer_cli.model.tensors import (
+    AttentionTensors,
+    DeltaNetTensors,
+    MoETensors,
+    SwiGLUTensors,
+)
+from sparkinfer_cli.model.weights import QTensor
 
 
 class CudaSwiGLU:
-    def __init__(self, up: Uploader, ffn: SwiGLU, name: str):
-        self.gate, self.up = up.linear(ffn.ffn_gate), up.linear(ffn.ffn_up)
-        self.down = up.linear(ffn.ffn_down, prefill=True)
+    def __init__(self, up: Uploader, t: SwiGLUTensors, name: str):
+        self.gate, self.up = up.linear(t.gate), up.linear(t.up)
+        self.down = up.linear(t.down, prefill=True)
         self.fused = self.gate.matrix.ggml_type == self.up.matrix.ggml_type
         self.name = name
 
@@ -70,18 +74,18 @@ class CudaMoE:
     The weighted combine of the experts (and the gated shared expert) is left to `add_norm`, which
     folds it into the next pre-norm's residual add: one launch instead of three."""
 
-    def __init__(self, up: Uploader, ffn: MoE, config: ModelConfig):
-        self.gate = DeviceLinear(up.matrix(ffn.ffn_gate_exps.weight))
-        self.up = DeviceLinear(up.matrix(ffn.ffn_up_exps.weight))
-        self.down = DeviceLinear(up.matrix(ffn.ffn_down_exps.weight))
-        self.k, self.n_expert = ffn.n_expert_used, ffn.n_expert
+    def __init__(self, up: Uploader, t: MoETensors, config: ModelConfig):
+        self.gate = DeviceLinear(up.matrix(t.gate_exps))
+        self.up = DeviceLinear(up.matrix(t.up_exps))
+        self.down = DeviceLinear(up.matrix(t.down_exps))
+        self.k, self.n_expert = config.n_expert_used, config.n_expert
         self.int8_experts = env.SPARKINFER_INT8_EXPERTS.get()
         self.fused = self.gate.matrix.ggml_type == self.up.matrix.ggml_type
         self.shared = None
-        routers: list = [ffn.ffn_gate_inp]
-        if ffn.shared is not None:
-            self.shared = CudaSwiGLU(up, ffn.shared.shexp, "shexp")
-            routers.append(ffn.shared.ffn_gate_inp_shexp)  # a (k,) vector: the shared gate logit
+        routers: list[tuple[QTensor, QTensor | None]] = [(t.router, None)]
+        if t.shared is not None:
+            self.shared = CudaSwiGLU(up, t.shared.ffn, "shexp")
+            routers.append((one_row(t.shared.gate), None))  # the shared gate logit
         self.routers = up.stacked(routers)
 
     def __call__(self, ws: Workspace, stream) -> None:
@@ -192,16 +196,17 @@ class CudaMoE:
 class CudaAttention:
     """GQA attention; optional: qwen3 q/k norms, qwen2 biases, the hybrids' sigmoid output gate."""
 
-    def __init__(self, up: Uploader, mixer: Attention, config: ModelConfig):
-        gate = getattr(mixer, "attn_q_gate", None)
-        self.gated = gate is not None
-        self.qkv = up.stacked([mixer.attn_q, mixer.attn_k, mixer.attn_v] + ([gate] if gate else []),
-                              prefill=True)
-        self.o = up.linear(mixer.attn_output, prefill=True)
-        q_norm, k_norm = mixer.attn_q_norm, mixer.attn_k_norm
-        self.q_norm = up.f32(q_norm.weight) if q_norm is not None else None
-        self.k_norm = up.f32(k_norm.weight) if k_norm is not None else None
-        self.layer, self.cfg = mixer.layer, config
+    def __init__(self, up: Uploader, t: AttentionTensors, config: ModelConfig, layer: int):
+        self.gated = t.q_gate is not None
+        members: list[tuple[QTensor, QTensor | None]] = [(t.q, t.q_bias), (t.k, t.k_bias),
+                                                         (t.v, t.v_bias)]
+        if t.q_gate is not None:
+            members.append((t.q_gate, None))
+        self.qkv = up.stacked(members, prefill=True)
+        self.o = up.linear(t.output, prefill=True)
+        self.q_norm = up.vector(t.q_norm) if t.q_norm is not None else None
+        self.k_norm = up.vector(t.k_norm) if t.k_norm is not None else None
+        self.layer, self.cfg = layer, config
 
     def __call__(self, ws: Workspace, cache: CudaModelCache, stream) -> None:
         cfg, rows = self.cfg, ws.n_rows
@@ -209,17 +214,16 @@ class CudaAttention:
         q, k, v, *gate = self.qkv(ws, ws.x, ("attn.q", "attn.k", "attn.v", "attn.gate"),
                                     stream)
         q, k, v = q.reshape(rows, H, D), k.reshape(rows, H_kv, D), v.reshape(rows, H_kv, D)
-        li = cache.attn_index[self.layer]
+        kv = cache.kv.layer(cache.attn_index[self.layer])
         prepare_attention_input(q, k, v, self.q_norm, self.k_norm, cfg.rms_eps, ws.positions,
-                                cfg.n_rot, cfg.rope_base, cache.k[li], cache.v[li],
-                                ws.slot_mapping, neox=cfg.rope_style == ROPE_NEOX,
-                                scales=cache.kv_scales(li), stream=stream)
+                                cfg.n_rot, cfg.rope_base, kv.k, kv.v, ws.slot_mapping,
+                                neox=cfg.rope_style == ROPE_NEOX, scales=kv.scales,
+                                stream=stream)
         out = ws.act("attn.out", H * D)
-        args = (q, cache.k[li], cache.v[li], ws.block_tables, ws.seq_lens,
-                out.f.reshape(rows, H, D))
-        options = {"stream": stream, "row_seq": ws.row_seq, "scales": cache.kv_scales(li)}
+        args = (q, kv.k, kv.v, ws.block_tables, ws.seq_lens, out.f.reshape(rows, H, D))
+        options = {"stream": stream, "row_seq": ws.row_seq, "scales": kv.scales}
         fused_q8 = None  # the q8 activations the attention kernel fills itself
-        if ws.multi_token and attention_flash.supports(H, H_kv, D, cache.k[li].dtype):
+        if ws.multi_token and attention_flash.supports(H, H_kv, D, kv.k.dtype):
             attention_flash.flash_prefill_attention(*args, **options)  # on tensor cores
         elif ws.multi_token and attention_prefill.supports(H, H_kv, D):  # share K/V tiles
             attention_prefill.prefill_attention(*args, **options)
@@ -235,14 +239,15 @@ class CudaAttention:
 
 
 class CudaGatedDeltaNet:
-    def __init__(self, up: Uploader, mixer: GatedDeltaNet, config: ModelConfig):
-        m = mixer
-        self.proj = up.stacked([m.attn_qkv, m.attn_gate, m.ssm_alpha, m.ssm_beta], prefill=True)
+    def __init__(self, up: Uploader, t: DeltaNetTensors, config: ModelConfig, layer: int):
+        self.proj = up.stacked([(t.qkv, None), (t.z, None), (t.alpha, None), (t.beta, None)],
+                               prefill=True)
         self.qkv_rows, self.z_rows = self.proj.n_rows[:2]
-        self.conv_w, self.dt, self.a = up.f32(m.ssm_conv1d), up.f32(m.ssm_dt), up.f32(m.ssm_a)
-        self.norm_w, self.out = up.f32(m.ssm_norm.weight), up.linear(m.ssm_out, prefill=True)
-        self.H_k, self.H_v, self.d_v = m.H_k, m.H_v, m.d_v
-        self.head_map_mod, self.eps, self.layer = m.head_map == "mod", m.eps, m.layer
+        self.conv_w, self.dt, self.a = up.vector(t.conv1d), up.vector(t.dt), up.vector(t.a)
+        self.norm_w, self.out = up.vector(t.norm), up.linear(t.out, prefill=True)
+        self.H_k, self.H_v = config.ssm_n_group, config.ssm_n_v_heads
+        self.d_v = config.ssm_inner_size // self.H_v
+        self.head_map_mod, self.eps, self.layer = t.head_map == "mod", config.rms_eps, layer
 
     def __call__(self, ws: Workspace, cache: CudaModelCache, stream) -> None:
         rows, G, C = ws.n_rows, ws.groups, ws.cols

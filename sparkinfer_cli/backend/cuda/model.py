@@ -1,4 +1,5 @@
-"""CudaModel: the CPU model's forward pass on an NVIDIA GPU (numba.cuda kernels), same interface.
+"""CudaModel: the model's forward pass on an NVIDIA GPU (numba.cuda kernels), the CPU model's
+interface (ModelBackend).
 
     model = load_cuda_model(gguf, config)            # weights uploaded once, in their GGUF bytes
     cache = model.create_cache(num_blocks, block_size, num_state_slots)   # on the device
@@ -26,11 +27,11 @@ the memory; for tests.
 
 from __future__ import annotations
 
-import importlib
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple
 
 import numpy as np
 from numba import cuda
@@ -46,6 +47,8 @@ from sparkinfer_cli.gguf.reader import GGUFFile
 from sparkinfer_cli.kernels.cuda import embedding, norm, sampling
 from sparkinfer_cli.kernels.cuda.model_ops import gather_rows
 from sparkinfer_cli.kernels.cuda.runtime import graphs
+from sparkinfer_cli.kernels.cuda.runtime.file_upload import FileUploader
+from sparkinfer_cli.kernels.cuda.runtime.graphs import CapturedGraph
 from sparkinfer_cli.kernels.cuda.runtime.driver_calls import (
     StreamMark,
     copy_device_async,
@@ -53,12 +56,17 @@ from sparkinfer_cli.kernels.cuda.runtime.driver_calls import (
 )
 from sparkinfer_cli.kernels.cuda.runtime.intrinsics import IS_SIMULATOR
 from sparkinfer_cli.model.backend import ModelBackend
-from sparkinfer_cli.model.base import CausalLM, DecoderLayer
 from sparkinfer_cli.model.batch import SamplingRows, SequenceBatch
 from sparkinfer_cli.model.config import ModelConfig
-from sparkinfer_cli.model.gated_delta_net import GatedDeltaNet
-from sparkinfer_cli.model.layers import Attention, SwiGLU
-from sparkinfer_cli.model.moe import MoE
+from sparkinfer_cli.model.layers import Embedding
+from sparkinfer_cli.model.tensors import (
+    DeltaNetTensors,
+    LayerTensors,
+    ModelTensors,
+    MoETensors,
+    resolve_tensors,
+)
+from sparkinfer_cli.model.weights import QTensor
 
 MAX_GRAPH_ROWS = 64  # decode graphs of batches up to this many sequences are captured at load
 MAX_PASS_TOKENS = 4096  # tokens a forward pass takes at most (workspace buffers are sized by it)
@@ -92,6 +100,15 @@ class StepTimes:
         return self.host_s[kind] / n * 1e6, self.total_s[kind] / n * 1e6
 
 
+@dataclass
+class CachePasses:
+    """What the passes over one cache reuse: a workspace per row bucket, and the graph captured
+    per pass kind (row bucket, several tokens a sequence, logit rows, ids too). Both point into
+    that cache's buffers, so the model keeps them per cache, for as long as the cache lives."""
+    workspaces: dict[int, Workspace] = field(default_factory=dict)
+    graphs: dict[tuple[int, bool, int, bool], CapturedGraph] = field(default_factory=dict)
+
+
 class QueuedPass(NamedTuple):
     ws: Workspace
     logit_rows: int  # the bucket of rows that produce logits
@@ -107,27 +124,22 @@ class CudaModel(ModelBackend[CudaModelCache]):
     max_sample_top_k = sampling.MAX_CANDIDATES  # forward_sampled is exact for 1 ≤ top_k ≤ this
     picks_on_device = True
 
-    def __init__(self, cpu_model: CausalLM, *, exact: bool = False, kv_int8: bool = False,
-                 use_graphs: bool | None = None,
+    def __init__(self, tensors: ModelTensors, config: ModelConfig, *, exact: bool = False,
+                 kv_int8: bool = False, use_graphs: bool | None = None,
                  console: Console | None = None, total_bytes: int | None = None):
-        self.config, self.exact = cpu_model.config, exact
+        self.config, self.exact = config, exact
         if exact and kv_int8:
             raise ValueError("exact mode keeps the KV cache in float32: no int8 KV")
         self.kv_dtype = np.float32 if exact else (np.int8 if kv_int8 else np.float16)
         self.use_graphs = (not IS_SIMULATOR) if use_graphs is None else use_graphs
-        self.embedding = cpu_model.token_embd  # the host lookup, for tables the device cannot read
+        # the host lookup, for tables the device cannot read
+        self.embedding = Embedding(tensors.token_embd)
         self.stream = cuda.stream()
         self._marks = [StreamMark() for _ in range(MAX_QUEUED_STEPS)]  # decode_greedy's passes
         self.times = StepTimes()
-        up = Uploader(exact, stream=self.stream,
-                      f16_copies=not exact and env.SPARKINFER_F16_PREFILL.get())
-        with upload_progress(console) as progress:
-            up.progress, up.task = progress, progress.add_task("weights", total=total_bytes)
-            self.layers = [self._upload_layer(up, layer) for layer in cpu_model.layers]
-            self.output_norm = up.f32(cpu_model.output_norm.weight)
-            self.output = up.linear(cpu_model.output)
-            self.token_embd = self._upload_embedding(up, cpu_model)
-            self.stream.synchronize()
+        self._passes: weakref.WeakKeyDictionary[CudaModelCache, CachePasses] = \
+            weakref.WeakKeyDictionary()
+        up = self._upload(tensors, console, total_bytes)
         self.weight_bytes = up.n_bytes + up.half_bytes
         self.console = console
         if console is not None:
@@ -136,28 +148,42 @@ class CudaModel(ModelBackend[CudaModelCache]):
             console.print(f"CUDA weights: {up.n_tensors} tensors, {up.n_bytes / 2**30:.2f} GiB"
                           f"{' (dequantized to F32: exact mode)' if exact else ''}{halves}")
 
-    def _upload_layer(self, up: Uploader, layer: DecoderLayer) -> CudaLayer:
-        cfg, mixer, ffn = self.config, layer.mixer, layer.ffn
-        gpu_mixer: CudaAttention | CudaGatedDeltaNet
-        if isinstance(mixer, GatedDeltaNet):
-            gpu_mixer = CudaGatedDeltaNet(up, mixer, cfg)
-        else:
-            gpu_mixer = CudaAttention(up, cast(Attention, mixer), cfg)
-        gpu_ffn = CudaMoE(up, ffn, cfg) if isinstance(ffn, MoE) else \
-            CudaSwiGLU(up, cast(SwiGLU, ffn), "ffn")
-        return CudaLayer(up.f32(layer.attn_norm.weight), gpu_mixer, up.f32(layer.ffn_norm.weight),
-                         gpu_ffn)
+    def _upload(self, tensors: ModelTensors, console: Console | None,
+                total_bytes: int | None) -> Uploader:
+        """Every weight on the device, whole file tensors read from the file (Uploader.file)."""
+        up = Uploader(self.exact, stream=self.stream,
+                      f16_copies=not self.exact and env.SPARKINFER_F16_PREFILL.get())
+        with upload_progress(console) as progress, FileUploader(tensors.path, self.stream) as f:
+            up.progress, up.task = progress, progress.add_task("weights", total=total_bytes)
+            up.file = f
+            self.layers = [self._upload_layer(up, t, i) for i, t in enumerate(tensors.layers)]
+            self.output_norm = up.vector(tensors.output_norm)
+            self.output = up.linear(tensors.output)
+            self.token_embd = self._upload_embedding(up, tensors.token_embd)
+            self.stream.synchronize()
+        return up
 
-    def _upload_embedding(self, up: Uploader, cpu_model: CausalLM):
+    def _upload_layer(self, up: Uploader, t: LayerTensors, i: int) -> CudaLayer:
+        cfg = self.config
+        mixer: CudaAttention | CudaGatedDeltaNet
+        if isinstance(t.mixer, DeltaNetTensors):
+            mixer = CudaGatedDeltaNet(up, t.mixer, cfg, i)
+        else:
+            mixer = CudaAttention(up, t.mixer, cfg, i)
+        ffn = CudaMoE(up, t.ffn, cfg) if isinstance(t.ffn, MoETensors) else \
+            CudaSwiGLU(up, t.ffn, "ffn")
+        return CudaLayer(up.vector(t.attn_norm), mixer, up.vector(t.ffn_norm), ffn)
+
+    def _upload_embedding(self, up: Uploader, table: QTensor):
         """The token table the device lookup reads: the output matrix when tied, else uploaded;
         None for a type embedding.embed_rows does not read (then the host looks rows up)."""
         if self.config.tied_embeddings:
             w = self.output.matrix
             return w if embedding.supports(w.ggml_type, w.k) else None
-        t = cpu_model.token_embd.weight
-        if not embedding.supports(GGMLType.F32 if self.exact else t.ggml_type, t.shape[0]):
+        if not embedding.supports(GGMLType.F32 if self.exact else table.ggml_type,
+                                  table.shape[0]):
             return None
-        return up.matrix(t)
+        return up.matrix(table)
 
     # ---- the Model interface -------------------------------------------------------------------
     def create_cache(self, num_blocks: int, block_size: int,
@@ -295,7 +321,8 @@ class CudaModel(ModelBackend[CudaModelCache]):
             for start, slot in zip(batch.start_positions, batch.state_slots or [0]):
                 if start == 0:
                     cache.reset_state(slot)
-        ws = self._workspace(cache, row_bucket(len(batch.token_ids)))
+        passes = self._passes.setdefault(cache, CachePasses())
+        ws = self._workspace(passes, cache, row_bucket(len(batch.token_ids)))
         on_host = self.token_embd is None
         ws.fill(batch, self.embedding(batch.token_ids) if on_host else None, step)
         ws.multi_token = max(batch.num_new_tokens) > 1
@@ -307,14 +334,14 @@ class CudaModel(ModelBackend[CudaModelCache]):
         logit_rows = logit_bucket(n_logits, ws.n_rows, ws.multi_token)
         if greedy:
             ws.sampling(logit_rows, self.output.n_rows).stage(sampling_rows, self.stream)
-        key = (ws.multi_token, logit_rows, greedy)
-        replay = self.use_graphs and key in ws.graphs
+        key = (ws.n_rows, ws.multi_token, logit_rows, greedy)
+        replay = self.use_graphs and key in passes.graphs
         if replay:
-            ws.graphs[key].replay()
+            passes.graphs[key].replay()
         else:  # the first pass of its kind: eager (compiles, creates buffers), then captured
             self._run(ws, cache, logit_rows, self.stream, greedy)
             if self.use_graphs:
-                ws.graphs[key] = graphs.capture(
+                passes.graphs[key] = graphs.capture(
                     lambda s: self._run(ws, cache, logit_rows, s, greedy), self.stream)
         kind = "decode" if replay and not ws.multi_token else "other"
         return QueuedPass(ws, logit_rows, n_logits, t0, time.perf_counter(), kind)
@@ -323,12 +350,12 @@ class CudaModel(ModelBackend[CudaModelCache]):
         self.stream.synchronize()
         self.times.add(p.kind, p.t_queued - p.t0, time.perf_counter() - p.t0)
 
-    def _workspace(self, cache: CudaModelCache, n_rows: int) -> Workspace:
-        if n_rows not in cache.steps:
+    def _workspace(self, passes: CachePasses, cache: CudaModelCache, n_rows: int) -> Workspace:
+        if n_rows not in passes.workspaces:
             heads = self.config.n_head if self.config.attention_layers else 0
-            cache.steps[n_rows] = Workspace(n_rows, cache, self.config.n_embd, not self.exact,
-                                            heads, self.config.head_dim)
-        return cache.steps[n_rows]
+            passes.workspaces[n_rows] = Workspace(n_rows, cache.shape, self.config.n_embd,
+                                                  not self.exact, heads, self.config.head_dim)
+        return passes.workspaces[n_rows]
 
     def _run(self, ws: Workspace, cache: CudaModelCache, logit_rows: int, s,
              greedy: bool = False) -> None:
@@ -367,7 +394,8 @@ class CudaModel(ModelBackend[CudaModelCache]):
         return ws.buf("logits", logit_rows // cols, cols, self.output.n_rows)
 
     def memory_report(self, cache: CudaModelCache) -> dict[str, int]:
-        workspace = sum(ws.memory_bytes() for ws in cache.steps.values())
+        passes = self._passes.get(cache, CachePasses())
+        workspace = sum(ws.memory_bytes() for ws in passes.workspaces.values())
         return {"weights": self.weight_bytes, **cache.memory_bytes(), "workspace": workspace}
 
     def prepare(self, cache: CudaModelCache, max_seqs: int, max_pass_tokens: int) -> None:
@@ -441,8 +469,7 @@ def _pow2_range(lo: int, hi: int) -> list[int]:
 
 def load_cuda_model(gguf: GGUFFile, config: ModelConfig, *, exact: bool = False,
                     kv_int8: bool = False, console: Console | None = None) -> CudaModel:
-    """Build the architecture's CPU model (zero-copy views of the file), upload it to the GPU."""
-    module = importlib.import_module(f"sparkinfer_cli.model.{config.arch}")
-    cpu_model = module.Model(gguf, config)
+    """The architecture's tensors (zero-copy views of the file), uploaded to the GPU."""
     total = None if exact else sum(info.n_bytes for info in gguf.tensors.values())
-    return CudaModel(cpu_model, exact=exact, kv_int8=kv_int8, console=console, total_bytes=total)
+    return CudaModel(resolve_tensors(gguf, config), config, exact=exact, kv_int8=kv_int8,
+                     console=console, total_bytes=total)

@@ -17,13 +17,13 @@ from typing import Any
 import numpy as np
 from numba import cuda
 
-from sparkinfer_cli.backend.cuda.cache import CudaModelCache, device_zeros
+from sparkinfer_cli.backend.cuda.cache import PoolShape, device_zeros
 from sparkinfer_cli.kernels.cuda import gemm_f16, sampling
 from sparkinfer_cli.kernels.cuda import quant_gemv as qg
 from sparkinfer_cli.kernels.cuda.attention import DecodeWorkspace
 from sparkinfer_cli.kernels.cuda.expert_route import ExpertRoute
 from sparkinfer_cli.kernels.cuda.runtime.driver_calls import copy_to_device_async
-from sparkinfer_cli.kernels.cuda.runtime.graphs import CapturedGraph, is_side_stream
+from sparkinfer_cli.kernels.cuda.runtime.graphs import is_side_stream
 from sparkinfer_cli.kernels.cuda.runtime.launch import next_pow2
 from sparkinfer_cli.model.batch import (
     ALL_ALLOWED,
@@ -126,13 +126,13 @@ class DeviceSampling:
 
 
 class Workspace:
-    def __init__(self, n_rows: int, cache: CudaModelCache, n_embd: int, quantized: bool,
+    def __init__(self, n_rows: int, pool: PoolShape, n_embd: int, quantized: bool,
                  n_heads: int, head_dim: int):
-        self.n_rows, self.cache, self.quantized = n_rows, cache, quantized
+        self.n_rows, self.pool, self.quantized = n_rows, pool, quantized
         self._bufs: dict[tuple, Any] = {}
         self.cols = min(n_rows, MAX_COLS)
         self.groups = n_rows // self.cols
-        self.table_width = cache.num_blocks + 1
+        self.table_width = pool.num_blocks + 1
         n_ints = len(INT_FIELDS) * n_rows + n_rows * self.table_width
         # pinned staging of the int inputs (fields·rows + rows·width,), one per queued decode
         # pass, made on first use (a prefill bucket needs one: its tables take rows · width)
@@ -147,10 +147,8 @@ class Workspace:
         self.h = device_zeros((self.groups, self.cols, n_embd), np.float32)  # residual stream
         self.delta = self.buf("delta", self.groups, self.cols, n_embd)  # sub-layer output
         self.x = self.act("x", n_embd)  # normed sub-layer input
-        self.attn = DecodeWorkspace(n_rows, n_heads, head_dim, cache.max_context) \
+        self.attn = DecodeWorkspace(n_rows, n_heads, head_dim, pool.max_context) \
             if n_heads else None
-        # (several tokens a sequence, logit rows, greedy ids too) → the pass's captured graph
-        self.graphs: dict[tuple[bool, int, bool], CapturedGraph] = {}
         self.multi_token = False  # set per pass: some sequence brings several new tokens
         self.host_embeddings = True  # set per pass: h comes from the host, not the device lookup
 
@@ -220,29 +218,29 @@ class Workspace:
     def fill(self, batch: SequenceBatch, embeddings: np.ndarray | None, step: int = 0) -> None:
         """Write this pass's int32 inputs (token ids: -1 on padding rows) into staging row `step`,
         and the embeddings (N, n_embd) when the host looked them up (else the device does)."""
-        cache, n_rows, N, S = self.cache, self.n_rows, len(batch.token_ids), batch.num_seqs
+        pool, n_rows, N, S = self.pool, self.n_rows, len(batch.token_ids), batch.num_seqs
         ints = self._staging(step)
         f = {name: ints[i * n_rows:(i + 1) * n_rows] for i, name in enumerate(INT_FIELDS)}
         tables = ints[len(INT_FIELDS) * n_rows:].reshape(n_rows, self.table_width)
         # NOTE: only the tables of the S sequences and of the padding rows' sequence S are read;
         # a pool of 16k blocks makes every row 64 kB, so the rest is neither filled nor copied
         num_tables = min(S + 1, n_rows)
-        tables[:num_tables] = cache.scratch_block
+        tables[:num_tables] = pool.scratch_block
         self._ints_used[step] = len(INT_FIELDS) * n_rows + num_tables * self.table_width
         pos = batch.positions()  # (N,)
         seq_of_row = np.repeat(np.arange(S), batch.num_new_tokens)  # (N,)
         blocks = np.empty(N, np.int64)
         for i, bt in enumerate(batch.block_tables):
             tables[i, :len(bt)] = bt
-        blocks[:] = tables[seq_of_row, pos // cache.block_size]
+        blocks[:] = tables[seq_of_row, pos // pool.block_size]
         f["token_ids"][:N], f["token_ids"][N:] = batch.token_ids, -1
         f["positions"][:N], f["positions"][N:] = pos, 0
         f["seq_lens"][:N], f["seq_lens"][N:] = pos + 1, 1
-        f["slot_mapping"][:N] = blocks * cache.block_size + pos % cache.block_size
-        f["slot_mapping"][N:] = cache.scratch_block * cache.block_size
+        f["slot_mapping"][:N] = blocks * pool.block_size + pos % pool.block_size
+        f["slot_mapping"][N:] = pool.scratch_block * pool.block_size
         f["row_seq"][:N], f["row_seq"][N:] = seq_of_row, S  # row S (< n_rows) is all scratch
         f["state_slots"][:S] = batch.state_slots or 0
-        f["state_slots"][S:] = cache.scratch_slot
+        f["state_slots"][S:] = pool.scratch_slot
         f["seq_lo"][:S], f["seq_lo"][S:] = batch.token_offsets()[:-1], 0
         f["seq_n"][:S], f["seq_n"][S:] = batch.num_new_tokens, 0
         rows = batch.logit_rows()
