@@ -5,8 +5,8 @@
 
 Writes the preset's synthetic GGUF to PATH (default: the cache `sparkinfer bench` uses) unless the
 file exists, then loads it --reps times, each in a fresh child process (this Python, this
-environment, this tree first on PYTHONPATH): `load_model(path, "cuda")` and a device synchronize,
-timed inside the child. Per load: the seconds, the child's peak RSS (VmHWM, its whole life:
+environment, --tree (default: this checkout) first on PYTHONPATH): `load_model(path, "cuda")`
+and a device synchronize, timed inside the child. Per load: the seconds, the child's peak RSS (VmHWM, its whole life:
 imports included), its RSS right after the load (VmRSS, and the file-backed part of it, RssFile:
 pages of a mapped GGUF count there) and the bytes of weights on the device.
 
@@ -75,11 +75,12 @@ def measure_load(path: str) -> None:
     }), flush=True)
 
 
-def run_child(path: Path) -> dict:
-    """One load in a fresh process; its progress output goes to this one's stderr."""
+def run_child(path: Path, tree: Path) -> dict:
+    """One load in a fresh process importing sparkinfer_cli from tree; its progress output goes
+    to this one's stderr."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    run = subprocess.run([sys.executable, "-c", CHILD, str(path)], env=env, cwd=ROOT,
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tree), env.get("PYTHONPATH")) if p)
+    run = subprocess.run([sys.executable, "-c", CHILD, str(path)], env=env, cwd=tree,
                          stdout=subprocess.PIPE, text=True)
     if run.returncode != 0:
         raise SystemExit(f"the loading process failed (exit status {run.returncode})")
@@ -96,8 +97,10 @@ def ensure_file(path: Path, preset: str) -> Path:
     return path
 
 
-def git_describe() -> str | None:
-    """The tree the children import (ROOT), as git names it; None outside a checkout."""
+def tree_name(tree: Path) -> str | None:
+    """This checkout as git names it (None outside one); another tree by its path."""
+    if tree.resolve() != ROOT:
+        return str(tree)
     try:
         run = subprocess.run(["git", "describe", "--always", "--dirty", "--tags"], cwd=ROOT,
                              capture_output=True, text=True, timeout=30)
@@ -114,6 +117,9 @@ def main() -> None:
                     help="the GGUF to load (written from --preset if missing; default: the "
                          "synthetic cache of `sparkinfer bench`)")
     ap.add_argument("--reps", type=int, default=1, help="loads, each in a fresh process")
+    ap.add_argument("--tree", type=Path, default=ROOT,
+                    help="the folder whose sparkinfer_cli the loads import (default: this "
+                         "checkout; e.g. an older commit's `git archive` for a baseline)")
     args = ap.parse_args()
     if args.file is None:
         from sparkinfer_cli.bench.runner import synthetic_path
@@ -121,7 +127,7 @@ def main() -> None:
     path = ensure_file(args.file, args.preset)
     runs = []
     for rep in range(args.reps):
-        r = run_child(path)
+        r = run_child(path, args.tree.resolve())
         runs.append(r)
         print(f"load {rep + 1}/{args.reps}: {r['load_s']:.2f} s, peak RSS "
               f"{r['peak_rss_gib']:.2f} GiB, after {r['rss_after_gib']:.2f} GiB "
@@ -129,7 +135,8 @@ def main() -> None:
               f"{r['weight_gib'] or 0:.2f} GiB", flush=True)
     Path(args.out).write_text(json.dumps({"preset": args.preset, "file": str(path),
                                           "file_bytes": path.stat().st_size, "runs": runs,
-                                          "tree": git_describe()}, indent=1))
+                                          "tree": tree_name(args.tree)},
+                                         indent=1))
 
 
 if __name__ == "__main__":
