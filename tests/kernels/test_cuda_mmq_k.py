@@ -38,6 +38,7 @@ def _check_experts(got, x, slot_expert, slot_x, gate_ref, up_ref, experts):
                else up_ref[e])
 
 
+@pytest.mark.slow  # a minute or more in the simulator on 2 cores
 @pytest.mark.parametrize("ggml_type", [GGMLType.Q4_K, GGMLType.Q5_K])
 def test_grouped_matmul_routes_slots_to_their_expert(ggml_type, rng):
     # expert 0: no slots, expert 1: 100 (a full tile and one of 36: warps of slots 32-63 idle

@@ -78,6 +78,7 @@ def _run(n_rows, k, n_tok, rng, parts=None, bias=False, swiglu=False):
     _check(got, x, w_ref, up=up_ref, bias=b)
 
 
+@pytest.mark.slow  # a minute or more in the simulator on 2 cores
 def test_matmul_whole_grid_writes_outputs_with_bias(rng, monkeypatch):
     # no split: 2 row blocks (the second cut at 6 rows), 37 of 64 tokens, 2 steps, 2 output parts
     monkeypatch.setattr(mmq_q8, "SPLIT_BELOW_BLOCKS", 1)
@@ -92,6 +93,7 @@ def test_matmul_splits_k_over_a_small_grid(rng):
     _run(20, 384, 64, rng, bias=True)
 
 
+@pytest.mark.slow  # a minute or more in the simulator on 2 cores
 def test_matmul_walks_prefill_tokens_in_tiles(rng, monkeypatch):
     # 2 row blocks × 3 token tiles (the last cut at 2 of 64 tokens), no split; then the same
     # product split in 2 k ranges: the partials hold every tile's tokens

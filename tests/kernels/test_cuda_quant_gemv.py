@@ -233,6 +233,7 @@ def test_gemv_with_rows_narrowed_to_fewer_lanes(monkeypatch, ggml_type, k, lanes
     check_expert_slots(ggml_type, k, 13, [1, 0, 1], [0, 1, 1], False, np.random.default_rng(19))
 
 
+@pytest.mark.slow  # a minute or more in the simulator on 2 cores
 @pytest.mark.parametrize("ggml_type, k, budget", [
     (GGMLType.Q8_0, 1024, ("LANE_BUDGET", 8 * 32)),  # 32 units: 32 lanes alone, 8 beside 2 more
     (GGMLType.F32, 1024, ("SPLIT_ROWS_BELOW", 16)),  # 4 warps a row alone, 1 beside 2 more
