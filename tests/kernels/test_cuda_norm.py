@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from numba import cuda
 
 from sparkinfer_cli.kernels.cuda import norm
@@ -28,18 +29,20 @@ def test_rms_norm_add_and_gate():
     np.testing.assert_allclose(out.copy_to_host(), ref, rtol=1e-5, atol=1e-6)
 
 
-def test_add_rms_norm_with_fused_q8_quantization():
+@pytest.mark.parametrize("rows, width", [(2, 64), (3, norm.WARP_ROW_MAX + 64)],
+                         ids=["a warp a row", "a block a row"])
+def test_add_rms_norm_with_fused_q8_quantization(rows, width):
     from sparkinfer_cli.kernels.cuda import quant_gemv as qg
 
     rng = np.random.default_rng(1)
-    x, r = (rng.standard_normal((2, 64)).astype(np.float32) for _ in range(2))
-    w = rng.uniform(0.5, 1.5, 64).astype(np.float32)
-    out, act = cuda.device_array_like(x), qg.QuantizedActivations(1, 2, 64)
+    x, r = (rng.standard_normal((rows, width)).astype(np.float32) for _ in range(2))
+    w = rng.uniform(0.5, 1.5, width).astype(np.float32)
+    out, act = cuda.device_array_like(x), qg.QuantizedActivations(1, rows, width)
     norm.add_rms_norm(cuda.to_device(x), cuda.to_device(r), cuda.to_device(w), out, 1e-6, act=act)
     y = out.copy_to_host()
     np.testing.assert_allclose(y, norm.rms_norm_reference(x + r, w, 1e-6), rtol=1e-5)
     q, d, s = qg.quantize_q8_reference(y)  # the kernel's own float output, quantized in numpy
-    np.testing.assert_array_equal(act.xq.copy_to_host().reshape(2, 64), q)
+    np.testing.assert_array_equal(act.xq.copy_to_host().reshape(rows, -1), q)
     np.testing.assert_allclose(act.xd.copy_to_host(), d.reshape(-1), rtol=1e-6)
     np.testing.assert_allclose(act.xs.copy_to_host(), s.reshape(-1), rtol=1e-5, atol=1e-6)
 

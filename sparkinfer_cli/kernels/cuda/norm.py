@@ -1,8 +1,11 @@
 """RMSNorm on the GPU: plain, fused with the residual add (or the MoE combine), gated by silu(z).
 
 Rows are independent: one block per row of `d` elements, held in registers between the sum of
-squares and the scaling. The same kernel serves per-head q/k norms
-(rows = tokens × heads, d = head_dim) since the weight index is the position within the row.
+squares and the scaling. The same kernel serves per-head norms (rows = tokens × heads, d =
+head_dim) since the weight index is the position within the row; rows of at most WARP_ROW_MAX
+elements take one warp each, WARP_ROWS_A_BLOCK to a block: a prefill's per-head rows number
+tokens × heads, and a block per 128-element row spent its time on block scheduling and the two
+barriers of a block-wide sum instead of moving the row's bytes.
 """
 
 from __future__ import annotations
@@ -17,9 +20,11 @@ from sparkinfer_cli.kernels.cuda.quant_gemv import store_q8
 from sparkinfer_cli.kernels.cuda.runtime.intrinsics import IS_SIMULATOR, chain_start
 from sparkinfer_cli.kernels.cuda.runtime.jit import device_function, kernel
 from sparkinfer_cli.kernels.cuda.runtime.launch import cdiv, check_array
-from sparkinfer_cli.kernels.cuda.runtime.warp import block_sum
+from sparkinfer_cli.kernels.cuda.runtime.warp import block_sum, warp_sum
 
 MAX_THREADS = 32 if IS_SIMULATOR else 512  # threads per row (the simulator is slow)
+WARP_ROW_MAX = 256  # rows of up to this many elements take one warp (≤ 8 elements a lane)
+WARP_ROWS_A_BLOCK = 2 if IS_SIMULATOR else 8
 
 
 # modes: what the first pass adds into the row before normalising
@@ -38,13 +43,14 @@ def _moe_sum(x, moe_w, k, shared, gate, row, i, d, with_shared):
 
 
 @functools.cache
-def _norm_kernel(per_thread: int, k: int, mode: int):
-    """per_thread: elements each thread keeps in registers; k: experts of the MOE modes; mode.
-    All compile-time, so a thread's loads form one straight run of code."""
+def _norm_kernel(per_thread: int, k: int, mode: int, warp_rows: bool):
+    """per_thread: elements each thread keeps in registers; k: experts of the MOE modes; mode;
+    warp_rows: a warp per row (else a block). All compile-time, so a thread's loads form one
+    straight run of code."""
     accumulates = mode == ADD or mode >= MOE
 
     @kernel(fastmath=True)
-    def rms_norm(x, residual, w, out, d, eps, quantize, xq, xd, xs, moe_w, shared, gate):
+    def rms_norm(x, residual, w, out, d, n_rows, eps, quantize, xq, xd, xs, moe_w, shared, gate):
         chain_start()
         # PLAIN: out = norm(x)·w;  ADD: h = x + residual, residual ← h, out = norm(h)·w;
         # SILU_GATE: out = norm(x)·w·silu(residual)  (residual holds the gate z);
@@ -59,8 +65,14 @@ def _norm_kernel(per_thread: int, k: int, mode: int):
         vals = cuda.local.array(per_thread, float32)
         weights = cuda.local.array(per_thread, float32)
         gates = cuda.local.array(per_thread, float32)  # SILU_GATE: z
-        tid, n_threads = cuda.threadIdx.x, cuda.blockDim.x
-        row = cuda.blockIdx.x
+        if warp_rows:
+            tid, n_threads = cuda.threadIdx.x & 31, 32
+            row = cuda.blockIdx.x * (cuda.blockDim.x >> 5) + (cuda.threadIdx.x >> 5)
+            if row >= n_rows:  # the last block's spare warps (no barrier below: a warp's sum)
+                return
+        else:
+            tid, n_threads = cuda.threadIdx.x, cuda.blockDim.x
+            row = cuda.blockIdx.x
         base = row * d
         for j in range(per_thread):
             i = tid + j * n_threads
@@ -81,7 +93,8 @@ def _norm_kernel(per_thread: int, k: int, mode: int):
             if accumulates and i < d:
                 residual[base + i] = vals[j]
             partial += vals[j] * vals[j]
-        inv = float32(1.0) / math.sqrt(block_sum(partial, scratch) / float32(d) + eps)
+        total = warp_sum(partial) if warp_rows else block_sum(partial, scratch)
+        inv = float32(1.0) / math.sqrt(total / float32(d) + eps)
         for j in range(per_thread):
             i = tid + j * n_threads
             y = float32(0.0)
@@ -110,9 +123,15 @@ def _launch(x, residual, w, out, eps: float, mode: int, stream, act=None, moe=No
     q = (act.xq, act.xd, act.xs) if act is not None else (out.reshape(out.size),) * 3
     moe_w, shared, gate = moe if moe is not None else (w, None, None)
     k = moe_w.size // (out.size // d) if moe is not None else 0
-    threads = min(MAX_THREADS, cdiv(d, 32) * 32)
-    _norm_kernel(cdiv(d, threads), k, mode)[out.size // d, threads, stream](
-        x.reshape(x.size), residual.reshape(residual.size), w, out.reshape(out.size), d,
+    n_rows = out.size // d
+    if d <= WARP_ROW_MAX:
+        kern, grid, threads = _norm_kernel(cdiv(d, 32), k, mode, True), \
+            cdiv(n_rows, WARP_ROWS_A_BLOCK), 32 * WARP_ROWS_A_BLOCK
+    else:
+        threads = min(MAX_THREADS, cdiv(d, 32) * 32)
+        kern, grid = _norm_kernel(cdiv(d, threads), k, mode, False), n_rows
+    kern[grid, threads, stream](
+        x.reshape(x.size), residual.reshape(residual.size), w, out.reshape(out.size), d, n_rows,
         float32(eps), act is not None, *q, moe_w.reshape(moe_w.size),
         w if shared is None else shared.reshape(shared.size),
         w if gate is None else gate.reshape(gate.size))
