@@ -5,10 +5,10 @@
 
 Writes the preset's synthetic GGUF to PATH (default: the cache `sparkinfer bench` uses) unless the
 file exists, then loads it --reps times, each in a fresh child process (this Python, this
-environment, --tree (default: this checkout) first on PYTHONPATH): `load_model(path, "cuda")`
-and a device synchronize, timed inside the child. Per load: the seconds, the child's peak RSS (VmHWM, its whole life:
-imports included), its RSS right after the load (VmRSS, and the file-backed part of it, RssFile:
-pages of a mapped GGUF count there) and the bytes of weights on the device.
+environment, --tree (default: this checkout) first on PYTHONPATH): `load_model(path, "cuda")` and a
+device synchronize, timed inside the child. Per load: the seconds, the child's peak RSS (VmHWM, its
+whole life: imports included), its RSS right after the load (VmRSS, and the file-backed part of it,
+RssFile: pages of a mapped GGUF count there) and the bytes of weights on the device.
 
 Peak RSS is VmHWM, not getrusage's ru_maxrss (also given): Linux carries the high-water mark of the
 memory a process had before exec into ru_maxrss, and subprocess execs from a vfork of this

@@ -68,4 +68,3 @@ class GatedDeltaNet:
         k = l2_normalize(u[:, kd:2 * kd].reshape(T, self.H_k, self.d_k), self.eps)
         v = np.ascontiguousarray(u[:, 2 * kd:].reshape(T, self.H_v, self.d_v))  # (T, H_v, d_v)
         return gated_delta_recurrent(q, k, v, g, beta, delta_state, self.head_map)
-

@@ -76,4 +76,3 @@ class MoE:
     def expert(self, e: int, x: np.ndarray) -> np.ndarray:
         hidden = swiglu(self.ffn_gate_exps(e, x), self.ffn_up_exps(e, x))  # (n, ff)
         return self.ffn_down_exps(e, hidden)  # (n, n_embd)
-

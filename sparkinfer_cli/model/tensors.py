@@ -1,7 +1,8 @@
 """Which GGUF tensors each block of each architecture reads: the files' naming variants resolved
 once, into records that both backends build their layers from.
 
-    tensors = resolve_tensors(gguf, config)   # ModelTensors of zero-copy views of the file
+    tensors = resolve_tensors(gguf, config)   # ModelTensors: views of the file (rows split out
+                                              # of a fused tensor are host copies)
 
 The CPU model (base.py) wraps the records in its compute layers; the CUDA backend uploads them
 (backend/cuda), so loading on the GPU never builds the CPU model. Every tensor of the file must
@@ -26,7 +27,7 @@ The layouts (llama.cpp's src/models/*.cpp):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -55,7 +56,7 @@ LAYOUTS = {
     "qwen3moe": Layout(qk_norm=True, moe=True),
     "qwen35": Layout(qk_norm=True, hybrid=True),
     "qwen35moe": _HYBRID_MOE,
-    "qwen3next": Layout(**{**vars(_HYBRID_MOE), "gdn_head_map": "div"}),
+    "qwen3next": replace(_HYBRID_MOE, gdn_head_map="div"),
 }
 
 

@@ -9,10 +9,11 @@ from numba import cuda
 from sparkinfer_cli.kernels.cuda import norm
 
 
-def test_rms_norm_add_and_gate():
+@pytest.mark.parametrize("width", [96, 100])  # 100: lanes past the row's end
+def test_rms_norm_add_and_gate(width):
     rng = np.random.default_rng(0)
-    x, r, z = (rng.standard_normal((3, 96)).astype(np.float32) for _ in range(3))
-    w = rng.uniform(0.5, 1.5, 96).astype(np.float32)
+    x, r, z = (rng.standard_normal((3, width)).astype(np.float32) for _ in range(3))
+    w = rng.uniform(0.5, 1.5, width).astype(np.float32)
     out = cuda.device_array_like(x)
     norm.rms_norm(cuda.to_device(x), cuda.to_device(w), out, 1e-6)
     np.testing.assert_allclose(out.copy_to_host(), norm.rms_norm_reference(x, w, 1e-6), rtol=1e-5)
@@ -23,14 +24,14 @@ def test_rms_norm_add_and_gate():
     np.testing.assert_allclose(out.copy_to_host(), norm.rms_norm_reference(x + r, w, 1e-6),
                                rtol=1e-5)
 
-    w_head = w[:32].copy()  # per-head norm: rows of 32 inside each token
+    w_head = w[:width // 4].copy()  # per-head norm: 4 rows inside each token
     norm.rms_norm_silu_gate(cuda.to_device(x), cuda.to_device(z), cuda.to_device(w_head), out, 1e-6)
     ref = norm.rms_norm_reference(x, w_head, 1e-6) * z / (1 + np.exp(-z.astype(np.float64)))
     np.testing.assert_allclose(out.copy_to_host(), ref, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("rows, width", [(2, 64), (3, norm.WARP_ROW_MAX + 64)],
-                         ids=["a warp a row", "a block a row"])
+@pytest.mark.parametrize("rows, width", [(2, 64), (3, 64), (3, norm.WARP_ROW_MAX + 64)],
+                         ids=["a warp a row", "spare warps", "a block a row"])
 def test_add_rms_norm_with_fused_q8_quantization(rows, width):
     from sparkinfer_cli.kernels.cuda import quant_gemv as qg
 

@@ -116,8 +116,8 @@ def test_a_queued_decode_pass_stages_its_inputs_and_takes_device_token_ids():
     from sparkinfer_cli.kernels.cuda.runtime.driver_calls import copy_device_async
     from sparkinfer_cli.model.batch import SequenceBatch
 
-    cache = PoolShape(num_blocks=9, block_size=4, scratch_block=9, scratch_slot=3)
-    ws = Workspace(4, cache, 32, True, 0, 0)
+    pool = PoolShape(num_blocks=9, block_size=4, scratch_block=9, scratch_slot=3)
+    ws = Workspace(4, pool, 32, True, 0, 0)
     tables = [np.array([5, 2]), np.array([7]), np.array([1, 8, 0])]
     batch = SequenceBatch(np.array([11, 12, 13], np.int32), [5, 0, 9], [1, 1, 1], tables,
                           [0, 1, 2])
@@ -159,8 +159,8 @@ def test_a_pass_uploads_the_tables_of_its_sequences_and_a_scratch_row_after_them
     rows' sequence) only the scratch block, after a pass with more sequences too."""
     from sparkinfer_cli.model.batch import SequenceBatch
 
-    cache = PoolShape(num_blocks=9, block_size=4, scratch_block=9, scratch_slot=3)
-    ws = Workspace(8, cache, 32, True, 0, 0)
+    pool = PoolShape(num_blocks=9, block_size=4, scratch_block=9, scratch_slot=3)
+    ws = Workspace(8, pool, 32, True, 0, 0)
     three = SequenceBatch(np.array([1, 2, 3], np.int32), [0, 0, 0], [1, 1, 1],
                           [np.array([4]), np.array([5]), np.array([6])], [0, 1, 2])
     ws.fill(three, None)

@@ -25,3 +25,13 @@ def test_without_kv_int8_nothing_is_logged(caplog) -> None:
     with caplog.at_level(logging.WARNING):
         load_runtime_model(GGUFFile(TINY_QWEN3), "cpu", {})
     assert "SPARKINFER_KV_INT8" not in caplog.text
+
+
+def test_every_supported_architecture_has_a_tensor_layout():
+    """model/tensors.py's layouts and the config's architecture lists name the same ones."""
+    from sparkinfer_cli.model.config import HYBRID_ARCHITECTURES, SUPPORTED_ARCHITECTURES
+    from sparkinfer_cli.model.tensors import LAYOUTS
+
+    assert set(LAYOUTS) == set(SUPPORTED_ARCHITECTURES)
+    assert {arch for arch, layout in LAYOUTS.items() if layout.hybrid} == \
+        set(HYBRID_ARCHITECTURES)

@@ -6,10 +6,11 @@ graph's batch-size bucket write and read there, never in a block or slot the eng
 
 Each kind of buffer is one pool over all layers of its kind, (layers, ...), which the model's
 kernels read through per-layer views. K/V per attention layer: (num_blocks + 1, block_size, n_kv,
-head_dim), in one of two pool types: FloatKVPool (f16; f32 for exact runs, as the CPU cache and
-the oracle fixtures keep it) or Int8KVPool (int8 with a float32 scale per 32 values, SPARKINFER_KV_INT8);
-conv state per GDN layer (slots + 1, conv_dim, K − 1) f32; delta state (slots + 1, H_v, d_v, d_k)
-f32 (value column j, key index i contiguous: transposed from the CPU cache's (H_v, d_k, d_v)).
+head_dim), in one of two pool types: FloatKVPool (f16; f32 for exact runs, as the CPU cache and the
+oracle fixtures keep it) or Int8KVPool (int8 with a float32 scale per 32 values,
+SPARKINFER_KV_INT8); conv state per GDN layer (slots + 1, conv_dim, K − 1) f32; delta state
+(slots + 1, H_v, d_v, d_k) f32 (value column j, key index i contiguous: transposed from the CPU
+cache's (H_v, d_k, d_v)).
 """
 
 from __future__ import annotations
@@ -120,10 +121,6 @@ class CudaModelCache:
     @property
     def shape(self) -> PoolShape:
         return PoolShape(self.num_blocks, self.block_size, self.scratch_block, self.scratch_slot)
-
-    @property
-    def max_context(self) -> int:
-        return self.shape.max_context
 
     def memory_bytes(self) -> dict[str, int]:
         return {"kv_pool": sum(p.nbytes for p in self.kv.pools if p is not None),

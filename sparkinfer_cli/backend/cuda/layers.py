@@ -1,8 +1,9 @@
 """The model's layers on the GPU: each reads the normed input ws.x and writes ws.delta.
 
 Built from the tensor records (model/tensors.py); their math is the CPU layers' (model/layers.py,
-moe.py, gated_attention.py, gated_delta_net.py); see those files for the formulas. All launches go to `stream` and use only
-workspace / cache buffers, so the same calls run eagerly (prefill) or inside a CUDA graph (decode).
+moe.py, gated_attention.py, gated_delta_net.py); see those files for the formulas. All launches go
+to `stream` and use only workspace / cache buffers, so the same calls run eagerly (prefill) or
+inside a CUDA graph (decode).
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -47,13 +48,13 @@ from sparkinfer_cli.gguf.reader import GGUFFile
 from sparkinfer_cli.kernels.cuda import embedding, norm, sampling
 from sparkinfer_cli.kernels.cuda.model_ops import gather_rows
 from sparkinfer_cli.kernels.cuda.runtime import graphs
-from sparkinfer_cli.kernels.cuda.runtime.file_upload import FileUploader
-from sparkinfer_cli.kernels.cuda.runtime.graphs import CapturedGraph
 from sparkinfer_cli.kernels.cuda.runtime.driver_calls import (
     StreamMark,
     copy_device_async,
     copy_to_host_async,
 )
+from sparkinfer_cli.kernels.cuda.runtime.file_upload import FileUploader
+from sparkinfer_cli.kernels.cuda.runtime.graphs import CapturedGraph
 from sparkinfer_cli.kernels.cuda.runtime.intrinsics import IS_SIMULATOR
 from sparkinfer_cli.model.backend import ModelBackend
 from sparkinfer_cli.model.batch import SamplingRows, SequenceBatch
@@ -153,7 +154,9 @@ class CudaModel(ModelBackend[CudaModelCache]):
         """Every weight on the device, whole file tensors read from the file (Uploader.file)."""
         up = Uploader(self.exact, stream=self.stream,
                       f16_copies=not self.exact and env.SPARKINFER_F16_PREFILL.get())
-        with upload_progress(console) as progress, FileUploader(tensors.path, self.stream) as f:
+        # exact mode uploads host arrays of dequantized rows: no staging to open
+        reader = nullcontext() if self.exact else FileUploader(tensors.path, self.stream)
+        with upload_progress(console) as progress, reader as f:
             up.progress, up.task = progress, progress.add_task("weights", total=total_bytes)
             up.file = f
             self.layers = [self._upload_layer(up, t, i) for i, t in enumerate(tensors.layers)]
@@ -321,7 +324,7 @@ class CudaModel(ModelBackend[CudaModelCache]):
             for start, slot in zip(batch.start_positions, batch.state_slots or [0]):
                 if start == 0:
                     cache.reset_state(slot)
-        passes = self._passes.setdefault(cache, CachePasses())
+        passes = self._passes.get(cache) or self._passes.setdefault(cache, CachePasses())
         ws = self._workspace(passes, cache, row_bucket(len(batch.token_ids)))
         on_host = self.token_embd is None
         ws.fill(batch, self.embedding(batch.token_ids) if on_host else None, step)
@@ -394,8 +397,8 @@ class CudaModel(ModelBackend[CudaModelCache]):
         return ws.buf("logits", logit_rows // cols, cols, self.output.n_rows)
 
     def memory_report(self, cache: CudaModelCache) -> dict[str, int]:
-        passes = self._passes.get(cache, CachePasses())
-        workspace = sum(ws.memory_bytes() for ws in passes.workspaces.values())
+        passes = self._passes.get(cache)
+        workspace = sum(ws.memory_bytes() for ws in passes.workspaces.values()) if passes else 0
         return {"weights": self.weight_bytes, **cache.memory_bytes(), "workspace": workspace}
 
     def prepare(self, cache: CudaModelCache, max_seqs: int, max_pass_tokens: int) -> None:
@@ -469,7 +472,7 @@ def _pow2_range(lo: int, hi: int) -> list[int]:
 
 def load_cuda_model(gguf: GGUFFile, config: ModelConfig, *, exact: bool = False,
                     kv_int8: bool = False, console: Console | None = None) -> CudaModel:
-    """The architecture's tensors (zero-copy views of the file), uploaded to the GPU."""
+    """The architecture's tensors, uploaded to the GPU straight from the file."""
     total = None if exact else sum(info.n_bytes for info in gguf.tensors.values())
     return CudaModel(resolve_tensors(gguf, config), config, exact=exact, kv_int8=kv_int8,
                      console=console, total_bytes=total)

@@ -56,7 +56,8 @@ def _norm_kernel(per_thread: int, k: int, mode: int, warp_rows: bool):
         # SILU_GATE: out = norm(x)·w·silu(residual)  (residual holds the gate z);
         # MOE(_SHARED): as ADD with x = the MoE output: x holds each row's k expert outputs,
         # combined with weights moe_w (+ the shared expert, gated by sigmoid(gate)).
-        # Thread t owns elements t + j·blockDim. quantize: also write out as int8 per 32 elements
+        # Thread t of a row owns elements t + j·n_threads (the block's threads, or a warp's
+        # lanes for warp rows). quantize: also write out as int8 per 32 elements
         # (quant_gemv's q8 activations): with d % 32 == 0 each warp holds whole 32-blocks.
         # All loads of a thread come first, in one basic block (elements past the row re-read
         # its last one, zeroed after), stores after: a store to `residual` or a branch between

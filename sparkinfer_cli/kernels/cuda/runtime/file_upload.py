@@ -168,9 +168,9 @@ class FileUploader:
             return
         for mark in self._marks:
             mark.wait()
-        self._file.close()
-        if self._pool is not None:
+        if self._pool is not None:  # before the file closes: no read may outlive it
             self._pool.shutdown()
+        self._file.close()
         self._buffers.clear()
         if not IS_SIMULATOR:
             # numba queues cuMemFreeHost with the device frees until ten pile up: without the
