@@ -42,6 +42,15 @@ def _moe_sum(x, moe_w, k, shared, gate, row, i, d, with_shared):
     return acc
 
 
+@device_function(numba_inline=True)
+def _row_and_thread(warp_rows):
+    """(this thread's row, its index in the row, threads a row): a warp or a block a row."""
+    if warp_rows:
+        return (cuda.blockIdx.x * (cuda.blockDim.x >> 5) + (cuda.threadIdx.x >> 5),
+                cuda.threadIdx.x & 31, 32)
+    return cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockDim.x
+
+
 @functools.cache
 def _norm_kernel(per_thread: int, k: int, mode: int, warp_rows: bool):
     """per_thread: elements each thread keeps in registers; k: experts of the MOE modes; mode;
@@ -66,14 +75,9 @@ def _norm_kernel(per_thread: int, k: int, mode: int, warp_rows: bool):
         vals = cuda.local.array(per_thread, float32)
         weights = cuda.local.array(per_thread, float32)
         gates = cuda.local.array(per_thread, float32)  # SILU_GATE: z
-        if warp_rows:
-            tid, n_threads = cuda.threadIdx.x & 31, 32
-            row = cuda.blockIdx.x * (cuda.blockDim.x >> 5) + (cuda.threadIdx.x >> 5)
-            if row >= n_rows:  # the last block's spare warps (no barrier below: a warp's sum)
-                return
-        else:
-            tid, n_threads = cuda.threadIdx.x, cuda.blockDim.x
-            row = cuda.blockIdx.x
+        row, tid, n_threads = _row_and_thread(warp_rows)
+        if row >= n_rows:  # the last block's spare warps (no barrier below: a warp's sum)
+            return
         base = row * d
         for j in range(per_thread):
             i = tid + j * n_threads
