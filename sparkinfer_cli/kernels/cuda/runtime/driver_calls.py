@@ -84,3 +84,9 @@ class StreamMark:
     def wait(self) -> None:
         if self._event is not None:
             check(driver.cuEventSynchronize(self._event))
+
+    def close(self) -> None:
+        """Destroys the event (a mark of a short-lived owner; closing twice does nothing)."""
+        if self._event is not None:
+            check(driver.cuEventDestroy(self._event))
+            self._event = None

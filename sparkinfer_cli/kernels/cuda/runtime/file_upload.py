@@ -168,6 +168,7 @@ class FileUploader:
             return
         for mark in self._marks:
             mark.wait()
+            mark.close()
         if self._pool is not None:  # before the file closes: no read may outlive it
             self._pool.shutdown()
         self._file.close()
