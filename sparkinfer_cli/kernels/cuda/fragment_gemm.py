@@ -22,7 +22,9 @@ rounds the float32 q·s + m once); activations are f16 in both.
   (BN / 8 n8 tiles of f32 accumulators a warp), k in steps of BK = 64 through two shared buffers
   (each thread loads its share of step s + 1 into registers, the warps multiply step s, then the
   loads are stored to the other buffer: one barrier a step). Activations are read as float32 and
-  stored as f16 by the same staging.
+  stored as f16 by the same staging, in rounds of 16 threads a token (whole sectors a load); a
+  lane reads its rows' staged codes and scales in vector loads. Both cut the block's L1 traffic,
+  which bounded the kernel (bench/results/2026-12-06-expert-gemm-l1-traffic.md).
 - Fused SwiGLU (`up=`): each warp's rows 0-7 are 8 gate rows and rows 8-15 the same rows of `up`,
   so a lane holds the gate and up sums of one output in its C elements e and e + 2.
 - Split-K over grid.z and the output parts as mma_gemm (same partials layout, so its
@@ -54,6 +56,8 @@ from sparkinfer_cli.kernels.cuda.runtime.intrinsics import (
     hsub2,
     ld_v4_u32,
     ldmatrix_x4_pairs,
+    lds_v2_u32,
+    lds_v4_u32,
     pack_f16x2,
 )
 from sparkinfer_cli.kernels.cuda.runtime.jit import device_function, kernel
@@ -64,7 +68,19 @@ THREADS = 256
 TILES = (16, 32, 64)  # BN: tokens a block (128 would hold 64 accumulators a lane: spilled)
 X_WORDS = 36  # u32 between staged tokens: 64 f16 + 16 pad bytes (ldmatrix rows in distinct banks)
 X_STRIDE = 4 * X_WORDS
+# Activations are staged in rounds: a round's thread loads 16 bytes (4 floats) of one token's k
+# step, 16 consecutive threads one token's 256 bytes, so a warp's load reads two tokens' whole
+# sectors (a thread reading its own token's consecutive 16-byte pieces put every lane of a load in
+# a half-used sector of its own, and the kernel was L1-bound).
+X_CHUNK_THREADS = BK // 4
+X_CHUNK_TOKENS = THREADS // X_CHUNK_THREADS  # tokens a round stages
+MAX_X_FLOATS = 2**32  # activations are indexed by 32-bit float offsets (fewer registers)
 _MAGIC = 0x64006400  # f16x2 (1024, 1024): a code in the low mantissa bits reads as 1024 + code
+
+
+def x_loads_a_thread(bn: int) -> int:
+    """16-byte activation loads a thread makes a k step of a bn-token tile."""
+    return bn // X_CHUNK_TOKENS
 
 
 # ---------------------------------------------------------------- Q4_K
@@ -74,7 +90,7 @@ _MAGIC = 0x64006400  # f16x2 (1024, 1024): a code in the low mantissa bits reads
 # (word >> s) & 0x000F000F puts the nibbles of elements (2t, 2t+1) (s = 0 / 4: low / high nibble)
 # or (2t+8, 2t+9) (s = 8 / 12) in the two f16 halves. Then 4 scale words: f16x2 (s, s), (m, m)
 # of each sub-block (value = s·q + m).
-_Q4K_ROW_WORDS = 12
+_Q4K_ROW_WORDS = 12  # a multiple of 4: each row's scale words load as one 16-byte vector
 
 
 @device_function(numba_inline=True)
@@ -114,11 +130,12 @@ def _put_q4_k(sw, at, h, k0, v):
 @device_function(numba_inline=True)
 def _row_q4_k(sw, at, t):
     """A lane's registers of one staged row for the whole step: its two code words and the two
-    sub-blocks' (scale, offset) pairs. (Shared memory is indexed unsigned throughout: a signed
-    index costs a compare and a select an access for numba's negative-index wrap.)"""
-    c = at + 8
-    return (sw[uint32(at + 2 * t)], sw[uint32(at + 2 * t + 1)], sw[uint32(c)],
-            sw[uint32(c + 1)], sw[uint32(c + 2)], sw[uint32(c + 3)])
+    sub-blocks' (scale, offset) pairs, in two vector loads (a row starts on a 16-byte boundary).
+    (Shared memory is indexed unsigned throughout: a signed index costs a compare and a select an
+    access for numba's negative-index wrap.)"""
+    codes = lds_v2_u32(sw, uint32(at + 2 * t))
+    scales = lds_v4_u32(sw, uint32(at + 8))
+    return (codes[0], codes[1], scales[0], scales[1], scales[2], scales[3])
 
 
 @device_function(numba_inline=True)
@@ -147,21 +164,23 @@ def _walk_fn(ggml_type: GGMLType, bn: int):
     """walk: a block's k steps s0..s1 into this warp's accumulators."""
     fetch, put, row_regs, a_reg, row_words, _ = _TYPES[ggml_type]
     w_words, x_words = BM * row_words, bn * X_WORDS
-    tok_threads = THREADS // bn
-    elems = BK // tok_threads  # floats a thread stages of its token
+    x_loads = x_loads_a_thread(bn)
+    x_floats = 4 * x_loads  # a thread's staged activations a step
     n_pairs = bn // 16
 
     @device_function(numba_inline=True)
     def stage(sw, sx, buf, wv, xv, w_at, h, k0, x_at):
         put(sw, buf * w_words + w_at, h, k0, wv)
         base = uint32(buf * x_words + x_at)
-        for i in range(elems // 2):
-            sx[uint32(base + i)] = pack_f16x2(xv[2 * i], xv[2 * i + 1])
+        for i in range(x_loads):
+            at = uint32(base + i * X_CHUNK_TOKENS * X_WORDS)
+            sx[at] = pack_f16x2(xv[4 * i], xv[4 * i + 1])
+            sx[uint32(at + 1)] = pack_f16x2(xv[4 * i + 2], xv[4 * i + 3])
 
     @device_function(numba_inline=True)
-    def fetch_x(x, x_off, k0, xv):
-        for i in range(elems // 4):
-            q = ld_v4_u32(x, x_off + 4 * (k0 + 4 * i))
+    def fetch_x(x, x_offs, k0, xv):
+        for i in range(x_loads):
+            q = ld_v4_u32(x, int64(x_offs[i] + uint32(k0)) * 4)
             for j in range(4):
                 xv[4 * i + j] = bits_to_f32(q[j])
 
@@ -179,10 +198,10 @@ def _walk_fn(ggml_type: GGMLType, bn: int):
                 mma_into(acc, 8 * p + 4, a, b[2], b[3])
 
     @device_function(numba_inline=True)
-    def walk(s0, s1, w_src, w_off, h, w_at, x, x_off, x_at, sw, sx, lane, warp, acc):
-        xv = cuda.local.array(elems, float32)
+    def walk(s0, s1, w_src, w_off, h, w_at, x, x_offs, x_at, sw, sx, lane, warp, acc):
+        xv = cuda.local.array(x_floats, float32)
         wv = fetch(w_src, w_off, s0 * BK, h)
-        fetch_x(x, x_off, s0 * BK, xv)
+        fetch_x(x, x_offs, s0 * BK, xv)
         stage(sw, sx, 0, wv, xv, w_at, h, s0 * BK, x_at)
         cuda.syncthreads()
         for s in range(s1 - s0):
@@ -190,7 +209,7 @@ def _walk_fn(ggml_type: GGMLType, bn: int):
             # them (the last step fetches itself again, into the idle buffer: branch-free)
             k1 = (s0 + min(s + 1, s1 - s0 - 1)) * BK
             wv = fetch(w_src, w_off, k1, h)
-            fetch_x(x, x_off, k1, xv)
+            fetch_x(x, x_offs, k1, xv)
             multiply(sw, sx, s & 1, lane, warp, acc)
             stage(sw, sx, (s + 1) & 1, wv, xv, w_at, h, k1, x_at)
             cuda.syncthreads()
@@ -255,15 +274,14 @@ def _store_fns(bn: int, swiglu: bool, grouped: bool):
 
 @functools.cache
 def _operands_fn(bn: int, swiglu: bool, grouped: bool):
-    tok_threads = THREADS // bn
-    elems = BK // tok_threads
+    x_loads = x_loads_a_thread(bn)
 
     @device_function(numba_inline=True)
-    def operands(row0, mat, lo, n_valid, n_rows, row_bytes, mat_bytes, k, order, slot_x):
-        """What this thread stages: (is an up row, weight row byte offset, x byte offset, its
-        token's first smem word). Thread pair 2r, 2r+1 stage row r's halves; with SwiGLU, warp
-        rows 0-7 are gate rows and 8-15 the same rows of up. Tokens past the tile's end repeat
-        its last token and rows past the matrix its last row (computed, never stored)."""
+    def operands(row0, mat, n_rows, row_bytes, mat_bytes):
+        """What this thread stages: (is an up row, weight row byte offset, the smem word of its
+        first activation piece). Thread pair 2r, 2r+1 stage row r's halves; with SwiGLU, warp
+        rows 0-7 are gate rows and 8-15 the same rows of up. Rows past the matrix repeat its last
+        row (computed, never stored)."""
         tid = cuda.threadIdx.x
         r = tid >> 1
         w_row = row0 + r
@@ -272,12 +290,20 @@ def _operands_fn(bn: int, swiglu: bool, grouped: bool):
             w_row = row0 + 8 * (r >> 4) + (r & 7)
             is_up = (r & 15) >= 8
         w_off = int64(mat) * mat_bytes + int64(min(w_row, n_rows - 1)) * row_bytes
-        tok = tid // tok_threads
-        j = min(tok, n_valid - 1)
-        xrow = slot_x[order[lo + j]] if grouped else lo + j
-        x_off = 4 * (int64(xrow) * k + (tid % tok_threads) * elems)
-        return is_up, w_off, x_off, tok * X_WORDS + (tid % tok_threads) * (elems // 2)
-    return operands
+        piece = tid % X_CHUNK_THREADS
+        return is_up, w_off, (tid // X_CHUNK_THREADS) * X_WORDS + 2 * piece
+
+    @device_function(numba_inline=True)
+    def x_offsets(x_offs, lo, n_valid, k, order, slot_x):
+        """x_offs[i]: float offset in x of this thread's piece of round i's token (without the
+        step's k0). Tokens past the tile's end repeat its last token (computed, never stored)."""
+        tid = cuda.threadIdx.x
+        piece = tid % X_CHUNK_THREADS
+        for i in range(x_loads):
+            j = min(i * X_CHUNK_TOKENS + tid // X_CHUNK_THREADS, n_valid - 1)
+            xrow = slot_x[order[lo + j]] if grouped else lo + j
+            x_offs[i] = uint32(xrow * k + 4 * piece)
+    return operands, x_offsets
 
 
 @functools.cache
@@ -285,11 +311,12 @@ def gemm_kernel(ggml_type: GGMLType, bn: int, swiglu: bool, grouped: bool):
     """The kernel for weights of ggml_type in tiles of bn tokens; mma_gemm's argument list
     (its launch wrapper picks this kernel for the types it supports)."""
     walk = _walk_fn(ggml_type, bn)
-    operands = _operands_fn(bn, swiglu, grouped)
+    operands, x_offsets = _operands_fn(bn, swiglu, grouped)
     store, store_sums = _store_fns(bn, swiglu, grouped)
     row_words, blocks = _TYPES[ggml_type][4:]
     rows_block = BM // 2 if swiglu else BM
     sw_size, sx_size, n_acc = 2 * BM * row_words, 2 * bn * X_WORDS, bn // 2
+    x_loads = x_loads_a_thread(bn)
 
     bounds = {} if swiglu or blocks < 3 or IS_SIMULATOR else {"launch_bounds": (THREADS, blocks)}
 
@@ -301,9 +328,11 @@ def gemm_kernel(ggml_type: GGMLType, bn: int, swiglu: bool, grouped: bool):
         if n_valid <= 0:
             return
         row0 = cuda.blockIdx.x * rows_block
-        is_up, w_off, x_off, x_at = operands(row0, mat, lo, n_valid, n_rows, row_bytes,
-                                             mat_bytes, k, order, slot_x)
-        sw = cuda.shared.array(sw_size, uint32)  # (2 buffers, BM rows, row_words)
+        is_up, w_off, x_at = operands(row0, mat, n_rows, row_bytes, mat_bytes)
+        x_offs = cuda.local.array(x_loads, uint32)
+        x_offsets(x_offs, lo, n_valid, k, order, slot_x)
+        # (2 buffers, BM rows, row_words)
+        sw = cuda.shared.array(sw_size, uint32, alignment=LDMATRIX_ALIGN)
         sx = cuda.shared.array(sx_size, uint32, alignment=LDMATRIX_ALIGN)  # (2, bn, X_WORDS)
         acc = cuda.local.array(n_acc, float32)  # (bn / 8 n8 tiles, 4) C fragments
         for i in range(n_acc):
@@ -312,7 +341,8 @@ def gemm_kernel(ggml_type: GGMLType, bn: int, swiglu: bool, grouped: bool):
         s0, s1 = k_range(k // BK)
         h = cuda.threadIdx.x & 1
         w_at = (cuda.threadIdx.x >> 1) * row_words
-        walk(s0, s1, w2 if is_up else w, w_off, h, w_at, x, x_off, x_at, sw, sx, lane, warp, acc)
+        walk(s0, s1, w2 if is_up else w, w_off, h, w_at, x, x_offs, x_at, sw, sx, lane, warp,
+             acc)
         if cuda.gridDim.z > 1:
             store_sums(acc, row0, n_rows, lo, n_valid, order, part, n_tok)
         else:

@@ -648,7 +648,8 @@ def _launch(w, up, x, y, n_slots, grid_y, bn, grouped, route_args, bias, stream,
         return  # nothing to compute (and a grid of 0 blocks is a launch error)
     swiglu = up is not None
     grid = (cdiv(w.n_rows, BM // 2 if swiglu else BM), grid_y, n_splits)
-    if fragment_gemm.supports(w.ggml_type, w.k) and bn in fragment_gemm.TILES:
+    if (fragment_gemm.supports(w.ggml_type, w.k) and bn in fragment_gemm.TILES
+            and x.size < fragment_gemm.MAX_X_FLOATS):
         kernel = fragment_gemm.gemm_kernel(w.ggml_type, bn, swiglu, grouped)
     else:
         kernel = _gemm_kernel(w.ggml_type, bn, swiglu, grouped, n_stages)

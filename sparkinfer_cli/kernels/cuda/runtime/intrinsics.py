@@ -23,6 +23,9 @@ over a 16×32-byte tile (its fragments are the A of m16n8k32 for a row-major (m,
 two n8 tiles for an (n, k) tile) and `mma_s8_s32` multiplies them, exactly.
 `ld_s8_fragments_x4` gives the same A registers for rows that are only 4- or 2-byte aligned.
 
+`lds_v2_u32` / `lds_v4_u32` read 2 / 4 adjacent words of a shared u32 array in one instruction
+(one bank-conflict-free wavefront for a quarter warp's 16 bytes instead of one load a word).
+
 Asynchronous copies (sm_80+): `cp_async_16` starts a 16-byte copy from global to shared memory
 that no register waits on; `cp_async_commit` closes the thread's group of copies started since the
 last one, and `cp_async_wait(n)` (n a compile-time constant) waits until at most n of its groups
@@ -90,6 +93,12 @@ if IS_SIMULATOR:
     def ld_v4_u32(arr, off):
         b, off = _bytes(arr), int(off)
         return tuple(np.uint32(_u32_at(b, off + 4 * i)) for i in range(4))
+
+    def lds_v2_u32(words, i):
+        return np.uint32(words[i]), np.uint32(words[i + 1])
+
+    def lds_v4_u32(words, i):
+        return tuple(np.uint32(words[i + j]) for j in range(4))
 
     def dp4a(a, b, c):
         a, b = int(a) & 0xFFFFFFFF, int(b) & 0xFFFFFFFF
@@ -445,26 +454,49 @@ else:
             return builder.call(asm, [vals[1], vals[0]], attrs=_PURE)
         return types.uint32(lo, hi), codegen
 
-    def _ldmatrix_x4_intrinsic(shape: str):
-        """ldmatrix .x4 (`shape`: its qualifiers) with this lane's row address = byte `off` of
-        shared array `arr`."""
+    def _shared_load_intrinsic(ptx: str, n: int):
+        """A load of n u32 registers ($0..$n-1) from shared memory at address $n = byte `off` of
+        shared array `arr`. A memory clobber: shared memory changes between barriers, so LLVM
+        must not merge or hoist it."""
         @intrinsic
-        def ldmatrix_at(typingctx, arr, off):
+        def load_at(typingctx, arr, off):
             if not isinstance(arr, types.Array) or not isinstance(off, types.Integer):
                 return None
 
             def codegen(context, builder, sig, args):
                 addr = _shared_address(context, builder, sig.args[0], args[0], sig.args[1],
                                        args[1])
-                asm = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([_I32] * 4), [_I32]),
-                                   f"ldmatrix.sync.aligned.{shape}.shared.b16 "
-                                   "{$0, $1, $2, $3}, [$4];",
-                                   "=r,=r,=r,=r,r,~{memory}", side_effect=True)
+                asm = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([_I32] * n), [_I32]),
+                                   ptx, "=r," * n + "r,~{memory}", side_effect=True)
                 out = builder.call(asm, [addr])
                 return context.make_tuple(builder, sig.return_type,
-                                          [builder.extract_value(out, i) for i in range(4)])
-            return types.UniTuple(types.uint32, 4)(arr, off), codegen
-        return ldmatrix_at
+                                          [builder.extract_value(out, i) for i in range(n)])
+            return types.UniTuple(types.uint32, n)(arr, off), codegen
+        return load_at
+
+    def _ldmatrix_x4_intrinsic(shape: str):
+        """ldmatrix .x4 (`shape`: its qualifiers) with this lane's row address = byte `off`."""
+        return _shared_load_intrinsic(f"ldmatrix.sync.aligned.{shape}.shared.b16 "
+                                      "{$0, $1, $2, $3}, [$4];", 4)
+
+    def _lds_intrinsic(n: int):
+        """ld.shared.v{n}.u32 at byte `off` of a shared array."""
+        outs = ", ".join(f"${i}" for i in range(n))
+        return _shared_load_intrinsic(f"ld.shared.v{n}.u32 {{{outs}}}, [${n}];", n)
+
+    _lds_v2_at, _lds_v4_at = _lds_intrinsic(2), _lds_intrinsic(4)
+
+    @cuda.jit(device=True, forceinline=True)
+    def lds_v2_u32(words, i):
+        """Words i, i + 1 of shared u32 array `words` in one load (i even, the array 8-byte
+        aligned)."""
+        return _lds_v2_at(words, i * uint32(4))
+
+    @cuda.jit(device=True, forceinline=True)
+    def lds_v4_u32(words, i):
+        """Words i..i + 3 of shared u32 array `words` in one load (i a multiple of 4, the array
+        16-byte aligned)."""
+        return _lds_v4_at(words, i * uint32(4))
 
     _ldmatrix_x4_at = _ldmatrix_x4_intrinsic("m8n8.x4")
     _ldmatrix_x4_trans_at = _ldmatrix_x4_intrinsic("m8n8.x4.trans")
