@@ -12,7 +12,8 @@ that a change to the kernels (or to how numba compiles them) still builds and wh
 It also fails a chained kernel (jit.kernel) whose PTX touches global memory before its
 griddepcontrol.wait: such an access would race with the kernel launched before it.
 
-NVVM and NVRTC without a CUDA toolkit: `pip install --target DIR nvidia-cuda-nvrtc nvidia-nvvm`, then
+NVVM and NVRTC without a CUDA toolkit: `pip install --target DIR nvidia-cuda-nvrtc nvidia-nvvm`,
+then
 NUMBA_CUDA_NVRTC=DIR/nvidia/cu13/lib/libnvrtc.so.13 NUMBA_CUDA_NVVM=DIR/nvidia/cu13/lib/libnvvm.so.4
 (and that folder on LD_LIBRARY_PATH). A `ptxas` for sm_90 and `cuobjdump` come with the `triton`
 wheel under triton/backends/nvidia/bin (`pip download --no-deps triton`, unzip it; its ptxas takes

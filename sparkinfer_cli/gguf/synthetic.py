@@ -109,8 +109,8 @@ class SyntheticSpec:
         return self.is_hybrid and (layer + 1) % self.full_attention_interval != 0
 
 
-_TINY = dict(n_embd=256, n_vocab=512, n_head=4, head_dim=64, context_length=4096,
-             special_token_base=480)
+_TINY = {"n_embd": 256, "n_vocab": 512, "n_head": 4, "head_dim": 64, "context_length": 4096,
+         "special_token_base": 480}
 _TINY_HYBRID = dict(_TINY, rope_base=1e7, n_rot=16, ssm_d_state=64, ssm_n_group=2,
                     ssm_n_v_heads=4)
 

@@ -1,4 +1,5 @@
-"""N-gram drafting: how many tokens a request drafts as its checks go, and what the engine counts."""
+"""N-gram drafting: how many tokens a request drafts as its checks go, and what the engine
+counts."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import math
 from engine_harness import Collector, greedy
 from test_prefix_cache import RepeatingModel, _greedy_of
 
+from sparkinfer_cli.engine.sampling_params import SamplingParams
 from sparkinfer_cli.engine.speculative import (
     FIRST_PAUSE_STEPS,
     MAX_PAUSE_STEPS,
@@ -15,7 +17,6 @@ from sparkinfer_cli.engine.speculative import (
     SpeculationStats,
     ngram_draft,
 )
-from sparkinfer_cli.engine.sampling_params import SamplingParams
 
 
 def test_a_draft_is_what_followed_the_latest_occurrence_of_the_last_tokens():

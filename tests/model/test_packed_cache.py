@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from sparkinfer_cli.gguf.reader import GGUFFile
-from sparkinfer_cli.model.loader import load_model
 from sparkinfer_cli.model import packed_cache
+from sparkinfer_cli.model.loader import load_model
 from sparkinfer_cli.model.packed_cache import cache_file, use_cached_int8_decode
 
 TINY_Q4_K_M = Path(__file__).parent.parent / "fixtures" / "tiny" / "qwen3" / "qwen3-Q4_K_M.gguf"

@@ -14,13 +14,13 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from hypothesis_jsonschema import from_schema
 from pydantic import BaseModel
-
-from sparkinfer_cli.engine.constraint import GrammarConstraint, json_schema_grammar
-from sparkinfer_cli.tokenizer.tokenizer import Tokenizer
 from test_admission import assert_openai_error
 from test_e2e_real import sdk, start_real_server
 from test_e2e_real import tokenizer as tokenizer  # noqa: F401 (a fixture)
 from test_reliability_real import start_server
+
+from sparkinfer_cli.engine.constraint import GrammarConstraint, json_schema_grammar
+from sparkinfer_cli.tokenizer.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow  # a server process; the first may compile the CPU kernels
 ASK = [{"role": "user", "content": "Describe the weather as JSON."}]
@@ -112,10 +112,10 @@ def in_schema_order(value, schema: dict):
 @given(schema=answer_schemas, data=st.data())
 def test_the_grammar_takes_every_instance_of_its_schema(tokenizer, schema, data) -> None:
     """The other direction: the mask never refuses a valid answer. Instances hypothesis-jsonschema
-    draws from the schema, written as the grammar writes JSON (llguidance's one spelling of each: compact, ", "
-    and ": ", raw UTF-8 but for control characters and DEL, which are escaped, an object's keys in
-    the order of its schema's properties), pass token by token, and the answer may end after
-    them."""
+    draws from the schema, written as the grammar writes JSON (llguidance's one spelling of each:
+    compact, ", " and ": ", raw UTF-8 but for control characters and DEL, which are escaped, an
+    object's keys in the order of its schema's properties), pass token by token, and the answer
+    may end after them."""
     answer = json.dumps(in_schema_order(data.draw(from_schema(schema)), schema),
                         ensure_ascii=False).replace("\x7f", "\\u007f")
     constraint = GrammarConstraint(json_schema_grammar(json.dumps(schema)), tokenizer,
