@@ -207,6 +207,10 @@ SPARKINFER_F16_PREFILL: EnvVar[bool] = EnvVar(
     "SPARKINFER_F16_PREFILL", parse_bool, True,
     "CUDA prefill: keep f16 copies of the dense projections (2 bytes a weight) for the f16 "
     "tensor-core GEMM of long passes (gemm_f16); off: the quantized GEMMs, no extra memory")
+SPARKINFER_GDN_CHUNKED: EnvVar[bool] = EnvVar(
+    "SPARKINFER_GDN_CHUNKED", parse_bool, True,
+    "CUDA prefill: the Gated DeltaNet delta rule a chunk of tokens at a time "
+    "(gated_delta_chunked); off: token by token")
 SPARKINFER_STEP_TRACE: EnvVar[str] = EnvVar(
     "SPARKINFER_STEP_TRACE", parse_new_file_path, "",
     "file the engine appends one JSON line per step to: what it carried and what it cost")
@@ -222,7 +226,7 @@ ALL_VARS: tuple[EnvVar, ...] = (
     SPARKINFER_READ_TIMEOUT_S, SPARKINFER_WRITE_TIMEOUT_S, SPARKINFER_SERVER_PREFIX_TOKEN_FILE,
     SPARKINFER_SERVER_PREFIX_TOKEN_IDS, SPARKINFER_PREFIX_CACHE, SPARKINFER_PREFIX_CACHE_SNAPSHOTS,
     SPARKINFER_SPEC_TOKENS, SPARKINFER_KV_INT8, SPARKINFER_CUDA_PDL, SPARKINFER_INT8_EXPERTS,
-    SPARKINFER_F16_PREFILL, SPARKINFER_STEP_TRACE, SPARKINFER_TOKENIZER_URL,
+    SPARKINFER_F16_PREFILL, SPARKINFER_GDN_CHUNKED, SPARKINFER_STEP_TRACE, SPARKINFER_TOKENIZER_URL,
 )
 
 

@@ -47,16 +47,20 @@ def _case(rng, lengths: list[int], n_rows: int) -> dict:
     return dev
 
 
-def _delta(d: dict, prepare: bool = False) -> None:
+def _delta(d: dict, prepare: bool = False, chunked: bool = False) -> None:
     """One launch; prepare rewrites u's q/k and a/b in place, which stay finite and non-zero
     when prepared again (k keeps unit norm, q returns to 1/sqrt(dk), gates map into (0, 1))."""
     gd.delta_rule_seq(d["u"], d["a"], d["b"], d["ssm_a"], d["dt_bias"], d["state"],
                       d["state_slots"], d["seq_lo"], d["seq_n"], d["out"], n_k_heads=H_K,
-                      head_map_mod=True, eps=1e-6, prepare=prepare)
+                      head_map_mod=True, eps=1e-6, prepare=prepare, chunked=chunked)
 
 
 def _prepared(d: dict) -> None:
     _delta(d, prepare=True)
+
+
+def _chunked(d: dict) -> None:
+    _delta(d, prepare=True, chunked=True)
 
 
 def _conv(d: dict) -> None:
@@ -115,6 +119,8 @@ def main() -> None:
                 len(lengths), delta_bytes)
         if multi_token:
             _report(f"  prepared {name}", _gpu_us(_prepared, d, args.reps), sum(lengths),
+                    len(lengths), delta_bytes)
+            _report(f"  chunked {name}", _gpu_us(_chunked, d, args.reps), sum(lengths),
                     len(lengths), delta_bytes)
         if not np.isfinite(d["out"].copy_to_host()).all():
             raise SystemExit("delta_rule_seq wrote non-finite outputs")

@@ -112,12 +112,13 @@ def _delta_seq_reference(u, a, b, ssm_a, dt_bias, state, slots, lo, n, n_k, head
 
 
 def _run_delta_seq(u, a, b, ssm_a, dt_bias, state, slots, lo, n, n_k, head_map_mod,
-                   prepare=False):
+                   prepare=False, chunked=False):
     dev_state = cuda.to_device(state)
     out = cuda.to_device(np.full((u.shape[0], state.shape[1], state.shape[2]), 7, np.float32))
     gd.delta_rule_seq(*(cuda.to_device(x) for x in (u, a, b, ssm_a, dt_bias)), dev_state,
                       *(cuda.to_device(np.asarray(x, np.int32)) for x in (slots, lo, n)), out,
-                      n_k_heads=n_k, head_map_mod=head_map_mod, eps=1e-6, prepare=prepare)
+                      n_k_heads=n_k, head_map_mod=head_map_mod, eps=1e-6, prepare=prepare,
+                      chunked=chunked)
     return out.copy_to_host(), dev_state.copy_to_host()
 
 
@@ -161,10 +162,13 @@ def test_delta_rule_seq_long_sequence_and_more_entries_than_grid_rows(prepare):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("lengths, prepare", [([300, 1, 77], True), ([300, 1, 77], False),
-                                              ([1] * 64, False)])
-def test_delta_rule_seq_qwen36_shape(lengths, prepare):
-    """Qwen3.6 GDN heads (16 k / 32 v, dk = dv = 128): a prefill batch and a decode batch."""
+@pytest.mark.parametrize("lengths, prepare, chunked", [
+    ([300, 1, 77], True, False), ([300, 1, 77], False, False), ([1] * 64, False, False),
+    ([300, 1, 77], True, True),  # chunked, few sequences: a head's columns over several blocks
+    ([128] * 16, True, True),  # chunked, a block per (sequence, head)
+])
+def test_delta_rule_seq_qwen36_shape(lengths, prepare, chunked):
+    """Qwen3.6 GDN heads (16 k / 32 v, dk = dv = 128): prefill batches and a decode batch."""
     rng = np.random.default_rng(5)
     n_k, n_v, dk, dv = 16, 32, 128, 128
     S = len(lengths)
@@ -172,7 +176,7 @@ def test_delta_rule_seq_qwen36_shape(lengths, prepare):
     u, a, b, ssm_a, dt_bias, state = _delta_inputs(rng, sum(lengths), n_k, n_v, dk, dv, S + 1)
     slots = rng.permutation(S + 1)[:S].astype(np.int32)
     out, new_state = _run_delta_seq(u, a, b, ssm_a, dt_bias, state, slots, lo, lengths, n_k,
-                                    True, prepare)
+                                    True, prepare, chunked)
     ref_out, ref_state = _delta_seq_reference(u, a, b, ssm_a, dt_bias, state, slots, lo, lengths,
                                               n_k, True)
     np.testing.assert_allclose(out, ref_out, rtol=1e-3, atol=1e-4)

@@ -249,6 +249,7 @@ class CudaGatedDeltaNet:
         self.H_k, self.H_v = config.ssm_n_group, config.ssm_n_v_heads
         self.d_v = config.ssm_inner_size // self.H_v
         self.head_map_mod, self.eps, self.layer = t.head_map == "mod", config.rms_eps, layer
+        self.chunked = env.SPARKINFER_GDN_CHUNKED.get()
 
     def __call__(self, ws: Workspace, cache: CudaModelCache, stream) -> None:
         rows, G, C = ws.n_rows, ws.groups, ws.cols
@@ -262,7 +263,8 @@ class CudaGatedDeltaNet:
         gated_delta.delta_rule_seq(u, a.reshape(rows, -1), b.reshape(rows, -1), self.a, self.dt,
                                    cache.delta_state[li], ws.state_slots, ws.seq_lo, ws.seq_n, o,
                                    n_k_heads=self.H_k, head_map_mod=self.head_map_mod,
-                                   eps=self.eps, prepare=ws.multi_token, stream=stream)
+                                   eps=self.eps, prepare=ws.multi_token, chunked=self.chunked,
+                                   stream=stream)
         y = ws.act("gdn.y", self.z_rows)
         norm.rms_norm_silu_gate(o.reshape(G, C, -1), z, self.norm_w, y.f, self.eps, stream=stream,
                                 act=y.q)

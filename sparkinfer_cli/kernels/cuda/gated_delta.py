@@ -16,6 +16,7 @@ import math
 import numpy as np
 from numba import cuda, float32, int32, uint32
 
+from sparkinfer_cli.kernels.cuda import gated_delta_chunked
 from sparkinfer_cli.kernels.cuda.runtime.intrinsics import (
     IS_SIMULATOR,
     bits_to_f32,
@@ -346,12 +347,18 @@ def _row_moves(dk: int):
 
 
 @device_function
-def _gates(ga, gb, neg_a, bias):
-    """A token's (decay, beta) of one value head from its pre-activations a, b."""
+def _log_gates(ga, gb, neg_a, bias):
+    """A token's (log-decay, beta) of one value head from its pre-activations a, b."""
     t = ga + bias
     soft = math.log(float32(1.0) + math.exp(min(t, float32(20.0))))  # both sides: no branch
-    decay = math.exp(neg_a * (t if t > float32(20.0) else soft))
-    return decay, float32(1.0) / (float32(1.0) + math.exp(-gb))
+    return neg_a * (t if t > float32(20.0) else soft), float32(1.0) / (float32(1.0) + math.exp(-gb))
+
+
+@device_function
+def _gates(ga, gb, neg_a, bias):
+    """A token's (decay, beta) of one value head from its pre-activations a, b."""
+    log_decay, beta = _log_gates(ga, gb, neg_a, bias)
+    return math.exp(log_decay), beta
 
 
 @device_function
@@ -483,7 +490,7 @@ def _delta_seq_kernel(dk: int, dv: int, prepared: bool):
 
 def delta_rule_seq(u, a, b, ssm_a, dt_bias, state, state_slots, seq_lo, seq_n, out, *,
                    n_k_heads: int, head_map_mod: bool, eps: float, prepare: bool = False,
-                   stream=0) -> None:
+                   chunked: bool = False, stream=0) -> None:
     """The gated delta rule over each sequence's rows (see delta_rule_step for the math).
 
     u (n_rows, 2·H_k·dk + H_v·dv), a/b (n_rows, H_v), out (n_rows, H_v, dv); state (slots, H_v,
@@ -491,7 +498,9 @@ def delta_rule_seq(u, a, b, ssm_a, dt_bias, state, state_slots, seq_lo, seq_n, o
     prepare: first compute what depends on one token alone (q/k norms, decay, beta) for every
     row at once, over u's q/k and a, b in place (they are then spent), so that the recurrence,
     one token after another, does only the state's products: about half its instructions a
-    token, for one launch more (passes of multi-token sequences)."""
+    token, for one launch more (passes of multi-token sequences).
+    chunked (with prepare, where gated_delta_chunked supports the head size): the recurrence a
+    chunk of tokens at a time, as products of matrices."""
     n_rows, n_v_heads, dv = out.shape
     dk = state.shape[3]
     n_seqs = seq_n.size
@@ -503,6 +512,12 @@ def delta_rule_seq(u, a, b, ssm_a, dt_bias, state, state_slots, seq_lo, seq_n, o
     check_array("b", b, np.float32, (n_rows, n_v_heads))
     if (n_v_heads * dv) % 4 or u.size * 4 >= 2**31:
         raise ValueError(f"u {u.shape}: H_v·dv must be a multiple of 4 and u under 2 GiB")
+    if prepare and chunked and gated_delta_chunked.supports(dk, dv):
+        _prepare_inputs(u, a, b, ssm_a, dt_bias, n_k_heads, dk, eps, stream, log_decay=True)
+        gated_delta_chunked.delta_rule_chunked(u, a, b, state, state_slots, seq_lo, seq_n, out,
+                                               n_k_heads=n_k_heads, head_map_mod=head_map_mod,
+                                               stream=stream)
+        return
     if prepare:
         _prepare_inputs(u, a, b, ssm_a, dt_bias, n_k_heads, dk, eps, stream)
     warps, col_blocks = _delta_seq_blocks(dv)
@@ -517,11 +532,11 @@ PREPARE_WARPS = 4
 
 
 @kernel(fastmath=True)
-def _prepare_kernel(u, a, b, ssm_a, dt_bias, n_rows, n_k_heads, dk, eps):
+def _prepare_kernel(u, a, b, ssm_a, dt_bias, n_rows, n_k_heads, dk, eps, log_decay):
     chain_start()
     # a warp per (row, head j of q | k): j < H_k scales q head j by 1 / sqrt((Σq² + eps)·dk),
     # the others k head j − H_k by 1 / sqrt(Σk² + eps); warp j = 0 of a row also turns the row's
-    # a, b into each value head's decay, beta
+    # a, b into each value head's decay (or its log), beta
     lane = cuda.threadIdx.x % 32
     n_heads = 2 * n_k_heads
     w = cuda.blockIdx.x * PREPARE_WARPS + cuda.threadIdx.x // 32
@@ -540,15 +555,15 @@ def _prepare_kernel(u, a, b, ssm_a, dt_bias, n_rows, n_k_heads, dk, eps):
         n_v_heads = a.size // n_rows
         for h in range(lane, n_v_heads, 32):
             at = row * n_v_heads + h
-            decay, beta = _gates(a[at], b[at], ssm_a[h], dt_bias[h])
-            a[at] = decay
+            decay, beta = _log_gates(a[at], b[at], ssm_a[h], dt_bias[h])
+            a[at] = decay if log_decay else math.exp(decay)
             b[at] = beta
 
 
 def _prepare_inputs(u, a, b, ssm_a, dt_bias, n_k_heads: int, dk: int, eps: float,
-                    stream) -> None:
+                    stream, log_decay: bool = False) -> None:
     n_rows = u.shape[0]
     n_warps = n_rows * 2 * n_k_heads
     _prepare_kernel[cdiv(n_warps, PREPARE_WARPS), 32 * PREPARE_WARPS, stream](
         u.reshape(u.size), a.reshape(a.size), b.reshape(b.size), ssm_a, dt_bias, n_rows,
-        n_k_heads, dk, float32(eps))
+        n_k_heads, dk, float32(eps), log_decay)
