@@ -208,7 +208,7 @@ SPARKINFER_F16_PREFILL: EnvVar[bool] = EnvVar(
     "CUDA prefill: keep f16 copies of the dense projections (2 bytes a weight) for the f16 "
     "tensor-core GEMM of long passes (gemm_f16); off: the quantized GEMMs, no extra memory")
 SPARKINFER_GDN_CHUNKED: EnvVar[bool] = EnvVar(
-    "SPARKINFER_GDN_CHUNKED", parse_bool, True,
+    "SPARKINFER_GDN_CHUNKED", parse_bool, False,
     "CUDA prefill: the Gated DeltaNet delta rule a chunk of tokens at a time "
     "(gated_delta_chunked); off: token by token")
 SPARKINFER_STEP_TRACE: EnvVar[str] = EnvVar(

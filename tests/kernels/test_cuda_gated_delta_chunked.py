@@ -42,8 +42,8 @@ def _reference(q, k, v, log_decay, beta, state, slots, lo, n, head_map_mod):
 
 
 @pytest.mark.parametrize("chunk, wide_pass, head_map_mod", [
-    (8, gdc.WIDE_PASS, True),  # few sequences: each head's columns in PARTS blocks
-    (8, 1, False),  # a block takes all of a head's columns
+    (16, gdc.WIDE_PASS, True),  # few sequences: each head's columns over several blocks
+    (16, 1, False),  # a block takes all of a head's columns
     (gdc.CHUNK, 1, True),
 ])
 @pytest.mark.slow
@@ -51,7 +51,7 @@ def test_chunked_delta_rule_matches_reference(chunk, wide_pass, head_map_mod):
     """Sequences of several chunks and a partial last one, a 1-token sequence, an empty entry,
     an untouched slot; rows no sequence owns keep their old output."""
     rng = np.random.default_rng(11)
-    n_k, n_v, dk, dv, rows = 1, 2, 32, 16, 41
+    n_k, n_v, dk, dv, rows = 1, 2, 32, 64, 41
     u, log_decay, beta, q, k, v = _prepared(rng, rows, n_k, n_v, dk, dv)
     state = (rng.standard_normal((4, n_v, dv, dk)) * 0.1).astype(np.float32)
     slots, lo, n = [2, 0, 3, 1], [1, 20, 0, 21], [19, 1, 0, 20]  # row 0 belongs to nobody
@@ -74,7 +74,7 @@ def test_delta_rule_seq_chunked_prepares_and_matches_reference():
     """delta_rule_seq(prepare, chunked): the prepare step writes log-decays for the chunked
     kernel; a 35-token sequence spans two chunks."""
     rng = np.random.default_rng(12)
-    n_k, n_v, dk, dv = 1, 2, 32, 16
+    n_k, n_v, dk, dv = 1, 2, 32, 64
     u, a, b, ssm_a, dt_bias, state = _delta_inputs(rng, 37, n_k, n_v, dk, dv, slots=3)
     slots, lo, n = [2, 0], [0, 35], [35, 2]
     out, new_state = _run_delta_seq(u, a, b, ssm_a, dt_bias, state, slots, lo, n, n_k, True,

@@ -1,24 +1,30 @@
-"""The gated delta rule over whole chunks of a sequence's tokens (the WY form), for prefill.
+"""The gated delta rule over whole chunks of a sequence's tokens (the WY form) on tensor cores.
 
 The token-by-token kernel (gated_delta.delta_seq) advances the state one token at a time: every
-token is a chain of dependent dot products and shuffles, and its q / k rows are read again by
-every column of the state. Here a block takes C tokens at once (the math of the CPU reference
-`kernels/cpu/gated_delta.gated_delta_chunked`, with S[j][i] the state of value column j): with
-G_c the chunk's cumulative log-decay up to token c and S₀ the state before it,
+token is a chain of dependent dot products and shuffles. Here a block takes C tokens at once (the
+math of the CPU reference `kernels/cpu/gated_delta.gated_delta_chunked`, with Sᵀ[j][i] the state
+of value column j): with G_c the chunk's cumulative log-decay up to token c and S₀ the state
+before it,
 
     A[c][c'] = β_c e^(G_c − G_c') k_c·k_c'  (c' < c)    P[c][c'] = e^(G_c − G_c') q_c·k_c' (c' ≤ c)
     R[c] = β_c (v_c − e^(G_c) S₀ k_c)           D = (I + A)⁻¹ R   (forward substitution)
     o_c = e^(G_c) S₀ q_c + Σ_c' P[c][c'] D[c']
-    S   = e^(G_last) S₀ + Σ_c e^(G_last − G_c) D[c] ⊗ k_c
+    Sᵀ  = e^(G_last) S₀ᵀ + Dᵀ K̃,  k̃_c = e^(G_last − G_c) k_c
 
-so the state enters only through products of whole matrices held in shared memory, which each
-thread computes in register tiles of 4 × 4 outputs. Inputs are prepared (gated_delta's prepare
-step with log_decay): q, k L2-normalised (q also / sqrt(dk)), a the log-decay, b the β.
+Four of these are matrix products (mma.sync m16n8k16): [K; Q]·Kᵀ (A and P), [K; Q]·S₀ (the
+state's products), P·D (outputs) and Dᵀ·K̃ (the update); only the forward substitution runs
+row by row. Each operand is staged in shared memory as two f16 planes, x ≈ hi + lo with
+hi = f16(x), lo = f16(x − hi), and a product takes three mma (hi·hi + hi·lo + lo·hi, f32
+sums): about float32's precision, at a third of the tensor cores' rate, which these small
+products leave idle anyway. A block keeps its part of Sᵀ in its warps' accumulator registers over
+the whole sequence.
 
-A block runs one (sequence, value head, part of the value columns). Blocks count the sequences
-of the pass first: with enough (sequence, head) pairs to fill the GPU a block takes all dv
-columns; otherwise (a few long prompts) the columns are split over PARTS blocks, each of which
-computes the chunk's A and P again, so that the GPU still has blocks to run.
+A launch runs two grids' worth of blocks, one per (sequence, value head) and one per (sequence,
+value head, NARROW_COLS columns); each block counts the pass's sequences and the grid that does
+not suit them exits: with enough (sequence, head) pairs to fill the GPU a block takes all of a
+head's columns, otherwise (a few long prompts) a head's columns split over several blocks, each
+of which computes the chunk's A and P again. Inputs are prepared (gated_delta's prepare step with
+log_decay): q, k L2-normalised (q also / sqrt(dk)), a the log-decay, b the β.
 """
 
 from __future__ import annotations
@@ -29,190 +35,96 @@ import math
 import numpy as np
 from numba import cuda, float32, int32, uint32
 
-from sparkinfer_cli.kernels.cuda.runtime.intrinsics import IS_SIMULATOR, bits_to_f32, chain_start
+from sparkinfer_cli.kernels.cuda.mma_fragments import mma_into
+from sparkinfer_cli.kernels.cuda.runtime.intrinsics import chain_start, f16_bits_to_f32, pack_f16x2
 from sparkinfer_cli.kernels.cuda.runtime.jit import device_function, kernel
 from sparkinfer_cli.kernels.cuda.runtime.launch import check_array
 
-CHUNK = 32  # tokens a chunk
-THREADS = 32 if IS_SIMULATOR else 256
-PARTS = 4  # value-column parts a head splits into when sequences are few
+CHUNK = 32  # tokens a chunk (two k16 steps of the P·D and update products)
+WARPS = 8
+THREADS = 32 * WARPS
+NARROW_COLS = 32  # value columns a block takes when the pass has few sequences
 WIDE_PASS = 256  # (sequence, head) pairs from which a block takes all of a head's columns
 SEQ_BLOCKS = 64  # grid rows; block row y runs sequence entries y, y + 64, …
-MAX_DK = 128  # shared memory holds 2·CHUNK rows of dk plus the dk × dv state
-
-if IS_SIMULATOR:
-
-    def lds4(arr, i):
-        """Floats i..i + 3 of a shared float32 array."""
-        return arr[i], arr[i + 1], arr[i + 2], arr[i + 3]
-
-else:
-    from sparkinfer_cli.kernels.cuda.runtime.intrinsics import lds_v4_u32
-
-    @device_function
-    def lds4(arr, i):
-        """Floats i..i + 3 of a shared float32 array in one load (i a multiple of 4)."""
-        w = lds_v4_u32(arr, i)
-        return bits_to_f32(w[0]), bits_to_f32(w[1]), bits_to_f32(w[2]), bits_to_f32(w[3])
+MAX_DK = 128  # shared memory: the chunk's rows and the state as f16 planes, under 227 KiB
+ROW_PAD = 8  # halves padding a staged row: a fragment load's 8 rows × 4 words hit 32 banks
 
 
 def supports(dk: int, dv: int) -> bool:
     """Whether the chunked kernel takes heads of this size."""
-    return dk % 4 == 0 and dk <= MAX_DK and dv % (4 * PARTS) == 0
-
-
-def shared_floats(dk: int, dv: int, chunk: int = CHUNK) -> int:
-    """Floats of shared memory a block uses: the chunk's k | q rows (stride dk + 1: a warp's
-    column reads fall in distinct banks; up to 3 floats to align what follows), the state, the
-    products [K; Q]·S, A, P, G and β."""
-    return 2 * chunk * (dk + 1) + 3 + dk * dv + 2 * chunk * dv + 2 * chunk * chunk + 2 * chunk
+    return dk % 16 == 0 and dk <= MAX_DK and dv % 16 == 0 and dv <= 128
 
 
 @functools.cache
-def _phases(dk: int, dv: int, C: int):
-    """The device functions of one chunk, over shared memory laid out as shared_floats says."""
-    kq_stride = dk + 1
-    s_at = 2 * C * kq_stride
-    s_at += -s_at % 4  # float4 reads of the state and X rows
-    x_at = s_at + dk * dv
-    a_at = x_at + 2 * C * dv
-    p_at = a_at + C * C
-    g_at = p_at + C * C
-    b_at = g_at + C
+def _layout(dk: int, dvp: int, C: int) -> dict[str, int]:
+    """Word offsets of a block's shared memory: f16 planes (hi at `name`, lo at `name_lo`, rows of
+    `name_w` words) of the chunk's k | q rows, k̃ᵀ, Sᵀ, Dᵀ and P, then float32 X = [S₀k; S₀q]
+    (rows < C become D), A, G and β; `words` in all."""
+    planes = {"kq": (2 * C, dk), "kt": (dk, C), "st": (dvp, dk), "dt": (dvp, C), "pp": (C, C)}
+    at, out = 0, {}
+    for name, (rows, cols) in planes.items():
+        w = (cols + ROW_PAD) // 2
+        out[name], out[name + "_lo"], out[name + "_w"] = at, at + rows * w, w
+        at += 2 * rows * w
+    for name, size in (("x", 2 * C * dvp), ("am", C * C), ("g", C), ("beta", C)):
+        out[name] = at
+        at += size
+    out["words"] = at
+    return out
 
-    @device_function
-    def load_chunk(u, a, b, sm, r, n_c, u_stride, q_off, k_off, h, n_v_heads):
-        """k | q rows of tokens r .. r + n_c − 1 (rows past n_c zero), log-decays summed over the
-        chunk into G, and β (zero past n_c: those rows neither decay nor write)."""
-        tid, T = cuda.threadIdx.x, cuda.blockDim.x
-        for e in range(tid, 2 * C * dk, T):
-            row, i = e // dk, e % dk
-            c = row % C
-            off = q_off if row >= C else k_off
-            sm[row * kq_stride + i] = u[(r + c) * u_stride + off + i] if c < n_c else float32(0)
-        for c in range(tid, C, T):
-            sm[g_at + c] = a[(r + c) * n_v_heads + h] if c < n_c else float32(0)
-            sm[b_at + c] = b[(r + c) * n_v_heads + h] if c < n_c else float32(0)
-        cuda.syncthreads()
-        if tid == 0:
-            for c in range(1, C):
-                sm[g_at + c] += sm[g_at + c - 1]
-        cuda.syncthreads()
 
-    @device_function
-    def token_products(sm):
-        """A (strictly lower) and P (lower with the diagonal) from the chunk's rows."""
-        for e in range(cuda.threadIdx.x, C * C, cuda.blockDim.x):
-            c, c2 = e // C, e % C
-            kk, qk = float32(0.0), float32(0.0)
-            if c2 <= c:
-                k2, k1 = uint32(c2 * kq_stride), uint32(c * kq_stride)
-                q1 = uint32((C + c) * kq_stride)
-                for i in range(dk):
-                    kc2 = sm[k2 + uint32(i)]
-                    kk += sm[k1 + uint32(i)] * kc2
-                    qk += sm[q1 + uint32(i)] * kc2
-                decay = math.exp(sm[g_at + c] - sm[g_at + c2])
-                kk *= decay * sm[b_at + c]
-                qk *= decay
-            sm[a_at + e] = kk if c2 < c else float32(0.0)
-            sm[p_at + e] = qk
+def shared_bytes(dk: int, dvp: int, chunk: int = CHUNK) -> int:
+    return 4 * _layout(dk, dvp, chunk)["words"]
 
-    @device_function
-    def state_products(sm, dvp):
-        """X = [K; Q] · S: rows c < C are S₀k_c, rows C + c are S₀q_c (columns of this part)."""
-        col_tiles = dvp // 4
-        for t in range(cuda.threadIdx.x, 2 * C // 4 * col_tiles, cuda.blockDim.x):
-            r0, j0 = 4 * (t // col_tiles), 4 * (t % col_tiles)
-            acc = cuda.local.array(16, float32)
-            for m in range(16):
-                acc[m] = 0.0
-            for i in range(dk):
-                s = lds4(sm, uint32(s_at + i * dvp + j0))
-                for m in range(4):
-                    x = sm[uint32((r0 + m) * kq_stride + i)]
-                    for n in range(4):
-                        acc[4 * m + n] += x * s[n]
-            for m in range(4):
-                for n in range(4):
-                    sm[x_at + (r0 + m) * dvp + j0 + n] = acc[4 * m + n]
 
-    @device_function
-    def solve_deltas(u, sm, r, n_c, u_stride, v_off, dvp):
-        """Rows c < C of X become D: R = β(v − e^G S₀k), then (I + A) D = R row by row."""
-        for j in range(cuda.threadIdx.x, dvp, cuda.blockDim.x):
-            for c in range(C):
-                v = u[(r + c) * u_stride + v_off + j] if c < n_c else float32(0.0)
-                at = x_at + c * dvp + j
-                sm[at] = sm[b_at + c] * (v - math.exp(sm[g_at + c]) * sm[at])
-            for c in range(1, C):
-                d = sm[uint32(x_at + c * dvp + j)]
-                for c2 in range(c):
-                    d -= sm[uint32(a_at + c * C + c2)] * sm[uint32(x_at + c2 * dvp + j)]
-                sm[uint32(x_at + c * dvp + j)] = d
+@device_function
+def _put_pair(smw, hi_at, lo_at, x, y):
+    """f16 planes ← floats x, y (adjacent halves of one word): hi = f16, lo = f16(rest)."""
+    h = pack_f16x2(x, y)
+    smw[uint32(hi_at)] = h
+    smw[uint32(lo_at)] = pack_f16x2(x - f16_bits_to_f32(h & 0xFFFF), y - f16_bits_to_f32(h >> 16))
 
-    @device_function
-    def outputs(sm, out, r, n_c, o_row, o_base, dvp):
-        """o_c = e^(G_c) S₀q_c + Σ P[c][c'] D[c'] to out (rows < n_c), then k rows scaled by
-        e^(G_last − G_c) for the state update (P·D no longer reads them)."""
-        col_tiles = dvp // 4
-        for t in range(cuda.threadIdx.x, C // 4 * col_tiles, cuda.blockDim.x):
-            r0, j0 = 4 * (t // col_tiles), 4 * (t % col_tiles)
-            acc = cuda.local.array(16, float32)
-            for m in range(4):
-                g = math.exp(sm[g_at + r0 + m])
-                for n in range(4):
-                    acc[4 * m + n] = g * sm[x_at + (C + r0 + m) * dvp + j0 + n]
-            for c2 in range(C):
-                d = lds4(sm, uint32(x_at + c2 * dvp + j0))
-                for m in range(4):
-                    p = sm[uint32(p_at + (r0 + m) * C + c2)]
-                    for n in range(4):
-                        acc[4 * m + n] += p * d[n]
-            for m in range(4):
-                if r0 + m < n_c:
-                    for n in range(4):
-                        out[(r + r0 + m) * o_row + o_base + j0 + n] = acc[4 * m + n]
-        g_last = sm[g_at + C - 1]
-        for e in range(cuda.threadIdx.x, C * dk, cuda.blockDim.x):
-            c = e // dk
-            sm[c * kq_stride + e % dk] *= math.exp(g_last - sm[g_at + c])
 
-    @device_function
-    def update_state(sm, dvp):
-        """S ← e^(G_last) S + Σ_c D[c] ⊗ k̃_c (the k rows already carry e^(G_last − G_c))."""
-        col_tiles = dvp // 4
-        g_last = math.exp(sm[g_at + C - 1])
-        for t in range(cuda.threadIdx.x, dk // 4 * col_tiles, cuda.blockDim.x):
-            i0, j0 = 4 * (t // col_tiles), 4 * (t % col_tiles)
-            acc = cuda.local.array(16, float32)
-            for m in range(4):
-                s = lds4(sm, s_at + (i0 + m) * dvp + j0)
-                for n in range(4):
-                    acc[4 * m + n] = g_last * s[n]
-            for c in range(C):
-                d = lds4(sm, uint32(x_at + c * dvp + j0))
-                for m in range(4):
-                    k = sm[uint32(c * kq_stride + i0 + m)]
-                    for n in range(4):
-                        acc[4 * m + n] += k * d[n]
-            for m in range(4):
-                for n in range(4):
-                    sm[s_at + (i0 + m) * dvp + j0 + n] = acc[4 * m + n]
+@device_function
+def _frag_a(smw, at, w, row0, kw):
+    """A fragment (16 × 16, row-major, k contiguous) of rows row0.. from word kw of each row."""
+    lane = cuda.threadIdx.x & 31
+    top = uint32(at + (row0 + (lane >> 2)) * w + kw + (lane & 3))
+    bottom = uint32(top + 8 * w)
+    return smw[top], smw[bottom], smw[uint32(top + 4)], smw[uint32(bottom + 4)]
 
-    @device_function
-    def move_state(state, sm, base, dvp, to_shared):
-        """The part's columns of the state (global S[j][i]) into shared S[i][j], or back."""
-        for e in range(cuda.threadIdx.x, dk * dvp, cuda.blockDim.x):
-            j, i = e // dk, e % dk
-            if to_shared:
-                sm[s_at + i * dvp + j] = state[base + j * dk + i]
-            else:
-                state[base + j * dk + i] = sm[s_at + i * dvp + j]
 
-    return load_chunk, token_products, state_products, solve_deltas, outputs, update_state, \
-        move_state
+@device_function
+def _frag_b(smw, at, w, n0, kw):
+    """B fragment (16 × 8) from Bᵀ rows n0.. (k contiguous) from word kw of each row."""
+    lane = cuda.threadIdx.x & 31
+    i = uint32(at + (n0 + (lane >> 2)) * w + kw + (lane & 3))
+    return smw[i], smw[uint32(i + 4)]
 
+
+@device_function
+def _frags_a(smw, a_hi, a_lo, aw, row0, kw):
+    """The A fragments of both planes."""
+    return _frag_a(smw, a_hi, aw, row0, kw), _frag_a(smw, a_lo, aw, row0, kw)
+
+
+@device_function(numba_inline=True)
+def _mma3(acc, i, a, smw, b_hi, b_lo, bw, n0, kw):
+    """acc[i..i+3] += A·B for one m16n8k16 tile, A (its fragments of both planes: _frags_a) and
+    B as f16 planes hi + lo."""
+    ah, al = a
+    bh0, bh1 = _frag_b(smw, b_hi, bw, n0, kw)
+    bl0, bl1 = _frag_b(smw, b_lo, bw, n0, kw)
+    mma_into(acc, i, al, bh0, bh1)
+    mma_into(acc, i, ah, bl0, bl1)
+    mma_into(acc, i, ah, bh0, bh1)
+
+
+@device_function
+def _tile_element(row0, n0, e):
+    """(row, column) of accumulator element e (0..3) of this lane in the tile at (row0, n0)."""
+    lane = cuda.threadIdx.x & 31
+    return row0 + (lane >> 2) + 8 * (e >> 1), n0 + 2 * (lane & 3) + (e & 1)
 
 
 @device_function
@@ -229,47 +141,311 @@ def _active_sequences(seq_n):
 
 
 @functools.cache
-def _chunk_kernel(dk: int, dv: int, C: int):
-    load_chunk, token_products, state_products, solve_deltas, outputs, update_state, \
-        move_state = _phases(dk, dv, C)
+def _load_fn(dk: int, dvp: int, C: int):
+    L = _layout(dk, dvp, C)
+    kq, kq_lo, kq_w = L["kq"], L["kq_lo"], L["kq_w"]
+    kt, kt_lo, kt_w = L["kt"], L["kt_lo"], L["kt_w"]
+    g_at, b_at = L["g"], L["beta"]
+    half_dk, half_c = dk // 2, C // 2
+
+    @device_function
+    def load_chunk(u, a, b, smw, smf, r, n_c, u_stride, q_off, k_off, h, n_v_heads):
+        """Stage tokens r .. r + n_c − 1 (rows past n_c zero: they neither decay nor write): k | q
+        rows, G (the log-decays summed over the chunk), β, and k̃ᵀ = (k_c e^(G_last − G_c))ᵀ."""
+        tid, T = cuda.threadIdx.x, cuda.blockDim.x
+        for e in range(tid, 2 * C * half_dk, T):
+            row, wd = e // half_dk, e % half_dk
+            c = row % C
+            x, y = float32(0.0), float32(0.0)
+            if c < n_c:
+                src = (r + c) * u_stride + (q_off if row >= C else k_off) + 2 * wd
+                x, y = u[src], u[src + 1]
+            _put_pair(smw, kq + row * kq_w + wd, kq_lo + row * kq_w + wd, x, y)
+        for c in range(tid, C, T):
+            smf[g_at + c] = a[(r + c) * n_v_heads + h] if c < n_c else float32(0.0)
+            smf[b_at + c] = b[(r + c) * n_v_heads + h] if c < n_c else float32(0.0)
+        cuda.syncthreads()
+        if tid == 0:
+            for c in range(1, C):
+                smf[g_at + c] += smf[g_at + c - 1]
+        cuda.syncthreads()
+        g_last = smf[g_at + C - 1]
+        for e in range(tid, dk * half_c, T):
+            i, cw = e // half_c, e % half_c
+            c = 2 * cw
+            x, y = float32(0.0), float32(0.0)
+            if c < n_c:
+                x = u[(r + c) * u_stride + k_off + i] * math.exp(g_last - smf[g_at + c])
+            if c + 1 < n_c:
+                y = u[(r + c + 1) * u_stride + k_off + i] * math.exp(g_last - smf[g_at + c + 1])
+            _put_pair(smw, kt + i * kt_w + cw, kt_lo + i * kt_w + cw, x, y)
+    return load_chunk
+
+
+@functools.cache
+def _token_products_fn(dk: int, dvp: int, C: int):
+    """token_products: A (float32, strictly lower) and P (f16 planes, lower with the diagonal)
+    from [K; Q]·Kᵀ: a warp per 16 rows × 16 columns of the 2C × C product."""
+    L = _layout(dk, dvp, C)
+    kq, kq_lo, kq_w = L["kq"], L["kq_lo"], L["kq_w"]
+    pp, pp_lo, pp_w = L["pp"], L["pp_lo"], L["pp_w"]
+    am, g_at, b_at = L["am"], L["g"], L["beta"]
+    tiles = (2 * C // 16) * (C // 16)  # warp tiles of 16 × 16
+
+    @device_function
+    def masked(smf, row, c2, v):
+        """A[row][c2] (row < C) or P[row − C][c2] from its dot product v."""
+        c = row if row < C else row - C
+        if c2 > c or (row < C and c2 == c):
+            return float32(0.0)
+        v *= math.exp(smf[g_at + c] - smf[g_at + c2])
+        return v * smf[b_at + c] if row < C else v
+
+    @device_function
+    def token_products(smw, smf):
+        warp = cuda.threadIdx.x >> 5
+        for t in range(warp, tiles, WARPS):
+            row0, n0 = 16 * (t // (C // 16)), 16 * (t % (C // 16))
+            acc = cuda.local.array(8, float32)
+            for i in range(8):
+                acc[i] = 0.0
+            for kw in range(0, dk // 2, 8):
+                a = _frags_a(smw, kq, kq_lo, kq_w, row0, kw)
+                for nt in range(2):
+                    _mma3(acc, 4 * nt, a, smw, kq, kq_lo, kq_w, n0 + 8 * nt, kw)
+            for nt in range(2):
+                for e in range(0, 4, 2):
+                    row, c2 = _tile_element(row0, n0 + 8 * nt, e)
+                    v0 = masked(smf, row, c2, acc[4 * nt + e])
+                    v1 = masked(smf, row, c2 + 1, acc[4 * nt + e + 1])
+                    if row < C:
+                        smf[uint32(am + row * C + c2)] = v0
+                        smf[uint32(am + row * C + c2 + 1)] = v1
+                    else:
+                        wd = (row - C) * pp_w + c2 // 2
+                        _put_pair(smw, pp + wd, pp_lo + wd, v0, v1)
+    return token_products
+
+
+@functools.cache
+def _state_products_fn(dk: int, dvp: int, C: int):
+    """state_products: X = [K; Q]·S₀ (2C × dvp, float32), 16 × 8 tiles spread over the warps
+    (a warp keeps one row tile: its A fragments serve all its column tiles)."""
+    L = _layout(dk, dvp, C)
+    kq, kq_lo, kq_w = L["kq"], L["kq_lo"], L["kq_w"]
+    st, st_lo, st_w = L["st"], L["st_lo"], L["st_w"]
+    x_at = L["x"]
+    row_tiles, col_tiles = 2 * C // 16, dvp // 8
+    per_warp = -(-row_tiles * col_tiles // WARPS)
+    group = min(per_warp, 2)  # column tiles a k walk (registers: the wide kernel holds Sᵀ too)
+    n_acc = 4 * group  # accumulators a lane
+
+    @device_function
+    def state_products(smw, smf):
+        warp = cuda.threadIdx.x >> 5
+        row0 = 16 * (warp % row_tiles)
+        for q0 in range(0, per_warp, group):
+            acc = cuda.local.array(n_acc, float32)
+            for i in range(n_acc):
+                acc[i] = 0.0
+            for kw in range(0, dk // 2, 8):
+                a = _frags_a(smw, kq, kq_lo, kq_w, row0, kw)
+                for q in range(group):
+                    t = warp + WARPS * (q0 + q)
+                    if t < row_tiles * col_tiles:
+                        _mma3(acc, 4 * q, a, smw, st, st_lo, st_w, 8 * (t // row_tiles), kw)
+            for q in range(group):
+                t = warp + WARPS * (q0 + q)
+                if t < row_tiles * col_tiles:
+                    for e in range(4):
+                        row, j = _tile_element(row0, 8 * (t // row_tiles), e)
+                        smf[uint32(x_at + row * dvp + j)] = acc[4 * q + e]
+    return state_products
+
+
+@functools.cache
+def _solve_fn(dk: int, dvp: int, C: int):
+    L = _layout(dk, dvp, C)
+    x_at, am, g_at, b_at = L["x"], L["am"], L["g"], L["beta"]
+    dt, dt_lo, dt_w = L["dt"], L["dt_lo"], L["dt_w"]
+
+    @device_function
+    def solve_deltas(u, smw, smf, r, n_c, u_stride, v_off):
+        """Rows c < C of X become D (R = β(v − e^G S₀k), then (I + A) D = R row by row, a thread a
+        column), and Dᵀ goes to its f16 planes."""
+        j = cuda.threadIdx.x
+        if j >= dvp:
+            return
+        for c in range(C):
+            v = u[(r + c) * u_stride + v_off + j] if c < n_c else float32(0.0)
+            at = uint32(x_at + c * dvp + j)
+            smf[at] = smf[b_at + c] * (v - math.exp(smf[g_at + c]) * smf[at])
+        for c in range(1, C):
+            d = smf[uint32(x_at + c * dvp + j)]
+            for c2 in range(c):
+                d -= smf[uint32(am + c * C + c2)] * smf[uint32(x_at + c2 * dvp + j)]
+            smf[uint32(x_at + c * dvp + j)] = d
+        for cw in range(C // 2):
+            _put_pair(smw, dt + j * dt_w + cw, dt_lo + j * dt_w + cw,
+                      smf[uint32(x_at + 2 * cw * dvp + j)],
+                      smf[uint32(x_at + (2 * cw + 1) * dvp + j)])
+    return solve_deltas
+
+
+@functools.cache
+def _outputs_fn(dk: int, dvp: int, C: int):
+    """outputs: o = e^G S₀q + P·D for the chunk's rows < n_c, 16 × 8 tiles over the warps."""
+    L = _layout(dk, dvp, C)
+    pp, pp_lo, pp_w = L["pp"], L["pp_lo"], L["pp_w"]
+    dt, dt_lo, dt_w = L["dt"], L["dt_lo"], L["dt_w"]
+    x_at, g_at = L["x"], L["g"]
+    row_tiles, col_tiles = C // 16, dvp // 8
+    per_warp = -(-row_tiles * col_tiles // WARPS)
+    n_acc = 4 * per_warp  # accumulators a lane
+
+    @device_function
+    def outputs(smw, smf, out, r, n_c, o_row, o_base):
+        warp = cuda.threadIdx.x >> 5
+        row0 = 16 * (warp % row_tiles)
+        acc = cuda.local.array(n_acc, float32)
+        for q in range(per_warp):
+            t = warp + WARPS * q
+            for e in range(4):
+                c, j = _tile_element(row0, 8 * (t // row_tiles), e)
+                acc[4 * q + e] = float32(0.0)
+                if t < row_tiles * col_tiles:
+                    acc[4 * q + e] = math.exp(smf[g_at + c]) * smf[uint32(x_at + (C + c) * dvp + j)]
+        for kw in range(0, C // 2, 8):
+            a = _frags_a(smw, pp, pp_lo, pp_w, row0, kw)
+            for q in range(per_warp):
+                t = warp + WARPS * q
+                if t < row_tiles * col_tiles:
+                    _mma3(acc, 4 * q, a, smw, dt, dt_lo, dt_w, 8 * (t // row_tiles), kw)
+        for q in range(per_warp):
+            t = warp + WARPS * q
+            for e in range(4):
+                c, j = _tile_element(row0, 8 * (t // row_tiles), e)
+                if t < row_tiles * col_tiles and c < n_c:
+                    out[(r + c) * o_row + o_base + j] = acc[4 * q + e]
+    return outputs
+
+
+@functools.cache
+def _state_fns(dk: int, dvp: int, C: int):
+    """The block's part of Sᵀ (dvp × dk) lives in its warps' accumulators: 16 × 8 tiles, a warp
+    keeping one row tile of value columns. Returns (accumulators a lane, load, update, store)."""
+    L = _layout(dk, dvp, C)
+    st, st_lo, st_w = L["st"], L["st_lo"], L["st_w"]
+    dt, dt_lo, dt_w = L["dt"], L["dt_lo"], L["dt_w"]
+    kt, kt_lo, kt_w = L["kt"], L["kt_lo"], L["kt_w"]
+    g_at = L["g"]
+    row_tiles, col_tiles = dvp // 16, dk // 8
+    per_warp = -(-row_tiles * col_tiles // WARPS)
+    n_acc = 4 * per_warp  # accumulators a lane
+
+    @device_function
+    def to_planes(smw, s):
+        """Sᵀ's f16 planes (the B operand of the next chunk's state products) ← s."""
+        warp = cuda.threadIdx.x >> 5
+        for q in range(per_warp):
+            t = warp + WARPS * q
+            if t < row_tiles * col_tiles:
+                for e in range(0, 4, 2):
+                    j, i = _tile_element(16 * (warp % row_tiles), 8 * (t // row_tiles), e)
+                    wd = j * st_w + i // 2
+                    _put_pair(smw, st + wd, st_lo + wd, s[4 * q + e], s[4 * q + e + 1])
+
+    @device_function
+    def load(state, base, smw, s):
+        """s ← Sᵀ of the part from the global state (S[j][i], i contiguous), and its planes."""
+        warp = cuda.threadIdx.x >> 5
+        for q in range(per_warp):
+            t = warp + WARPS * q
+            for e in range(4):
+                j, i = _tile_element(16 * (warp % row_tiles), 8 * (t // row_tiles), e)
+                s[4 * q + e] = (state[base + j * dk + i] if t < row_tiles * col_tiles
+                                else float32(0.0))
+        to_planes(smw, s)
+
+    @device_function
+    def update(smw, smf, s):
+        """Sᵀ ← e^(G_last) Sᵀ + Dᵀ·K̃."""
+        warp = cuda.threadIdx.x >> 5
+        decay = math.exp(smf[g_at + C - 1])
+        for i in range(n_acc):
+            s[i] *= decay
+        for kw in range(0, C // 2, 8):
+            a = _frags_a(smw, dt, dt_lo, dt_w, 16 * (warp % row_tiles), kw)
+            for q in range(per_warp):
+                t = warp + WARPS * q
+                if t < row_tiles * col_tiles:
+                    _mma3(s, 4 * q, a, smw, kt, kt_lo, kt_w, 8 * (t // row_tiles), kw)
+        to_planes(smw, s)
+
+    @device_function
+    def store(state, base, s):
+        warp = cuda.threadIdx.x >> 5
+        for q in range(per_warp):
+            t = warp + WARPS * q
+            if t < row_tiles * col_tiles:
+                for e in range(4):
+                    j, i = _tile_element(16 * (warp % row_tiles), 8 * (t // row_tiles), e)
+                    state[base + j * dk + i] = s[4 * q + e]
+    return n_acc, load, update, store
+
+
+def _narrow_cols(dv: int) -> int:
+    """Value columns a block takes when a pass has few sequences (dv: no narrow grid)."""
+    return NARROW_COLS if dv > NARROW_COLS and dv % NARROW_COLS == 0 else dv
+
+
+@functools.cache
+def _chunk_kernel(dk: int, dv: int, dvp: int, C: int):
+    """The kernel of blocks taking dvp of a head's dv value columns (dvp = dv: the wide grid)."""
+    load_chunk = _load_fn(dk, dvp, C)
+    token_products = _token_products_fn(dk, dvp, C)
+    state_products = _state_products_fn(dk, dvp, C)
+    solve_deltas = _solve_fn(dk, dvp, C)
+    outputs = _outputs_fn(dk, dvp, C)
+    n_state, load_state, update_state, store_state = _state_fns(dk, dvp, C)
+    parts = dv // dvp
+    two_grids = _narrow_cols(dv) < dv  # a launch also runs the other grid
 
     @kernel(fastmath=True)
     def delta_chunked(u, a, b, state, state_slots, seq_lo, seq_n, n_k_heads, head_map_mod,
                       wide_pass, out):
         chain_start()
-        n_v_heads = cuda.gridDim.x // PARTS
-        h, part = cuda.blockIdx.x // PARTS, cuda.blockIdx.x % PARTS
-        wide = _active_sequences(seq_n) * n_v_heads >= wide_pass
-        if wide and part > 0:
-            return
-        dvp = dv if wide else dv // PARTS
-        j0 = part * dvp
-        sm = cuda.shared.array(0, float32)
+        n_v_heads = cuda.gridDim.x // parts
+        h, part = cuda.blockIdx.x // parts, cuda.blockIdx.x % parts
+        if two_grids and (_active_sequences(seq_n) * n_v_heads >= wide_pass) != (parts == 1):
+            return  # the other grid of the launch suits this pass
+        smw = cuda.shared.array(0, uint32)  # f16 planes (_layout)
+        smf = cuda.shared.array(0, float32)  # the same memory: the float32 part
+        s = cuda.local.array(n_state, float32)  # this lane's part of its warp's tiles of Sᵀ
         kh = h % n_k_heads if head_map_mod else h // (n_v_heads // n_k_heads)
         key_dim = n_k_heads * dk
         u_stride = 2 * key_dim + n_v_heads * dv
-        q_off, k_off, v_off = kh * dk, key_dim + kh * dk, 2 * key_dim + h * dv + j0
+        q_off, k_off = kh * dk, key_dim + kh * dk
+        v_off = 2 * key_dim + h * dv + part * dvp
         for seq in range(cuda.blockIdx.y, seq_n.size, cuda.gridDim.y):
             n = seq_n[seq]
             if n == 0:
                 continue
             lo = seq_lo[seq]
-            base = ((state_slots[seq] * n_v_heads + h) * dv + j0) * dk
-            move_state(state, sm, base, dvp, True)
+            base = ((state_slots[seq] * n_v_heads + h) * dv + part * dvp) * dk
+            load_state(state, base, smw, s)
             for r in range(lo, lo + n, C):
                 n_c = min(C, lo + n - r)
-                load_chunk(u, a, b, sm, r, n_c, u_stride, q_off, k_off, h, n_v_heads)
-                token_products(sm)
-                state_products(sm, dvp)
+                load_chunk(u, a, b, smw, smf, r, n_c, u_stride, q_off, k_off, h, n_v_heads)
+                token_products(smw, smf)
+                state_products(smw, smf)
                 cuda.syncthreads()
-                solve_deltas(u, sm, r, n_c, u_stride, v_off, dvp)
+                solve_deltas(u, smw, smf, r, n_c, u_stride, v_off)
                 cuda.syncthreads()
-                outputs(sm, out, r, n_c, n_v_heads * dv, h * dv + j0, dvp)
+                outputs(smw, smf, out, r, n_c, n_v_heads * dv, h * dv + part * dvp)
+                update_state(smw, smf, s)
                 cuda.syncthreads()
-                update_state(sm, dvp)
-                cuda.syncthreads()
-            move_state(state, sm, base, dvp, False)
-            cuda.syncthreads()
+            store_state(state, base, s)
     return delta_chunked
 
 
@@ -282,15 +458,17 @@ def delta_rule_chunked(u, a, b, state, state_slots, seq_lo, seq_n, out, *, n_k_h
     head) pairs from which a block takes all of a head's value columns."""
     n_rows, n_v_heads, dv = out.shape
     dk = state.shape[3]
-    if not supports(dk, dv) or state.shape[1:3] != (n_v_heads, dv):
-        raise ValueError(f"state {state.shape}: the chunked kernel takes dk ≤ {MAX_DK}, dk % 4 "
-                         f"== 0 and dv % {4 * PARTS} == 0")
+    if not supports(dk, dv) or state.shape[1:3] != (n_v_heads, dv) or chunk % 16:
+        raise ValueError(f"state {state.shape}, chunk {chunk}: the chunked kernel takes dk ≤ "
+                         f"{MAX_DK}, dk and dv multiples of 16, dv ≤ 128, chunks of 16·m")
     if u.shape != (n_rows, 2 * n_k_heads * dk + n_v_heads * dv):
         raise ValueError(f"u {u.shape} is not (n_rows, 2·H_k·dk + H_v·dv)")
     check_array("a", a, np.float32, (n_rows, n_v_heads))
     check_array("b", b, np.float32, (n_rows, n_v_heads))
-    n_seqs = seq_n.size
-    _chunk_kernel(dk, dv, chunk)[(n_v_heads * PARTS, min(n_seqs, SEQ_BLOCKS)), THREADS, stream,
-                                 4 * shared_floats(dk, dv, chunk)](
-        u.reshape(u.size), a.reshape(a.size), b.reshape(b.size), state.reshape(state.size),
-        state_slots, seq_lo, seq_n, n_k_heads, head_map_mod, wide_pass, out.reshape(out.size))
+    args = (u.reshape(u.size), a.reshape(a.size), b.reshape(b.size), state.reshape(state.size),
+            state_slots, seq_lo, seq_n, n_k_heads, head_map_mod, wide_pass, out.reshape(out.size))
+    rows = min(seq_n.size, SEQ_BLOCKS)
+    for dvp in sorted({dv, _narrow_cols(dv)}):
+        parts = dv // dvp
+        _chunk_kernel(dk, dv, dvp, chunk)[(n_v_heads * parts, rows), THREADS, stream,
+                                          shared_bytes(dk, dvp, chunk)](*args)
