@@ -5,7 +5,8 @@
 Cases, as CudaGatedDeltaNet launches them (seq_lo / seq_n / state_slots hold n_rows entries, the
 unused ones zero): a prefill of --tokens rows in K sequences for each K of --split (as a burst
 of clients sends them), run as the model runs multi-token passes (prepare: q/k norms and gates
-computed for all rows first) and without that step, and a decode step of --batch sequences of
+computed for all rows first), without that step, and a chunk of tokens at a time on tensor cores
+(gated_delta_chunked, SPARKINFER_GDN_CHUNKED), and a decode step of --batch sequences of
 one token each. Per case: µs per launch (CUDA events, mean of --reps), µs per
 token, the 30-layer total, and effective GB/s over the bytes the kernel must move (state read +
 written, q/k/v/gates read, output written).

@@ -7,24 +7,29 @@ of value column j): with G_c the chunk's cumulative log-decay up to token c and 
 before it,
 
     A[c][c'] = β_c e^(G_c − G_c') k_c·k_c'  (c' < c)    P[c][c'] = e^(G_c − G_c') q_c·k_c' (c' ≤ c)
-    R[c] = β_c (v_c − e^(G_c) S₀ k_c)           D = (I + A)⁻¹ R   (forward substitution)
+    R[c] = β_c (v_c − e^(G_c) S₀ k_c)           D = (I + A)⁻¹ R
     o_c = e^(G_c) S₀ q_c + Σ_c' P[c][c'] D[c']
     Sᵀ  = e^(G_last) S₀ᵀ + Dᵀ K̃,  k̃_c = e^(G_last − G_c) k_c
 
-Four of these are matrix products (mma.sync m16n8k16): [K; Q]·Kᵀ (A and P), [K; Q]·S₀ (the
-state's products), P·D (outputs) and Dᵀ·K̃ (the update); only the forward substitution runs
-row by row. Each operand is staged in shared memory as two f16 planes, x ≈ hi + lo with
-hi = f16(x), lo = f16(x − hi), and a product takes three mma (hi·hi + hi·lo + lo·hi, f32
-sums): about float32's precision, at a third of the tensor cores' rate, which these small
-products leave idle anyway. A block keeps its part of Sᵀ in its warps' accumulator registers over
-the whole sequence.
+Five of these are matrix products (mma.sync m16n8k16): [K; Q]·Kᵀ (A and P), [K; Q]·S₀ (the
+state's products), Dᵀ = Rᵀ·(I + A)⁻ᵀ, P·D (outputs) and Dᵀ·K̃ (the update); only the inverse
+runs row by row, in one warp's registers. Each operand is staged in shared memory as two f16
+planes, x ≈ hi + lo with hi = f16(x), lo = f16(x − hi), and a product takes three mma (hi·hi +
+hi·lo + lo·hi, f32 sums): about float32's precision, at a third of the tensor cores' rate, which
+these small products leave idle anyway. A block keeps its part of Sᵀ in its warps' accumulator
+registers over the whole sequence.
 
-A launch runs two grids' worth of blocks, one per (sequence, value head) and one per (sequence,
-value head, NARROW_COLS columns); each block counts the pass's sequences and the grid that does
-not suit them exits: with enough (sequence, head) pairs to fill the GPU a block takes all of a
+A launch runs two grids, one of blocks per (sequence, value head) and one per (sequence, value
+head, NARROW_COLS columns) (a captured pass cannot know its sequence count on the host); a block
+with a sequence of its own counts the pass's sequences, and the grid that does not suit them
+exits: with enough (sequence, head) pairs to fill the GPU a block takes all of a
 head's columns, otherwise (a few long prompts) a head's columns split over several blocks, each
 of which computes the chunk's A and P again. Inputs are prepared (gated_delta's prepare step with
 log_decay): q, k L2-normalised (q also / sqrt(dk)), a the log-decay, b the β.
+
+Opt-in (SPARKINFER_GDN_CHUNKED): on an H100 it has not yet beaten the token kernel
+(bench/results/2026-12-06-gdn-chunked-prefill.md says by how much and what the profile should
+look at next).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from sparkinfer_cli.kernels.cuda.mma_fragments import mma_into
 from sparkinfer_cli.kernels.cuda.runtime.intrinsics import chain_start, f16_bits_to_f32, pack_f16x2
 from sparkinfer_cli.kernels.cuda.runtime.jit import device_function, kernel
 from sparkinfer_cli.kernels.cuda.runtime.launch import check_array
+from sparkinfer_cli.kernels.cuda.runtime.warp import shfl_xor
 
 CHUNK = 32  # tokens a chunk (two k16 steps of the P·D and update products)
 WARPS = 8
@@ -58,9 +64,10 @@ def supports(dk: int, dv: int) -> bool:
 @functools.cache
 def _layout(dk: int, dvp: int, C: int) -> dict[str, int]:
     """Word offsets of a block's shared memory: f16 planes (hi at `name`, lo at `name_lo`, rows of
-    `name_w` words) of the chunk's k | q rows, k̃ᵀ, Sᵀ, Dᵀ and P, then float32 X = [S₀k; S₀q]
-    (rows < C become D), A, G and β; `words` in all."""
-    planes = {"kq": (2 * C, dk), "kt": (dk, C), "st": (dvp, dk), "dt": (dvp, C), "pp": (C, C)}
+    `name_w` words) of the chunk's k | q rows, k̃ᵀ, Sᵀ, Rᵀ then Dᵀ, P and T = (I + A)⁻¹, then
+    float32 X = [S₀k; S₀q], A, G and β; `words` in all."""
+    planes = {"kq": (2 * C, dk), "kt": (dk, C), "st": (dvp, dk), "dt": (dvp, C), "pp": (C, C),
+              "tt": (C, C)}
     at, out = 0, {}
     for name, (rows, cols) in planes.items():
         w = (cols + ROW_PAD) // 2
@@ -71,6 +78,11 @@ def _layout(dk: int, dvp: int, C: int) -> dict[str, int]:
         at += size
     out["words"] = at
     return out
+
+
+def _plane(layout: dict[str, int], name: str) -> tuple[int, int, int]:
+    """(hi word, lo word, words a row) of one of _layout's f16 planes."""
+    return layout[name], layout[name + "_lo"], layout[name + "_w"]
 
 
 def shared_bytes(dk: int, dvp: int, chunk: int = CHUNK) -> int:
@@ -128,6 +140,19 @@ def _tile_element(row0, n0, e):
 
 
 @device_function
+def _owns_sequences(seq_n):
+    """Whether any of this block's sequence entries (y, y + grid rows, …) has rows: a block
+    without work leaves before it counts the pass's sequences."""
+    y, rows = cuda.blockIdx.y, cuda.gridDim.y
+    n_mine = (seq_n.size - y + rows - 1) // rows
+    mine = int32(0)
+    for k in range(cuda.threadIdx.x, n_mine, cuda.blockDim.x):
+        if seq_n[y + k * rows] > 0:
+            mine = int32(1)
+    return cuda.syncthreads_or(mine) != 0
+
+
+@device_function
 def _active_sequences(seq_n):
     """Sequence entries with rows, counted by the whole block."""
     count = 0
@@ -143,8 +168,8 @@ def _active_sequences(seq_n):
 @functools.cache
 def _load_fn(dk: int, dvp: int, C: int):
     L = _layout(dk, dvp, C)
-    kq, kq_lo, kq_w = L["kq"], L["kq_lo"], L["kq_w"]
-    kt, kt_lo, kt_w = L["kt"], L["kt_lo"], L["kt_w"]
+    kq, kq_lo, kq_w = _plane(L, "kq")
+    kt, kt_lo, kt_w = _plane(L, "kt")
     g_at, b_at = L["g"], L["beta"]
     half_dk, half_c = dk // 2, C // 2
 
@@ -152,16 +177,18 @@ def _load_fn(dk: int, dvp: int, C: int):
     def load_chunk(u, a, b, smw, smf, r, n_c, u_stride, q_off, k_off, h, n_v_heads):
         """Stage tokens r .. r + n_c − 1 (rows past n_c zero: they neither decay nor write): k | q
         rows, G (the log-decays summed over the chunk), β, and k̃ᵀ = (k_c e^(G_last − G_c))ᵀ."""
-        tid, T = cuda.threadIdx.x, cuda.blockDim.x
-        for e in range(tid, 2 * C * half_dk, T):
+        tid = cuda.threadIdx.x
+        for q in range(-(-2 * C * half_dk // THREADS)):  # a fixed count: its loads go out at once
+            e = tid + q * THREADS
             row, wd = e // half_dk, e % half_dk
             c = row % C
             x, y = float32(0.0), float32(0.0)
-            if c < n_c:
+            if c < n_c and row < 2 * C:
                 src = (r + c) * u_stride + (q_off if row >= C else k_off) + 2 * wd
                 x, y = u[src], u[src + 1]
-            _put_pair(smw, kq + row * kq_w + wd, kq_lo + row * kq_w + wd, x, y)
-        for c in range(tid, C, T):
+            if row < 2 * C:
+                _put_pair(smw, kq + row * kq_w + wd, kq_lo + row * kq_w + wd, x, y)
+        for c in range(tid, C, THREADS):
             smf[g_at + c] = a[(r + c) * n_v_heads + h] if c < n_c else float32(0.0)
             smf[b_at + c] = b[(r + c) * n_v_heads + h] if c < n_c else float32(0.0)
         cuda.syncthreads()
@@ -170,7 +197,10 @@ def _load_fn(dk: int, dvp: int, C: int):
                 smf[g_at + c] += smf[g_at + c - 1]
         cuda.syncthreads()
         g_last = smf[g_at + C - 1]
-        for e in range(tid, dk * half_c, T):
+        for q in range(-(-dk * half_c // THREADS)):
+            e = tid + q * THREADS
+            if e >= dk * half_c:
+                break
             i, cw = e // half_c, e % half_c
             c = 2 * cw
             x, y = float32(0.0), float32(0.0)
@@ -187,8 +217,8 @@ def _token_products_fn(dk: int, dvp: int, C: int):
     """token_products: A (float32, strictly lower) and P (f16 planes, lower with the diagonal)
     from [K; Q]·Kᵀ: a warp per 16 rows × 16 columns of the 2C × C product."""
     L = _layout(dk, dvp, C)
-    kq, kq_lo, kq_w = L["kq"], L["kq_lo"], L["kq_w"]
-    pp, pp_lo, pp_w = L["pp"], L["pp_lo"], L["pp_w"]
+    kq, kq_lo, kq_w = _plane(L, "kq")
+    pp, pp_lo, pp_w = _plane(L, "pp")
     am, g_at, b_at = L["am"], L["g"], L["beta"]
     tiles = (2 * C // 16) * (C // 16)  # warp tiles of 16 × 16
 
@@ -232,8 +262,8 @@ def _state_products_fn(dk: int, dvp: int, C: int):
     """state_products: X = [K; Q]·S₀ (2C × dvp, float32), 16 × 8 tiles spread over the warps
     (a warp keeps one row tile: its A fragments serve all its column tiles)."""
     L = _layout(dk, dvp, C)
-    kq, kq_lo, kq_w = L["kq"], L["kq_lo"], L["kq_w"]
-    st, st_lo, st_w = L["st"], L["st_lo"], L["st_w"]
+    kq, kq_lo, kq_w = _plane(L, "kq")
+    st, st_lo, st_w = _plane(L, "st")
     x_at = L["x"]
     row_tiles, col_tiles = 2 * C // 16, dvp // 8
     per_warp = -(-row_tiles * col_tiles // WARPS)
@@ -264,40 +294,101 @@ def _state_products_fn(dk: int, dvp: int, C: int):
 
 
 @functools.cache
-def _solve_fn(dk: int, dvp: int, C: int):
-    L = _layout(dk, dvp, C)
-    x_at, am, g_at, b_at = L["x"], L["am"], L["g"], L["beta"]
-    dt, dt_lo, dt_w = L["dt"], L["dt_lo"], L["dt_w"]
+def _inverse_fn(C: int, am: int, tt: int, tt_lo: int, tt_w: int):
+    """invert(smw, smf): T = (I + A)⁻¹ (A strictly lower, float32 at word am) into T's f16 planes
+    (rows c, k = c' contiguous), by warp 0, lane c' computing column c' in registers: once T[c2]
+    is final, A[c][c2]·T[c2] leaves every row c below it, so the critical path is C dependent
+    multiply-adds. The C(C − 1)/2 of them are written out here (generated source): a loop nest
+    that size is left rolled by LLVM, which would put the column in local memory."""
+    body = [f"    t{c} = float32(1.0) if lane == {c} else float32(0.0)" for c in range(C)]
+    for c2 in range(C - 1):
+        body += [f"    t{c} -= smf[{am + c * C + c2}] * t{c2}" for c in range(c2 + 1, C)]
+    body += [f"    pair(smw, {c}, lane, t{c})" for c in range(C)]
+    source = "def column(smw, smf, lane):\n" + "\n".join(body) + "\n"
+    namespace = {"float32": float32, "pair": _pair_fn(C, tt, tt_lo, tt_w)}
+    exec(compile(source, f"<gated_delta_chunked inverse C={C}>", "exec"), namespace)
+    column = device_function(namespace["column"])
 
     @device_function
-    def solve_deltas(u, smw, smf, r, n_c, u_stride, v_off):
-        """Rows c < C of X become D (R = β(v − e^G S₀k), then (I + A) D = R row by row, a thread a
-        column), and Dᵀ goes to its f16 planes."""
-        j = cuda.threadIdx.x
-        if j >= dvp:
-            return
-        for c in range(C):
-            v = u[(r + c) * u_stride + v_off + j] if c < n_c else float32(0.0)
-            at = uint32(x_at + c * dvp + j)
-            smf[at] = smf[b_at + c] * (v - math.exp(smf[g_at + c]) * smf[at])
-        for c in range(1, C):
-            d = smf[uint32(x_at + c * dvp + j)]
-            for c2 in range(c):
-                d -= smf[uint32(am + c * C + c2)] * smf[uint32(x_at + c2 * dvp + j)]
-            smf[uint32(x_at + c * dvp + j)] = d
-        for cw in range(C // 2):
-            _put_pair(smw, dt + j * dt_w + cw, dt_lo + j * dt_w + cw,
-                      smf[uint32(x_at + 2 * cw * dvp + j)],
-                      smf[uint32(x_at + (2 * cw + 1) * dvp + j)])
-    return solve_deltas
+    def invert(smw, smf):
+        if cuda.threadIdx.x < 32:
+            column(smw, smf, cuda.threadIdx.x)
+    return invert
+
+
+@functools.cache
+def _pair_fn(C: int, tt: int, tt_lo: int, tt_w: int):
+    @device_function
+    def pair(smw, c, lane, v):
+        """T[c][lane] and T[c][lane + 1] (from the next lane) into a word of T's planes."""
+        right = shfl_xor(v, 1)
+        if lane < C and lane % 2 == 0:
+            _put_pair(smw, tt + c * tt_w + lane // 2, tt_lo + c * tt_w + lane // 2, v, right)
+    return pair
+
+
+@functools.cache
+def _deltas_fn(dk: int, dvp: int, C: int):
+    """D = (I + A)⁻¹ R in three steps: R's f16 planes (every thread), the inverse T = (I + A)⁻¹
+    (warp 0, _inverse_fn), then Dᵀ = Rᵀ·Tᵀ on the tensor cores, 16 × 8 tiles, a warp one row
+    tile of value columns (as the update)."""
+    L = _layout(dk, dvp, C)
+    x_at, am, g_at, b_at = L["x"], L["am"], L["g"], L["beta"]
+    dt, dt_lo, dt_w = _plane(L, "dt")
+    tt, tt_lo, tt_w = _plane(L, "tt")
+    row_tiles, col_tiles = dvp // 16, C // 8
+    per_warp = -(-row_tiles * col_tiles // WARPS)
+    n_acc = 4 * per_warp
+    half_c = C // 2
+
+    @device_function
+    def residuals(u, smw, smf, r, n_c, u_stride, v_off):
+        """Rᵀ's planes (in Dᵀ's place): R[c][j] = β_c (v − e^(G_c) S₀k_c)[j]."""
+        for q in range(-(-dvp * half_c // THREADS)):
+            e = cuda.threadIdx.x + q * THREADS
+            if e < dvp * half_c:
+                cw, j = e // dvp, e % dvp
+                rv = cuda.local.array(2, float32)
+                for h in range(2):
+                    c = 2 * cw + h
+                    v = u[(r + c) * u_stride + v_off + j] if c < n_c else float32(0.0)
+                    rv[h] = smf[b_at + c] * (v - math.exp(smf[g_at + c]) *
+                                             smf[uint32(x_at + c * dvp + j)])
+                _put_pair(smw, dt + j * dt_w + cw, dt_lo + j * dt_w + cw, rv[0], rv[1])
+
+    invert = _inverse_fn(C, am, tt, tt_lo, tt_w)
+
+    @device_function
+    def deltas(smw):
+        """Dᵀ's planes ← Rᵀ·Tᵀ (all warps read Rᵀ's planes before any writes Dᵀ there)."""
+        warp = cuda.threadIdx.x >> 5
+        row0 = 16 * (warp % row_tiles)
+        acc = cuda.local.array(n_acc, float32)
+        for i in range(n_acc):
+            acc[i] = 0.0
+        for kw in range(0, half_c, 8):
+            a = _frags_a(smw, dt, dt_lo, dt_w, row0, kw)
+            for q in range(per_warp):
+                t = warp + WARPS * q
+                if t < row_tiles * col_tiles:
+                    _mma3(acc, 4 * q, a, smw, tt, tt_lo, tt_w, 8 * (t // row_tiles), kw)
+        cuda.syncthreads()
+        for q in range(per_warp):
+            t = warp + WARPS * q
+            if t < row_tiles * col_tiles:
+                for e in range(0, 4, 2):
+                    j, c = _tile_element(row0, 8 * (t // row_tiles), e)
+                    wd = j * dt_w + c // 2
+                    _put_pair(smw, dt + wd, dt_lo + wd, acc[4 * q + e], acc[4 * q + e + 1])
+    return residuals, invert, deltas
 
 
 @functools.cache
 def _outputs_fn(dk: int, dvp: int, C: int):
     """outputs: o = e^G S₀q + P·D for the chunk's rows < n_c, 16 × 8 tiles over the warps."""
     L = _layout(dk, dvp, C)
-    pp, pp_lo, pp_w = L["pp"], L["pp_lo"], L["pp_w"]
-    dt, dt_lo, dt_w = L["dt"], L["dt_lo"], L["dt_w"]
+    pp, pp_lo, pp_w = _plane(L, "pp")
+    dt, dt_lo, dt_w = _plane(L, "dt")
     x_at, g_at = L["x"], L["g"]
     row_tiles, col_tiles = C // 16, dvp // 8
     per_warp = -(-row_tiles * col_tiles // WARPS)
@@ -335,15 +426,15 @@ def _state_fns(dk: int, dvp: int, C: int):
     """The block's part of Sᵀ (dvp × dk) lives in its warps' accumulators: 16 × 8 tiles, a warp
     keeping one row tile of value columns. Returns (accumulators a lane, load, update, store)."""
     L = _layout(dk, dvp, C)
-    st, st_lo, st_w = L["st"], L["st_lo"], L["st_w"]
-    dt, dt_lo, dt_w = L["dt"], L["dt_lo"], L["dt_w"]
-    kt, kt_lo, kt_w = L["kt"], L["kt_lo"], L["kt_w"]
+    st, st_lo, st_w = _plane(L, "st")
+    dt, dt_lo, dt_w = _plane(L, "dt")
+    kt, kt_lo, kt_w = _plane(L, "kt")
     g_at = L["g"]
     row_tiles, col_tiles = dvp // 16, dk // 8
     per_warp = -(-row_tiles * col_tiles // WARPS)
     n_acc = 4 * per_warp  # accumulators a lane
 
-    @device_function
+    @device_function(numba_inline=True)  # s: the kernel's registers
     def to_planes(smw, s):
         """Sᵀ's f16 planes (the B operand of the next chunk's state products) ← s."""
         warp = cuda.threadIdx.x >> 5
@@ -355,7 +446,7 @@ def _state_fns(dk: int, dvp: int, C: int):
                     wd = j * st_w + i // 2
                     _put_pair(smw, st + wd, st_lo + wd, s[4 * q + e], s[4 * q + e + 1])
 
-    @device_function
+    @device_function(numba_inline=True)  # s: the kernel's registers
     def load(state, base, smw, s):
         """s ← Sᵀ of the part from the global state (S[j][i], i contiguous), and its planes."""
         warp = cuda.threadIdx.x >> 5
@@ -367,7 +458,7 @@ def _state_fns(dk: int, dvp: int, C: int):
                                 else float32(0.0))
         to_planes(smw, s)
 
-    @device_function
+    @device_function(numba_inline=True)  # s: the kernel's registers
     def update(smw, smf, s):
         """Sᵀ ← e^(G_last) Sᵀ + Dᵀ·K̃."""
         warp = cuda.threadIdx.x >> 5
@@ -382,7 +473,7 @@ def _state_fns(dk: int, dvp: int, C: int):
                     _mma3(s, 4 * q, a, smw, kt, kt_lo, kt_w, 8 * (t // row_tiles), kw)
         to_planes(smw, s)
 
-    @device_function
+    @device_function(numba_inline=True)  # s: the kernel's registers
     def store(state, base, s):
         warp = cuda.threadIdx.x >> 5
         for q in range(per_warp):
@@ -405,7 +496,7 @@ def _chunk_kernel(dk: int, dv: int, dvp: int, C: int):
     load_chunk = _load_fn(dk, dvp, C)
     token_products = _token_products_fn(dk, dvp, C)
     state_products = _state_products_fn(dk, dvp, C)
-    solve_deltas = _solve_fn(dk, dvp, C)
+    residuals, invert, deltas = _deltas_fn(dk, dvp, C)
     outputs = _outputs_fn(dk, dvp, C)
     n_state, load_state, update_state, store_state = _state_fns(dk, dvp, C)
     parts = dv // dvp
@@ -417,6 +508,8 @@ def _chunk_kernel(dk: int, dv: int, dvp: int, C: int):
         chain_start()
         n_v_heads = cuda.gridDim.x // parts
         h, part = cuda.blockIdx.x // parts, cuda.blockIdx.x % parts
+        if not _owns_sequences(seq_n):
+            return
         if two_grids and (_active_sequences(seq_n) * n_v_heads >= wide_pass) != (parts == 1):
             return  # the other grid of the launch suits this pass
         smw = cuda.shared.array(0, uint32)  # f16 planes (_layout)
@@ -440,7 +533,10 @@ def _chunk_kernel(dk: int, dv: int, dvp: int, C: int):
                 token_products(smw, smf)
                 state_products(smw, smf)
                 cuda.syncthreads()
-                solve_deltas(u, smw, smf, r, n_c, u_stride, v_off)
+                residuals(u, smw, smf, r, n_c, u_stride, v_off)
+                invert(smw, smf)
+                cuda.syncthreads()
+                deltas(smw)
                 cuda.syncthreads()
                 outputs(smw, smf, out, r, n_c, n_v_heads * dv, h * dv + part * dvp)
                 update_state(smw, smf, s)
@@ -467,8 +563,9 @@ def delta_rule_chunked(u, a, b, state, state_slots, seq_lo, seq_n, out, *, n_k_h
     check_array("b", b, np.float32, (n_rows, n_v_heads))
     args = (u.reshape(u.size), a.reshape(a.size), b.reshape(b.size), state.reshape(state.size),
             state_slots, seq_lo, seq_n, n_k_heads, head_map_mod, wide_pass, out.reshape(out.size))
-    rows = min(seq_n.size, SEQ_BLOCKS)
     for dvp in sorted({dv, _narrow_cols(dv)}):
         parts = dv // dvp
+        # the narrow grid runs passes of fewer than wide_pass / H_v sequences: as many rows
+        rows = min(seq_n.size, SEQ_BLOCKS if parts == 1 else -(-wide_pass // n_v_heads))
         _chunk_kernel(dk, dv, dvp, chunk)[(n_v_heads * parts, rows), THREADS, stream,
                                           shared_bytes(dk, dvp, chunk)](*args)
