@@ -99,8 +99,8 @@ def inspect(file: str = typer.Argument(..., help="A GGUF file, or a demo model n
 
 
 SPEC_TYPE_OPTION = typer.Option(
-    None, "--spec-type", help="Speculative decoding's draft source: ngram (prompt lookup; CPU, "
-                              "non-hybrid models; same greedy answers, same sampling law).")
+    None, "--spec-type", help="Speculative decoding's draft source: ngram (prompt lookup; CPU; "
+                              "same greedy answers, same sampling law).")
 SPEC_DRAFT_N_MAX_OPTION = typer.Option(
     None, "--spec-draft-n-max", help="--spec-type: most tokens drafted a step (1-7, default 4; "
                                      "fewer while drafts miss).")

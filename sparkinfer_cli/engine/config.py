@@ -51,7 +51,7 @@ class EngineConfig:
     # waits (models with decode_greedy; 1 = one pass a step)
     decode_steps: int = 8
     # n-gram speculative decoding: drafted tokens a plain-greedy decode step checks at once, on
-    # models that score drafts (ModelBackend.scores_drafts; not hybrid ones); 0 = off
+    # models that score drafts (ModelBackend.scores_drafts); 0 = off
     spec_tokens: int = 0
     step_trace: str = ""  # file that gets one JSON line per step (StepTrace); "" = none
 

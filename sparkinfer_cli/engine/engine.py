@@ -79,19 +79,19 @@ class ContinuousBatchEngine:
         self.n_vocab = model.config.n_vocab
         if any(t >= self.n_vocab for t in config.prefix_token_ids):
             raise ValueError(f"prefix token ids must be in [0, {self.n_vocab})")
-        self.kv = KVCacheManager.from_config(config, model.config.is_hybrid)
+        # drafts are checked by the pass's own rows: models that score them (a hybrid model's
+        # state is copied before such a pass and restored after a rejection: Scheduler)
+        self._can_speculate = bool(config.spec_tokens and model.scores_drafts)
+        self.kv = KVCacheManager.from_config(config, model.config.is_hybrid,
+                                             draft_slots=self._can_speculate)
         cache = model.create_cache(config.num_blocks, config.block_size, self.kv.num_state_slots)
         self._state_bytes = model.config.recurrent_state_bytes() if model.config.is_hybrid else 0
         self.scheduler = Scheduler(config, self.kv, create_policy(config), model.max_pass_tokens)
         self.runner = ModelRunner(model, cache)
-        # drafts are checked by the pass's own rows: models that score them, without recurrent
-        # state (a rejected draft would have advanced it)
-        self._can_speculate = bool(config.spec_tokens and model.scores_drafts and
-                                   not model.config.is_hybrid)
         self.speculation = SpeculationStats()  # written by the engine thread only
         if config.spec_tokens and not self._can_speculate:
             log.warning("speculative decoding is off: this model cannot check drafts (n-gram "
-                        "drafts need the CPU runtime and a model without recurrent state)")
+                        "drafts need the CPU runtime)")
         self.timings = StepTimings()
         self._trace = StepTrace(config.step_trace) if config.step_trace else None
         self._last_passes = 1  # decode passes the last step queued
@@ -300,14 +300,17 @@ class ContinuousBatchEngine:
         self.speculation.record(len(drafts), kept)
         if request.drafting is not None:
             request.drafting.checked(kept)
+        computed = self.scheduler.drafts_checked(request, len(drafts), kept)
         for i in range(kept + 1):
             if request.is_finished:
                 return
-            if i:
+            if i and computed:
                 self.scheduler.decoded(request)
             # NOTE: no token (a non-finite row, or every draft kept by sampling) leaves the choice
-            # to the sampler, as decoding does
-            self._append_sample(request, rows[i], drafts[i] if i < kept else last)
+            # to the sampler, as decoding does. A hybrid model's state ran all the kept drafts:
+            # it is current only once they are all appended (or after a restore)
+            current = i == kept or not (computed and self.kv.is_hybrid)
+            self._append_sample(request, rows[i], drafts[i] if i < kept else last, current)
 
     def _run_prompt_logits(self, output: SchedulerOutput) -> None:
         """A step that carries one prompt piece alone, whose tokens' logprobs are asked for; a

@@ -32,6 +32,9 @@ class KVBlocks:
     block_ids: tuple[int, ...]
     state_slot: int
     num_cached_tokens: int  # prompt tokens found in the prefix cache at admission
+    # a hybrid model's copy of state_slot from before a pass that checks drafts (NO_STATE_SLOT:
+    # the request drafts nothing, or the model has no recurrent state)
+    draft_slot: int = NO_STATE_SLOT
 
 
 @dataclass(frozen=True)
@@ -78,12 +81,16 @@ class CacheOps:
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, num_seq_slots: int,
                  prefix_token_ids: Sequence[int] = (), *, num_snapshot_slots: int = 0,
-                 auto_prefix_cache: bool = True, snapshot_interval: int = 0):
+                 auto_prefix_cache: bool = True, snapshot_interval: int = 0,
+                 draft_slots: bool = False):
         """num_seq_slots: recurrent-state slots for running sequences (0 for non-hybrid models);
         num_snapshot_slots: slots for prefix-cache snapshots after them (hybrid models; the
         configured prefix takes one); snapshot_interval: prompt tokens between snapshots of a
-        long prompt (a multiple of block_size; 0 = none)."""
+        long prompt (a multiple of block_size; 0 = none); draft_slots: each request of a hybrid
+        model takes two of the running slots, its state's and a copy from before a pass that
+        checks drafts (speculative decoding)."""
         self.block_size = block_size
+        self.draft_slots = draft_slots and num_seq_slots > 0
         self.auto = auto_prefix_cache
         self.snapshot_interval = snapshot_interval
         self.block_pool = BlockPool(num_blocks,
@@ -103,12 +110,16 @@ class KVCacheManager:
             self.prefix = KVBlocks(tuple(self.block_pool.allocate(self.num_blocks_for(n))), slot, 0)
 
     @classmethod
-    def from_config(cls, config: EngineConfig, is_hybrid: bool) -> KVCacheManager:
-        num_seq_slots = config.max_num_seqs if is_hybrid else 0
+    def from_config(cls, config: EngineConfig, is_hybrid: bool,
+                    draft_slots: bool = False) -> KVCacheManager:
+        """draft_slots: the engine checks drafts (speculative decoding)."""
+        drafts = is_hybrid and draft_slots
+        num_seq_slots = config.max_num_seqs * (2 if drafts else 1) if is_hybrid else 0
         interval = config.prefix_snapshot_tokens // config.block_size * config.block_size
         return cls(config.num_blocks, config.block_size, num_seq_slots, config.prefix_token_ids,
                    num_snapshot_slots=config.num_snapshot_slots(is_hybrid),
-                   auto_prefix_cache=config.prefix_cache, snapshot_interval=interval)
+                   auto_prefix_cache=config.prefix_cache, snapshot_interval=interval,
+                   draft_slots=drafts)
 
     @property
     def num_state_slots(self) -> int:
@@ -154,7 +165,7 @@ class KVCacheManager:
         keys = [] if keys is None else keys
         hit = self.lookup(prompt_ids, keys) if reuse else PrefixHit()
         num_fresh = self.num_blocks_for(num_tokens) - len(hit.shared_blocks)
-        if self.is_hybrid and self.slot_pool.num_free_slots == 0:
+        if self.is_hybrid and self.slot_pool.num_free_slots < (2 if self.draft_slots else 1):
             return None
         held = (*hit.shared_blocks, *(() if hit.tail_block is None else (hit.tail_block,)))
         self.block_pool.share(held)  # NOTE: before any eviction, so none of them is evicted
@@ -166,7 +177,8 @@ class KVCacheManager:
         fresh = self.block_pool.allocate(num_fresh)
         if hit.tail_block is not None:
             self.block_pool.free([hit.tail_block])  # the copy below runs before any reuse
-        kv = KVBlocks(hit.shared_blocks + tuple(fresh), self._allocate_slot(), hit.num_tokens)
+        kv = KVBlocks(hit.shared_blocks + tuple(fresh), self._allocate_slot(), hit.num_tokens,
+                      self._allocate_slot() if self.draft_slots else NO_STATE_SLOT)
         self.num_queried_tokens += len(prompt_ids)
         self.num_hit_tokens += hit.num_tokens
         return kv, self._init_ops(kv, hit, fresh)
@@ -217,8 +229,14 @@ class KVCacheManager:
         if seq is not None and self.auto and self.is_hybrid and seq.num_computed:
             self._snapshot(seq)
         self.block_pool.free(kv.block_ids)
-        if kv.state_slot != NO_STATE_SLOT:
-            self.slot_pool.free(kv.state_slot)
+        for slot in (kv.state_slot, kv.draft_slot):
+            if slot != NO_STATE_SLOT:
+                self.slot_pool.free(slot)
+
+    def restore_state(self, kv: KVBlocks) -> None:
+        """Before the next pass, the sequence's state goes back to its copy from before the pass
+        that checked its drafts (some were rejected: that pass also ran them)."""
+        self.pending.state_copies.append((kv.draft_slot, kv.state_slot))
 
     def pin_prefix(self) -> None:
         """The configured prefix's KV (and state) is computed: make it a pinned resume point."""

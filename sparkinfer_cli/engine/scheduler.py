@@ -8,7 +8,12 @@ import time
 from dataclasses import dataclass, field
 
 from sparkinfer_cli.engine.config import EngineConfig
-from sparkinfer_cli.engine.kv_cache import CacheOps, KVCacheManager, SequenceProgress
+from sparkinfer_cli.engine.kv_cache import (
+    NO_STATE_SLOT,
+    CacheOps,
+    KVCacheManager,
+    SequenceProgress,
+)
 from sparkinfer_cli.engine.policy import BasePolicy
 from sparkinfer_cli.engine.request import Request, RequestStatus
 from sparkinfer_cli.engine.speculative import ngram_draft
@@ -82,19 +87,43 @@ class Scheduler:
         # first, then admissions in policy order) as far as the policy and the step's room allow.
         output = SchedulerOutput(cache_ops=self.kv.take_pending_ops())
         decodes = self._pick_decodes()
-        prefills = self._pick_prefills(len(decodes), output.cache_ops)
+        prefills = self._pick_prefills(sum(map(self._num_uncomputed, decodes)),
+                                       output.cache_ops)
         alone = any(request.wants_prompt_logits for request, _ in prefills)
         if prefills and (self.policy.is_exclusive_prefill or alone):
             decodes = []
-        pieces = [(request, 1) for request in decodes] + prefills
+        pieces = [(request, self._num_uncomputed(request)) for request in decodes] + prefills
         output.sequences = [self._scheduled(request, n) for request, n in pieces]
+        for seq in output.sequences:  # a hybrid model's pass runs the drafts into the state
+            if seq.num_drafts and self.kv.is_hybrid:
+                kv = self.requests[seq.request_id].kv
+                assert kv is not None
+                output.cache_ops.state_copies.append((kv.state_slot, kv.draft_slot))
         return output
 
     def update_from_output(self, output: SchedulerOutput) -> None:
         """Marks the step's tokens as computed (call after the forward pass succeeded); drafts
-        count only as the engine confirms them (decoded), the rest of their KV is overwritten."""
+        count only as the engine confirms them (decoded), the rest of their KV is overwritten. A
+        hybrid model's sequence that checked drafts waits for drafts_checked."""
         for seq in output.sequences:
-            self._advance(self.requests[seq.request_id], len(seq.token_ids) - seq.num_drafts)
+            if not (seq.num_drafts and self.kv.is_hybrid):
+                self._advance(self.requests[seq.request_id], len(seq.token_ids) - seq.num_drafts)
+
+    def drafts_checked(self, request: Request, num_drafts: int, kept: int) -> bool:
+        """The engine kept `kept` of a decode's num_drafts drafts. Returns whether the fed token
+        and the kept drafts count as computed now (decoded() then advances over each kept
+        draft). A hybrid model's pass ran every draft into the recurrent state: when all were
+        kept that is the state wanted; otherwise the state goes back to its copy from before the
+        pass and the fed token, the kept drafts and the next token run again in the next step
+        (their KV is rewritten with the same values)."""
+        if not self.kv.is_hybrid:
+            return True
+        assert request.kv is not None
+        if kept == num_drafts:
+            self._advance(request, 1)
+            return True
+        self.kv.restore_state(request.kv)
+        return False
 
     def extend_decodes(self, output: SchedulerOutput, n_steps: int) -> SchedulerOutput:
         """A decode-only output run as n_steps passes (each feeding the previous one's token):
@@ -232,7 +261,8 @@ class Scheduler:
     def _drafts(self, request: Request) -> list[int]:
         """N-gram drafts for a decode step, as many as its DraftLength allows now, within the KV
         the request reserved."""
-        if request.drafting is None:
+        if request.drafting is None or (self.kv.is_hybrid and request.kv is not None and
+                                        request.kv.draft_slot == NO_STATE_SLOT):
             return []
         room = request.params.max_tokens - request.num_output_tokens
         return ngram_draft(request.token_ids, min(request.drafting.limit(), room))

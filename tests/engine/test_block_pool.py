@@ -81,6 +81,22 @@ def test_hybrid_allocation_resets_a_fresh_state_slot():
     assert kv.slot_pool.num_free_slots == 2
 
 
+def test_draft_slots_give_each_hybrid_request_a_second_slot_for_its_state_before_a_check():
+    kv = KVCacheManager(num_blocks=10, block_size=4, num_seq_slots=4, draft_slots=True)
+    first, _ = kv.allocate([1], 4)
+    second, _ = kv.allocate([1], 4)
+    slots = {first.state_slot, first.draft_slot, second.state_slot, second.draft_slot}
+    assert slots == {0, 1, 2, 3}
+    assert kv.allocate([1], 4) is None  # two slots a request: none left
+    kv.restore_state(first)
+    assert kv.take_pending_ops().state_copies == [(first.draft_slot, first.state_slot)]
+    kv.free(first)
+    kv.free(second)
+    assert kv.slot_pool.num_free_slots == 4
+    plain = KVCacheManager(num_blocks=10, block_size=4, num_seq_slots=0, draft_slots=True)
+    assert plain.allocate([1], 4)[0].draft_slot == NO_STATE_SLOT  # no recurrent state to copy
+
+
 PREFIX = (5, 6, 7, 8, 9, 10)  # 6 tokens, block_size 4: one full block + a partial one
 
 

@@ -429,8 +429,7 @@ def _state_fns(dk: int, dvp: int, C: int):
     st, st_lo, st_w = _plane(L, "st")
     dt, dt_lo, dt_w = _plane(L, "dt")
     kt, kt_lo, kt_w = _plane(L, "kt")
-    g_at = L["g"]
-    row_tiles, col_tiles = dvp // 16, dk // 8
+    g_at, row_tiles, col_tiles = L["g"], dvp // 16, dk // 8
     per_warp = -(-row_tiles * col_tiles // WARPS)
     n_acc = 4 * per_warp  # accumulators a lane
 
@@ -452,10 +451,10 @@ def _state_fns(dk: int, dvp: int, C: int):
         warp = cuda.threadIdx.x >> 5
         for q in range(per_warp):
             t = warp + WARPS * q
-            for e in range(4):
-                j, i = _tile_element(16 * (warp % row_tiles), 8 * (t // row_tiles), e)
-                s[4 * q + e] = (state[base + j * dk + i] if t < row_tiles * col_tiles
-                                else float32(0.0))
+            if t < row_tiles * col_tiles:
+                for e in range(4):
+                    j, i = _tile_element(16 * (warp % row_tiles), 8 * (t // row_tiles), e)
+                    s[4 * q + e] = state[base + j * dk + i]
         to_planes(smw, s)
 
     @device_function(numba_inline=True)  # s: the kernel's registers
