@@ -305,7 +305,7 @@ def _inverse_fn(C: int, am: int, tt: int, tt_lo: int, tt_w: int):
         body += [f"    t{c} -= smf[{am + c * C + c2}] * t{c2}" for c in range(c2 + 1, C)]
     body += [f"    pair(smw, {c}, lane, t{c})" for c in range(C)]
     source = "def column(smw, smf, lane):\n" + "\n".join(body) + "\n"
-    namespace = {"float32": float32, "pair": _pair_fn(C, tt, tt_lo, tt_w)}
+    namespace = {"__name__": __name__, "float32": float32, "pair": _pair_fn(C, tt, tt_lo, tt_w)}
     exec(compile(source, f"<gated_delta_chunked inverse C={C}>", "exec"), namespace)
     column = device_function(namespace["column"])
 
