@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from engine_harness import Collector, greedy
 from test_prefix_cache import RepeatingModel, _greedy_of
 
@@ -77,16 +78,18 @@ def test_the_engine_counts_the_drafts_its_checks_keep(engines):
     assert engines(RepeatingModel()).stats().speculation is None
 
 
-def test_sampled_answers_with_drafts_keep_their_distribution(engines):
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_sampled_answers_with_drafts_keep_their_distribution(engines, hybrid):
     """RepeatingModel's logits at top_k 2 and temperature 0.5: each token is the model's pick
     with probability e²/(e² + 1) whatever came before, drafted or not. Over 200 seeded requests
     the share of picks matches that probability with drafts on as with them off, and most drafts
-    are kept."""
+    are kept. A hybrid model's state matches its KV at every pass (FakeModel checks it) through
+    the drafts sampling rejects."""
     p_pick = math.exp(2) / (math.exp(2) + 1)
     prompt, n_requests, max_tokens = [3, 14, 15, 9, 26] * 4, 200, 6
     shares = {}
     for spec_tokens in (0, 4):
-        engine, sink = engines(RepeatingModel(), spec_tokens=spec_tokens), Collector()
+        engine, sink = engines(RepeatingModel(hybrid), spec_tokens=spec_tokens), Collector()
         ids = [engine.submit(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.5,
                                                     top_k=2, seed=seed), sink)
                for seed in range(n_requests)]
