@@ -85,6 +85,12 @@ def _plane(layout: dict[str, int], name: str) -> tuple[int, int, int]:
     return layout[name], layout[name + "_lo"], layout[name + "_w"]
 
 
+def _warp_share(row_tiles: int, col_tiles: int) -> tuple[int, int]:
+    """(tiles a warp, accumulators a lane) of a product of row_tiles × col_tiles mma tiles."""
+    per_warp = -(-row_tiles * col_tiles // WARPS)
+    return per_warp, 4 * per_warp
+
+
 def shared_bytes(dk: int, dvp: int, chunk: int = CHUNK) -> int:
     return 4 * _layout(dk, dvp, chunk)["words"]
 
@@ -266,7 +272,7 @@ def _state_products_fn(dk: int, dvp: int, C: int):
     st, st_lo, st_w = _plane(L, "st")
     x_at = L["x"]
     row_tiles, col_tiles = 2 * C // 16, dvp // 8
-    per_warp = -(-row_tiles * col_tiles // WARPS)
+    per_warp = _warp_share(row_tiles, col_tiles)[0]
     group = min(per_warp, 2)  # column tiles a k walk (registers: the wide kernel holds Sᵀ too)
     n_acc = 4 * group  # accumulators a lane
 
@@ -337,8 +343,7 @@ def _deltas_fn(dk: int, dvp: int, C: int):
     dt, dt_lo, dt_w = _plane(L, "dt")
     tt, tt_lo, tt_w = _plane(L, "tt")
     row_tiles, col_tiles = dvp // 16, C // 8
-    per_warp = -(-row_tiles * col_tiles // WARPS)
-    n_acc = 4 * per_warp
+    per_warp, n_acc = _warp_share(row_tiles, col_tiles)
     half_c = C // 2
 
     @device_function
@@ -391,8 +396,7 @@ def _outputs_fn(dk: int, dvp: int, C: int):
     dt, dt_lo, dt_w = _plane(L, "dt")
     x_at, g_at = L["x"], L["g"]
     row_tiles, col_tiles = C // 16, dvp // 8
-    per_warp = -(-row_tiles * col_tiles // WARPS)
-    n_acc = 4 * per_warp  # accumulators a lane
+    per_warp, n_acc = _warp_share(row_tiles, col_tiles)
 
     @device_function
     def outputs(smw, smf, out, r, n_c, o_row, o_base):
@@ -430,8 +434,7 @@ def _state_fns(dk: int, dvp: int, C: int):
     dt, dt_lo, dt_w = _plane(L, "dt")
     kt, kt_lo, kt_w = _plane(L, "kt")
     g_at, row_tiles, col_tiles = L["g"], dvp // 16, dk // 8
-    per_warp = -(-row_tiles * col_tiles // WARPS)
-    n_acc = 4 * per_warp  # accumulators a lane
+    per_warp, n_acc = _warp_share(row_tiles, col_tiles)
 
     @device_function(numba_inline=True)  # s: the kernel's registers
     def to_planes(smw, s):
