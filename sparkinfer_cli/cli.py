@@ -99,8 +99,9 @@ def inspect(file: str = typer.Argument(..., help="A GGUF file, or a demo model n
 
 
 SPEC_TYPE_OPTION = typer.Option(
-    None, "--spec-type", help="Speculative decoding's draft source: ngram (prompt lookup; CPU; "
-                              "same greedy answers, same sampling law).")
+    None, "--spec-type", help="Speculative decoding's draft source: ngram (prompt lookup; same "
+                              "greedy answers, same sampling law; on CUDA in passes of up to 16 "
+                              "tokens).")
 SPEC_DRAFT_N_MAX_OPTION = typer.Option(
     None, "--spec-draft-n-max", help="--spec-type: most tokens drafted a step (1-7, default 4; "
                                      "fewer while drafts miss).")

@@ -86,12 +86,12 @@ class ContinuousBatchEngine:
                                              draft_slots=self._can_speculate)
         cache = model.create_cache(config.num_blocks, config.block_size, self.kv.num_state_slots)
         self._state_bytes = model.config.recurrent_state_bytes() if model.config.is_hybrid else 0
-        self.scheduler = Scheduler(config, self.kv, create_policy(config), model.max_pass_tokens)
+        self.scheduler = Scheduler(config, self.kv, create_policy(config), model.max_pass_tokens,
+                                   model.max_draft_pass_tokens)
         self.runner = ModelRunner(model, cache)
         self.speculation = SpeculationStats()  # written by the engine thread only
         if config.spec_tokens and not self._can_speculate:
-            log.warning("speculative decoding is off: this model cannot check drafts (n-gram "
-                        "drafts need the CPU runtime)")
+            log.warning("speculative decoding is off: this model cannot check drafts")
         self.timings = StepTimings()
         self._trace = StepTrace(config.step_trace) if config.step_trace else None
         self._last_passes = 1  # decode passes the last step queued
@@ -280,15 +280,18 @@ class ContinuousBatchEngine:
 
     def _append_checked(self, request: Request, seq: ScheduledSequence,
                         rows: np.ndarray) -> None:
-        """rows (1 + drafts, n_vocab): the logits after the fed token and after each draft. A
+        """rows (1 + drafts, n_vocab): the logits after the fed token and after each draft, or
+        (1 + drafts,) their argmax ids where the model picked them (a plain greedy request). A
         greedy request keeps the drafts its argmaxes confirm, a sampled one those speculative
         sampling keeps (sampled_drafts); the kept drafts and the token after them are appended,
         one by one, as decoding them singly would have; a draft's KV counts once the token after
         it is kept."""
         drafts = seq.token_ids[-seq.num_drafts:]
         assert request.sampler is not None
+        picked = rows.ndim == 1
         if request.sampler.is_plain_greedy:
-            greedy = self.greedy.tokens(list(rows))  # None where a row's maximum is not finite
+            # None where a row's maximum is not finite
+            greedy = [int(t) for t in rows] if picked else self.greedy.tokens(list(rows))
             kept = accepted_drafts(drafts, greedy)
             last = greedy[kept]
         else:
@@ -310,7 +313,8 @@ class ContinuousBatchEngine:
             # to the sampler, as decoding does. A hybrid model's state ran all the kept drafts:
             # it is current only once they are all appended (or after a restore)
             current = i == kept or not (computed and self.kv.is_hybrid)
-            self._append_sample(request, rows[i], drafts[i] if i < kept else last, current)
+            self._append_sample(request, None if picked else rows[i],
+                                drafts[i] if i < kept else last, current)
 
     def _run_prompt_logits(self, output: SchedulerOutput) -> None:
         """A step that carries one prompt piece alone, whose tokens' logprobs are asked for; a
@@ -394,6 +398,8 @@ class ContinuousBatchEngine:
             return False, None
         if all(x.is_plain_greedy for x in samplers):
             return True, None
+        if any(s.num_drafts for s in output.sequences):  # drawn per sequence, not per draft row
+            return False, None
         limit = self.runner.max_sample_top_k
         if not all(x.can_sample_on_device(limit) for x in samplers):
             return False, None

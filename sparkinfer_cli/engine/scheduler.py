@@ -61,10 +61,12 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager, policy: BasePolicy,
-                 max_step_tokens: int = 0):
-        """max_step_tokens: the most tokens the model takes in one forward pass (0 = no limit)."""
+                 max_step_tokens: int = 0, max_draft_step_tokens: int = 0):
+        """max_step_tokens: the most tokens the model takes in one forward pass;
+        max_draft_step_tokens: the most a pass that checks drafts may carry (0 = no limit)."""
         self.config, self.kv, self.policy = config, kv, policy
         self.max_step_tokens = max_step_tokens
+        self.max_draft_step_tokens = max_draft_step_tokens
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -93,7 +95,11 @@ class Scheduler:
         if prefills and (self.policy.is_exclusive_prefill or alone):
             decodes = []
         pieces = [(request, self._num_uncomputed(request)) for request in decodes] + prefills
-        output.sequences = [self._scheduled(request, n) for request, n in pieces]
+        room = self.max_draft_step_tokens - sum(n for _, n in pieces) \
+            if self.max_draft_step_tokens else sys.maxsize  # for drafts, in this step
+        for request, n in pieces:
+            output.sequences.append(self._scheduled(request, n, room))
+            room -= output.sequences[-1].num_drafts
         for seq in output.sequences:  # a hybrid model's pass runs the drafts into the state
             if seq.num_drafts and self.kv.is_hybrid:
                 kv = self.requests[seq.request_id].kv
@@ -245,26 +251,27 @@ class Scheduler:
         self.running.append(request)
         return True
 
-    def _scheduled(self, request: Request, num_new: int) -> ScheduledSequence:
+    def _scheduled(self, request: Request, num_new: int, draft_room: int) -> ScheduledSequence:
         assert request.kv is not None
         self._num_scheduled += 1
         request.last_scheduled = self._num_scheduled
         start = request.num_computed_tokens
         end = start + num_new
-        drafts = self._drafts(request) if end == request.num_tokens and num_new == 1 else []
+        drafts = self._drafts(request, draft_room) \
+            if end == request.num_tokens and num_new == 1 else []
         return ScheduledSequence(request.request_id, request.token_ids[start:end] + drafts, start,
                                  request.kv.block_ids[:self.kv.num_blocks_for(end + len(drafts))],
                                  request.kv.state_slot, end == request.num_tokens,
                                  request.wants_prompt_logits and start < request.num_prompt_tokens,
                                  len(drafts))
 
-    def _drafts(self, request: Request) -> list[int]:
+    def _drafts(self, request: Request, step_room: int) -> list[int]:
         """N-gram drafts for a decode step, as many as its DraftLength allows now, within the KV
-        the request reserved."""
+        the request reserved and the step's room for drafts."""
         if request.drafting is None or (self.kv.is_hybrid and request.kv is not None and
                                         request.kv.draft_slot == NO_STATE_SLOT):
             return []
-        room = request.params.max_tokens - request.num_output_tokens
+        room = min(request.params.max_tokens - request.num_output_tokens, step_room)
         return ngram_draft(request.token_ids, min(request.drafting.limit(), room))
 
 

@@ -46,6 +46,7 @@ class ModelBackend(ABC, Generic[CacheT]):
     # forward honours batch.logit_counts (a decode's drafts scored in one pass, each row's numbers
     # those of decoding it alone)
     scores_drafts: bool = False
+    max_draft_pass_tokens: int = 0  # ... in passes of at most this many tokens (0 = any pass)
 
     @abstractmethod
     def create_cache(self, num_blocks: int, block_size: int,
@@ -61,7 +62,8 @@ class ModelBackend(ABC, Generic[CacheT]):
         tokens before the engine serves (nothing to do by default)."""
 
     def forward_greedy(self, batch: SequenceBatch, cache: CacheT) -> np.ndarray:
-        """(num_seqs,) argmax ids of forward's rows, picked on the device (picks_on_device)."""
+        """The argmax ids of forward's rows (one a logit row), picked on the device
+        (picks_on_device)."""
         raise NotImplementedError(f"{type(self).__name__} picks no tokens on a device")
 
     def forward_sampled(self, batch: SequenceBatch, cache: CacheT,

@@ -248,6 +248,20 @@ class RepeatingModel(FakeModel):
         return seen[-5] if len(seen) >= 5 else next_token(seen)
 
 
+class RepeatingDeviceModel(FakeDeviceModel):
+    """RepeatingModel's picks, made on the device as CudaModel makes them (a checked decode's
+    rows come back as ids), checking drafts only in passes of up to max_draft_pass_tokens tokens
+    (a pass that carries drafts and more tokens raises)."""
+
+    pick = staticmethod(RepeatingModel.pick)
+    max_draft_pass_tokens = 8
+
+    def forward(self, batch, cache):
+        if batch.logit_counts and len(batch.token_ids) > self.max_draft_pass_tokens:
+            raise RuntimeError(f"drafts checked in a pass of {len(batch.token_ids)} tokens")
+        return super().forward(batch, cache)
+
+
 def _greedy_of(model_class, prompt, max_tokens):
     tokens = list(prompt)
     for _ in range(max_tokens):
@@ -255,14 +269,15 @@ def _greedy_of(model_class, prompt, max_tokens):
     return tokens[len(prompt):]
 
 
-@pytest.mark.parametrize("model_class", [FakeModel, RepeatingModel])
+@pytest.mark.parametrize("model_class", [FakeModel, RepeatingModel, RepeatingDeviceModel])
 @pytest.mark.parametrize("hybrid", [False, True])
 def test_speculative_drafts_never_change_greedy_output(engines, model_class, hybrid):
     """With drafts on, greedy outputs are the model's one-token-at-a-time greedy ones (drafts
     right or wrong, requests ending mid-draft by max_tokens or a stop token, beside requests that
     sample); where the drafts are right, far fewer passes run. A hybrid model's state must hold
     exactly the tokens its KV holds at every pass (FakeModel raises otherwise): after a rejected
-    draft it is restored and the kept tokens run again."""
+    draft it is restored and the kept tokens run again. A model that picks on its device and
+    checks drafts in small passes only (CudaModel) gets drafts within that size."""
     model = model_class(hybrid=hybrid)
     engine = engines(model, spec_tokens=4)
     pattern = [3, 14, 15, 9, 26]
@@ -284,6 +299,27 @@ def test_speculative_drafts_never_change_greedy_output(engines, model_class, hyb
     assert sink.final(sampled).num_output_tokens == 5
     if model_class is RepeatingModel:
         assert len(model.batch_sizes) < 17
+    if model_class is RepeatingDeviceModel:
+        assert engine.speculation.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_drafts_fit_the_pass_a_device_model_checks_them_in(engines, hybrid):
+    """One request alone on a model that checks drafts in passes of up to 3 tokens: each check
+    carries at most 2 drafts however many the request may draft, keeps them where they are right,
+    and the answer is greedy decoding's."""
+    model = RepeatingDeviceModel(hybrid)
+    model.max_draft_pass_tokens = 3
+    drafted: list[int] = []
+    model.before_forward = lambda batch: drafted.append(len(batch.token_ids) - 1) \
+        if batch.logit_counts else None
+    engine, sink = engines(model, spec_tokens=6), Collector()
+    prompt = [3, 14, 15, 9, 26] * 4
+    request_id = engine.submit(prompt, greedy(20), sink)
+    assert sink.tokens(sink.final(request_id).request_id) == \
+        _greedy_of(RepeatingModel, prompt, 20)
+    assert drafted and max(drafted) == 2
+    assert engine.speculation.num_accepted_tokens >= len(drafted)
 
 
 def test_speculation_is_off_by_default(engines):

@@ -259,3 +259,48 @@ def test_output_also_lands_as_q8_activations():
     np.testing.assert_array_equal(act.xq.copy_to_host(), xq.reshape(-1))
     np.testing.assert_allclose(act.xd.copy_to_host(), xd.reshape(-1), rtol=1e-6)
     np.testing.assert_allclose(act.xs.copy_to_host(), xs.reshape(-1), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("n_heads, n_kv, head_dim", [
+    (2, 1, 32),  # this module's kernel
+    (4, 2, 128),  # attention_mma's (f16, 2 query heads a kv head)
+])
+@pytest.mark.slow
+def test_rows_at_the_splits_of_one_decode_equal_that_decode_bit_for_bit(
+        n_heads, n_kv, head_dim, monkeypatch):
+    """A sequence's 2 last positions as 2 query rows (a decode's fed token and a draft to check)
+    with split_rows=1 give, bit for bit, what decoding each position alone gives; counted for 2
+    rows, the launch takes one split instead of two and the sums differ. Block targets small
+    enough for the tiny shapes to split differently at 1 and 2 rows."""
+    monkeypatch.setattr(attention, "SPLIT_BLOCKS", 2)
+    monkeypatch.setattr(attention_mma, "SPLIT_BLOCKS", 2 * n_kv)
+    rng = np.random.default_rng(8)
+    length, rows = 140, 2
+    kv = PagedKV(rng, (length,), 16, n_kv, head_dim)
+    q = rng.standard_normal((rows, n_heads, head_dim)).astype(np.float32)
+    lens = np.arange(length - rows + 1, length + 1, dtype=np.int32)  # position + 1
+    alone = np.concatenate([run(kv, q[r:r + 1], lens[r:r + 1],
+                                attention.DecodeWorkspace(1, n_heads, head_dim, length))
+                            for r in range(rows)])
+    row_seq = np.zeros(rows, np.int32)
+    ws = attention.DecodeWorkspace(rows, n_heads, head_dim, length, split_rows=1)
+    together = cuda.device_array(q.shape, np.float32)
+    attention.paged_decode_attention(cuda.to_device(q), cuda.to_device(kv.k_stored),
+                                     cuda.to_device(kv.v_stored), cuda.to_device(kv.block_table),
+                                     cuda.to_device(lens), together, ws,
+                                     row_seq=cuda.to_device(row_seq), split_rows=1)
+    np.testing.assert_array_equal(together.copy_to_host(), alone)
+    by_rows = run(kv, q, lens, attention.DecodeWorkspace(rows, n_heads, head_dim, length),
+                  row_seq=row_seq)
+    assert not np.array_equal(by_rows, alone)
+    np.testing.assert_allclose(by_rows, alone, rtol=1e-4, atol=1e-5)
+
+
+def test_a_workspace_too_small_for_the_asked_splits_is_refused():
+    """Fewer splits than split_rows asks for would change the rows' sums: an error, not a
+    silently different split."""
+    ws = attention.DecodeWorkspace(64, 2, 32, 4096)  # partials for 64 rows at their splits
+    with pytest.raises(ValueError, match="need 64 partials a head"):
+        ws.splits(64, 2, 1, split_rows=1)
+    sized = attention.DecodeWorkspace(64, 2, 32, 4096, split_rows=1)
+    assert sized.splits(64, 2, 1, split_rows=1) == sized.splits(1, 2, 1) == 64

@@ -5,28 +5,43 @@ from __future__ import annotations
 import pytest
 
 from sparkinfer_cli.backend.cuda.model import (
+    DRAFT_PASS_TOKENS,
     MAX_GRAPH_ROWS,
+    graph_key,
     graph_shapes,
-    logit_bucket,
 )
 from sparkinfer_cli.backend.cuda.workspace import row_bucket
 
 
-def _key(n_tokens: int, n_seqs: int) -> tuple[int, bool, int]:
-    """CudaModel._pass's graph key (row bucket, several tokens a sequence, logit rows) of a pass
-    of n_tokens tokens over n_seqs sequences."""
-    multi_token, n_rows = n_tokens > n_seqs, row_bucket(n_tokens)
-    return n_rows, multi_token, logit_bucket(n_seqs, n_rows, multi_token)
+def _passes(max_seqs: int, max_pass_tokens: int):
+    """(tokens, sequences, logit rows) of every pass the engine can form: a logit row a sequence,
+    and up to one a token where the pass may check drafts (decodes' drafts stay within
+    DRAFT_PASS_TOKENS); decode passes of more than MAX_GRAPH_ROWS sequences run uncaptured."""
+    for n_seqs in range(1, max_seqs + 1):
+        for n_tokens in range(n_seqs, max_pass_tokens + 1):
+            if n_tokens == n_seqs and n_seqs > MAX_GRAPH_ROWS:
+                continue
+            most = n_tokens if n_tokens <= DRAFT_PASS_TOKENS else n_seqs
+            for n_logits in range(n_seqs, most + 1):
+                yield n_tokens, n_seqs, n_logits
 
 
 @pytest.mark.parametrize("max_seqs, max_pass_tokens", [(64, 2048), (24, 300), (4, 4096), (1, 16)])
 def test_graph_shapes_cover_every_pass_of_the_engine(max_seqs, max_pass_tokens):
-    reachable = {_key(n_tokens, n_seqs) for n_seqs in range(1, max_seqs + 1)
-                 for n_tokens in range(n_seqs, max_pass_tokens + 1)
-                 if n_tokens > n_seqs or n_seqs <= MAX_GRAPH_ROWS}
+    reachable = {graph_key(*p, False) for p in _passes(max_seqs, max_pass_tokens)}
     shapes = graph_shapes(max_seqs, max_pass_tokens)
-    assert all(n_seqs <= min(max_seqs, n_tokens) for n_tokens, n_seqs in shapes)
-    captured = [_key(*shape) for shape in shapes]
+    assert all(n_seqs <= min(max_seqs, n_tokens) and n_seqs <= n_logits <= n_tokens
+               for n_tokens, n_seqs, n_logits in shapes)
+    captured = [graph_key(*shape, False) for shape in shapes]
     assert len(captured) == len(set(captured))  # one pass a key
     assert set(captured) >= reachable
-    assert all(logits <= rows <= row_bucket(max_pass_tokens) for rows, _, logits in captured)
+    assert all(logits <= rows <= row_bucket(max_pass_tokens)
+               for rows, _, logits, _, _ in captured)
+
+
+def test_rows_of_a_small_pass_take_the_attention_splits_of_their_sequences():
+    """A sequence checking 3 drafts (4 rows) splits its keys as a decode of 1 sequence does; 3
+    sequences with drafts (12 rows) as a decode of 3 (bucket 4); a large pass by its rows."""
+    assert graph_key(4, 1, 4, True)[3] == graph_key(1, 1, 1, True)[3] == 1
+    assert graph_key(12, 3, 12, False)[3] == graph_key(3, 3, 3, False)[3] == 4
+    assert graph_key(2 * DRAFT_PASS_TOKENS, 2, 2, False)[3] == 2 * DRAFT_PASS_TOKENS

@@ -637,3 +637,36 @@ def test_engine_answers_the_same_with_the_prefix_cache_on_and_off(family: str) -
     finally:
         for engine in engines:
             engine.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", FAMILIES)
+def test_engine_answers_the_same_with_drafts(family: str) -> None:
+    """Quantized mode, as the server runs: greedy tokens with n-gram drafts equal those without,
+    for each prompt alone and for 6 submitted together (prompts that repeat themselves, so drafts
+    are kept; a hybrid model's state goes back to its copy after a rejected draft). Drafts are
+    checked in passes of up to DRAFT_PASS_TOKENS rows computed as decodes."""
+    from sparkinfer_cli.engine.engine import ContinuousBatchEngine, EngineConfig
+    from sparkinfer_cli.engine.sampling_params import SamplingParams
+    from sparkinfer_cli.tokenizer.tokenizer import Tokenizer
+
+    path = TINY / family / f"{family}-Q8_0.gguf"
+    model, tokenizer = _gpu_model(path, False), Tokenizer.from_gguf(GGUFFile(path))
+    engines = [ContinuousBatchEngine(model, tokenizer, EngineConfig(
+        ctx=4096, block_size=BLOCK_SIZE, max_num_seqs=8, prefix_cache=False, spec_tokens=n))
+        for n in (4, 0)]
+    text = [int(t) for t in _goldens(family)["prompt_long"]]
+    prompts = [text[i:i + 9] * 4 for i in range(0, 60, 10)]  # 36 tokens, a 9-token period
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    for engine in engines:
+        engine.start()
+    try:
+        drafted, plain = ([_engine_tokens(engine, [p], params)[0] for p in prompts]
+                          for engine in engines)
+        assert drafted == plain
+        assert [_engine_tokens(engine, prompts, params) for engine in engines] == [plain] * 2
+        spec = engines[0].speculation
+        assert spec.num_drafts > 0
+    finally:
+        for engine in engines:
+            engine.shutdown()

@@ -224,14 +224,15 @@ class CudaAttention:
         args = (q, kv.k, kv.v, ws.block_tables, ws.seq_lens, out.f.reshape(rows, H, D))
         options = {"stream": stream, "row_seq": ws.row_seq, "scales": kv.scales}
         fused_q8 = None  # the q8 activations the attention kernel fills itself
-        if ws.multi_token and attention_flash.supports(H, H_kv, D, kv.k.dtype):
+        if ws.prefill_kernels and attention_flash.supports(H, H_kv, D, kv.k.dtype):
             attention_flash.flash_prefill_attention(*args, **options)  # on tensor cores
-        elif ws.multi_token and attention_prefill.supports(H, H_kv, D):  # share K/V tiles
+        elif ws.prefill_kernels and attention_prefill.supports(H, H_kv, D):  # share K/V tiles
             attention_prefill.prefill_attention(*args, **options)
-        else:  # one query per sequence: keys split over blocks
+        else:  # a query row at a time: keys split over blocks
             assert ws.attn is not None  # a workspace of a model with attention layers
             fused_q8 = None if self.gated else out.q
-            attention.paged_decode_attention(*args, ws.attn, act=fused_q8, **options)
+            attention.paged_decode_attention(*args, ws.attn, act=fused_q8,
+                                             split_rows=ws.split_rows, **options)
         if self.gated:
             activation.sigmoid_mul(out.f, gate[0], out.f, stream=stream, act=out.q)
         elif fused_q8 is None:
@@ -263,8 +264,8 @@ class CudaGatedDeltaNet:
         gated_delta.delta_rule_seq(u, a.reshape(rows, -1), b.reshape(rows, -1), self.a, self.dt,
                                    cache.delta_state[li], ws.state_slots, ws.seq_lo, ws.seq_n, o,
                                    n_k_heads=self.H_k, head_map_mod=self.head_map_mod,
-                                   eps=self.eps, prepare=ws.multi_token, chunked=self.chunked,
-                                   stream=stream)
+                                   eps=self.eps, prepare=ws.prefill_kernels,
+                                   chunked=self.chunked, stream=stream)
         y = ws.act("gdn.y", self.z_rows)
         norm.rms_norm_silu_gate(o.reshape(G, C, -1), z, self.norm_w, y.f, self.eps, stream=stream,
                                 act=y.q)

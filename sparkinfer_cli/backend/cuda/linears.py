@@ -40,7 +40,7 @@ def sums_in_fixed_order(ws: Workspace) -> bool:
     too. From LINEAR_MMA_MIN_ROWS rows they run as tensor-core GEMMs, whose sums differ from the
     GEMV's anyway, and the GEMVs keep the launch shape's faster order (what the fixed one costs
     at 64 sequences: bench/results/2026-12-04-qwen3-30b-a3b-cuda-gemv-fixed-order.md)."""
-    return not ws.quantized or ws.n_rows < LINEAR_MMA_MIN_ROWS
+    return not ws.quantized or ws.rows_as_decodes
 
 
 @dataclass

@@ -6,11 +6,14 @@ interface (ModelBackend).
     logits = model.forward(batch, cache)             # float32 numpy, like the CPU model
 
 A pass of N tokens runs on a workspace of the next power of two rows (workspace.py). Every
-pass replays a CUDA graph captured the first time its kind is seen (row bucket; one or several
-tokens a sequence; logit rows; greedy ids or logits), after one eager run: all a pass varies is
-in device buffers, and a 512-token prefill's ~680 eager launches cost more host time than its
-kernels take. prepare captures every kind the engine can meet before it serves; passes with
-several tokens a sequence run attention as the tiled prefill kernel. Passes of ≥
+pass replays a CUDA graph captured the first time its kind is seen (graph_key: row bucket; one
+or several tokens a sequence; logit rows; attention splits; greedy ids or logits), after one
+eager run: all a pass varies is in device buffers, and a 512-token prefill's ~680 eager launches
+cost more host time than its kernels take. prepare captures every kind the engine can meet
+before it serves. Passes of up to DRAFT_PASS_TOKENS tokens compute every row as its decode
+would (a decode's drafts are checked there, ModelBackend.scores_drafts); larger ones with
+several tokens a sequence run the prefill kernels (tiled attention, the delta rule over
+prepared inputs). Passes of ≥
 LINEAR_MMA_MIN_ROWS tokens (a 32-sequence decode included) run every dense linear as a
 tensor-core GEMM (f16 activations), from EXPERTS_MMA_MIN_ROWS on the MoE experts too
 (linears.py).
@@ -41,6 +44,7 @@ from rich.console import Console
 from sparkinfer_cli import env
 from sparkinfer_cli.backend.cuda.cache import CudaModelCache
 from sparkinfer_cli.backend.cuda.layers import CudaAttention, CudaGatedDeltaNet, CudaMoE, CudaSwiGLU
+from sparkinfer_cli.backend.cuda.linears import LINEAR_MMA_MIN_ROWS
 from sparkinfer_cli.backend.cuda.weights import Uploader, upload_progress
 from sparkinfer_cli.backend.cuda.workspace import MAX_COLS, MAX_QUEUED_STEPS, Workspace, row_bucket
 from sparkinfer_cli.gguf.ggml_types import GGMLType
@@ -72,6 +76,13 @@ from sparkinfer_cli.model.weights import QTensor
 MAX_GRAPH_ROWS = 64  # decode graphs of batches up to this many sequences are captured at load
 MAX_PASS_TOKENS = 4096  # tokens a forward pass takes at most (workspace buffers are sized by it)
 MIN_PROMPT_LOGIT_ROWS = MAX_COLS  # the fewest logit rows of a pass with prompt tokens
+# The most tokens a pass computes as decodes (Workspace.rows_as_decodes: its row bucket is below
+# LINEAR_MMA_MIN_ROWS): a pass that checks drafts stays within it.
+DRAFT_PASS_TOKENS = row_bucket(LINEAR_MMA_MIN_ROWS) // 2
+
+
+# graph_key: (row bucket, several tokens a sequence, logit rows, attention split rows, ids too)
+GraphKey = tuple[int, bool, int, int, bool]
 
 
 @dataclass
@@ -104,10 +115,10 @@ class StepTimes:
 @dataclass
 class CachePasses:
     """What the passes over one cache reuse: a workspace per row bucket, and the graph captured
-    per pass kind (row bucket, several tokens a sequence, logit rows, ids too). Both point into
-    that cache's buffers, so the model keeps them per cache, for as long as the cache lives."""
+    per pass kind (graph_key). Both point into that cache's buffers, so the model keeps them per
+    cache, for as long as the cache lives."""
     workspaces: dict[int, Workspace] = field(default_factory=dict)
-    graphs: dict[tuple[int, bool, int, bool], CapturedGraph] = field(default_factory=dict)
+    graphs: dict[GraphKey, CapturedGraph] = field(default_factory=dict)
 
 
 class QueuedPass(NamedTuple):
@@ -124,6 +135,8 @@ class CudaModel(ModelBackend[CudaModelCache]):
     max_queued_steps = MAX_QUEUED_STEPS  # decode passes decode_greedy queues at once
     max_sample_top_k = sampling.MAX_CANDIDATES  # forward_sampled is exact for 1 ≤ top_k ≤ this
     picks_on_device = True
+    scores_drafts = True  # within max_draft_pass_tokens
+    max_draft_pass_tokens = DRAFT_PASS_TOKENS
 
     def __init__(self, tensors: ModelTensors, config: ModelConfig, *, exact: bool = False,
                  kv_int8: bool = False, use_graphs: bool | None = None,
@@ -334,10 +347,10 @@ class CudaModel(ModelBackend[CudaModelCache]):
             n = len(batch.token_ids)
             copy_device_async(ws.token_ids[:n], device_tokens[:n], self.stream)
         n_logits = len(batch.logit_rows())
-        logit_rows = logit_bucket(n_logits, ws.n_rows, ws.multi_token)
+        key = graph_key(len(batch.token_ids), batch.num_seqs, n_logits, greedy)
+        _, _, logit_rows, ws.split_rows, _ = key
         if greedy:
             ws.sampling(logit_rows, self.output.n_rows).stage(sampling_rows, self.stream)
-        key = (ws.n_rows, ws.multi_token, logit_rows, greedy)
         replay = self.use_graphs and key in passes.graphs
         if replay:
             passes.graphs[key].replay()
@@ -407,25 +420,28 @@ class CudaModel(ModelBackend[CudaModelCache]):
         ids back. Uses the pool's blocks as scratch: call it before any request holds KV."""
         pool_tokens = cache.num_blocks * cache.block_size  # no pass computes more tokens
         limit = min(max_pass_tokens, MAX_PASS_TOKENS, pool_tokens)
-        for n_rows, n_seqs in graph_shapes(max_seqs, limit):
+        for n_tokens, n_seqs, n_logits in graph_shapes(max_seqs, limit):
             # a bucket the pool cannot fill runs with as many tokens as it holds
-            n_tokens = n_rows if n_rows == n_seqs else min(n_rows, pool_tokens)
-            self._capture(self._dummy_batch(cache, n_tokens, n_seqs), cache)
+            n_tokens = n_tokens if n_tokens == n_seqs else min(n_tokens, pool_tokens)
+            self._capture(self._dummy_batch(cache, n_tokens, n_seqs, n_logits), cache)
 
     def _capture(self, batch: SequenceBatch, cache: CudaModelCache) -> None:
         self.forward(batch, cache)
         self.forward_greedy(batch, cache)
 
-    def _dummy_batch(self, cache: CudaModelCache, n_tokens: int, n_seqs: int) -> SequenceBatch:
+    def _dummy_batch(self, cache: CudaModelCache, n_tokens: int, n_seqs: int,
+                     n_logits: int) -> SequenceBatch:
         """n_seqs sequences from position 0: the first brings n_tokens − n_seqs + 1 tokens (in the
-        pool's first blocks), every other one token (in the scratch block)."""
+        pool's first blocks) and the logit rows beyond one a sequence (up to its tokens), every
+        other one token (in the scratch block)."""
         first = n_tokens - n_seqs + 1
+        logit_counts = [min(first, n_logits - n_seqs + 1)] + [1] * (n_seqs - 1)
         tables = [np.arange(-(-first // cache.block_size), dtype=np.int32)] + \
             [np.array([cache.scratch_block], np.int32)] * (n_seqs - 1)
         token_ids = np.arange(n_tokens, dtype=np.int32) % self.config.n_vocab  # (n_tokens,)
         slots = [cache.scratch_slot] * n_seqs if self.config.is_hybrid else []
         return SequenceBatch(token_ids, [0] * n_seqs, [first] + [1] * (n_seqs - 1), tables,
-                             slots)
+                             slots, logit_counts=logit_counts)
 
 
 def _check_decode_steps(batch: SequenceBatch, cache: CudaModelCache, n_steps: int) -> None:
@@ -440,20 +456,39 @@ def _check_decode_steps(batch: SequenceBatch, cache: CudaModelCache, n_steps: in
                              f"{start + n_steps} tokens")
 
 
-def graph_shapes(max_seqs: int, max_pass_tokens: int) -> list[tuple[int, int]]:
-    """(tokens, sequences) of one pass of each graph key a pass of at most max_seqs sequences
-    and max_pass_tokens tokens can have: decode passes (one token a sequence) of each row
-    bucket, and passes with prompt tokens of each row bucket and logit bucket."""
+def graph_key(n_tokens: int, n_seqs: int, n_logits: int, greedy: bool) -> GraphKey:
+    """What a pass's captured graph depends on: (row bucket, several tokens a sequence, logit
+    rows, the rows its attention's splits are counted for, ids picked too). Up to
+    DRAFT_PASS_TOKENS rows (Workspace.rows_as_decodes) those are the row bucket of its
+    sequences, so that a sequence's several rows (drafts to check) take the splits of the decode
+    pass they stand for."""
+    n_rows, multi_token = row_bucket(n_tokens), n_tokens > n_seqs
+    split_rows = row_bucket(n_seqs) if n_rows <= DRAFT_PASS_TOKENS else n_rows
+    return n_rows, multi_token, logit_bucket(n_logits, n_rows, multi_token), split_rows, greedy
+
+
+def graph_shapes(max_seqs: int, max_pass_tokens: int) -> list[tuple[int, int, int]]:
+    """(tokens, sequences, logit rows) of one pass of each graph key a pass of at most max_seqs
+    sequences and max_pass_tokens tokens can have: decode passes (one token a sequence) of each
+    row bucket; passes with several tokens a sequence of each row bucket and logit bucket, and
+    up to DRAFT_PASS_TOKENS tokens of each bucket of sequences too, with up to a logit row a
+    token (a decode's drafts are checked there)."""
     decode_rows = _pow2_range(1, row_bucket(min(max_seqs, MAX_GRAPH_ROWS)))
-    shapes = [(min(n, max_seqs),) * 2 for n in decode_rows]
-    for n_rows in _pow2_range(2, row_bucket(max_pass_tokens)):
+    shapes = {graph_key(n, n, n, False): (n, n, n)
+              for n in (min(rows, max_seqs) for rows in decode_rows)}
+    for n_tokens in range(2, min(DRAFT_PASS_TOKENS, max_pass_tokens) + 1):
+        for n_seqs in range(1, min(n_tokens - 1, max_seqs) + 1):
+            for n_logits in range(n_seqs, n_tokens + 1):
+                shapes.setdefault(graph_key(n_tokens, n_seqs, n_logits, False),
+                                  (n_tokens, n_seqs, n_logits))
+    for n_rows in _pow2_range(2 * DRAFT_PASS_TOKENS, row_bucket(max_pass_tokens)):
         widest = logit_bucket(max_seqs, n_rows, True)
         for n_logits in _pow2_range(min(MIN_PROMPT_LOGIT_ROWS, widest), widest):
             # the fewest sequences whose logit rows fill the bucket n_logits (fewer than n_rows,
             # so that one of them brings two tokens)
             n_seqs = 1 if n_logits <= MIN_PROMPT_LOGIT_ROWS else n_logits // 2 + 1
-            shapes.append((n_rows, n_seqs))
-    return shapes
+            shapes[graph_key(n_rows, n_seqs, n_seqs, False)] = (n_rows, n_seqs, n_seqs)
+    return list(shapes.values())
 
 
 def logit_bucket(n_logits: int, n_rows: int, multi_token: bool) -> int:

@@ -18,6 +18,7 @@ import numpy as np
 from numba import cuda
 
 from sparkinfer_cli.backend.cuda.cache import PoolShape, device_zeros
+from sparkinfer_cli.backend.cuda.linears import LINEAR_MMA_MIN_ROWS
 from sparkinfer_cli.kernels.cuda import gemm_f16, sampling
 from sparkinfer_cli.kernels.cuda import quant_gemv as qg
 from sparkinfer_cli.kernels.cuda.attention import DecodeWorkspace
@@ -147,10 +148,25 @@ class Workspace:
         self.h = device_zeros((self.groups, self.cols, n_embd), np.float32)  # residual stream
         self.delta = self.buf("delta", self.groups, self.cols, n_embd)  # sub-layer output
         self.x = self.act("x", n_embd)  # normed sub-layer input
-        self.attn = DecodeWorkspace(n_rows, n_heads, head_dim, pool.max_context) \
+        # Passes of fewer rows than the GEMMs take compute every row as decoding it alone would
+        # (GEMVs in their matrix's order, the decode attention kernel at the splits of the pass's
+        # sequences, the delta rule a token at a time): a decode's drafts and its re-fed tokens
+        # are checked with the numbers their decode would have had.
+        self.rows_as_decodes = n_rows < LINEAR_MMA_MIN_ROWS
+        self.attn = DecodeWorkspace(n_rows, n_heads, head_dim, pool.max_context,
+                                    split_rows=1 if self.rows_as_decodes else None) \
             if n_heads else None
         self.multi_token = False  # set per pass: some sequence brings several new tokens
+        # set per pass: the rows whose decode pass sets the attention's splits (rows_as_decodes:
+        # the row bucket of the pass's sequences)
+        self.split_rows = n_rows
         self.host_embeddings = True  # set per pass: h comes from the host, not the device lookup
+
+    @property
+    def prefill_kernels(self) -> bool:
+        """Whether this pass runs the prefill kernels (tiled attention, the delta rule over
+        prepared inputs): some sequence brings several tokens and the rows need not be decodes'."""
+        return self.multi_token and not self.rows_as_decodes
 
     # ---- lazily created buffers (all exist after one eager pass, before any capture) ----------
     def buf(self, name: str, *shape: int, dtype=np.float32):

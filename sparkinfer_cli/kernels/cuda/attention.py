@@ -546,35 +546,47 @@ class DecodeWorkspace:
     max_splits = min(MAX_SPLITS, ⌈max_context / split_len⌉) bounds the splits per row (split_len:
     the fewest keys a split gets at max_context, at least MIN_SPLIT_KEYS); a launch takes
     fewer when its rows × head groups fill the GPU anyway (`splits`), and sizes them to each row's
-    own context (_split_len). Partials are kept for n_seqs rows at ≤ ⌈SPLIT_BLOCKS / n_seqs⌉
-    splits: what such a launch uses.
+    own context (_split_len). Partials are kept for n_seqs rows at ≤ ⌈SPLIT_BLOCKS /
+    split_rows⌉ splits: what a launch whose splits are counted for split_rows rows uses
+    (paged_decode_attention's split_rows; default n_seqs).
     """
 
     def __init__(self, n_seqs: int, n_heads: int, head_dim: int, max_context: int,
-                 split_len: int = MIN_SPLIT_KEYS):
+                 split_len: int = MIN_SPLIT_KEYS, split_rows: int | None = None):
         split_len = max(split_len, MIN_SPLIT_KEYS)
         self.max_splits = max(1, min(MAX_SPLITS, cdiv(max_context, split_len)))
-        n_parts = n_seqs * n_heads * min(self.max_splits, cdiv(SPLIT_BLOCKS, n_seqs))
+        n_parts = n_seqs * n_heads * min(self.max_splits,
+                                         cdiv(SPLIT_BLOCKS, split_rows or n_seqs))
         self.part_m = cuda.device_array(n_parts, np.float32)  # (seqs, heads, splits)
         self.part_l = cuda.device_array(n_parts, np.float32)
         self.part_acc = cuda.device_array(n_parts * head_dim, np.float32)  # (..., head_dim)
         self.arrivals = cuda.to_device(np.zeros(n_seqs * n_heads, np.int32))  # (seqs, heads)
 
     def splits(self, n_rows: int, n_heads: int, n_groups: int, cap: int = FLOAT_KERNEL_SPLITS,
-               target: int = SPLIT_BLOCKS) -> int:
+               target: int = SPLIT_BLOCKS, split_rows: int | None = None) -> int:
         """Splits per row of a launch over n_rows query rows of n_heads heads in n_groups: about
-        `target` blocks in all, at most cap a row (the kernel's own limits)."""
+        `target` blocks in all for split_rows rows (default n_rows), at most cap a row (the
+        kernel's own limits). ValueError where split_rows asks for more than the partials hold:
+        fewer splits would change the rows' sums, which split_rows is there to keep."""
         fit = self.part_m.size // (n_rows * n_heads)  # what the partials hold
-        return max(1, min(self.max_splits, cap, cdiv(target, n_rows * n_groups), fit))
+        rows = split_rows or n_rows
+        wanted = max(1, min(self.max_splits, cap, cdiv(target, rows * n_groups)))
+        if split_rows is not None and wanted > fit:
+            raise ValueError(f"{n_rows} rows at the splits of {split_rows} need {wanted} "
+                             f"partials a head, the workspace holds {fit}")
+        return max(1, min(wanted, fit))
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, out, ws: DecodeWorkspace,
                            scale: float | None = None, stream=0, row_seq=None,
-                           scales=None, act=None) -> None:
+                           scales=None, act=None, split_rows: int | None = None) -> None:
     """q (n_rows, n_heads, head_dim) f32 attends to the first seq_lens[r] cached tokens → out.
 
     row_seq: int32 (n_rows,) block-table row of each query row (default: row r uses row r), so the
     T query rows of one prefilled sequence share its table, with seq_lens = position + 1 (causal).
+    split_rows: count the splits for this many rows instead of n_rows. A row's sums depend on its
+    split count, so rows that must equal a decode pass of split_rows sequences (several new tokens
+    of a sequence: drafts to check) take that pass's splits (the workspace sized for them).
     scales: (k_scales, v_scales) f32, one per 32 cached values, for int8 caches.
     act: a quant_gemv.QuantizedActivations of out's size, filled with out's q8 form in the same
     launch (saves the quantize launch before the output projection).
@@ -592,7 +604,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, out, ws: 
     # each kernel's split cap and block target
     cap, target = (MAX_SPLITS, attention_mma.SPLIT_BLOCKS) if packed else \
         (FLOAT_KERNEL_SPLITS, SPLIT_BLOCKS)
-    n_splits = ws.splits(n_seqs, n_heads, n_heads // heads, cap, target)
+    n_splits = ws.splits(n_seqs, n_heads, n_heads // heads, cap, target, split_rows)
     if n_seqs * n_heads > ws.arrivals.size or q.size * n_splits > ws.part_acc.size:
         raise ValueError(f"q {q.shape} does not fit the decode workspace")
     check_array("out", out, np.float32, q.shape)
