@@ -192,8 +192,8 @@ SPARKINFER_PREFIX_CACHE_SNAPSHOTS: EnvVar[int] = EnvVar(
     "hybrid models: recurrent-state snapshots the prefix cache keeps (0 = one per sequence slot)")
 SPARKINFER_SPEC_TOKENS: EnvVar[int] = EnvVar(
     "SPARKINFER_SPEC_TOKENS", parse_spec_tokens, 0,
-    "n-gram speculative decoding: drafted tokens a decode step checks at once (CPU, "
-    "non-hybrid models; 0 = off, at most 7)")
+    "n-gram speculative decoding: drafted tokens a decode step checks at once (0 = off, at "
+    "most 7)")
 SPARKINFER_KV_INT8: EnvVar[bool | None] = EnvVar(
     "SPARKINFER_KV_INT8", parse_bool, None, "int8 KV cache (unset = the model's default)")
 SPARKINFER_CUDA_PDL: EnvVar[bool] = EnvVar(
@@ -211,6 +211,11 @@ SPARKINFER_GDN_CHUNKED: EnvVar[bool] = EnvVar(
     "SPARKINFER_GDN_CHUNKED", parse_bool, False,
     "CUDA prefill: the Gated DeltaNet delta rule a chunk of tokens at a time on tensor cores "
     "(gated_delta_chunked); off: token by token (delta_seq), measured faster so far")
+SPARKINFER_BATCH_INVARIANT: EnvVar[bool] = EnvVar(
+    "SPARKINFER_BATCH_INVARIANT", parse_bool, False,
+    "CUDA: a request's numbers never depend on what shares its passes (greedy answers equal "
+    "alone and under load), by keeping every pass within the tokens whose rows are computed as "
+    "decodes alone (16): fewer tokens a step, slower under load")
 SPARKINFER_STEP_TRACE: EnvVar[str] = EnvVar(
     "SPARKINFER_STEP_TRACE", parse_new_file_path, "",
     "file the engine appends one JSON line per step to: what it carried and what it cost")
@@ -226,7 +231,8 @@ ALL_VARS: tuple[EnvVar, ...] = (
     SPARKINFER_READ_TIMEOUT_S, SPARKINFER_WRITE_TIMEOUT_S, SPARKINFER_SERVER_PREFIX_TOKEN_FILE,
     SPARKINFER_SERVER_PREFIX_TOKEN_IDS, SPARKINFER_PREFIX_CACHE, SPARKINFER_PREFIX_CACHE_SNAPSHOTS,
     SPARKINFER_SPEC_TOKENS, SPARKINFER_KV_INT8, SPARKINFER_CUDA_PDL, SPARKINFER_INT8_EXPERTS,
-    SPARKINFER_F16_PREFILL, SPARKINFER_GDN_CHUNKED, SPARKINFER_STEP_TRACE, SPARKINFER_TOKENIZER_URL,
+    SPARKINFER_F16_PREFILL, SPARKINFER_GDN_CHUNKED, SPARKINFER_BATCH_INVARIANT,
+    SPARKINFER_STEP_TRACE, SPARKINFER_TOKENIZER_URL,
 )
 
 

@@ -86,7 +86,9 @@ class ContinuousBatchEngine:
                                              draft_slots=self._can_speculate)
         cache = model.create_cache(config.num_blocks, config.block_size, self.kv.num_state_slots)
         self._state_bytes = model.config.recurrent_state_bytes() if model.config.is_hybrid else 0
-        self.scheduler = Scheduler(config, self.kv, create_policy(config), model.max_pass_tokens,
+        pass_tokens = min((n for n in (model.max_pass_tokens, model.invariant_pass_tokens) if n),
+                          default=0)
+        self.scheduler = Scheduler(config, self.kv, create_policy(config), pass_tokens,
                                    model.max_draft_pass_tokens)
         self.runner = ModelRunner(model, cache)
         self.speculation = SpeculationStats()  # written by the engine thread only

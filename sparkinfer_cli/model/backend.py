@@ -44,9 +44,12 @@ class ModelBackend(ABC, Generic[CacheT]):
     max_sample_top_k: int = 0  # widest top-k forward_sampled draws exactly (0 = it has none)
     picks_on_device: bool = False  # forward_greedy returns argmax ids picked on the device
     # forward honours batch.logit_counts (a decode's drafts scored in one pass, each row's numbers
-    # those of decoding it alone)
+    # those of decoding it alone) in passes of at most max_draft_pass_tokens tokens (0 = any)
     scores_drafts: bool = False
-    max_draft_pass_tokens: int = 0  # ... in passes of at most this many tokens (0 = any pass)
+    max_draft_pass_tokens: int = 0
+    # > 0: the engine keeps every pass within this many tokens, where a row's numbers do not
+    # depend on the rows beside it (the model's batch-invariant mode); 0: no such limit needed
+    invariant_pass_tokens: int = 0
 
     @abstractmethod
     def create_cache(self, num_blocks: int, block_size: int,

@@ -61,6 +61,25 @@ def test_concurrent_requests_match_their_solo_outputs(engines, hybrid, policy, m
     assert engine.stats().free_kv_blocks == initial_free == engine.stats().total_kv_blocks
 
 
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_a_batch_invariant_model_gets_no_pass_beyond_its_limit(engines, hybrid):
+    """A model in its batch-invariant mode (invariant_pass_tokens: CudaModel under
+    SPARKINFER_BATCH_INVARIANT) never gets a pass of more tokens, whatever the step budget:
+    prompts arrive in pieces of up to that many tokens, decodes take turns, the answers are
+    unchanged."""
+    model = FakeDeviceModel(hybrid=hybrid)
+    model.invariant_pass_tokens = 5
+    passes: list[int] = []
+    model.before_forward = lambda batch: passes.append(len(batch.token_ids))
+    engine = engines(model, start=False, max_num_seqs=8)
+    sink, prompts = Collector(), _prompts(10)
+    ids = [engine.submit(p, greedy(6), sink) for p in prompts]
+    engine.start()
+    for request_id, prompt in zip(ids, prompts):
+        assert sink.tokens(sink.final(request_id).request_id) == expected_greedy(prompt, 6)
+    assert max(passes) == 5
+
+
 def test_submissions_from_many_threads(engines):
     engine, sink = engines(), Collector()
     prompts, ids = _prompts(32), [None] * 32

@@ -670,3 +670,29 @@ def test_engine_answers_the_same_with_drafts(family: str) -> None:
     finally:
         for engine in engines:
             engine.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ("qwen3moe", "qwen35moe"))
+def test_batch_invariant_mode_answers_under_load_as_alone(family: str, monkeypatch) -> None:
+    """SPARKINFER_BATCH_INVARIANT, quantized mode as the server runs: 40 greedy requests
+    submitted together (more than the GEMMs' 32 rows would take at once, prompts of 2 to 235
+    tokens that arrive in pieces) produce, token for token, what each produces alone."""
+    from sparkinfer_cli.engine.engine import ContinuousBatchEngine, EngineConfig
+    from sparkinfer_cli.engine.sampling_params import SamplingParams
+    from sparkinfer_cli.tokenizer.tokenizer import Tokenizer
+
+    monkeypatch.setenv("SPARKINFER_BATCH_INVARIANT", "1")
+    path = TINY / family / f"{family}-Q8_0.gguf"
+    model = _gpu_model.__wrapped__(path, False)
+    engine = ContinuousBatchEngine(model, Tokenizer.from_gguf(GGUFFile(path)), EngineConfig(
+        ctx=8192, block_size=BLOCK_SIZE, max_num_seqs=48, prefix_cache=False))
+    text = [int(t) for t in _goldens(family)["prompt_long"]] * 3  # 300 tokens
+    prompts = [text[i % 7:i % 7 + 2 + 6 * i] for i in range(40)]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    engine.start()
+    try:
+        solo = [_engine_tokens(engine, [p], params)[0] for p in prompts]
+        assert _engine_tokens(engine, prompts, params) == solo
+    finally:
+        engine.shutdown()

@@ -146,6 +146,9 @@ class CudaModel(ModelBackend[CudaModelCache]):
             raise ValueError("exact mode keeps the KV cache in float32: no int8 KV")
         self.kv_dtype = np.float32 if exact else (np.int8 if kv_int8 else np.float16)
         self.use_graphs = (not IS_SIMULATOR) if use_graphs is None else use_graphs
+        # batch-invariant mode: every pass a row of which computes as its decode alone would
+        self.fixed_splits = env.SPARKINFER_BATCH_INVARIANT.get()
+        self.invariant_pass_tokens = DRAFT_PASS_TOKENS if self.fixed_splits else 0
         # the host lookup, for tables the device cannot read
         self.embedding = Embedding(tensors.token_embd)
         self.stream = cuda.stream()
@@ -347,7 +350,8 @@ class CudaModel(ModelBackend[CudaModelCache]):
             n = len(batch.token_ids)
             copy_device_async(ws.token_ids[:n], device_tokens[:n], self.stream)
         n_logits = len(batch.logit_rows())
-        key = graph_key(len(batch.token_ids), batch.num_seqs, n_logits, greedy)
+        key = graph_key(len(batch.token_ids), batch.num_seqs, n_logits, greedy,
+                        self.fixed_splits)
         _, _, logit_rows, ws.split_rows, _ = key
         if greedy:
             ws.sampling(logit_rows, self.output.n_rows).stage(sampling_rows, self.stream)
@@ -420,7 +424,7 @@ class CudaModel(ModelBackend[CudaModelCache]):
         ids back. Uses the pool's blocks as scratch: call it before any request holds KV."""
         pool_tokens = cache.num_blocks * cache.block_size  # no pass computes more tokens
         limit = min(max_pass_tokens, MAX_PASS_TOKENS, pool_tokens)
-        for n_tokens, n_seqs, n_logits in graph_shapes(max_seqs, limit):
+        for n_tokens, n_seqs, n_logits in graph_shapes(max_seqs, limit, self.fixed_splits):
             # a bucket the pool cannot fill runs with as many tokens as it holds
             n_tokens = n_tokens if n_tokens == n_seqs else min(n_tokens, pool_tokens)
             self._capture(self._dummy_batch(cache, n_tokens, n_seqs, n_logits), cache)
@@ -456,30 +460,34 @@ def _check_decode_steps(batch: SequenceBatch, cache: CudaModelCache, n_steps: in
                              f"{start + n_steps} tokens")
 
 
-def graph_key(n_tokens: int, n_seqs: int, n_logits: int, greedy: bool) -> GraphKey:
+def graph_key(n_tokens: int, n_seqs: int, n_logits: int, greedy: bool,
+              fixed_splits: bool = False) -> GraphKey:
     """What a pass's captured graph depends on: (row bucket, several tokens a sequence, logit
     rows, the rows its attention's splits are counted for, ids picked too). Up to
     DRAFT_PASS_TOKENS rows (Workspace.rows_as_decodes) those are the row bucket of its
     sequences, so that a sequence's several rows (drafts to check) take the splits of the decode
-    pass they stand for."""
+    pass they stand for; fixed_splits (batch-invariant mode): 1, a decode alone's, whatever
+    shares the pass."""
     n_rows, multi_token = row_bucket(n_tokens), n_tokens > n_seqs
-    split_rows = row_bucket(n_seqs) if n_rows <= DRAFT_PASS_TOKENS else n_rows
+    split_rows = n_rows if n_rows > DRAFT_PASS_TOKENS else 1 if fixed_splits else \
+        row_bucket(n_seqs)
     return n_rows, multi_token, logit_bucket(n_logits, n_rows, multi_token), split_rows, greedy
 
 
-def graph_shapes(max_seqs: int, max_pass_tokens: int) -> list[tuple[int, int, int]]:
+def graph_shapes(max_seqs: int, max_pass_tokens: int,
+                 fixed_splits: bool = False) -> list[tuple[int, int, int]]:
     """(tokens, sequences, logit rows) of one pass of each graph key a pass of at most max_seqs
     sequences and max_pass_tokens tokens can have: decode passes (one token a sequence) of each
     row bucket; passes with several tokens a sequence of each row bucket and logit bucket, and
     up to DRAFT_PASS_TOKENS tokens of each bucket of sequences too, with up to a logit row a
     token (a decode's drafts are checked there)."""
-    decode_rows = _pow2_range(1, row_bucket(min(max_seqs, MAX_GRAPH_ROWS)))
-    shapes = {graph_key(n, n, n, False): (n, n, n)
+    decode_rows = _pow2_range(1, row_bucket(min(max_seqs, MAX_GRAPH_ROWS, max_pass_tokens)))
+    shapes = {graph_key(n, n, n, False, fixed_splits): (n, n, n)
               for n in (min(rows, max_seqs) for rows in decode_rows)}
     for n_tokens in range(2, min(DRAFT_PASS_TOKENS, max_pass_tokens) + 1):
         for n_seqs in range(1, min(n_tokens - 1, max_seqs) + 1):
             for n_logits in range(n_seqs, n_tokens + 1):
-                shapes.setdefault(graph_key(n_tokens, n_seqs, n_logits, False),
+                shapes.setdefault(graph_key(n_tokens, n_seqs, n_logits, False, fixed_splits),
                                   (n_tokens, n_seqs, n_logits))
     for n_rows in _pow2_range(2 * DRAFT_PASS_TOKENS, row_bucket(max_pass_tokens)):
         widest = logit_bucket(max_seqs, n_rows, True)
