@@ -592,19 +592,8 @@ def test_engine_outputs_of_concurrent_requests_equal_their_solo_outputs(family: 
 
 def _engine_tokens(engine, prompts: list[list[int]], params) -> list[list[int]]:
     """The output tokens of prompts submitted together, in order."""
-    import threading
-
-    done, tokens = threading.Semaphore(0), {}
-
-    def on_event(event) -> None:
-        tokens.setdefault(event.request_id, []).extend(event.token_ids)
-        if event.finish_reason is not None:
-            done.release()
-
-    ids = [engine.submit(p, params, on_event) for p in prompts]
-    for _ in ids:
-        assert done.acquire(timeout=600)
-    return [tokens[i] for i in ids]
+    sink = _Sink()
+    return sink.tokens([engine.submit(p, params, sink.on_event) for p in prompts])
 
 
 @pytest.mark.gpu
@@ -643,33 +632,61 @@ def test_engine_answers_the_same_with_the_prefix_cache_on_and_off(family: str) -
 @pytest.mark.parametrize("family", FAMILIES)
 def test_engine_answers_the_same_with_drafts(family: str) -> None:
     """Quantized mode, as the server runs: greedy tokens with n-gram drafts equal those without,
-    for each prompt alone and for 6 submitted together (prompts that repeat themselves, so drafts
-    are kept; a hybrid model's state goes back to its copy after a rejected draft). Drafts are
-    checked in passes of up to DRAFT_PASS_TOKENS rows computed as decodes."""
+    for each prompt alone and for 6 given to an engine before its first step (so that both
+    engines prefill them in the same pass: a MoE prefill's experts switch kernels with the pass
+    size); the prompts repeat themselves, so drafts are kept, and a hybrid model's state goes
+    back to its copy after a rejected draft. Drafts are checked in passes of up to
+    DRAFT_PASS_TOKENS rows computed as decodes."""
     from sparkinfer_cli.engine.engine import ContinuousBatchEngine, EngineConfig
     from sparkinfer_cli.engine.sampling_params import SamplingParams
     from sparkinfer_cli.tokenizer.tokenizer import Tokenizer
 
     path = TINY / family / f"{family}-Q8_0.gguf"
     model, tokenizer = _gpu_model(path, False), Tokenizer.from_gguf(GGUFFile(path))
-    engines = [ContinuousBatchEngine(model, tokenizer, EngineConfig(
-        ctx=4096, block_size=BLOCK_SIZE, max_num_seqs=8, prefix_cache=False, spec_tokens=n))
-        for n in (4, 0)]
     text = [int(t) for t in _goldens(family)["prompt_long"]]
     prompts = [text[i:i + 9] * 4 for i in range(0, 60, 10)]  # 36 tokens, a 9-token period
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    for engine in engines:
-        engine.start()
-    try:
-        drafted, plain = ([_engine_tokens(engine, [p], params)[0] for p in prompts]
-                          for engine in engines)
-        assert drafted == plain
-        assert [_engine_tokens(engine, prompts, params) for engine in engines] == [plain] * 2
-        spec = engines[0].speculation
-        assert spec.num_drafts > 0
-    finally:
-        for engine in engines:
-            engine.shutdown()
+    answers, kept = {}, 0
+    for spec_tokens in (4, 0):
+        config = EngineConfig(ctx=4096, block_size=BLOCK_SIZE, max_num_seqs=8,
+                              prefix_cache=False, spec_tokens=spec_tokens)
+        together = ContinuousBatchEngine(model, tokenizer, config)
+        sink = _Sink()
+        ids = [together.submit(p, params, sink.on_event) for p in prompts]
+        alone = ContinuousBatchEngine(model, tokenizer, config)
+        for engine in (together, alone):
+            engine.start()
+        try:
+            answers[spec_tokens] = ([_engine_tokens(alone, [p], params)[0] for p in prompts],
+                                    sink.tokens(ids))
+            kept += together.speculation.num_accepted_tokens + \
+                alone.speculation.num_accepted_tokens
+        finally:
+            for engine in (together, alone):
+                engine.shutdown()
+    assert answers[4][0] == answers[0][0], "alone"
+    assert answers[4][1] == answers[0][1], "together"
+    assert kept > 0
+
+
+class _Sink:
+    """Tokens of requests submitted before their engine started, by request id."""
+
+    def __init__(self):
+        import threading
+
+        self._tokens: dict[str, list[int]] = {}
+        self._done = threading.Semaphore(0)
+
+    def on_event(self, event) -> None:
+        self._tokens.setdefault(event.request_id, []).extend(event.token_ids)
+        if event.finish_reason is not None:
+            self._done.release()
+
+    def tokens(self, ids: list[str]) -> list[list[int]]:
+        for _ in ids:
+            assert self._done.acquire(timeout=600)
+        return [self._tokens[i] for i in ids]
 
 
 @pytest.mark.gpu
