@@ -428,6 +428,11 @@ class CudaModel(ModelBackend[CudaModelCache]):
             # a bucket the pool cannot fill runs with as many tokens as it holds
             n_tokens = n_tokens if n_tokens == n_seqs else min(n_tokens, pool_tokens)
             self._capture(self._dummy_batch(cache, n_tokens, n_seqs, n_logits), cache)
+        # the entry copies a request may ask for (prefix-cache blocks and state snapshots, a
+        # draft check's state copy) compile now too, from the scratch entries into free ones
+        cache.copy_blocks([cache.scratch_block], [0])
+        if self.config.is_hybrid:
+            cache.copy_state(cache.scratch_slot, 0)
 
     def _capture(self, batch: SequenceBatch, cache: CudaModelCache) -> None:
         self.forward(batch, cache)
