@@ -293,7 +293,8 @@ def serve(model: Optional[str] = typer.Option(None, "-m", "--model", help=MODEL_
     try:
         chosen = pick_device(device)
         path, _ = resolve_model(model, prefer_gpu=chosen == "cuda", announce=_note)
-        pool = check_serve(path, host, port, ctx, chosen)  # before minutes of loading
+        # before minutes of loading
+        pool = check_serve(path, host, port, ctx, chosen, spec_tokens=spec_tokens)
     except (ValueError, HubError) as exc:
         _fail_naming_flags(str(exc))
     if pool.note:

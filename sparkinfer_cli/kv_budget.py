@@ -70,28 +70,33 @@ def _host_available_bytes() -> int | None:
         return available
 
 
-def state_pool_bytes(config: ModelConfig, environ: Mapping[str, str] | None = None) -> int:
-    """A hybrid model's recurrent-state slots as the server allocates them: one per sequence,
-    the prefix cache's snapshots and the configured prefix's (SPARKINFER_PREFIX_CACHE*)."""
+def state_pool_bytes(config: ModelConfig, environ: Mapping[str, str] | None = None,
+                     spec_tokens: int | None = None) -> int:
+    """A hybrid model's recurrent-state slots as the server allocates them: one per sequence
+    (two where drafts are checked: spec_tokens, default SPARKINFER_SPEC_TOKENS), the prefix
+    cache's snapshots and the configured prefix's (SPARKINFER_PREFIX_CACHE*)."""
     if not config.is_hybrid:
         return 0
     has_prefix = bool(env.SPARKINFER_SERVER_PREFIX_TOKEN_FILE.get(environ) or
                       env.SPARKINFER_SERVER_PREFIX_TOKEN_IDS.get(environ))
+    spec = env.SPARKINFER_SPEC_TOKENS.get(environ) if spec_tokens is None else spec_tokens
     engine = EngineConfig(prefix_cache=env.SPARKINFER_PREFIX_CACHE.get(environ),
                           prefix_snapshots=env.SPARKINFER_PREFIX_CACHE_SNAPSHOTS.get(environ),
-                          prefix_token_ids=(0,) if has_prefix else ())  # NOTE: its length is moot
+                          prefix_token_ids=(0,) if has_prefix else (),  # NOTE: its length is moot
+                          spec_tokens=spec)
     return engine.num_state_slots(True) * config.recurrent_state_bytes()
 
 
 def fit_kv_pool(config: ModelConfig, ctx: int | None, device: str, weights_bytes: int,
-                environ: Mapping[str, str] | None = None) -> KVPool:
+                environ: Mapping[str, str] | None = None,
+                spec_tokens: int | None = None) -> KVPool:
     """The server's KV pool for --ctx `ctx` (None: $CTX; unset or 0: the trained context), beside
-    the weights and the recurrent-state slots (hybrid models), which are allocated whatever the
-    pool."""
+    the weights and the recurrent-state slots (hybrid models; spec_tokens: state_pool_bytes),
+    which are allocated whatever the pool."""
     asked = env.CTX.get(environ) if ctx is None else ctx
     tokens = asked or config.context_length
     per_token = config.kv_bytes_per_token(1) * kv_bytes_per_value(device, environ)
-    fixed = weights_bytes + state_pool_bytes(config, environ)
+    fixed = weights_bytes + state_pool_bytes(config, environ, spec_tokens)
     memory = available_memory_bytes(device)
     if memory is None or tokens * per_token <= (budget := _kv_budget(memory, fixed)):
         return KVPool(ctx, "")

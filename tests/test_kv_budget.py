@@ -30,6 +30,22 @@ def test_state_slots_follow_the_prefix_cache_settings(hybrid):
     assert kv_budget.state_pool_bytes(dense, {}) == 0
 
 
+def test_speculation_doubles_the_running_state_slots_as_the_engine_does(hybrid):
+    """A sequence that checks drafts keeps a copy of its state: the budget counts the slots the
+    engine's KV manager then allocates, from the environment or from serve's flags."""
+    from sparkinfer_cli.engine.config import EngineConfig
+    from sparkinfer_cli.engine.kv_cache import KVCacheManager
+
+    one = hybrid.recurrent_state_bytes()
+    assert kv_budget.state_pool_bytes(hybrid, {"SPARKINFER_SPEC_TOKENS": "4"}) == \
+        kv_budget.state_pool_bytes(hybrid, {}, spec_tokens=4) == (2 * 64 + 64) * one
+    assert kv_budget.state_pool_bytes(hybrid, {"SPARKINFER_SPEC_TOKENS": "4"},
+                                      spec_tokens=0) == (64 + 64) * one
+    config = EngineConfig(ctx=4096, spec_tokens=4)
+    manager = KVCacheManager.from_config(config, True, draft_slots=True)
+    assert manager.num_state_slots == config.num_state_slots(True) == 2 * 64 + 64
+
+
 def test_the_kv_pool_is_sized_after_the_state_slots(hybrid, monkeypatch):
     """Memory that holds the asked-for pool beside the weights alone, but not beside the state
     slots too, refuses it; with fewer snapshots it fits again."""

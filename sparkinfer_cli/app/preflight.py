@@ -60,12 +60,13 @@ def check_context(config: ModelConfig, num_prompt_tokens: int, max_tokens: int) 
 
 
 def check_serve(path: str | Path, host: str | None, port: int | None, ctx: int | None,
-                device: str, environ: Mapping[str, str] | None = None) -> KVPool:
+                device: str, environ: Mapping[str, str] | None = None,
+                spec_tokens: int | None = None) -> KVPool:
     """The server's KV pool (--ctx to use, and a note if it was capped), once the address is free
-    and the file loadable."""
+    and the file loadable; spec_tokens: the speculation flags' (None: the environment's)."""
     check_address(host or env.HOST.get(environ), env.PORT.get(environ) if port is None else port)
     checked = check_model_file(path, environ)
-    pool = fit_kv_pool(checked.config, ctx, device, checked.gguf.n_bytes, environ)
+    pool = fit_kv_pool(checked.config, ctx, device, checked.gguf.n_bytes, environ, spec_tokens)
     # as run_server builds it after loading: a bad --ctx or SPARKINFER_* setting fails now
     build_engine_config(pool.ctx, checked.config.context_length, environ, device=device)
     return pool

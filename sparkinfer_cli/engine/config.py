@@ -97,6 +97,13 @@ class EngineConfig:
         cached = (self.prefix_snapshots or self.max_num_seqs) if self.prefix_cache else 0
         return cached + int(bool(self.prefix_token_ids))
 
+    def num_seq_slots(self, is_hybrid: bool, checks_drafts: bool) -> int:
+        """Recurrent-state slots of running sequences: one each, two when the engine checks
+        drafts (the copy a rejected draft goes back to)."""
+        return self.max_num_seqs * (2 if checks_drafts else 1) if is_hybrid else 0
+
     def num_state_slots(self, is_hybrid: bool) -> int:
-        """Every recurrent-state slot the engine allocates: one per sequence, then snapshots."""
-        return (self.max_num_seqs + self.num_snapshot_slots(True)) if is_hybrid else 0
+        """Every recurrent-state slot the engine allocates, at most: the running sequences'
+        (speculation's copies included where spec_tokens asks for them), then snapshots."""
+        return self.num_seq_slots(is_hybrid, self.spec_tokens > 0) + \
+            self.num_snapshot_slots(is_hybrid)

@@ -114,7 +114,7 @@ class KVCacheManager:
                     draft_slots: bool = False) -> KVCacheManager:
         """draft_slots: the engine checks drafts (speculative decoding)."""
         drafts = is_hybrid and draft_slots
-        num_seq_slots = config.max_num_seqs * (2 if drafts else 1) if is_hybrid else 0
+        num_seq_slots = config.num_seq_slots(is_hybrid, drafts)
         interval = config.prefix_snapshot_tokens // config.block_size * config.block_size
         return cls(config.num_blocks, config.block_size, num_seq_slots, config.prefix_token_ids,
                    num_snapshot_slots=config.num_snapshot_slots(is_hybrid),
