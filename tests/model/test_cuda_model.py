@@ -581,7 +581,13 @@ def test_engine_outputs_of_concurrent_requests_equal_their_solo_outputs(family: 
                                                 step_tokens=384))
     text = [int(t) for t in _goldens(family)["prompt_long"]] * 3  # 300 tokens
     prompts = [text[i % 7:i % 7 + 2 + 12 * i] for i in range(24)]  # 2 to 278 tokens
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    _check_together_as_alone(engine, prompts,
+                             SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+
+
+def _check_together_as_alone(engine, prompts: list[list[int]], params) -> None:
+    """Starts the engine: each prompt's tokens alone, then all submitted together, are the
+    same."""
     engine.start()
     try:
         solo = [_engine_tokens(engine, [p], params)[0] for p in prompts]
@@ -706,10 +712,5 @@ def test_batch_invariant_mode_answers_under_load_as_alone(family: str, monkeypat
         ctx=8192, block_size=BLOCK_SIZE, max_num_seqs=48, prefix_cache=False))
     text = [int(t) for t in _goldens(family)["prompt_long"]] * 3  # 300 tokens
     prompts = [text[i % 7:i % 7 + 2 + 6 * i] for i in range(40)]
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    engine.start()
-    try:
-        solo = [_engine_tokens(engine, [p], params)[0] for p in prompts]
-        assert _engine_tokens(engine, prompts, params) == solo
-    finally:
-        engine.shutdown()
+    _check_together_as_alone(engine, prompts,
+                             SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
