@@ -272,7 +272,8 @@ class Scheduler:
                                         request.kv.draft_slot == NO_STATE_SLOT):
             return []
         room = min(request.params.max_tokens - request.num_output_tokens, step_room)
-        return ngram_draft(request.token_ids, min(request.drafting.limit(), room))
+        return ngram_draft(request.drafting.ids.view(request.token_ids),
+                           min(request.drafting.limit(), room))
 
 
 def progress(request: Request) -> SequenceProgress:

@@ -16,6 +16,7 @@ from sparkinfer_cli.engine.speculative import (
     MISSES_TO_PAUSE,
     DraftLength,
     SpeculationStats,
+    TokenArray,
     ngram_draft,
 )
 
@@ -24,6 +25,23 @@ def test_a_draft_is_what_followed_the_latest_occurrence_of_the_last_tokens():
     assert ngram_draft([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], 3) == [7, 5, 1]
     assert ngram_draft([4, 5, 6, 4], 2) == [5, 6]  # only the last token occurs earlier
     assert ngram_draft([1, 2, 3], 4) == [] and ngram_draft([1, 1], 0) == []
+
+
+def test_drafts_from_a_request_s_token_array_equal_those_from_its_list():
+    """TokenArray follows a list that grows by one token or several between views (past its
+    capacity, so it regrows), and starts over when given a shorter list: every view equals the
+    list, and the drafts from it equal the drafts from the list."""
+    import random
+
+    rng, ids, array = random.Random(3), [], TokenArray()
+    for step in range(300):
+        ids.extend(rng.randrange(6) for _ in range(1 + step % 3))
+        view = array.view(ids)
+        assert view.tolist() == ids
+        assert ngram_draft(view, 4) == ngram_draft(ids, 4)
+    assert array.view(ids[:5]).tolist() == ids[:5]
+    other = [9, 8, 7, 9]  # shorter than the list it followed: another list
+    assert array.view(other).tolist() == other and ngram_draft(array.view(other), 2) == [8, 7]
 
 
 def test_the_draft_length_follows_what_the_last_check_kept():
