@@ -29,7 +29,7 @@ FIRST_PAUSE_STEPS = 4
 MAX_PAUSE_STEPS = 64
 
 
-def ngram_draft(token_ids: Sequence[int], max_drafts: int) -> list[int]:
+def ngram_draft(token_ids: Sequence[int] | np.ndarray, max_drafts: int) -> list[int]:
     """Up to max_drafts tokens that followed the latest earlier occurrence of token_ids' last n
     tokens, for the longest n ≤ MAX_NGRAM that occurs; [] when none does."""
     if max_drafts < 1:
