@@ -656,22 +656,18 @@ def test_engine_answers_the_same_with_drafts(family: str) -> None:
     for spec_tokens in (4, 0):
         config = EngineConfig(ctx=4096, block_size=BLOCK_SIZE, max_num_seqs=8,
                               prefix_cache=False, spec_tokens=spec_tokens)
-        together = ContinuousBatchEngine(model, tokenizer, config)
-        sink = _Sink()
-        ids = [together.submit(p, params, sink.on_event) for p in prompts]
-        alone = ContinuousBatchEngine(model, tokenizer, config)
-        for engine in (together, alone):
+        for together in (True, False):  # one engine at a time: they share the model's stream
+            engine, sink = ContinuousBatchEngine(model, tokenizer, config), _Sink()
+            ids = [engine.submit(p, params, sink.on_event) for p in prompts] if together else []
             engine.start()
-        try:
-            answers[spec_tokens] = ([_engine_tokens(alone, [p], params)[0] for p in prompts],
-                                    sink.tokens(ids))
-            kept += together.speculation.num_accepted_tokens + \
-                alone.speculation.num_accepted_tokens
-        finally:
-            for engine in (together, alone):
+            try:
+                answers[spec_tokens, together] = sink.tokens(ids) if together else \
+                    [_engine_tokens(engine, [p], params)[0] for p in prompts]
+                kept += engine.speculation.num_accepted_tokens
+            finally:
                 engine.shutdown()
-    assert answers[4][0] == answers[0][0], "alone"
-    assert answers[4][1] == answers[0][1], "together"
+    assert answers[4, False] == answers[0, False], "alone"
+    assert answers[4, True] == answers[0, True], "together"
     assert kept > 0
 
 
