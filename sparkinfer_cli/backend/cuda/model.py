@@ -146,7 +146,8 @@ class CudaModel(ModelBackend[CudaModelCache]):
             raise ValueError("exact mode keeps the KV cache in float32: no int8 KV")
         self.kv_dtype = np.float32 if exact else (np.int8 if kv_int8 else np.float16)
         self.use_graphs = (not IS_SIMULATOR) if use_graphs is None else use_graphs
-        # batch-invariant mode: every pass a row of which computes as its decode alone would
+        # SPARKINFER_BATCH_INVARIANT: the engine keeps every pass within the rows computed as
+        # decodes (invariant_pass_tokens), whose attention takes a lone decode's splits
         self.fixed_splits = env.SPARKINFER_BATCH_INVARIANT.get()
         self.invariant_pass_tokens = DRAFT_PASS_TOKENS if self.fixed_splits else 0
         # the host lookup, for tables the device cannot read
@@ -500,7 +501,8 @@ def graph_shapes(max_seqs: int, max_pass_tokens: int,
             # the fewest sequences whose logit rows fill the bucket n_logits (fewer than n_rows,
             # so that one of them brings two tokens)
             n_seqs = 1 if n_logits <= MIN_PROMPT_LOGIT_ROWS else n_logits // 2 + 1
-            shapes[graph_key(n_rows, n_seqs, n_seqs, False)] = (n_rows, n_seqs, n_seqs)
+            shapes[graph_key(n_rows, n_seqs, n_seqs, False, fixed_splits)] = \
+                (n_rows, n_seqs, n_seqs)
     return list(shapes.values())
 
 

@@ -148,10 +148,10 @@ class Workspace:
         self.h = device_zeros((self.groups, self.cols, n_embd), np.float32)  # residual stream
         self.delta = self.buf("delta", self.groups, self.cols, n_embd)  # sub-layer output
         self.x = self.act("x", n_embd)  # normed sub-layer input
-        # Passes of fewer rows than the GEMMs take compute every row as decoding it alone would
-        # (GEMVs in their matrix's order, the decode attention kernel at the splits of the pass's
-        # sequences, the delta rule a token at a time): a decode's drafts and its re-fed tokens
-        # are checked with the numbers their decode would have had.
+        # Passes of fewer rows than the GEMMs take compute every row as its decode would (GEMVs
+        # in their matrix's order, the decode attention kernel at the splits of a decode pass of
+        # the pass's sequences, the delta rule a token at a time): a decode's drafts and its
+        # re-fed tokens are checked with the numbers their decodes would have had.
         self.rows_as_decodes = n_rows < LINEAR_MMA_MIN_ROWS
         self.attn = DecodeWorkspace(n_rows, n_heads, head_dim, pool.max_context,
                                     split_rows=1 if self.rows_as_decodes else None) \
