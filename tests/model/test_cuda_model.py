@@ -695,7 +695,7 @@ class _Sink:
 @pytest.mark.parametrize("family", ("qwen3moe", "qwen35moe"))
 def test_batch_invariant_mode_answers_under_load_as_alone(family: str, monkeypatch) -> None:
     """SPARKINFER_BATCH_INVARIANT, quantized mode as the server runs: 40 greedy requests
-    submitted together (more than the GEMMs' 32 rows would take at once, prompts of 2 to 235
+    submitted together (more than the GEMMs' 32 rows would take at once, prompts of 2 to 236
     tokens that arrive in pieces) produce, token for token, what each produces alone."""
     from sparkinfer_cli.engine.engine import ContinuousBatchEngine, EngineConfig
     from sparkinfer_cli.engine.sampling_params import SamplingParams
