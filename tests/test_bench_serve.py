@@ -31,6 +31,7 @@ from sparkinfer_cli.bench.serve_client import (
     add_chunk,
     completion_body,
     connect,
+    parse_speculation,
     poisson_arrivals,
     run_arrivals,
     run_together,
@@ -141,6 +142,20 @@ def test_a_stream_without_usage_is_an_error_not_a_count_of_chunks(scripted_url):
 
 
 # ---- folding into figures ------------------------------------------------------------------------
+def test_speculation_counters_come_from_the_metrics_page():
+    """The spec_decode counters of sparkinfer's /metrics (Prometheus text, counters as floats);
+    None where a page lacks any of them (speculation off, another server)."""
+    page = ("# HELP sparkinfer_spec_decode_drafts_total decode checks that carried drafts\n"
+            "sparkinfer_spec_decode_drafts_total 12.0\n"
+            "sparkinfer_spec_decode_draft_tokens_total 40.0\n"
+            "sparkinfer_spec_decode_accepted_tokens_total 25.0\n"
+            "sparkinfer_spec_decode_acceptance_rate 0.625\n")
+    stats = parse_speculation(page)
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (12, 40, 25)
+    assert parse_speculation(page.replace("accepted_tokens_total", "accepted_tokens_x")) is None
+    assert parse_speculation("") is None
+
+
 def test_percentiles_interpolate_between_ranks():
     assert percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5
     assert percentile(list(range(101)), 99) == 99.0
@@ -249,7 +264,7 @@ def test_bench_of_a_running_server_writes_the_serve_json(fake_server, tmp_path):
     assert [r["output_tokens"] for r in together] == [10, 30]
     assert poisson["clients"] is None and poisson["rate"] == 20.0
     assert all(r["num_failed"] == 0 and r["ttft_ms"]["p99"] >= r["ttft_ms"]["p50"] > 0
-               and r["engine_tok_s"] is None for r in result["runs"])
+               and r["engine_tok_s"] is None and r["drafts"] is None for r in result["runs"])
     assert result["cold"]["output_tokens"] == 5 and len(result["warm_idle"]["ttft_ms"]) == 3
     assert "no engine-only figure" in " ".join(result["notes"])
     assert "1 client × 2" in console.file.getvalue()
@@ -284,6 +299,25 @@ def test_bench_serve_on_the_tiny_model_starts_measures_and_stops_the_server(tmp_
                for r in report["runs"])
     assert report["cold"]["ttft_ms"] > 0
     assert not is_listening(report["server"]["url"])
+
+
+@pytest.mark.slow
+def test_bench_serve_reports_what_the_server_s_drafts_kept(tmp_path, monkeypatch):
+    """A server the bench starts with SPARKINFER_SPEC_TOKENS (the tiny qwen3 repeats itself):
+    each load carries the checks, drafted and kept tokens its /metrics counted meanwhile, and a
+    note says what share was kept."""
+    monkeypatch.setenv("SPARKINFER_SPEC_TOKENS", "4")
+    result = CliRunner().invoke(app, [
+        "bench", "--serve", "-m", str(TINY_MODEL), "--device", "cpu", "--concurrency", "1",
+        "--prompt-tokens", "16", "--max-tokens", "48", "--requests-per-client", "2",
+        "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    (path,) = tmp_path.glob("*-serve.json")
+    (run,) = json.loads(path.read_text())["runs"]
+    drafts = run["drafts"]
+    assert drafts["num_drafts"] > 0 and 0 < drafts["num_accepted_tokens"] <= \
+        drafts["num_draft_tokens"]
+    assert any("drafted tokens kept" in note for note in json.loads(path.read_text())["notes"])
 
 
 @pytest.mark.slow

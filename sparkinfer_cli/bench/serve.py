@@ -34,6 +34,7 @@ from sparkinfer_cli.bench.serve_client import (
     poisson_arrivals,
     run_arrivals,
     run_together,
+    speculation_counts,
     stream_completion,
 )
 from sparkinfer_cli.bench.serve_engine import describe_device
@@ -250,11 +251,24 @@ def run_session(request: ServeBenchRequest, endpoint: Endpoint, report: ServeRep
                                                 request.response_format)))
     for clients in request.client_counts:
         for suffix, send_load in sends:
-            report.runs.append(measure_together(request, send_load, clients, console, suffix))
+            report.runs.append(with_drafts(endpoint, lambda: measure_together(
+                request, send_load, clients, console, suffix)))
     if request.rate is not None:
         for suffix, send_load in sends:
-            report.runs.append(measure_poisson(request, send_load, request.rate, console, suffix))
+            report.runs.append(with_drafts(endpoint, lambda: measure_poisson(
+                request, send_load, request.rate, console, suffix)))
     report.notes += usage_notes(report.runs)
+
+
+def with_drafts(endpoint: Endpoint, measure: Callable[[], RunFigures]) -> RunFigures:
+    """measure()'s figures with the speculation counters the server added meanwhile (where it
+    reports them: a server started with SPARKINFER_SPEC_TOKENS, or --url to one with drafts)."""
+    before = speculation_counts(endpoint)
+    figures = measure()
+    after = speculation_counts(endpoint)
+    if before is None or after is None:
+        return figures
+    return replace(figures, drafts=after.since(before))
 
 
 def send_one(endpoint: Endpoint, prompts: PromptSource, response_format: dict | None,
@@ -303,6 +317,10 @@ def announced(figures: RunFigures, console: Console) -> RunFigures:
 def usage_notes(runs: list[RunFigures]) -> list[str]:
     notes = [f"{r.load}: {r.num_failed} of {r.num_requests} requests failed, the first: "
              f"{r.first_error}" for r in runs if r.num_failed]
+    notes += [f"{r.load}: {r.drafts.acceptance_rate:.0%} of {r.drafts.num_draft_tokens} drafted "
+              f"tokens kept, {r.drafts.mean_accepted_length:.2f} tokens a check "
+              f"({r.drafts.num_drafts} checks, the warm-up round's included)"
+              for r in runs if r.drafts is not None and r.drafts.num_drafts]
     if any(r.num_stopped_early for r in runs):
         notes.append("some requests ended before max_tokens: the server did not honour "
                      "ignore_eos, so output tok/s counts fewer tokens than asked for")

@@ -18,6 +18,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from sparkinfer_cli.engine.speculative import SpeculationStats
+
 REQUEST_TIMEOUT_S = 600.0  # one request, connect to [DONE]
 # prompts are windows of seeded random words, so no two requests share a prefix (or a cache hit)
 PROMPT_WORDS = ("time", "river", "stone", "light", "market", "garden", "number", "window",
@@ -80,12 +82,15 @@ class Endpoint:
         return kind(parts.hostname or "127.0.0.1", parts.port, timeout=timeout_s)
 
     def get_json(self, path: str, timeout_s: float = 10.0) -> dict:
-        return self._call("GET", path, None, timeout_s)
+        return json.loads(self._call("GET", path, None, timeout_s))
+
+    def get_text(self, path: str, timeout_s: float = 10.0) -> str:
+        return self._call("GET", path, None, timeout_s).decode()
 
     def post_json(self, path: str, body: dict, timeout_s: float = 60.0) -> dict:
-        return self._call("POST", path, body, timeout_s)
+        return json.loads(self._call("POST", path, body, timeout_s))
 
-    def _call(self, method: str, path: str, body: dict | None, timeout_s: float) -> dict:
+    def _call(self, method: str, path: str, body: dict | None, timeout_s: float) -> bytes:
         conn = self.connection(timeout_s)
         try:
             conn.request(method, self.target(path), None if body is None else json.dumps(body),
@@ -96,7 +101,32 @@ class Endpoint:
             conn.close()
         if response.status != 200:
             raise RuntimeError(f"{method} {self.url}{path}: {http_error(response.status, data)}")
-        return json.loads(data)
+        return data
+
+
+SPEC_COUNTERS = ("drafts", "draft_tokens", "accepted_tokens")  # sparkinfer_spec_decode_*_total
+
+
+def speculation_counts(endpoint: Endpoint) -> SpeculationStats | None:
+    """The server's speculative-decoding counters so far (its /metrics); None where it reports
+    none (speculation off, or another server)."""
+    try:
+        return parse_speculation(endpoint.get_text("/metrics"))
+    except RuntimeError:  # no /metrics here
+        return None
+
+
+def parse_speculation(metrics: str) -> SpeculationStats | None:
+    """sparkinfer's spec_decode counters from a Prometheus text page; None unless all are there."""
+    values = {}
+    for line in metrics.splitlines():
+        name, _, value = line.partition(" ")
+        for counter in SPEC_COUNTERS:
+            if name == f"sparkinfer_spec_decode_{counter}_total":
+                values[counter] = int(float(value))
+    if len(values) < len(SPEC_COUNTERS):
+        return None
+    return SpeculationStats(*(values[c] for c in SPEC_COUNTERS))
 
 
 def http_error(status: int, body: bytes) -> str:

@@ -13,6 +13,7 @@ import numpy as np
 
 from sparkinfer_cli.bench.report import free_stem, result_stem
 from sparkinfer_cli.bench.serve_client import RequestTiming
+from sparkinfer_cli.engine.speculative import SpeculationStats
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -44,6 +45,8 @@ class RunFigures:
     e2e_ms: dict[str, float | None]  # p50: request sent → [DONE]
     server_ttft_ms: dict[str, float | None]  # p50 of the usage blocks' ttft_ms, where sent
     first_error: str | None = None
+    # the server's speculation counters over the load (its warm-up round included); None: off
+    drafts: SpeculationStats | None = None
     engine_tok_s: float | None = None  # bench.measure's decode throughput, same concurrency
     engine_concurrency: int | None = None
     engine_max_tokens: int | None = None
