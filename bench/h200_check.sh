@@ -56,14 +56,14 @@ run() {  # run LOG TIMEOUT CMD...: log to $OUT/LOG, print its tail
 case "${1:-tests}" in
   tests)  # the model file takes > 300 s cold: its decode half here, the oracle half below
     run gpu_kernels.log 230 python3 -m pytest -m gpu tests/kernels -q -p no:cacheprovider
-    run gpu_model.log 330 python3 -m pytest -m gpu tests/model/test_cuda_model.py \
+    run gpu_model.log 330 python3 -m pytest -m gpu tests/backend/cuda/test_cuda_model.py \
       -k "(exact_decode and (Q4_K_M or F32)) or greedy_ids or batched" \
       -q -p no:cacheprovider ;;
   queued)  # queued decode passes and device sampling against step-by-step / host
-    run gpu_queued.log 500 python3 -m pytest -m gpu tests/model/test_cuda_model.py \
+    run gpu_queued.log 500 python3 -m pytest -m gpu tests/backend/cuda/test_cuda_model.py \
       -k "queued_decode or forward_sampled" -q -p no:cacheprovider ;;
   oracle)
-    run gpu_oracle.log 500 python3 -m pytest -m gpu tests/model/test_cuda_model.py \
+    run gpu_oracle.log 500 python3 -m pytest -m gpu tests/backend/cuda/test_cuda_model.py \
       -k "not (demo_model or decode or greedy or batched or sampled)" -q \
       -p no:cacheprovider ;;
   kernels)
@@ -75,7 +75,7 @@ case "${1:-tests}" in
     run gpu_gemm.log 200 python3 -m pytest -m gpu tests/kernels/test_cuda_mmq_q8.py \
       tests/kernels/test_cuda_mma_gemm.py tests/kernels/test_cuda_attention.py \
       tests/kernels/test_cuda_embedding.py -q -p no:cacheprovider
-    run gpu_model_tc.log 240 python3 -m pytest -m gpu tests/model/test_cuda_model.py \
+    run gpu_model_tc.log 240 python3 -m pytest -m gpu tests/backend/cuda/test_cuda_model.py \
       -k "tensor_cores_in_a_batched or (q8_top1 and True) or batched_decode_equals" \
       -q -p no:cacheprovider
     run gemv_batch.log 100 python3 bench/probes/cuda_gemv_bench.py --batch-only
@@ -99,10 +99,10 @@ case "${1:-tests}" in
         --synthetic qwen3-30b-a3b --device cuda --ctx 512 --concurrency 1 --out "$OUT/bench_pdl$on"
     done
     run gpu_pdl_tests.log 200 python3 -m pytest -m gpu tests/kernels/test_cuda_graphs.py \
-      tests/model/test_cuda_model.py -k "graphs or (exact_decode and Q4_K_M) or batched_decode_equals" \
+      tests/backend/cuda/test_cuda_model.py -k "graphs or (exact_decode and Q4_K_M) or batched_decode_equals" \
       -q -p no:cacheprovider ;;
   moe)
-    run gpu_moe.log 260 python3 -m pytest -m gpu tests/model/test_cuda_model.py \
+    run gpu_moe.log 260 python3 -m pytest -m gpu tests/backend/cuda/test_cuda_model.py \
       -k "moe and (exact_decode or batched_decode or q8_top1 or greedy_ids)" -q -p no:cacheprovider
     run trace30.log 150 python3 bench/probes/cuda_kernel_profile.py qwen3-30b-a3b "$OUT/trace30.json" \
       --steps 10 --trace

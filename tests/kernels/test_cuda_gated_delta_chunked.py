@@ -6,14 +6,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from numba import cuda
-
-from sparkinfer_cli.kernels.cuda import gated_delta_chunked as gdc
-from sparkinfer_cli.kernels.delta_rule_reference import delta_rule
-from tests.kernels.test_cuda_gated_delta import (
+from test_cuda_gated_delta import (
     _delta_inputs,
     _delta_seq_reference,
     _run_delta_seq,
 )
+
+from sparkinfer_cli.kernels.cuda import gated_delta_chunked as gdc
+from sparkinfer_cli.kernels.delta_rule_reference import delta_rule
 
 
 def _prepared(rng, rows: int, n_k: int, n_v: int, dk: int, dv: int):

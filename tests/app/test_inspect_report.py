@@ -16,7 +16,7 @@ from rich.console import Console
 from sparkinfer_cli.app.inspect_report import build_report, render_report
 from sparkinfer_cli.gguf.reader import GGUFFile
 
-TINY = Path(__file__).parent / "fixtures" / "tiny"
+TINY = Path(__file__).parents[1] / "fixtures" / "tiny"
 TINY_FILES = sorted(TINY.glob("*/*.gguf"))
 
 

@@ -14,7 +14,7 @@ from sparkinfer_cli.hub import download as hub
 from sparkinfer_cli.server import app as server_app
 from sparkinfer_cli.server.config import ServerConfig
 
-TINY = Path(__file__).parent / "fixtures" / "tiny" / "qwen3" / "qwen3-Q8_0.gguf"
+TINY = Path(__file__).parents[1] / "fixtures" / "tiny" / "qwen3" / "qwen3-Q8_0.gguf"
 
 
 def test_the_banner_says_where_what_how_big_and_how_to_try_it():

@@ -1,6 +1,6 @@
 """The CUDA model (backend/cuda/model.py) against llama.cpp's oracle logits and the CPU model.
 
-On the H200 (`pytest -m gpu tests/model/test_cuda_model.py`):
+On the H200 (`pytest -m gpu tests/backend/cuda/test_cuda_model.py`):
 - exact mode (F32 weights, float activations): the CPU tests' bars — max |Δlogit| ≤ 1e-3 vs
   `lc_<V>_deqf32_logits_*` over whole prompts, decode steps (CUDA graphs) equal to one-pass logits
   and llama.cpp's greedy picks;
@@ -26,7 +26,7 @@ from sparkinfer_cli.model.batch import DeviceDraw, SamplingRows, SequenceBatch
 from sparkinfer_cli.model.config import ModelConfig
 from sparkinfer_cli.model.loader import load_model
 
-TINY = Path(__file__).parent.parent / "fixtures" / "tiny"
+TINY = Path(__file__).parents[2] / "fixtures" / "tiny"
 FAMILIES = ("qwen3", "qwen3moe", "qwen35moe", "qwen35", "qwen3next")
 BLOCK_SIZE = 16
 DEQF32_TOL = 1e-3

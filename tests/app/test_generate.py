@@ -16,7 +16,7 @@ from sparkinfer_cli.kernels.cpu import llvm_jit
 from sparkinfer_cli.model.loader import load_runtime_model
 from sparkinfer_cli.tokenizer.tokenizer import Tokenizer
 
-TINY = Path(__file__).parent / "fixtures" / "tiny" / "qwen3" / "qwen3-Q4_K_M.gguf"
+TINY = Path(__file__).parents[1] / "fixtures" / "tiny" / "qwen3" / "qwen3-Q4_K_M.gguf"
 
 
 def compiled_kernels() -> dict[str, int]:

@@ -40,13 +40,13 @@ from sparkinfer_cli.bench.serve_client import (
 from sparkinfer_cli.bench.serve_report import RunFigures, percentile, summarize
 from sparkinfer_cli.cli import app
 
-sys.path.insert(0, str(Path(__file__).parent / "server"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "server"))
 from server_fakes import LONG_REPLY, CharTokenizer, FakeEngine, QwenLikeTemplate  # noqa: E402
 from server_harness import ThreadServer  # noqa: E402
 
 from sparkinfer_cli.server.app import create_app  # noqa: E402
 
-TINY_MODEL = Path(__file__).parent / "fixtures" / "tiny" / "qwen3" / "qwen3-Q8_0.gguf"
+TINY_MODEL = Path(__file__).parents[1] / "fixtures" / "tiny" / "qwen3" / "qwen3-Q8_0.gguf"
 
 
 def text_chunk(text: str, finish_reason: str | None = None) -> dict:

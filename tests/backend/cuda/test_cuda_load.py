@@ -16,7 +16,7 @@ from sparkinfer_cli.kernels.cuda.runtime.file_upload import FileUploader
 from sparkinfer_cli.model.base import CausalLM
 from sparkinfer_cli.model.config import ModelConfig
 
-TINY = Path(__file__).resolve().parents[1] / "fixtures" / "tiny"
+TINY = Path(__file__).resolve().parents[2] / "fixtures" / "tiny"
 
 
 def _file(which: str, tmp_path: Path) -> Path:

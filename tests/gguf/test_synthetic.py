@@ -24,7 +24,7 @@ from sparkinfer_cli.tokenizer.tokenizer import TokenType
 
 FAMILIES = ("qwen3", "qwen3moe", "qwen35", "qwen35moe", "qwen3next")  # with oracle fixtures
 TINY = (*FAMILIES, "qwen2", "llama")
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).parents[1] / "fixtures"
 GIB = 2**30
 WEIGHT_RMS = (0.025, 0.06)  # "RMS ≈ 0.03–0.05" with per-block scale spread
 
