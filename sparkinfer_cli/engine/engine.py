@@ -22,6 +22,7 @@ from sparkinfer_cli.engine.config import (
     RequestTooLargeError,
 )
 from sparkinfer_cli.engine.constraint import GrammarConstraint, check_grammar
+from sparkinfer_cli.engine.draft_model import DraftModel
 from sparkinfer_cli.engine.greedy_batch import GreedyBatch, default_num_threads
 from sparkinfer_cli.engine.kv_cache import CacheOps, KVCacheManager, PrefixCacheStats
 from sparkinfer_cli.engine.model_runner import ModelRunner
@@ -32,6 +33,7 @@ from sparkinfer_cli.engine.sampling_params import SamplingParams
 from sparkinfer_cli.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from sparkinfer_cli.engine.speculative import (
     DraftLength,
+    NgramDrafter,
     SpeculationStats,
     accepted_drafts,
     sampled_drafts,
@@ -74,7 +76,10 @@ class EngineStats:
 
 
 class ContinuousBatchEngine:
-    def __init__(self, model: ModelBackend, tokenizer: Tokenizer, config: EngineConfig):
+    def __init__(self, model: ModelBackend, tokenizer: Tokenizer, config: EngineConfig,
+                 draft_model: ModelBackend | None = None):
+        """draft_model: a smaller model of the same vocabulary whose greedy continuations are the
+        drafts (config.spec_tokens of them a step at most); without it, n-gram drafts."""
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.n_vocab = model.config.n_vocab
         if any(t >= self.n_vocab for t in config.prefix_token_ids):
@@ -88,8 +93,13 @@ class ContinuousBatchEngine:
         self._state_bytes = model.config.recurrent_state_bytes() if model.config.is_hybrid else 0
         pass_tokens = min((n for n in (model.max_pass_tokens, model.invariant_pass_tokens) if n),
                           default=0)
+        if draft_model is not None and draft_model.config.n_vocab != self.n_vocab:
+            raise ValueError(f"the draft model's vocabulary ({draft_model.config.n_vocab} "
+                             f"tokens) is not the model's ({self.n_vocab})")
+        self.drafter = NgramDrafter() if draft_model is None else \
+            DraftModel(draft_model, config.num_blocks, config.block_size)
         self.scheduler = Scheduler(config, self.kv, create_policy(config), pass_tokens,
-                                   model.max_draft_pass_tokens)
+                                   model.max_draft_pass_tokens, self.drafter)
         self.runner = ModelRunner(model, cache)
         self.speculation = SpeculationStats()  # written by the engine thread only
         if config.spec_tokens and not self._can_speculate:
@@ -552,6 +562,8 @@ class ContinuousBatchEngine:
         graphs), then warms the shared prefix."""
         self.model.prepare(self.runner.cache, self.config.max_num_seqs,
                            self.scheduler.max_pass_tokens)
+        if self._can_speculate:
+            self.drafter.prepare(self.config.max_num_seqs, self.scheduler.max_pass_tokens)
         self._warm_prefix()
 
     def _warm_prefix(self) -> None:

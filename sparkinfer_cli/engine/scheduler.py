@@ -16,7 +16,7 @@ from sparkinfer_cli.engine.kv_cache import (
 )
 from sparkinfer_cli.engine.policy import BasePolicy
 from sparkinfer_cli.engine.request import Request, RequestStatus
-from sparkinfer_cli.engine.speculative import ngram_draft
+from sparkinfer_cli.engine.speculative import Drafter, NgramDrafter
 
 # a prompt whose logprobs are asked for computes every token's logits: pieces of at most this many
 # tokens bound the (piece, n_vocab) array
@@ -61,12 +61,15 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager, policy: BasePolicy,
-                 max_step_tokens: int = 0, max_draft_step_tokens: int = 0):
+                 max_step_tokens: int = 0, max_draft_step_tokens: int = 0,
+                 drafter: Drafter | None = None):
         """max_step_tokens: the most tokens the model takes in one forward pass;
-        max_draft_step_tokens: the most a pass that checks drafts may carry (0 = no limit)."""
+        max_draft_step_tokens: the most a pass that checks drafts may carry (0 = no limit);
+        drafter: where drafts come from (n-gram prompt lookup by default)."""
         self.config, self.kv, self.policy = config, kv, policy
         self.max_step_tokens = max_step_tokens
         self.max_draft_step_tokens = max_draft_step_tokens
+        self.drafter = drafter or NgramDrafter()
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -97,9 +100,9 @@ class Scheduler:
         pieces = [(request, self._num_uncomputed(request)) for request in decodes] + prefills
         room = self.max_draft_step_tokens - sum(n for _, n in pieces) \
             if self.max_draft_step_tokens else sys.maxsize  # for drafts, in this step
-        for request, n in pieces:
-            output.sequences.append(self._scheduled(request, n, room))
-            room -= output.sequences[-1].num_drafts
+        drafts = self.drafter.drafts([(r, self._draft_limit(r, n)) for r, n in pieces], room)
+        for (request, n), guessed in zip(pieces, drafts):
+            output.sequences.append(self._scheduled(request, n, guessed))
         for seq in output.sequences:  # a hybrid model's pass runs the drafts into the state
             if seq.num_drafts and self.kv.is_hybrid:
                 kv = self.requests[seq.request_id].kv
@@ -251,29 +254,28 @@ class Scheduler:
         self.running.append(request)
         return True
 
-    def _scheduled(self, request: Request, num_new: int, draft_room: int) -> ScheduledSequence:
+    def _scheduled(self, request: Request, num_new: int,
+                   drafts: list[int]) -> ScheduledSequence:
         assert request.kv is not None
         self._num_scheduled += 1
         request.last_scheduled = self._num_scheduled
         start = request.num_computed_tokens
         end = start + num_new
-        drafts = self._drafts(request, draft_room) \
-            if end == request.num_tokens and num_new == 1 else []
         return ScheduledSequence(request.request_id, request.token_ids[start:end] + drafts, start,
                                  request.kv.block_ids[:self.kv.num_blocks_for(end + len(drafts))],
                                  request.kv.state_slot, end == request.num_tokens,
                                  request.wants_prompt_logits and start < request.num_prompt_tokens,
                                  len(drafts))
 
-    def _drafts(self, request: Request, step_room: int) -> list[int]:
-        """N-gram drafts for a decode step, as many as its DraftLength allows now, within the KV
-        the request reserved and the step's room for drafts."""
-        if request.drafting is None or (self.kv.is_hybrid and request.kv is not None and
-                                        request.kv.draft_slot == NO_STATE_SLOT):
-            return []
-        room = min(request.params.max_tokens - request.num_output_tokens, step_room)
-        return ngram_draft(request.drafting.ids.view(request.token_ids),
-                           min(request.drafting.limit(), room))
+    def _draft_limit(self, request: Request, num_new: int) -> int:
+        """The drafts a request's piece of this step may carry: none unless it is a decode,
+        else as many as its DraftLength allows now within the KV the request reserved."""
+        if num_new != 1 or request.num_computed_tokens + 1 != request.num_tokens or \
+                request.drafting is None or (self.kv.is_hybrid and request.kv is not None and
+                                             request.kv.draft_slot == NO_STATE_SLOT):
+            return 0
+        return min(request.drafting.limit(),
+                   request.params.max_tokens - request.num_output_tokens)
 
 
 def progress(request: Request) -> SequenceProgress:

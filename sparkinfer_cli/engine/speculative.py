@@ -1,16 +1,19 @@
-"""N-gram (prompt-lookup) drafting: a decode step may carry a few guessed tokens, which the model
-checks in the same pass. For a greedy request the greedy token of each checked row decides how
-many are kept, so the output is exactly what one-token-at-a-time greedy decoding gives; for a
-sampled one, speculative sampling (truncation.check_draft) keeps each draft with its probability,
-so the output is distributed exactly as without drafts.
+"""Speculative decoding: a decode step may carry a few guessed tokens (drafts), which the model
+checks in the same pass. Drafts come from a Drafter: n-gram prompt lookup here (NgramDrafter), or
+a smaller model of the same vocabulary (draft_model.DraftModel). For a greedy request the greedy
+token of each checked row decides how many are kept, so the output is exactly what
+one-token-at-a-time greedy decoding gives; for a sampled one, speculative sampling
+(truncation.check_draft) keeps each draft with its probability, so the output is distributed
+exactly as without drafts.
 
-A draft is what followed the latest earlier occurrence of the sequence's last n tokens (n from
-MAX_NGRAM down to 1): cheap, and right often where an answer repeats its prompt (code edits,
-retrieval, quoting).
+An n-gram draft is what followed the latest earlier occurrence of the sequence's last n tokens
+(n from MAX_NGRAM down to 1): cheap, and right often where an answer repeats its prompt (code
+edits, retrieval, quoting).
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -18,6 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
+    from sparkinfer_cli.engine.request import Request
     from sparkinfer_cli.engine.sampler import Sampler
 
 MAX_NGRAM = 3
@@ -45,6 +49,29 @@ def ngram_draft(token_ids: Sequence[int] | np.ndarray, max_drafts: int) -> list[
             follow = int(found[-1]) + n
             return ids[follow:follow + max_drafts].tolist()
     return []
+
+
+class Drafter(ABC):
+    """Where a decode step's drafts come from."""
+
+    @abstractmethod
+    def drafts(self, wants: Sequence[tuple[Request, int]], step_room: int) -> list[list[int]]:
+        """Drafts for each (decoding request, the most it may draft now), in order, within
+        step_room drafted tokens in all (earlier requests first)."""
+
+    def prepare(self, max_seqs: int, max_pass_tokens: int) -> None:
+        """Compiles what the drafter's passes need before the engine serves."""
+
+
+class NgramDrafter(Drafter):
+    def drafts(self, wants: Sequence[tuple[Request, int]], step_room: int) -> list[list[int]]:
+        found = []
+        for request, limit in wants:
+            most = min(limit, step_room)
+            found.append(ngram_draft(request.drafting.ids.view(request.token_ids), most)
+                         if most > 0 and request.drafting is not None else [])
+            step_room -= len(found[-1])
+        return found
 
 
 def sampled_drafts(sampler: Sampler, rows: np.ndarray, drafts: Sequence[int]
@@ -100,6 +127,7 @@ class DraftLength:
     def __init__(self, most: int):
         self.most = most
         self.ids = TokenArray()  # the request's tokens, for ngram_draft
+        self.draft_kv_tokens = 0  # its leading tokens whose KV a draft model has written
         self._next = most
         self._misses = 0  # checks in a row that kept no draft
         self._pause = 0  # decode steps left without drafts
