@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import re
@@ -99,9 +100,12 @@ def inspect(file: str = typer.Argument(..., help="A GGUF file, or a demo model n
 
 
 SPEC_TYPE_OPTION = typer.Option(
-    None, "--spec-type", help="Speculative decoding's draft source: ngram (prompt lookup; same "
-                              "greedy answers, same sampling law; on CUDA in passes of up to 16 "
-                              "tokens).")
+    None, "--spec-type", help="Speculative decoding's draft source: ngram (prompt lookup) or "
+                              "draft (--model-draft); same greedy answers, same sampling law; "
+                              "on CUDA in passes of up to 16 tokens.")
+MODEL_DRAFT_OPTION = typer.Option(
+    None, "--model-draft", "-md", help="A smaller GGUF of the same vocabulary (attention layers "
+                                       "only) that drafts tokens: --spec-type draft.")
 SPEC_DRAFT_N_MAX_OPTION = typer.Option(
     None, "--spec-draft-n-max", help="--spec-type: most tokens drafted a step (1-7, default 4; "
                                      "fewer while drafts miss).")
@@ -134,12 +138,13 @@ def generate(prompt: Optional[str] = typer.Argument(
              no_think: bool = typer.Option(False, "--no-think", help="Disable Qwen thinking."),
              device: str = typer.Option("auto", "--device", help="auto | cpu | cuda"),
              spec_type: Optional[str] = SPEC_TYPE_OPTION,
-             spec_draft_n_max: Optional[int] = SPEC_DRAFT_N_MAX_OPTION):
+             spec_draft_n_max: Optional[int] = SPEC_DRAFT_N_MAX_OPTION,
+             model_draft: Optional[str] = MODEL_DRAFT_OPTION):
     """Stream one answer to the terminal (or chat with -i); statistics go to stderr. Ctrl-C
     exits with 130."""
     from sparkinfer_cli.app.run import GenerateRequest
     from sparkinfer_cli.engine.sampling_params import SamplingParams
-    spec_tokens = _speculation(spec_type, spec_draft_n_max, None) or 0
+    speculation = _speculation(spec_type, spec_draft_n_max, None, model_draft)
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                 top_k=top_k, min_p=min_p, repetition_penalty=repeat_penalty,
@@ -152,7 +157,7 @@ def generate(prompt: Optional[str] = typer.Argument(
     text = _prompt_text(prompt, interactive)
     try:
         code = _run(GenerateRequest(text, model, raw, system, not no_think, params, device,
-                                    ctx, interactive, spec_tokens))
+                                    ctx, interactive, speculation))
     except (ValueError, RuntimeError) as exc:  # GGUFError, HubError, template errors are these
         _fail(str(exc))
     raise typer.Exit(code)
@@ -167,14 +172,23 @@ def _cors_origins(text: Optional[str]) -> Optional[tuple[str, ...]]:
 
 
 def _speculation(spec_type: Optional[str], draft_n_max: Optional[int],
-                 speculative_config: Optional[str]) -> Optional[int]:
-    """The engine's spec_tokens from the speculation flags (None: none given); a one-line error
-    naming the flag otherwise."""
-    from sparkinfer_cli.server.config import speculation_tokens
+                 speculative_config: Optional[str], model_draft: Optional[str]):
+    """The Speculation the flags ask for (None: none given); a one-line error naming the flag
+    otherwise."""
+    from sparkinfer_cli.server.config import speculation_from_flags
     try:
-        return speculation_tokens(spec_type, draft_n_max, speculative_config)
+        return speculation_from_flags(spec_type, draft_n_max, speculative_config, model_draft)
     except ValueError as exc:
         _fail(str(exc))
+
+
+def _resolve_draft(speculation, device: str):
+    """speculation with its draft model (a file or demo name) resolved to a file."""
+    from sparkinfer_cli.hub.download import resolve_model
+    if speculation is None or speculation.draft_model is None:
+        return speculation
+    path, _ = resolve_model(speculation.draft_model, prefer_gpu=device == "cuda", announce=_note)
+    return dataclasses.replace(speculation, draft_model=str(path))
 
 
 def _prompt_text(prompt: Optional[str], interactive: bool) -> Optional[str]:
@@ -280,28 +294,31 @@ def serve(model: Optional[str] = typer.Option(None, "-m", "--model", help=MODEL_
           device: str = typer.Option("auto", "--device", help="auto | cpu | cuda"),
           spec_type: Optional[str] = SPEC_TYPE_OPTION,
           spec_draft_n_max: Optional[int] = SPEC_DRAFT_N_MAX_OPTION,
+          model_draft: Optional[str] = MODEL_DRAFT_OPTION,
           speculative_config: Optional[str] = typer.Option(
               None, "--speculative-config",
-              help='vLLM\'s spelling: \'{"method": "ngram", "num_speculative_tokens": 4}\'.')):
+              help='vLLM\'s spelling: \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
+                   '\'{"model": "draft.gguf", "num_speculative_tokens": 4}\'.')):
     """OpenAI-compatible HTTP server."""
     from sparkinfer_cli.app.preflight import check_serve
     from sparkinfer_cli.app.serve_banner import banner_line
     from sparkinfer_cli.hub.download import HubError, resolve_model
     from sparkinfer_cli.server.app import run_server
     origins = _cors_origins(cors_origins)
-    spec_tokens = _speculation(spec_type, spec_draft_n_max, speculative_config)
+    speculation = _speculation(spec_type, spec_draft_n_max, speculative_config, model_draft)
     try:
         chosen = pick_device(device)
         path, _ = resolve_model(model, prefer_gpu=chosen == "cuda", announce=_note)
         # before minutes of loading
-        pool = check_serve(path, host, port, ctx, chosen, spec_tokens=spec_tokens)
+        speculation = _resolve_draft(speculation, chosen)
+        pool = check_serve(path, host, port, ctx, chosen, speculation=speculation)
     except (ValueError, HubError) as exc:
         _fail_naming_flags(str(exc))
     if pool.note:
         _note(pool.note)
     try:
         run_server(path, host, port, pool.ctx, api_key, device=chosen, model_name=alias,
-                   cors_origins=origins, spec_tokens=spec_tokens,
+                   cors_origins=origins, speculation=speculation,
                    on_listening=lambda server, engine: err.print(
                        escape(banner_line(server, engine, chosen)), highlight=False))
     except (ValueError, OSError) as exc:  # bad env/flags, broken file, port in use

@@ -87,16 +87,26 @@ def state_pool_bytes(config: ModelConfig, environ: Mapping[str, str] | None = No
     return engine.num_state_slots(True) * config.recurrent_state_bytes()
 
 
+@dataclass(frozen=True)
+class DraftFit:
+    """What a draft model adds to the memory a server needs."""
+    config: ModelConfig
+    weights_bytes: int
+
+
 def fit_kv_pool(config: ModelConfig, ctx: int | None, device: str, weights_bytes: int,
                 environ: Mapping[str, str] | None = None,
-                spec_tokens: int | None = None) -> KVPool:
+                spec_tokens: int | None = None, draft: DraftFit | None = None) -> KVPool:
     """The server's KV pool for --ctx `ctx` (None: $CTX; unset or 0: the trained context), beside
     the weights and the recurrent-state slots (hybrid models; spec_tokens: state_pool_bytes),
-    which are allocated whatever the pool."""
+    which are allocated whatever the pool; a draft model's weights and KV (as many tokens as the
+    pool) count too."""
     asked = env.CTX.get(environ) if ctx is None else ctx
     tokens = asked or config.context_length
-    per_token = config.kv_bytes_per_token(1) * kv_bytes_per_value(device, environ)
-    fixed = weights_bytes + state_pool_bytes(config, environ, spec_tokens)
+    kv_values = config.kv_bytes_per_token(1) + (draft.config.kv_bytes_per_token(1) if draft else 0)
+    per_token = kv_values * kv_bytes_per_value(device, environ)
+    fixed = weights_bytes + state_pool_bytes(config, environ, spec_tokens) + \
+        (draft.weights_bytes if draft else 0)
     memory = available_memory_bytes(device)
     if memory is None or tokens * per_token <= (budget := _kv_budget(memory, fixed)):
         return KVPool(ctx, "")

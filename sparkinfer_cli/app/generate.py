@@ -28,7 +28,7 @@ class GenerationStats:
     prompt_tok_s: float = 0.0
     decode_tok_s: float = 0.0
     finish_reason: str | None = None
-    drafts: SpeculationStats | None = None  # the answer's n-gram drafts (None: speculation off)
+    drafts: SpeculationStats | None = None  # the answer's drafts (None: speculation off)
 
     @classmethod
     def from_event(cls, e: RequestEvent) -> GenerationStats:
@@ -63,13 +63,15 @@ class GenerationSession:
     """One engine for a run of prompts, one at a time: a chat's turns share its prefix cache,
     so each turn prefills only what it adds to the last."""
 
-    def __init__(self, model, tokenizer: Tokenizer, ctx: int, spec_tokens: int = 0):
+    def __init__(self, model, tokenizer: Tokenizer, ctx: int, spec_tokens: int = 0,
+                 draft_model=None):
         """ctx: the KV pool in tokens; the longest prompt + answer is ctx - WARM_UP_TOKENS;
-        spec_tokens: n-gram drafts a decode step checks at most (EngineConfig.spec_tokens)."""
+        spec_tokens: drafts a decode step checks at most (EngineConfig.spec_tokens), n-gram ones
+        or draft_model's."""
         self.max_tokens = ctx - WARM_UP_TOKENS
         self.engine = ContinuousBatchEngine(model, tokenizer, EngineConfig(
             ctx=ctx, max_batch_tokens=64, max_num_seqs=1, max_output_tokens=ctx,
-            spec_tokens=spec_tokens))
+            spec_tokens=spec_tokens), draft_model)
         self.engine.start()
 
     def warm_up(self, params: SamplingParams, timeout_s: float = 600.0) -> None:

@@ -16,10 +16,10 @@ from pathlib import Path
 
 from sparkinfer_cli import env
 from sparkinfer_cli.gguf.reader import GGUFError, GGUFFile
-from sparkinfer_cli.kv_budget import KVPool, fit_kv_pool
+from sparkinfer_cli.kv_budget import DraftFit, KVPool, fit_kv_pool
 from sparkinfer_cli.model.config import ModelConfig
-from sparkinfer_cli.model.loader import checked_config
-from sparkinfer_cli.server.config import build_engine_config
+from sparkinfer_cli.model.loader import check_draft_model, checked_config
+from sparkinfer_cli.server.config import Speculation, build_engine_config
 from sparkinfer_cli.tokenizer.chat_template import ChatTemplate, ChatTemplateError
 from sparkinfer_cli.tokenizer.tokenizer import Tokenizer
 from sparkinfer_cli.tokenizer.vocab_override import load_tokenizer
@@ -61,15 +61,28 @@ def check_context(config: ModelConfig, num_prompt_tokens: int, max_tokens: int) 
 
 def check_serve(path: str | Path, host: str | None, port: int | None, ctx: int | None,
                 device: str, environ: Mapping[str, str] | None = None,
-                spec_tokens: int | None = None) -> KVPool:
+                speculation: Speculation | None = None) -> KVPool:
     """The server's KV pool (--ctx to use, and a note if it was capped), once the address is free
-    and the file loadable; spec_tokens: the speculation flags' (None: the environment's)."""
+    and the file (and a draft model's) loadable; speculation: the flags' (None: the
+    environment's)."""
     check_address(host or env.HOST.get(environ), env.PORT.get(environ) if port is None else port)
     checked = check_model_file(path, environ)
-    pool = fit_kv_pool(checked.config, ctx, device, checked.gguf.n_bytes, environ, spec_tokens)
+    draft = None if speculation is None or speculation.draft_model is None else \
+        check_draft_file(speculation.draft_model, checked.gguf)
+    pool = fit_kv_pool(checked.config, ctx, device, checked.gguf.n_bytes, environ,
+                       None if speculation is None else speculation.tokens, draft)
     # as run_server builds it after loading: a bad --ctx or SPARKINFER_* setting fails now
     build_engine_config(pool.ctx, checked.config.context_length, environ, device=device)
     return pool
+
+
+def check_draft_file(path: str | Path, target: GGUFFile) -> DraftFit:
+    """What a draft model adds to the server's memory, once its file can draft for target's."""
+    try:
+        draft = GGUFFile(path)
+    except GGUFError as exc:
+        raise ValueError(f"--model-draft: {exc}") from None
+    return DraftFit(check_draft_model(draft, target), draft.n_bytes)
 
 
 def check_address(host: str, port: int) -> None:

@@ -19,6 +19,7 @@ from sparkinfer_cli.engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from sparkinfer_cli.app.generate import GenerationSession, GenerationStats
     from sparkinfer_cli.app.preflight import CheckedModel
+    from sparkinfer_cli.server.config import Speculation
     from sparkinfer_cli.tokenizer.tokenizer import Tokenizer
 
 EXIT_INTERRUPTED = 130  # a shell's code for a command ended by Ctrl-C (128 + SIGINT)
@@ -36,7 +37,7 @@ class GenerateRequest:
     device: str  # auto | cpu | cuda; picked by run_generate
     ctx: int | None = None  # KV cache in tokens; None: the prompt + max_tokens (chat: 4,096)
     interactive: bool = False
-    spec_tokens: int = 0  # n-gram drafts a decode step checks at most (0: no speculation)
+    speculation: Speculation | None = None  # drafts a decode step checks (None: none)
 
 
 @dataclass
@@ -96,6 +97,11 @@ def _resolve(req: GenerateRequest, err: Console) -> tuple[GenerateRequest, Path]
         err.print(f"[yellow]{escape(note)}[/]", highlight=False)
 
     path, _ = resolve_model(req.model, prefer_gpu=req.device == "cuda", announce=announce)
+    if req.speculation is not None and req.speculation.draft_model is not None:
+        draft, _ = resolve_model(req.speculation.draft_model, prefer_gpu=req.device == "cuda",
+                                 announce=announce)
+        req = dataclasses.replace(req, speculation=dataclasses.replace(
+            req.speculation, draft_model=str(draft)))
     return req, path
 
 
@@ -109,14 +115,19 @@ def _read(path: Path, err: Console) -> CheckedModel:
 
 def _load(req: GenerateRequest, checked: CheckedModel, ctx: int, err: Console) -> Loaded:
     from sparkinfer_cli.app.generate import WARM_UP_TOKENS, GenerationSession
-    from sparkinfer_cli.model.loader import load_runtime_model
+    from sparkinfer_cli.model.loader import load_draft_model, load_runtime_model
 
     ctx = min(ctx + WARM_UP_TOKENS, checked.config.context_length + WARM_UP_TOKENS)
+    spec = req.speculation
     with err.status("loading") as status:
         model = load_runtime_model(checked.gguf, req.device,
                                    report=lambda what: status.update(escape(what)))
+        draft = None if spec is None or spec.draft_model is None else \
+            load_draft_model(spec.draft_model, checked.gguf, req.device,
+                             report=lambda what: status.update(escape(what)))
         status.update("starting the engine")
-        session = GenerationSession(model, checked.tokenizer, ctx, req.spec_tokens)
+        session = GenerationSession(model, checked.tokenizer, ctx,
+                                    0 if spec is None else spec.tokens, draft)
         cold = req.device == "cpu" and not cpu_kernels_are_cached()
         status.update("compiling the kernels (first run only: numba caches them)" if cold
                       else "warming up")

@@ -46,6 +46,19 @@ def checked_config(gguf: GGUFFile) -> ModelConfig:
     return config
 
 
+def check_draft_model(draft: GGUFFile, target: GGUFFile) -> ModelConfig:
+    """The config of a file that can draft for target's model (speculative decoding): attention
+    layers only (a draft's recurrent state could not be rewound) and the same token list."""
+    config = checked_config(draft)
+    if config.is_hybrid:
+        raise ValueError(f"{draft.path.name}: a draft model must have attention layers only "
+                         "(Qwen3, Qwen2, Llama); this one keeps a recurrent state")
+    if draft.get("tokenizer.ggml.tokens") != target.get("tokenizer.ggml.tokens"):
+        raise ValueError(f"{draft.path.name}: a draft model needs the vocabulary of "
+                         f"{target.path.name}, and its tokens differ")
+    return config
+
+
 def load_runtime_model(gguf: GGUFFile, device: str, environ: Mapping[str, str] | None = None,
                        report: Callable[[str], None] = lambda _: None) -> ModelBackend:
     """The model as generate / serve / bench run it: int8 decode on the CPU over packed records
@@ -60,3 +73,13 @@ def load_runtime_model(gguf: GGUFFile, device: str, environ: Mapping[str, str] |
     if isinstance(model, CausalLM):  # the CPU model
         use_cached_int8_decode(model, gguf.path, report=report)
     return model
+
+
+def load_draft_model(path: str | Path, target: GGUFFile, device: str,
+                     environ: Mapping[str, str] | None = None,
+                     report: Callable[[str], None] = lambda _: None) -> ModelBackend:
+    """The draft model in path, checked against target's and loaded as load_runtime_model loads
+    a model."""
+    draft = GGUFFile(path)
+    check_draft_model(draft, target)
+    return load_runtime_model(draft, device, environ, report)

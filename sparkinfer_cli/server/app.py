@@ -22,7 +22,7 @@ from sparkinfer_cli.engine.config import EngineConfig
 from sparkinfer_cli.server import anthropic_api, responses_api, router_api, routes
 from sparkinfer_cli.server.async_engine import AsyncEngine
 from sparkinfer_cli.server.auth import check_request
-from sparkinfer_cli.server.config import ServerConfig, build_engine_config
+from sparkinfer_cli.server.config import ServerConfig, Speculation, build_engine_config
 from sparkinfer_cli.server.metrics import ServerMetrics
 from sparkinfer_cli.server.protocol import ApiError
 from sparkinfer_cli.server.responses import TokenTexts
@@ -227,16 +227,16 @@ async def _drain_and_stop(app: Sanic) -> None:
 def run_server(model_path: str | Path, host: str | None = None, port: int | None = None,
                ctx: int | None = None, api_key: str | None = None, *, device: str = "cpu",
                model_name: str | None = None, cors_origins: tuple[str, ...] | None = None,
-               environ: Mapping[str, str] | None = None, spec_tokens: int | None = None,
+               environ: Mapping[str, str] | None = None, speculation: Speculation | None = None,
                on_listening: Callable[[ServerConfig, EngineConfig], None] | None = None) -> None:
     """`sparkinfer serve`: load the model, start the engine, serve until SIGTERM/SIGINT.
     Arguments left None come from the environment (HOST, PORT, CTX, SPARKINFER_*); the model id
-    is model_name, else SPARKINFER_SERVED_MODEL_NAME, else the GGUF's name; spec_tokens (the
-    speculation flags), else SPARKINFER_SPEC_TOKENS. `on_listening` (the CLI's banner) is called
-    once the port accepts connections."""
+    is model_name, else SPARKINFER_SERVED_MODEL_NAME, else the GGUF's name; speculation (the
+    flags: n-gram drafts or a draft model's file), else SPARKINFER_SPEC_TOKENS' n-gram drafts.
+    `on_listening` (the CLI's banner) is called once the port accepts connections."""
     from sparkinfer_cli.engine.engine import ContinuousBatchEngine, warm_up
     from sparkinfer_cli.gguf.reader import GGUFFile
-    from sparkinfer_cli.model.loader import load_runtime_model
+    from sparkinfer_cli.model.loader import load_draft_model, load_runtime_model
     from sparkinfer_cli.tokenizer.chat_template import ChatTemplate
     from sparkinfer_cli.tokenizer.vocab_override import load_tokenizer
 
@@ -248,11 +248,13 @@ def run_server(model_path: str | Path, host: str | None = None, port: int | None
                                           model_name=model_name, cors_origins=cors_origins,
                                           fallback_model_name=default_model_name(gguf))
     model = load_runtime_model(gguf, device, environ)
+    draft = None if speculation is None or speculation.draft_model is None else \
+        load_draft_model(speculation.draft_model, gguf, device, environ)
     tokenizer = load_tokenizer(gguf, environ)
-    speculation = {} if spec_tokens is None else {"spec_tokens": spec_tokens}
+    spec_tokens = {} if speculation is None else {"spec_tokens": speculation.tokens}
     engine_config = build_engine_config(ctx, model.config.context_length, environ, device=device,
-                                        **speculation)
-    engine = ContinuousBatchEngine(model, tokenizer, engine_config)
+                                        **spec_tokens)
+    engine = ContinuousBatchEngine(model, tokenizer, engine_config, draft)
     engine.start()
     if not warm_up(engine):
         log.warning("the warm-up request did not finish in time")

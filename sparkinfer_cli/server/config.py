@@ -107,38 +107,62 @@ def build_engine_config(ctx: int | None, trained_context_length: int,
     return EngineConfig(**values)
 
 
-SPEC_TYPES = ("ngram",)  # draft sources the engine has (issue: MTP heads and draft models next)
+SPEC_TYPES = ("ngram", "draft")  # draft sources: prompt lookup, a draft model (--model-draft)
+VLLM_SPEC_METHODS = {"ngram": "ngram", "draft_model": "draft"}  # --speculative-config's names
 DEFAULT_SPEC_DRAFT_TOKENS = 4
 
 
-def speculation_tokens(spec_type: str | None, draft_n_max: int | None,
-                       speculative_config: str | None) -> int | None:
-    """EngineConfig.spec_tokens from serve's flags in llama-server's spelling (--spec-type,
-    --spec-draft-n-max) or vLLM's (--speculative-config '{"method": "ngram",
-    "num_speculative_tokens": K}'); None when none is given (the environment decides).
-    ValueError naming the flag otherwise."""
+@dataclass(frozen=True)
+class Speculation:
+    tokens: int  # EngineConfig.spec_tokens: the most tokens a decode step drafts
+    draft_model: str | None = None  # the draft model's GGUF (or demo name); None: n-gram drafts
+
+
+def speculation_from_flags(spec_type: str | None, draft_n_max: int | None,
+                           speculative_config: str | None,
+                           model_draft: str | None = None) -> Speculation | None:
+    """The speculation asked for in llama-server's spelling (--spec-type, --spec-draft-n-max,
+    --model-draft: a draft model alone implies --spec-type draft) or vLLM's (--speculative-config
+    '{"method": "ngram" | "draft_model", "model": FILE, "num_speculative_tokens": K}'); None
+    when none is given (the environment decides). ValueError naming the flag otherwise."""
     if speculative_config is not None:
-        if spec_type is not None or draft_n_max is not None:
-            raise ValueError("give --speculative-config or --spec-type / --spec-draft-n-max, "
-                             "not both")
-        try:
-            config = json.loads(speculative_config)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"--speculative-config is no JSON: {exc}") from None
-        if not isinstance(config, dict):
-            raise ValueError("--speculative-config must be a JSON object")
-        spec_type = config.get("method")
-        draft_n_max = config.get("num_speculative_tokens", DEFAULT_SPEC_DRAFT_TOKENS)
-        if not isinstance(draft_n_max, int) or isinstance(draft_n_max, bool):
-            raise ValueError("--speculative-config: num_speculative_tokens must be an integer")
+        if spec_type is not None or draft_n_max is not None or model_draft is not None:
+            raise ValueError("give --speculative-config or --spec-type / --spec-draft-n-max / "
+                             "--model-draft, not both")
+        spec_type, draft_n_max, model_draft = _vllm_speculation(speculative_config)
     elif spec_type is None:
-        if draft_n_max is not None:
-            raise ValueError("--spec-draft-n-max needs --spec-type")
-        return None
+        if model_draft is None:
+            if draft_n_max is not None:
+                raise ValueError("--spec-draft-n-max needs --spec-type")
+            return None
+        spec_type = "draft"
     if spec_type not in SPEC_TYPES:
         raise ValueError(f"speculative method {spec_type!r} is not supported; the engine has: "
                          f"{', '.join(SPEC_TYPES)}")
+    if (spec_type == "draft") != (model_draft is not None):
+        raise ValueError("--model-draft FILE goes with --spec-type draft (and only with it)")
     tokens = DEFAULT_SPEC_DRAFT_TOKENS if draft_n_max is None else draft_n_max
     if not 1 <= tokens <= MAX_SPEC_TOKENS:
         raise ValueError(f"draft tokens must be 1 to {MAX_SPEC_TOKENS}, got {tokens}")
-    return tokens
+    return Speculation(tokens, model_draft)
+
+
+def _vllm_speculation(text: str) -> tuple[str | None, int, str | None]:
+    """(spec type, draft tokens, draft model) of vLLM's --speculative-config JSON."""
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--speculative-config is no JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise ValueError("--speculative-config must be a JSON object")
+    model = config.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ValueError("--speculative-config: model must be a file name")
+    method = config.get("method", "draft_model" if model is not None else None)
+    if not isinstance(method, str):
+        raise ValueError("--speculative-config needs a method: ngram or draft_model (with "
+                         "its model)")
+    tokens = config.get("num_speculative_tokens", DEFAULT_SPEC_DRAFT_TOKENS)
+    if not isinstance(tokens, int) or isinstance(tokens, bool):
+        raise ValueError("--speculative-config: num_speculative_tokens must be an integer")
+    return VLLM_SPEC_METHODS.get(method, method), tokens, model

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 
 import pytest
 from gguf_corpus import CONTEXT, Reached, reach, write_tiny
@@ -10,6 +11,8 @@ from typer.testing import CliRunner
 
 from sparkinfer_cli import __version__
 from sparkinfer_cli.cli import app
+
+TINY = Path(__file__).parents[1] / "fixtures" / "tiny"
 
 runner = CliRunner()
 
@@ -97,17 +100,31 @@ def test_serve_with_good_settings_reaches_the_server(tiny):
     (["--spec-type", "ngram", "--spec-draft-n-max", "9"], "1 to 7"),
     (["--spec-draft-n-max", "3"], "--spec-draft-n-max needs --spec-type"),
     (["--speculative-config", "{nope"], "--speculative-config is no JSON"),
-    (["--speculative-config", '{"method": "ngram"}', "--spec-type", "ngram"], "not both")])
+    (["--speculative-config", '{"method": "ngram"}', "--spec-type", "ngram"], "not both"),
+    (["--spec-type", "draft"], "--model-draft FILE goes with --spec-type draft"),
+    (["--spec-type", "ngram", "--model-draft", "{tiny}"], "--model-draft FILE goes with"),
+    (["--model-draft", "{qwen35}"], "attention layers only"),
+    (["--model-draft", "{qwen3}"], "tokens differ"),
+    (["--speculative-config", '{"model": 5}'], "model must be a file name"),
+    (["--speculative-config", '{"method": "draft_model"}'], "--model-draft FILE goes with")])
 def test_serve_speculation_flags_are_checked_before_loading(tiny, flags, needle):
+    files = {"tiny": tiny, "qwen35": TINY / "qwen35" / "qwen35-Q8_0.gguf",
+             "qwen3": TINY / "qwen3" / "qwen3-Q8_0.gguf"}
+    for name, path in files.items():
+        flags = [flag.replace(f"{{{name}}}", str(path)) for flag in flags]
     result = runner.invoke(app, ["serve", "-m", str(tiny), "--device", "cpu", "--port", "0",
                                  *flags])
     assert_error(result, needle)
 
 
-@pytest.mark.parametrize("flags", [["--spec-type", "ngram", "--spec-draft-n-max", "3"],
-                                   ["--speculative-config",
-                                    '{"method": "ngram", "num_speculative_tokens": 3}']])
-def test_serve_speculation_flags_in_either_spelling_reach_the_engine(tiny, monkeypatch, flags):
+@pytest.mark.parametrize(("flags", "draft"), [
+    (["--spec-type", "ngram", "--spec-draft-n-max", "3"], False),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'], False),
+    (["--model-draft", "{tiny}", "--spec-draft-n-max", "3"], True),
+    (["--speculative-config", '{"model": "{tiny}", "num_speculative_tokens": 3}'], True)])
+def test_serve_speculation_flags_in_either_spelling_reach_the_engine(tiny, monkeypatch, flags,
+                                                                     draft):
+    flags = [flag.replace("{tiny}", str(tiny)) for flag in flags]
     passed = {}
 
     def run_server(*args, **kwargs):
@@ -118,7 +135,8 @@ def test_serve_speculation_flags_in_either_spelling_reach_the_engine(tiny, monke
     result = runner.invoke(app, ["serve", "-m", str(tiny), "--device", "cpu", "--port", "0",
                                  *flags])
     assert isinstance(result.exception, Reached), result.output
-    assert passed["spec_tokens"] == 3
+    assert passed["speculation"].tokens == 3
+    assert passed["speculation"].draft_model == (str(tiny) if draft else None)
 
 
 def test_serve_ctx_and_engine_settings_are_checked_before_loading(tiny, monkeypatch):

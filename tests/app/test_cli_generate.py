@@ -83,3 +83,15 @@ def test_ctrl_c_while_streaming_exits_130(tiny, monkeypatch):
     monkeypatch.setattr(generate_module.GenerationSession, "stream", interrupted)
     result = run("generate", "hi", "-m", tiny)
     assert result.exit_code == 130 and result.stdout.startswith("partial")
+
+
+def test_a_draft_model_leaves_the_answer_as_it_was(tiny, fixtures_dir):
+    """--model-draft (the same tiny model's Q4_K_M file drafting) prints the greedy answer
+    generated without it, and reports the drafts it checked."""
+    draft = str(fixtures_dir / "tiny/qwen3/qwen3-Q4_K_M.gguf")
+    args = ("generate", "The sea is", "-m", tiny, "--raw", "--max-tokens", "12")
+    plain, drafted = runner.invoke(app, [*args, "--device", "cpu"]), \
+        runner.invoke(app, [*args, "--device", "cpu", "--model-draft", draft])
+    assert plain.exit_code == drafted.exit_code == 0, drafted.output
+    assert drafted.stdout == plain.stdout and plain.stdout.strip()
+    assert re.search(r"drafts: \d+ of [1-9]\d* kept", drafted.stderr)

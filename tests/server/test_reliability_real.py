@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 from server_harness import ProcessServer
-from test_admission import kv_is_free, wait_until
+from test_admission import kv_is_free, metric, wait_until
 from test_e2e_real import REQUEST_S, RUN_SERVER, STARTUP_S
 
 pytestmark = pytest.mark.slow  # server processes on the real engine
@@ -26,11 +26,14 @@ MAX_TOKENS = 32
 
 
 def start_server(family: str, device: str = "cpu", model: Path | None = None,
-                 **env: str) -> ProcessServer:
-    """A server on model, by default the tiny family's Q8_0 file."""
+                 draft_model: Path | None = None, **env: str) -> ProcessServer:
+    """A server on model, by default the tiny family's Q8_0 file; draft_model: drafting 3
+    tokens a step."""
     model = model or TINY / family / f"{family}-Q8_0.gguf"
-    run_server = RUN_SERVER.replace("run_server(sys.argv[1])",
-                                    f"run_server(sys.argv[1], device={device!r})")
+    speculation = "" if draft_model is None else \
+        f", speculation=Speculation(3, {str(draft_model)!r})"
+    run_server = "from sparkinfer_cli.server.config import Speculation; " + RUN_SERVER.replace(
+        "run_server(sys.argv[1])", f"run_server(sys.argv[1], device={device!r}{speculation})")
     return ProcessServer(["-c", run_server, str(model)],
                          {"CTX": "4096", "SPARKINFER_MAX_QUEUE_DEPTH": "128", **env}, STARTUP_S)
 
@@ -97,13 +100,33 @@ def test_demo_model_greedy_answers_under_load_with_disconnects_equal_each_alone(
         check_greedy_answers_under_load(server, NUM_CONCURRENT)
 
 
-def check_greedy_answers_under_load(server: ProcessServer, clients: int) -> None:
-    """Each topic's answer alone, then `clients` streams at once (every fifth hanging up after
-    three chunks): every completed stream carries its topic's answer, and KV ends free."""
+def test_a_server_with_a_draft_model_answers_as_one_without():
+    """The tiny qwen3 drafting for the tiny qwen3moe (one vocabulary) through the server: its
+    greedy answers, alone and under load with disconnects, are the plain server's, and its
+    /metrics count the drafts."""
+    with start_server("qwen3moe") as plain:
+        alone = answers_alone(plain)
+    with start_server("qwen3moe", draft_model=TINY / "qwen3" / "qwen3-Q8_0.gguf") as drafting:
+        assert answers_alone(drafting) == alone
+        check_greedy_answers_under_load(drafting, NUM_CONCURRENT, alone)
+        assert metric(drafting.url, "sparkinfer_spec_decode_draft_tokens_total") > 0
+
+
+def answers_alone(server: ProcessServer) -> list[tuple[str, str]]:
+    """Each topic's answer, one request at a time."""
     alone = [answer_of(httpx.post(f"{server.url}/v1/chat/completions",
                                   json=greedy_chat(i, stream=False), timeout=REQUEST_S).json())
              for i in range(len(TOPICS))]
     assert len(set(alone)) > 1  # the prompts get different answers: a mix-up would show
+    return alone
+
+
+def check_greedy_answers_under_load(server: ProcessServer, clients: int,
+                                    alone: list[tuple[str, str]] | None = None) -> None:
+    """`clients` streams at once (every fifth hanging up after three chunks): every completed
+    stream carries its topic's answer (by default as the server gives it alone), and KV ends
+    free."""
+    alone = alone or answers_alone(server)
     under_load = asyncio.run(answers_under_load(server.url, clients))
     completed = {i: answer for i, answer in enumerate(under_load) if answer is not None}
     assert len(completed) == clients - clients // 5
