@@ -58,3 +58,24 @@ def test_the_kv_pool_is_sized_after_the_state_slots(hybrid, monkeypatch):
         kv_budget.fit_kv_pool(hybrid, ctx, "cpu", weights, {})
     fewer = {"SPARKINFER_PREFIX_CACHE": "0"}  # half the slots
     assert kv_budget.fit_kv_pool(hybrid, ctx, "cpu", weights, fewer).ctx == ctx
+
+
+def test_a_draft_model_counts_its_weights_and_its_kv(monkeypatch):
+    """A pool that fits beside the model alone is refused beside a draft model's weights, and
+    the trained context is capped to what fits once the draft's KV shares every token."""
+    target = ModelConfig.from_gguf(GGUFFile(TINY / "qwen3moe" / "qwen3moe-Q8_0.gguf"))
+    draft = kv_budget.DraftFit(ModelConfig.from_gguf(GGUFFile(TINY / "qwen3" / "qwen3-Q8_0.gguf")),
+                               64 << 20)
+    ctx, weights = 4096, 1 << 20
+    per_value = kv_budget.kv_bytes_per_value("cpu")
+    pool = ctx * target.kv_bytes_per_token(1) * per_value
+    memory = weights + 2 * pool + (1 << 20)
+    monkeypatch.setattr(kv_budget, "available_memory_bytes", lambda device: memory)
+    assert kv_budget.fit_kv_pool(target, ctx, "cpu", weights, {}).ctx == ctx
+    with pytest.raises(ValueError, match="ask for fewer tokens"):
+        kv_budget.fit_kv_pool(target, ctx, "cpu", weights, {}, draft=draft)
+    monkeypatch.setattr(kv_budget, "available_memory_bytes",
+                        lambda device: memory + draft.weights_bytes)
+    capped = kv_budget.fit_kv_pool(target, None, "cpu", weights, {}, draft=draft).ctx
+    both = (target.kv_bytes_per_token(1) + draft.config.kv_bytes_per_token(1)) * per_value
+    assert capped is not None and capped * both <= pool + (1 << 19) < (capped + 16) * both
