@@ -182,6 +182,15 @@ def _speculation(spec_type: Optional[str], draft_n_max: Optional[int],
         _fail(str(exc))
 
 
+def _speculation_flags(speculation) -> tuple[str, ...]:
+    """`serve`'s flags for speculation (None: none)."""
+    if speculation is None:
+        return ()
+    draft = ("--spec-type", "ngram") if speculation.draft_model is None else \
+        ("--model-draft", speculation.draft_model)
+    return (*draft, "--spec-draft-n-max", str(speculation.tokens))
+
+
 def _resolve_draft(speculation, device: str):
     """speculation with its draft model (a file or demo name) resolved to a file."""
     from sparkinfer_cli.hub.download import resolve_model
@@ -252,7 +261,10 @@ def bench(model: Optional[str] = typer.Option(None, "-m", "--model", help=MODEL_
                                             help="--serve: measure each load twice, plain and "
                                                  "with every request asking for a JSON answer "
                                                  "(response_format json_schema): what the "
-                                                 "grammar costs, on one warm server.")):
+                                                 "grammar costs, on one warm server."),
+          spec_type: Optional[str] = SPEC_TYPE_OPTION,
+          spec_draft_n_max: Optional[int] = SPEC_DRAFT_N_MAX_OPTION,
+          model_draft: Optional[str] = MODEL_DRAFT_OPTION):
     """Measure prefill and decode speed, or (--serve) the server's; write results (md + json +
     png) under the user's data directory (--out bench/results: the repo's), never over an
     earlier run's."""
@@ -260,6 +272,7 @@ def bench(model: Optional[str] = typer.Option(None, "-m", "--model", help=MODEL_
     from sparkinfer_cli.bench.serve import ServeBenchRequest, run_serve_bench
     from sparkinfer_cli.paths import bench_results_dir
     command, out_dir = " ".join(["sparkinfer"] + sys.argv[1:]), out_dir or bench_results_dir()
+    speculation = _speculation(spec_type, spec_draft_n_max, None, model_draft)
     try:
         if serve or url or turns:
             if ctx:
@@ -267,8 +280,11 @@ def bench(model: Optional[str] = typer.Option(None, "-m", "--model", help=MODEL_
             run_serve_bench(ServeBenchRequest(
                 model, synthetic, pick_device(device), tuple(concurrency), prompt_tokens,
                 max_tokens, requests_per_client, rate, duration, url, out_dir, command,
-                turns=turns, turn_tokens=turn_tokens, json=json_answers), err)
+                turns=turns, turn_tokens=turn_tokens, json=json_answers,
+                serve_flags=_speculation_flags(speculation)), err)
         else:
+            if speculation is not None:
+                _fail("the speculation flags are for --serve (the server it starts)")
             run_bench(BenchRequest(model, synthetic, pick_device(device), tuple(ctx),
                                    tuple(concurrency), out_dir, command, llama_bench), err)
     except (ValueError, RuntimeError) as exc:

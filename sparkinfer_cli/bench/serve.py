@@ -97,6 +97,7 @@ class ServeBenchRequest:
     turns: int = 0  # > 0: one conversation of this many turns instead of the loads
     turn_tokens: int = 200  # new text tokens each turn appends
     json: bool = False  # every request asks for JSON_RESPONSE_FORMAT (the grammar's cost)
+    serve_flags: tuple[str, ...] = ()  # more flags for the started server (speculation)
 
     def __post_init__(self) -> None:
         if self.url is None:
@@ -168,7 +169,8 @@ def measure_started_server(request: ServeBenchRequest, console: Console) -> Serv
         BenchRequest(request.model, request.synthetic, request.device), console)
     ctx = server_ctx(path, request.request_tokens, max(request.client_counts, default=1))
     machine = describe_device("cpu") if request.device == "cpu" else ""  # cuda: from the engine's
-    with started_server(path, request.device, ctx, console) as (endpoint, startup_s):
+    with started_server(path, request.device, ctx, console,
+                        request.serve_flags) as (endpoint, startup_s):
         report = new_report(request, label, path.name, machine,
                             {"url": endpoint.url, "started": True, "ctx": ctx,
                              "startup_s": startup_s})
@@ -187,7 +189,8 @@ def run_turns_bench(request: ServeBenchRequest, console: Console) -> list[Path]:
         path, label = resolve_bench_model(
             BenchRequest(request.model, request.synthetic, request.device), console)
         ctx = server_ctx(path, request.request_tokens, 2)  # NOTE: room to keep the last turn
-        with started_server(path, request.device, ctx, console) as (endpoint, _):
+        with started_server(path, request.device, ctx, console,
+                            request.serve_flags) as (endpoint, _):
             turns, cold = conversation(request, endpoint, console)
         machine = describe_device(request.device)
     parameters = {"turns": request.turns, "first_prompt_tokens": request.prompt_tokens,

@@ -47,12 +47,13 @@ def free_port() -> int:
 
 
 @contextmanager
-def started_server(path: Path, device: str, ctx: int,
-                   console: Console) -> Iterator[tuple[Endpoint, float]]:
-    """(its endpoint, seconds until it was ready)."""
+def started_server(path: Path, device: str, ctx: int, console: Console,
+                   serve_flags: tuple[str, ...] = ()) -> Iterator[tuple[Endpoint, float]]:
+    """(its endpoint, seconds until it was ready); serve_flags: more of `serve`'s flags."""
     port = free_port()
     command = [sys.executable, "-m", "sparkinfer_cli", "serve", "-m", str(path), "--device",
-               device, "--host", "127.0.0.1", "--port", str(port), "--ctx", str(ctx)]
+               device, "--host", "127.0.0.1", "--port", str(port), "--ctx", str(ctx),
+               *serve_flags]
     env = {k: v for k, v in os.environ.items() if k != "SPARKINFER_API_KEY"}  # the bench sends none
     with tempfile.TemporaryFile(mode="w+") as log:  # NOTE: a pipe nobody drains could block it
         proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)

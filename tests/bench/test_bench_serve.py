@@ -283,6 +283,11 @@ def test_cli_refuses_ctx_with_serve():
     assert result.exit_code == 1 and "--ctx" in result.output
 
 
+def test_cli_refuses_speculation_flags_without_serve():
+    result = CliRunner().invoke(app, ["bench", "--spec-type", "ngram", "--device", "cpu"])
+    assert result.exit_code == 1 and "for --serve" in result.output
+
+
 # ---- end to end ----------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_bench_serve_on_the_tiny_model_starts_measures_and_stops_the_server(tmp_path):
@@ -302,15 +307,21 @@ def test_bench_serve_on_the_tiny_model_starts_measures_and_stops_the_server(tmp_
 
 
 @pytest.mark.slow
-def test_bench_serve_reports_what_the_server_s_drafts_kept(tmp_path, monkeypatch):
-    """A server the bench starts with SPARKINFER_SPEC_TOKENS (the tiny qwen3 repeats itself):
-    each load carries the checks, drafted and kept tokens its /metrics counted meanwhile, and a
-    note says what share was kept."""
-    monkeypatch.setenv("SPARKINFER_SPEC_TOKENS", "4")
+@pytest.mark.parametrize(("env", "flags"), [
+    ({"SPARKINFER_SPEC_TOKENS": "4"}, []),
+    ({}, ["--model-draft", str(TINY_MODEL.with_name("qwen3-Q4_K_M.gguf")),
+          "--spec-draft-n-max", "3"])])
+def test_bench_serve_reports_what_the_server_s_drafts_kept(tmp_path, monkeypatch, env, flags):
+    """A server the bench starts with SPARKINFER_SPEC_TOKENS, or with the bench's speculation
+    flags passed on (a draft model; the tiny qwen3 repeats itself): each load carries the
+    checks, drafted and kept tokens its /metrics counted meanwhile, and a note says what share
+    was kept."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
     result = CliRunner().invoke(app, [
         "bench", "--serve", "-m", str(TINY_MODEL), "--device", "cpu", "--concurrency", "1",
         "--prompt-tokens", "16", "--max-tokens", "48", "--requests-per-client", "2",
-        "--out", str(tmp_path)])
+        "--out", str(tmp_path), *flags])
     assert result.exit_code == 0, result.output
     (path,) = tmp_path.glob("*-serve.json")
     (run,) = json.loads(path.read_text())["runs"]
