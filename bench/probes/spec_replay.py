@@ -7,8 +7,8 @@ drafts costs against a decode pass.
         [--spec-tokens 3] [--prompt 512] [--max-tokens 256] [--repeats 3]
 
 Synthetic weights accept almost no n-gram draft, so the draft source is replaced by a replay of
-the answer the same engine gave without drafts (the n-gram source's call, patched in the
-scheduler): the check's arithmetic, the passes and the engine's bookkeeping are those of real
+the answer the same engine gave without drafts (the scheduler's Drafter, replaced): the check's
+arithmetic, the passes and the engine's bookkeeping are those of real
 speculation, only the guesses are made up. q 0.83 with 3 drafts keeps ≈ 70 % of the drafted
 tokens. Off and on alternate; a rate is the median over the repeats, timed from the first token
 to the last as the answer streams.
@@ -30,16 +30,16 @@ sys.path.insert(0, str(Path(__file__).parent))
 from spec_acceptance import answer  # noqa: E402
 
 from sparkinfer_cli.bench.runner import ensure_synthetic  # noqa: E402
-from sparkinfer_cli.engine import scheduler  # noqa: E402
 from sparkinfer_cli.engine.engine import ContinuousBatchEngine, EngineConfig  # noqa: E402
 from sparkinfer_cli.engine.sampling_params import SamplingParams  # noqa: E402
+from sparkinfer_cli.engine.speculative import Drafter  # noqa: E402
 from sparkinfer_cli.gguf.reader import GGUFFile  # noqa: E402
 from sparkinfer_cli.model.batch import SequenceBatch  # noqa: E402
 from sparkinfer_cli.model.loader import load_model  # noqa: E402
 from sparkinfer_cli.tokenizer.tokenizer import Tokenizer  # noqa: E402
 
 
-class ReplayDrafts:
+class ReplayDrafts(Drafter):
     """Drafts from a known continuation: position p's draft is known[p], or a wrong token with
     probability 1 − q (decided once per position, so repeats see the same drafts)."""
 
@@ -48,9 +48,13 @@ class ReplayDrafts:
         wrong = rng.random(len(known)) > q
         self.tokens = [(t + 1) % n_vocab if w else t for t, w in zip(known, wrong)]
 
-    def __call__(self, token_ids, max_drafts: int) -> list[int]:
-        start = len(token_ids)
-        return self.tokens[start:start + max(max_drafts, 0)]
+    def drafts(self, wants, step_room: int) -> list[list[int]]:
+        found = []
+        for request, limit in wants:
+            start, most = request.num_tokens, max(min(limit, step_room), 0)
+            found.append(self.tokens[start:start + most])
+            step_room -= len(found[-1])
+        return found
 
 
 def pass_costs(model, n_rows: int, ks: list[int], reps: int = 50) -> dict[int, float]:
@@ -100,7 +104,8 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     try:
         plain, _ = answer(engines[0], prompt, params)  # warm-up; the continuation to replay
-        scheduler.ngram_draft = ReplayDrafts(prompt + plain, args.q, model.config.n_vocab)
+        engines[args.spec_tokens].scheduler.drafter = ReplayDrafts(prompt + plain, args.q,
+                                                                   model.config.n_vocab)
         rates: dict[int, list[float]] = {k: [] for k in engines}
         same = True
         before = engines[args.spec_tokens].stats().speculation
