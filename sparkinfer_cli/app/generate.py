@@ -64,14 +64,14 @@ class GenerationSession:
     so each turn prefills only what it adds to the last."""
 
     def __init__(self, model, tokenizer: Tokenizer, ctx: int, spec_tokens: int = 0,
-                 draft_model=None):
+                 draft_model=None, use_mtp: bool = False):
         """ctx: the KV pool in tokens; the longest prompt + answer is ctx - WARM_UP_TOKENS;
-        spec_tokens: drafts a decode step checks at most (EngineConfig.spec_tokens), n-gram ones
-        or draft_model's."""
+        spec_tokens: drafts a decode step checks at most (EngineConfig.spec_tokens), n-gram ones,
+        draft_model's or (use_mtp) the model's MTP head's."""
         self.max_tokens = ctx - WARM_UP_TOKENS
         self.engine = ContinuousBatchEngine(model, tokenizer, EngineConfig(
             ctx=ctx, max_batch_tokens=64, max_num_seqs=1, max_output_tokens=ctx,
-            spec_tokens=spec_tokens), draft_model)
+            spec_tokens=spec_tokens), draft_model, use_mtp)
         self.engine.start()
 
     def warm_up(self, params: SamplingParams, timeout_s: float = 600.0) -> None:

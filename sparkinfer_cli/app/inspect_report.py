@@ -86,7 +86,7 @@ def model_section(gguf: GGUFFile, config: ModelConfig | None) -> dict[str, Any]:
 def mtp_head(gguf: GGUFFile) -> dict[str, int] | None:
     """The multi-token-prediction layers a file carries beside its trunk, as llama.cpp's
     converter writes them (`{arch}.nextn_predict_layers`, `blk.N.nextn.*` tensors): a draft
-    source for speculative decoding (issue 32; the engine does not use it yet). None without."""
+    source for speculative decoding (--spec-type mtp, Qwen3.5 / Qwen3.6 files). None without."""
     layers = gguf.typed(f"{gguf.get('general.architecture')}.nextn_predict_layers", int) or 0
     tensors = sum(".nextn." in name for name in gguf.tensors)
     return {"layers": layers, "tensors": tensors} if layers or tensors else None
@@ -226,7 +226,8 @@ def _model_rows(m: dict[str, Any]) -> list[tuple[str, str]]:
                                 f"{_text(e['expert_ff'])}, shared ff {_text(e['shared_ff'])}"))
     mtp = m["mtp_head"]
     rows.append(("MTP head", "none" if mtp is None else
-                 f"{mtp['layers']} layer(s), {mtp['tensors']} tensors (not used for drafts yet)"))
+                 f"{mtp['layers']} layer(s), {mtp['tensors']} tensors (--spec-type mtp drafts "
+                 "with it)"))
     return rows
 
 

@@ -69,6 +69,8 @@ def check_serve(path: str | Path, host: str | None, port: int | None, ctx: int |
     checked = check_model_file(path, environ)
     draft = None if speculation is None or speculation.draft_model is None else \
         check_draft_file(speculation.draft_model, checked.gguf)
+    if speculation is not None and speculation.mtp:
+        check_mtp(checked.config, device)
     pool = fit_kv_pool(checked.config, ctx, device, checked.gguf.n_bytes, environ,
                        None if speculation is None else speculation.tokens, draft)
     # as run_server builds it after loading: a bad --ctx or SPARKINFER_* setting fails now
@@ -83,6 +85,14 @@ def check_draft_file(path: str | Path, target: GGUFFile) -> DraftFit:
     except GGUFError as exc:
         raise ValueError(f"--model-draft: {exc}") from None
     return DraftFit(check_draft_model(draft, target), draft.n_bytes)
+
+
+def check_mtp(config: ModelConfig, device: str) -> None:
+    """--spec-type mtp needs a file with an MTP head, on a backend that runs it."""
+    if not config.mtp_layers:
+        raise ValueError("--spec-type mtp: the model has no MTP head (nextn_predict_layers)")
+    if device != "cpu":
+        raise ValueError("--spec-type mtp runs on the CPU backend only so far (--device cpu)")
 
 
 def check_address(host: str, port: int) -> None:

@@ -121,13 +121,15 @@ def _load(req: GenerateRequest, checked: CheckedModel, ctx: int, err: Console) -
     spec = req.speculation
     with err.status("loading") as status:
         model = load_runtime_model(checked.gguf, req.device,
-                                   report=lambda what: status.update(escape(what)))
+                                   report=lambda what: status.update(escape(what)),
+                                   with_mtp=spec is not None and spec.mtp)
         draft = None if spec is None or spec.draft_model is None else \
             load_draft_model(spec.draft_model, checked.gguf, req.device,
                              report=lambda what: status.update(escape(what)))
         status.update("starting the engine")
         session = GenerationSession(model, checked.tokenizer, ctx,
-                                    0 if spec is None else spec.tokens, draft)
+                                    0 if spec is None else spec.tokens, draft,
+                                    spec is not None and spec.mtp)
         cold = req.device == "cpu" and not cpu_kernels_are_cached()
         status.update("compiling the kernels (first run only: numba caches them)" if cold
                       else "warming up")

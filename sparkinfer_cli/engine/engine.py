@@ -26,12 +26,14 @@ from sparkinfer_cli.engine.draft_model import DraftModel
 from sparkinfer_cli.engine.greedy_batch import GreedyBatch, default_num_threads
 from sparkinfer_cli.engine.kv_cache import CacheOps, KVCacheManager, PrefixCacheStats
 from sparkinfer_cli.engine.model_runner import ModelRunner
+from sparkinfer_cli.engine.mtp_drafts import MtpDrafter
 from sparkinfer_cli.engine.policy import create_policy
 from sparkinfer_cli.engine.request import OutputStream, Request, RequestEvent
 from sparkinfer_cli.engine.sampler import GRAMMAR_DEAD_END, Sampler, UnsatisfiableSampling
 from sparkinfer_cli.engine.sampling_params import SamplingParams
 from sparkinfer_cli.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from sparkinfer_cli.engine.speculative import (
+    Drafter,
     DraftLength,
     NgramDrafter,
     SpeculationStats,
@@ -77,9 +79,10 @@ class EngineStats:
 
 class ContinuousBatchEngine:
     def __init__(self, model: ModelBackend, tokenizer: Tokenizer, config: EngineConfig,
-                 draft_model: ModelBackend | None = None):
-        """draft_model: a smaller model of the same vocabulary whose greedy continuations are the
-        drafts (config.spec_tokens of them a step at most); without it, n-gram drafts."""
+                 draft_model: ModelBackend | None = None, use_mtp: bool = False):
+        """Drafts (config.spec_tokens of them a step at most) come from draft_model, a smaller
+        model of the same vocabulary, decoding greedily; or with use_mtp from the model's MTP
+        head (model.mtp); else from n-gram lookup."""
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.n_vocab = model.config.n_vocab
         if any(t >= self.n_vocab for t in config.prefix_token_ids):
@@ -93,11 +96,8 @@ class ContinuousBatchEngine:
         self._state_bytes = model.config.recurrent_state_bytes() if model.config.is_hybrid else 0
         pass_tokens = min((n for n in (model.max_pass_tokens, model.invariant_pass_tokens) if n),
                           default=0)
-        if draft_model is not None and draft_model.config.n_vocab != self.n_vocab:
-            raise ValueError(f"the draft model's vocabulary ({draft_model.config.n_vocab} "
-                             f"tokens) is not the model's ({self.n_vocab})")
-        self.drafter = NgramDrafter() if draft_model is None else \
-            DraftModel(draft_model, config.num_blocks, config.block_size)
+        self.drafter = _drafter(model, config, draft_model, use_mtp)
+        self._keeps_hidden = use_mtp  # the MTP head reads the model's hidden states
         self.scheduler = Scheduler(config, self.kv, create_policy(config), pass_tokens,
                                    model.max_draft_pass_tokens, self.drafter)
         self.runner = ModelRunner(model, cache)
@@ -272,9 +272,14 @@ class ContinuousBatchEngine:
             self._last_passes = n_steps
             self._run_decode_steps(self.scheduler.extend_decodes(output, n_steps), n_steps, rows)
             return output
+        hidden: dict[str, np.ndarray] = {}
         try:
-            results = self.runner.run_device_picks(output, rows) if on_device else \
-                self.runner.run(output)
+            if on_device:
+                results = self.runner.run_device_picks(output, rows)
+            elif self._keeps_hidden:
+                results, hidden = self.runner.run_hidden(output)
+            else:
+                results = self.runner.run(output)
         except Exception as exc:  # a failed forward pass ends the requests it carried
             self._fail([self.scheduler.requests[s.request_id] for s in output.sequences], exc)
             return output
@@ -288,7 +293,22 @@ class ContinuousBatchEngine:
             self._append_sample(request, None if on_device else logits, token)
         for seq, draft_rows in checked:
             self._append_checked(self.scheduler.requests[seq.request_id], seq, draft_rows)
+        self._keep_hidden(output, hidden)
         return output
+
+    def _keep_hidden(self, output: SchedulerOutput, hidden: dict[str, np.ndarray]) -> None:
+        """Each drafting request's hidden states of the positions whose tokens stand (a checked
+        draft's row counts only up to the first draft not kept), for its MTP head."""
+        for seq in output.sequences:
+            request = self.scheduler.requests.get(seq.request_id)
+            if request is None or request.drafting is None or seq.request_id not in hidden:
+                continue
+            start, tokens = seq.start_position, request.token_ids
+            stand = 0
+            while stand < len(seq.token_ids) and start + stand < len(tokens) and \
+                    seq.token_ids[stand] == tokens[start + stand]:
+                stand += 1
+            request.drafting.hidden.put(start, hidden[seq.request_id][:stand])
 
     def _append_checked(self, request: Request, seq: ScheduledSequence,
                         rows: np.ndarray) -> None:
@@ -577,6 +597,21 @@ class ContinuousBatchEngine:
         chunk = min((n for n in limits if n), default=0)
         self.runner.prefill(self.kv.prefix_token_ids, prefix.block_ids, prefix.state_slot, chunk)
         self.kv.pin_prefix()
+
+
+def _drafter(model: ModelBackend, config: EngineConfig, draft_model: ModelBackend | None,
+             use_mtp: bool) -> Drafter:
+    """Where the engine's drafts come from (ContinuousBatchEngine's arguments)."""
+    if draft_model is not None and draft_model.config.n_vocab != model.config.n_vocab:
+        raise ValueError(f"the draft model's vocabulary ({draft_model.config.n_vocab} "
+                         f"tokens) is not the model's ({model.config.n_vocab})")
+    if use_mtp:
+        if model.mtp is None:
+            raise ValueError("this model has no MTP head loaded (nextn_predict_layers)")
+        return MtpDrafter(model.mtp, config.num_blocks, config.block_size)
+    if draft_model is not None:
+        return DraftModel(draft_model, config.num_blocks, config.block_size)
+    return NgramDrafter()
 
 
 def warm_up(engine: ContinuousBatchEngine, timeout_s: float = 600.0) -> bool:

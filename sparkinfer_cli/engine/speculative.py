@@ -118,6 +118,37 @@ class TokenArray:
         return self._ids[:n]
 
 
+class HiddenRows:
+    """A request's normed hidden states (the model's, as its passes computed them) at positions
+    [start, end): what its MTP head reads. A pass's rows replace those from the pass's first
+    position on (a restored hybrid sequence recomputes some); a gap starts the rows afresh."""
+
+    def __init__(self) -> None:
+        self.start = 0
+        self.rows: np.ndarray | None = None  # (end - start, n_embd)
+
+    @property
+    def end(self) -> int:
+        return self.start + (0 if self.rows is None else len(self.rows))
+
+    def put(self, start: int, rows: np.ndarray) -> None:
+        if self.rows is None or not self.start <= start <= self.end:
+            self.start, self.rows = start, rows
+        else:
+            self.rows = np.concatenate([self.rows[:start - self.start], rows])
+
+    def take(self, lo: int, hi: int) -> np.ndarray | None:
+        """The rows of positions [lo, hi), or None unless all are here."""
+        if self.rows is None or lo < self.start or hi > self.end:
+            return None
+        return self.rows[lo - self.start:hi - self.start]
+
+    def drop_before(self, position: int) -> None:
+        if self.rows is not None and position > self.start:
+            self.rows = self.rows[position - self.start:]
+            self.start = position
+
+
 class DraftLength:
     """How many tokens a request drafts at its next decode step: the configured most at first,
     then one more than its last check kept (a copied span tends to go on; a short one, to stop),
@@ -127,7 +158,8 @@ class DraftLength:
     def __init__(self, most: int):
         self.most = most
         self.ids = TokenArray()  # the request's tokens, for ngram_draft
-        self.draft_kv_tokens = 0  # its leading tokens whose KV a draft model has written
+        self.draft_kv_tokens = 0  # its leading positions whose KV a draft model (or head) wrote
+        self.hidden = HiddenRows()  # for an MTP head
         self._next = most
         self._misses = 0  # checks in a row that kept no draft
         self._pause = 0  # decode steps left without drafts

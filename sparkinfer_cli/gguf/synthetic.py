@@ -78,6 +78,7 @@ class SyntheticSpec:
     full_attention_interval: int = 4
     rms_eps: float = 1e-6
     recipe: str = "q4_k_m"
+    mtp_layers: int = 0  # NextN / MTP blocks after the trunk (qwen35*: llama.cpp's layout)
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHITECTURES:
@@ -89,6 +90,8 @@ class SyntheticSpec:
         if self.is_hybrid and (self.ssm_n_group <= 0 or self.ssm_n_v_heads % self.ssm_n_group):
             raise ValueError("hybrid models need H_v (ssm_n_v_heads) to be a multiple of "
                              "H_k (ssm_n_group)")
+        if self.mtp_layers and not self.arch.startswith("qwen35"):
+            raise ValueError("MTP heads are written for the qwen35 architectures only")
         if not 256 <= self.special_token_base <= self.n_vocab - len(SPECIAL_TOKENS):
             raise ValueError(f"special_token_base must leave room for 256 byte tokens and "
                              f"{len(SPECIAL_TOKENS)} special tokens in n_vocab={self.n_vocab}")
@@ -137,6 +140,10 @@ PRESETS: dict[str, SyntheticSpec] = {
     "tiny-qwen35moe": SyntheticSpec(name="tiny-qwen35moe", arch="qwen35moe", n_layer=4,
                                     n_head_kv=1, n_expert=4, n_expert_used=2, n_ff_exp=64,
                                     n_ff_shexp=256, rope_sections=(3, 3, 2, 0), **_TINY_HYBRID),
+    "tiny-qwen35moe-mtp": SyntheticSpec(name="tiny-qwen35moe-mtp", arch="qwen35moe", n_layer=4,
+                                        n_head_kv=1, n_expert=4, n_expert_used=2, n_ff_exp=64,
+                                        n_ff_shexp=256, rope_sections=(3, 3, 2, 0), mtp_layers=1,
+                                        **_TINY_HYBRID),
     "tiny-qwen2": SyntheticSpec(name="tiny-qwen2", arch="qwen2", n_layer=2, n_head_kv=2,
                                 rope_base=1e6, n_ff=512, tied_embeddings=True, **_TINY),
     "tiny-llama": SyntheticSpec(name="tiny-llama", arch="llama", n_layer=2, n_head_kv=2,
@@ -181,7 +188,7 @@ def tensor_plan(preset: str | SyntheticSpec) -> list[TensorPlan]:
     """Every tensor of the file, in file order, with its ggml type."""
     spec = resolve_preset(preset)
     shapes = _global_shapes(spec)
-    for layer in range(spec.n_layer):
+    for layer in range(spec.n_layer + spec.mtp_layers):
         shapes += _layer_shapes(spec, layer)
     types = _tensor_types(spec, shapes)
     return [TensorPlan(name, shape, t) for (name, shape), t in zip(shapes, types)]
@@ -197,9 +204,14 @@ def _global_shapes(s: SyntheticSpec) -> Shapes:
 
 def _layer_shapes(s: SyntheticSpec, layer: int) -> Shapes:
     ffn_norm = "post_attention_norm.weight" if s.is_hybrid else "ffn_norm.weight"
-    mixer = _gdn_shapes(s) if s.is_recurrent(layer) else _attention_shapes(s)
+    is_mtp = layer >= s.n_layer  # a full-attention layer after the NextN projection
+    mixer = _gdn_shapes(s) if s.is_recurrent(layer) and not is_mtp else _attention_shapes(s)
     ffn = _moe_shapes(s) if s.is_moe else _dense_ffn_shapes(s)
     local = [("attn_norm.weight", (s.n_embd,)), *mixer, (ffn_norm, (s.n_embd,)), *ffn]
+    if is_mtp:
+        local += [("nextn.eh_proj.weight", (2 * s.n_embd, s.n_embd)),
+                  ("nextn.enorm.weight", (s.n_embd,)), ("nextn.hnorm.weight", (s.n_embd,)),
+                  ("nextn.shared_head_norm.weight", (s.n_embd,))]
     return [(f"blk.{layer}.{name}", shape) for name, shape in local]
 
 
@@ -373,7 +385,7 @@ def _value_sampler(name: str, spec: SyntheticSpec) -> Callable[[np.random.Genera
                                                                  np.ndarray]:
     """How the float values of a tensor are drawn (ARCHITECTURES.md §4.3 meanings)."""
     router_std = 1.0 / math.sqrt(spec.n_embd)  # logits ~ N(0, 1) for unit-RMS inputs
-    if name.endswith("_norm.weight"):
+    if name.endswith(("_norm.weight", "nextn.enorm.weight", "nextn.hnorm.weight")):
         return lambda rng, n: rng.uniform(0.9, 1.1, n)
     if name.endswith(("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")):
         return lambda rng, n: rng.normal(0.0, router_std, n)
@@ -522,7 +534,7 @@ def metadata(spec: SyntheticSpec) -> Metadata:
         ("general.architecture", _STR, a, 0), ("general.name", _STR, spec.name, 0),
         ("general.file_type", _U32, _FILE_TYPES[spec.recipe], 0),
         ("general.quantization_version", _U32, 2, 0),
-        (f"{a}.block_count", _U32, spec.n_layer, 0),
+        (f"{a}.block_count", _U32, spec.n_layer + spec.mtp_layers, 0),
         (f"{a}.context_length", _U32, spec.context_length, 0),
         (f"{a}.embedding_length", _U32, spec.n_embd, 0),
         (f"{a}.attention.head_count", _U32, spec.n_head, 0),
@@ -534,6 +546,8 @@ def metadata(spec: SyntheticSpec) -> Metadata:
     ]
     if spec.n_ff:
         kv.append((f"{a}.feed_forward_length", _U32, spec.n_ff, 0))
+    if spec.mtp_layers:
+        kv.append((f"{a}.nextn_predict_layers", _U32, spec.mtp_layers, 0))
     return kv + _moe_metadata(spec) + _hybrid_metadata(spec) + _tokenizer_metadata(spec)
 
 

@@ -35,6 +35,21 @@ class ModelCache(Protocol):
 CacheT = TypeVar("CacheT", bound=ModelCache)
 
 
+class NextTokenHead(ABC, Generic[CacheT]):
+    """A model's multi-token-prediction head: from the model's normed hidden state at position p
+    and the token at p + 1 (placed at position p + 1 of the head's own cache), the logits of the
+    token at p + 2 and the head's own hidden state (to draft on from)."""
+
+    @abstractmethod
+    def create_cache(self, num_blocks: int, block_size: int) -> CacheT: ...
+
+    @abstractmethod
+    def forward(self, hidden: np.ndarray, batch: SequenceBatch,
+                cache: CacheT) -> tuple[np.ndarray, np.ndarray]:
+        """hidden (N, n_embd): the model's, one row a new token of batch. (logits, hidden) of
+        each sequence's last new token."""
+
+
 class ModelBackend(ABC, Generic[CacheT]):
     """A model the engine runs, over caches of type CacheT that only it creates."""
 
@@ -50,6 +65,7 @@ class ModelBackend(ABC, Generic[CacheT]):
     # > 0: the engine keeps every pass within this many tokens, where a row's numbers do not
     # depend on the rows beside it (the model's batch-invariant mode); 0: no such limit needed
     invariant_pass_tokens: int = 0
+    mtp: NextTokenHead | None = None  # the file's MTP head, where the backend runs it
 
     @abstractmethod
     def create_cache(self, num_blocks: int, block_size: int,
@@ -59,6 +75,11 @@ class ModelBackend(ABC, Generic[CacheT]):
     def forward(self, batch: SequenceBatch, cache: CacheT) -> np.ndarray:
         """Logits (num_seqs, n_vocab) of each sequence's last new token, or (N, n_vocab) of
         every new token when batch.all_logits."""
+
+    def forward_hidden(self, batch: SequenceBatch, cache: CacheT) -> tuple[np.ndarray, np.ndarray]:
+        """forward's logits and the normed hidden state of every new token (N, n_embd): what
+        the MTP head reads."""
+        raise NotImplementedError(f"{type(self).__name__} gives no hidden states")
 
     def prepare(self, cache: CacheT, max_seqs: int, max_pass_tokens: int) -> None:
         """Compiles or captures every pass of up to max_seqs sequences and max_pass_tokens

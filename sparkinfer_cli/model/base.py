@@ -61,7 +61,7 @@ class CausalLM(ModelBackend[ModelCache]):
         self.token_embd = Embedding(tensors.token_embd)
         self.layers = [DecoderLayer(RMSNorm(t.attn_norm, config.rms_eps),
                                     _mixer(t.mixer, config, i),
-                                    RMSNorm(t.ffn_norm, config.rms_eps), _ffn(t.ffn, config))
+                                    RMSNorm(t.ffn_norm, config.rms_eps), ffn_block(t.ffn, config))
                        for i, t in enumerate(tensors.layers)]
         self.output_norm = RMSNorm(tensors.output_norm, config.rms_eps)
         self.output = Linear(tensors.output)
@@ -96,11 +96,20 @@ class CausalLM(ModelBackend[ModelCache]):
 
     def forward(self, batch: SequenceBatch, cache: ModelCache) -> np.ndarray:
         """Logits (num_seqs, V) for each sequence's last new token, or (N, V) if all_logits."""
+        return self.output(self.output_norm(self._trunk(batch, cache)[batch.logit_rows()]))
+
+    def forward_hidden(self, batch: SequenceBatch,
+                       cache: ModelCache) -> tuple[np.ndarray, np.ndarray]:
+        hidden = self.output_norm(self._trunk(batch, cache))  # row by row: forward's rows too
+        return self.output(hidden[batch.logit_rows()]), hidden
+
+    def _trunk(self, batch: SequenceBatch, cache: ModelCache) -> np.ndarray:
+        """(N, n_embd): every new token through every layer."""
         fwd = Forward(batch.positions(), batch.spans(), cache)
         x = self.token_embd(batch.token_ids)  # (N, n_embd)
         for layer in self.layers:
             x = layer(x, fwd)
-        return self.output(self.output_norm(x[batch.logit_rows()]))  # (rows, n_vocab)
+        return x
 
 
 def _mixer(t: AttentionTensors | DeltaNetTensors, cfg: ModelConfig, layer: int) -> Mixer:
@@ -110,7 +119,7 @@ def _mixer(t: AttentionTensors | DeltaNetTensors, cfg: ModelConfig, layer: int) 
         Attention(t, cfg, layer)
 
 
-def _ffn(t: SwiGLUTensors | MoETensors, cfg: ModelConfig) -> FFN:
+def ffn_block(t: SwiGLUTensors | MoETensors, cfg: ModelConfig) -> FFN:
     return MoE(t, cfg) if isinstance(t, MoETensors) else SwiGLU(t)
 
 

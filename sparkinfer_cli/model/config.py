@@ -44,6 +44,7 @@ class ModelConfig:
     ssm_n_group: int = 0  # H_k
     ssm_n_v_heads: int = 0  # H_v
     ssm_inner_size: int = 0  # H_v · head_v_dim
+    mtp_layers: int = 0  # NextN / MTP blocks after the trunk (nextn_predict_layers)
 
     def __post_init__(self) -> None:
         # NOTE: messages name the metadata keys, since from_gguf's caller sees them as file errors
@@ -81,7 +82,8 @@ class ModelConfig:
                                      f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
         k = _ArchKeys(gguf, arch)
         n_embd, n_head = k.integer("embedding_length"), k.integer("attention.head_count")
-        n_layer = k.integer("block_count") - k.integer("nextn_predict_layers", 0, minimum=0)
+        mtp_layers = k.integer("nextn_predict_layers", 0, minimum=0)
+        n_layer = k.integer("block_count") - mtp_layers
         _check_blocks_exist(gguf, n_layer)
         head_dim = k.integer("attention.key_length", max(n_embd // n_head, 1))
         tokens = gguf.typed_list("tokenizer.ggml.tokens", str)
@@ -102,7 +104,7 @@ class ModelConfig:
                 n_expert_used=k.integer("expert_used_count", 0, minimum=0),
                 n_ff_exp=k.integer("expert_feed_forward_length", 0, minimum=0),
                 n_ff_shexp=k.integer("expert_shared_feed_forward_length", 0, minimum=0),
-                recurrent_layers=_recurrent_layers(k, arch, n_layer),
+                recurrent_layers=_recurrent_layers(k, arch, n_layer), mtp_layers=mtp_layers,
                 **{field: k.integer(key, 0, minimum=0) for field, key in _SSM_KEYS.items()})
         except ValueError as exc:  # __post_init__'s checks; GGUFError passes through with its path
             raise exc if isinstance(exc, GGUFError) else GGUFError(f"{gguf.path}: {exc}") from None

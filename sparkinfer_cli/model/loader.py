@@ -18,14 +18,20 @@ log = logging.getLogger(__name__)
 
 
 def load_model(path: str | Path | GGUFFile, device: str = "cpu", *,
-               int8_decode: bool = False, kv_int8: bool = False) -> ModelBackend:
+               int8_decode: bool = False, kv_int8: bool = False,
+               with_mtp: bool = False) -> ModelBackend:
     """int8_decode (CPU): llama.cpp's numerics, ~2x faster: activations quantized to int8, an
     F16 KV cache; off, every op is float32 (what the oracle tests check to 1e-3), the cache too.
     kv_int8 (CUDA): int8 KV cache with a scale per 32 values (SPARKINFER_KV_INT8), half of F16's
-    memory."""
+    memory. with_mtp: the file's MTP head too (model.mtp; ValueError where there is none or the
+    backend runs none)."""
     gguf = path if isinstance(path, GGUFFile) else GGUFFile(path)
     config = checked_config(gguf)
+    if with_mtp and not config.mtp_layers:
+        raise ValueError(f"{gguf.path.name} has no MTP head (nextn_predict_layers)")
     if device == "cuda":
+        if with_mtp:
+            raise ValueError("the CUDA backend does not run MTP heads yet (--device cpu does)")
         from sparkinfer_cli.backend.cuda.model import (
             load_cuda_model,  # imports numba.cuda only here
         )
@@ -33,6 +39,12 @@ def load_model(path: str | Path | GGUFFile, device: str = "cpu", *,
     if device != "cpu":
         raise ValueError(f"device {device!r} is not available in this build (use 'cpu' or 'cuda')")
     model = CausalLM.from_gguf(gguf, config)
+    if with_mtp:
+        from sparkinfer_cli.model.mtp import MtpHead
+        from sparkinfer_cli.model.tensors import resolve_mtp_tensors
+        tensors = resolve_mtp_tensors(gguf, config)
+        assert tensors is not None
+        model.mtp = MtpHead(tensors, model)
     if int8_decode:
         model.use_int8_decode()
     return model
@@ -60,7 +72,8 @@ def check_draft_model(draft: GGUFFile, target: GGUFFile) -> ModelConfig:
 
 
 def load_runtime_model(gguf: GGUFFile, device: str, environ: Mapping[str, str] | None = None,
-                       report: Callable[[str], None] = lambda _: None) -> ModelBackend:
+                       report: Callable[[str], None] = lambda _: None,
+                       with_mtp: bool = False) -> ModelBackend:
     """The model as generate / serve / bench run it: int8 decode on the CPU over packed records
     kept in the user's cache between runs (packed_cache); on CUDA an int8 KV cache when
     SPARKINFER_KV_INT8 is set (the CPU cache stays F16, and a warning says so). `report`
@@ -69,7 +82,7 @@ def load_runtime_model(gguf: GGUFFile, device: str, environ: Mapping[str, str] |
     if kv_int8 and device != "cuda":
         log.warning("SPARKINFER_KV_INT8 applies to the CUDA backend: the CPU KV cache stays F16")
     report(f"loading {gguf.path.name}")
-    model = load_model(gguf, device, kv_int8=kv_int8 and device == "cuda")
+    model = load_model(gguf, device, kv_int8=kv_int8 and device == "cuda", with_mtp=with_mtp)
     if isinstance(model, CausalLM):  # the CPU model
         use_cached_int8_decode(model, gguf.path, report=report)
     return model

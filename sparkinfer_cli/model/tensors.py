@@ -127,6 +127,18 @@ class ModelTensors:
     path: Path  # the file, which QTensor.offset points into
 
 
+@dataclass(frozen=True)
+class MtpTensors:
+    """A NextN / multi-token-prediction block (llama.cpp's qwen35 layout): from the trunk's
+    normed hidden state at position p and the embedding of token p + 1, a gated full-attention
+    layer with the trunk's kind of FFN predicts token p + 2 through the trunk's LM head."""
+    layer: LayerTensors
+    eh_proj: QTensor  # (2E, E): [enorm(embedding) | hnorm(hidden)] → E
+    enorm: QTensor
+    hnorm: QTensor
+    head_norm: QTensor  # shared_head_norm, else the trunk's output_norm
+
+
 def resolve_tensors(gguf: GGUFFile, config: ModelConfig) -> ModelTensors:
     """Every tensor the architecture reads, checked for shape and type; GGUFError for a missing,
     misshaped or unexpected one."""
@@ -141,10 +153,28 @@ def resolve_tensors(gguf: GGUFFile, config: ModelConfig) -> ModelTensors:
     return ModelTensors(token_embd, layers, output_norm, output, gguf.path)
 
 
-def _layer(w: Weights, cfg: ModelConfig, layout: Layout, i: int) -> LayerTensors:
+def resolve_mtp_tensors(gguf: GGUFFile, config: ModelConfig) -> MtpTensors | None:
+    """The file's first MTP block (None: it has none); GGUFError for a missing or misshaped
+    tensor of it."""
+    if not config.mtp_layers:
+        return None
+    if config.arch not in ("qwen35", "qwen35moe"):
+        raise GGUFError(f"{gguf.path}: MTP heads of {config.arch} files are not supported")
+    w, i, E = Weights(gguf, config.n_layer + 1), config.n_layer, config.n_embd
+    p = f"blk.{i}.nextn."
+    return MtpTensors(_layer(w, config, LAYOUTS[config.arch], i, mtp=True),
+                      w.get(p + "eh_proj.weight", (2 * E, E)), w.get(p + "enorm.weight", (E,)),
+                      w.get(p + "hnorm.weight", (E,)),
+                      w.optional(p + "shared_head_norm.weight", (E,)) or
+                      w.get("output_norm.weight", (E,)))
+
+
+def _layer(w: Weights, cfg: ModelConfig, layout: Layout, i: int,
+           mtp: bool = False) -> LayerTensors:
+    """Block i (an MTP block's attention is full attention whatever the trunk's pattern)."""
     p, E = f"blk.{i}.", cfg.n_embd
     mixer: AttentionTensors | DeltaNetTensors
-    if layout.hybrid and cfg.is_recurrent(i):
+    if layout.hybrid and not mtp and cfg.is_recurrent(i):
         mixer = _delta_net(w, cfg, p, layout.gdn_head_map)
     else:
         mixer = _attention(w, cfg, p, layout)

@@ -247,14 +247,15 @@ def run_server(model_path: str | Path, host: str | None = None, port: int | None
     server_config = ServerConfig.from_env(environ, host=host, port=port, api_key=api_key,
                                           model_name=model_name, cors_origins=cors_origins,
                                           fallback_model_name=default_model_name(gguf))
-    model = load_runtime_model(gguf, device, environ)
+    use_mtp = speculation is not None and speculation.mtp
+    model = load_runtime_model(gguf, device, environ, with_mtp=use_mtp)
     draft = None if speculation is None or speculation.draft_model is None else \
         load_draft_model(speculation.draft_model, gguf, device, environ)
     tokenizer = load_tokenizer(gguf, environ)
     spec_tokens = {} if speculation is None else {"spec_tokens": speculation.tokens}
     engine_config = build_engine_config(ctx, model.config.context_length, environ, device=device,
                                         **spec_tokens)
-    engine = ContinuousBatchEngine(model, tokenizer, engine_config, draft)
+    engine = ContinuousBatchEngine(model, tokenizer, engine_config, draft, use_mtp)
     engine.start()
     if not warm_up(engine):
         log.warning("the warm-up request did not finish in time")

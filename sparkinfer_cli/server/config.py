@@ -107,15 +107,18 @@ def build_engine_config(ctx: int | None, trained_context_length: int,
     return EngineConfig(**values)
 
 
-SPEC_TYPES = ("ngram", "draft")  # draft sources: prompt lookup, a draft model (--model-draft)
-VLLM_SPEC_METHODS = {"ngram": "ngram", "draft_model": "draft"}  # --speculative-config's names
+# draft sources: prompt lookup, a draft model (--model-draft), the model's own MTP head
+SPEC_TYPES = ("ngram", "draft", "mtp")
+SPEC_TYPE_ALIASES = {"draft-mtp": "mtp",  # llama-server's name
+                     "draft_model": "draft"}  # vLLM's --speculative-config method
 DEFAULT_SPEC_DRAFT_TOKENS = 4
 
 
 @dataclass(frozen=True)
 class Speculation:
     tokens: int  # EngineConfig.spec_tokens: the most tokens a decode step drafts
-    draft_model: str | None = None  # the draft model's GGUF (or demo name); None: n-gram drafts
+    draft_model: str | None = None  # the draft model's GGUF (or demo name)
+    mtp: bool = False  # drafts from the model's MTP head (else n-gram, without a draft model)
 
 
 def speculation_from_flags(spec_type: str | None, draft_n_max: int | None,
@@ -123,8 +126,8 @@ def speculation_from_flags(spec_type: str | None, draft_n_max: int | None,
                            model_draft: str | None = None) -> Speculation | None:
     """The speculation asked for in llama-server's spelling (--spec-type, --spec-draft-n-max,
     --model-draft: a draft model alone implies --spec-type draft) or vLLM's (--speculative-config
-    '{"method": "ngram" | "draft_model", "model": FILE, "num_speculative_tokens": K}'); None
-    when none is given (the environment decides). ValueError naming the flag otherwise."""
+    '{"method": "ngram" | "mtp" | "draft_model", "model": FILE, "num_speculative_tokens": K}');
+    None when none is given (the environment decides). ValueError naming the flag otherwise."""
     if speculative_config is not None:
         if spec_type is not None or draft_n_max is not None or model_draft is not None:
             raise ValueError("give --speculative-config or --spec-type / --spec-draft-n-max / "
@@ -136,6 +139,7 @@ def speculation_from_flags(spec_type: str | None, draft_n_max: int | None,
                 raise ValueError("--spec-draft-n-max needs --spec-type")
             return None
         spec_type = "draft"
+    spec_type = SPEC_TYPE_ALIASES.get(spec_type, spec_type)
     if spec_type not in SPEC_TYPES:
         raise ValueError(f"speculative method {spec_type!r} is not supported; the engine has: "
                          f"{', '.join(SPEC_TYPES)}")
@@ -144,10 +148,10 @@ def speculation_from_flags(spec_type: str | None, draft_n_max: int | None,
     tokens = DEFAULT_SPEC_DRAFT_TOKENS if draft_n_max is None else draft_n_max
     if not 1 <= tokens <= MAX_SPEC_TOKENS:
         raise ValueError(f"draft tokens must be 1 to {MAX_SPEC_TOKENS}, got {tokens}")
-    return Speculation(tokens, model_draft)
+    return Speculation(tokens, model_draft, spec_type == "mtp")
 
 
-def _vllm_speculation(text: str) -> tuple[str | None, int, str | None]:
+def _vllm_speculation(text: str) -> tuple[str, int, str | None]:
     """(spec type, draft tokens, draft model) of vLLM's --speculative-config JSON."""
     try:
         config = json.loads(text)
@@ -165,4 +169,4 @@ def _vllm_speculation(text: str) -> tuple[str | None, int, str | None]:
     tokens = config.get("num_speculative_tokens", DEFAULT_SPEC_DRAFT_TOKENS)
     if not isinstance(tokens, int) or isinstance(tokens, bool):
         raise ValueError("--speculative-config: num_speculative_tokens must be an integer")
-    return VLLM_SPEC_METHODS.get(method, method), tokens, model
+    return method, tokens, model

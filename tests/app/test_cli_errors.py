@@ -96,7 +96,9 @@ def test_serve_with_good_settings_reaches_the_server(tiny):
 
 
 @pytest.mark.parametrize(("flags", "needle"), [
-    (["--spec-type", "mtp"], "'mtp' is not supported"),
+    (["--spec-type", "eagle"], "'eagle' is not supported"),
+    (["--spec-type", "mtp"], "the model has no MTP head"),
+    (["--spec-type", "draft-mtp"], "the model has no MTP head"),
     (["--spec-type", "ngram", "--spec-draft-n-max", "9"], "1 to 7"),
     (["--spec-draft-n-max", "3"], "--spec-draft-n-max needs --spec-type"),
     (["--speculative-config", "{nope"], "--speculative-config is no JSON"),

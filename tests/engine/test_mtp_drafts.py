@@ -1,0 +1,150 @@
+"""Speculative decoding with the model's MTP head (engine/mtp_drafts.py, model/mtp.py), on a
+synthetic tiny Qwen3.5-MoE with one NextN block: greedy answers equal those without drafts, and
+every draft is what the head gives when it is run afresh over the whole sequence (so the hidden
+states the engine keeps and the head's KV are those of the right positions)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from engine_harness import Collector, greedy
+
+from sparkinfer_cli.engine.config import EngineConfig
+from sparkinfer_cli.engine.engine import ContinuousBatchEngine
+from sparkinfer_cli.engine.speculative import DraftLength, HiddenRows
+from sparkinfer_cli.gguf.reader import GGUFFile
+from sparkinfer_cli.gguf.synthetic import write_synthetic
+from sparkinfer_cli.model.batch import SequenceBatch
+from sparkinfer_cli.model.loader import load_model, load_runtime_model
+from sparkinfer_cli.tokenizer.tokenizer import Tokenizer
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def mtp_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("mtp") / "tiny-qwen35moe-mtp.gguf"
+    write_synthetic(path, "tiny-qwen35moe-mtp")
+    return path
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(3)
+    words = [rng.randrange(3, 400) for _ in range(40)]
+    return [words[:23], [5, 6, 7] * 9, words, words[:23] + [9, 9]]
+
+
+def _answers(engine: ContinuousBatchEngine, prompts: list[list[int]],
+             max_tokens: int = 16) -> list[list[int]]:
+    sink = Collector()
+    ids = [engine.submit(p, greedy(max_tokens, ignore_eos=True), sink) for p in prompts]
+    return [sink.tokens(sink.final(i).request_id) for i in ids]
+
+
+def _engine(model, tokenizer, **kwargs) -> ContinuousBatchEngine:
+    spec = {"spec_tokens": 3} if kwargs.get("use_mtp") else {}
+    return ContinuousBatchEngine(model, tokenizer, EngineConfig(
+        ctx=4096, block_size=BLOCK, prefix_cache=True, **spec), **kwargs)
+
+
+@pytest.mark.slow
+def test_greedy_answers_with_mtp_drafts_equal_those_without(mtp_file):
+    """Alone and together, the prefix cache on (two prompts share blocks)."""
+    gguf = GGUFFile(mtp_file)
+    model, tokenizer = load_runtime_model(gguf, "cpu", with_mtp=True), Tokenizer.from_gguf(gguf)
+    answers = {}
+    for use_mtp in (False, True):
+        engine = _engine(model, tokenizer, use_mtp=use_mtp)
+        engine.start()
+        try:
+            answers[use_mtp] = [_answers(engine, [p])[0] for p in _prompts()], \
+                _answers(engine, _prompts())
+        finally:
+            engine.shutdown()
+    assert answers[True] == answers[False]
+    assert engine.speculation.num_drafts > 0
+
+
+@pytest.mark.slow
+def test_every_mtp_draft_is_the_head_run_afresh_over_the_sequence(mtp_file, monkeypatch):
+    """Each step's drafts, recomputed from scratch: the model's hidden states of the whole
+    sequence in one pass, the head over every (hidden at p, token p + 1) pair, then drafting on
+    from its own state. Fails when a kept hidden state or a head KV entry belongs to another
+    position (a draft that keeps missing would only slow decoding down). Every step drafts the
+    most it may (the random head's drafts miss, which would shorten them)."""
+    monkeypatch.setattr(DraftLength, "checked", lambda self, kept: None)
+    model = load_model(mtp_file, "cpu", with_mtp=True)
+    engine = _engine(model, Tokenizer.from_gguf(GGUFFile(mtp_file)), use_mtp=True)
+    seen: list[tuple[list[int], list[int], list[np.ndarray]]] = []  # tokens, drafts, logits
+    drafts, head = engine.drafter.drafts, model.mtp.forward
+    passes: list[np.ndarray] = []  # the logits of each head pass of one step's drafting
+
+    def head_pass(hidden, batch, cache):
+        logits, states = head(hidden, batch, cache)
+        passes.append(logits)
+        return logits, states
+
+    def logged(wants, room):
+        passes.clear()
+        found = drafts(wants, room)
+        drafting = [(r, d) for (r, _), d in zip(wants, found) if d]
+        for i, (request, guessed) in enumerate(drafting):  # pass s holds the ones going on
+            rows = [passes[s][sum(len(d) > s for _, d in drafting[:i])]
+                    for s in range(len(guessed))]
+            seen.append((list(request.token_ids), guessed, rows))
+        return found
+
+    monkeypatch.setattr(model.mtp, "forward", head_pass)
+    monkeypatch.setattr(engine.scheduler.drafter, "drafts", logged)
+    engine.start()
+    try:
+        _answers(engine, _prompts()[:2], max_tokens=24)
+    finally:
+        engine.shutdown()
+    assert len(seen) >= 8
+    for tokens, found, logits in seen:
+        fresh, fresh_logits = _fresh_drafts(model, tokens, len(found))
+        assert fresh == found
+        np.testing.assert_allclose(np.stack(logits), np.stack(fresh_logits), rtol=0, atol=1e-5)
+
+
+def _fresh_drafts(model, tokens: list[int], k: int) -> tuple[list[int], list[np.ndarray]]:
+    n, blocks = len(tokens), np.arange(-(-(len(tokens) + k) // BLOCK), dtype=np.int32)
+    cache = model.create_cache(len(blocks), BLOCK, 1)
+    _, hidden = model.forward_hidden(SequenceBatch.single(np.asarray(tokens, np.int32), 0,
+                                                          blocks, 0), cache)
+    head_cache = model.mtp.create_cache(len(blocks), BLOCK)
+    rows = np.concatenate([np.zeros_like(hidden[:1]), hidden[:n - 1]])  # pairs at 0 .. n - 1
+    batch = SequenceBatch.single(np.asarray(tokens, np.int32), 0, blocks, 0)
+    found, all_logits = [], []
+    for step in range(k):
+        logits, h = model.mtp.forward(rows, batch, head_cache)
+        found.append(int(np.argmax(logits[-1])))
+        all_logits.append(logits[-1])
+        rows, batch = h[-1:], SequenceBatch.single(np.asarray(found[-1:], np.int32), n + step,
+                                                   blocks, 0)
+    return found, all_logits
+
+
+def test_hidden_rows_follow_the_passes_that_computed_them():
+    rows = HiddenRows()
+    assert rows.take(0, 1) is None
+    rows.put(0, np.arange(5.0)[:, None])
+    rows.put(3, np.array([[30.0], [40.0], [50.0]]))  # a restored sequence recomputes 3 and 4
+    assert rows.take(2, 6).ravel().tolist() == [2.0, 30.0, 40.0, 50.0]
+    rows.drop_before(4)
+    assert rows.take(3, 4) is None and rows.take(4, 6).ravel().tolist() == [40.0, 50.0]
+    rows.put(9, np.array([[90.0]]))  # a gap starts afresh
+    assert (rows.start, rows.end) == (9, 10)
+
+
+def test_mtp_needs_a_head(mtp_file, fixtures_dir):
+    plain = fixtures_dir / "tiny" / "qwen35moe" / "qwen35moe-Q8_0.gguf"
+    with pytest.raises(ValueError, match="no MTP head"):
+        load_model(plain, "cpu", with_mtp=True)
+    model = load_model(plain, "cpu")
+    with pytest.raises(ValueError, match="no MTP head"):
+        ContinuousBatchEngine(model, Tokenizer.from_gguf(GGUFFile(plain)),
+                              EngineConfig(ctx=512, spec_tokens=2), use_mtp=True)
