@@ -186,8 +186,8 @@ def _speculation_flags(speculation) -> tuple[str, ...]:
     """`serve`'s flags for speculation (None: none)."""
     if speculation is None:
         return ()
-    draft = ("--spec-type", "ngram") if speculation.draft_model is None else \
-        ("--model-draft", speculation.draft_model)
+    draft = ("--model-draft", speculation.draft_model) if speculation.draft_model else \
+        ("--spec-type", "mtp" if speculation.mtp else "ngram")
     return (*draft, "--spec-draft-n-max", str(speculation.tokens))
 
 

@@ -367,3 +367,16 @@ def is_listening(url: str) -> bool:
     from sparkinfer_cli.bench.serve_server import is_ready
 
     return is_ready(url)
+
+
+@pytest.mark.parametrize(("flags", "passed"), [
+    (["--spec-type", "mtp", "--spec-draft-n-max", "2"], ("--spec-type", "mtp")),
+    (["--spec-type", "ngram"], ("--spec-type", "ngram")),
+    (["--model-draft", str(TINY_MODEL)], ("--model-draft", str(TINY_MODEL)))])
+def test_bench_serve_hands_its_speculation_flags_to_the_server(monkeypatch, flags, passed):
+    seen = {}
+    monkeypatch.setattr("sparkinfer_cli.bench.serve.run_serve_bench",
+                        lambda request, console: seen.update(flags=request.serve_flags))
+    result = CliRunner().invoke(app, ["bench", "--serve", "--device", "cpu", *flags])
+    assert result.exit_code == 0, result.output
+    assert seen["flags"][:2] == passed and seen["flags"][2] == "--spec-draft-n-max"
