@@ -21,7 +21,7 @@ import numpy as np
 
 from sparkinfer_cli.engine.request import Request
 from sparkinfer_cli.engine.speculative import Drafter
-from sparkinfer_cli.model.backend import ModelBackend
+from sparkinfer_cli.model.backend import ModelBackend, ModelCache
 from sparkinfer_cli.model.batch import SequenceBatch
 
 
@@ -35,6 +35,10 @@ class DraftModel(Drafter):
 
     def prepare(self, max_seqs: int, max_pass_tokens: int) -> None:
         self.model.prepare(self.cache, max_seqs, max_pass_tokens)
+
+    @property
+    def caches(self) -> list[ModelCache]:
+        return [self.cache]
 
     def drafts(self, wants: Sequence[tuple[Request, int]], step_room: int) -> list[list[int]]:
         """Each request's next `limit` tokens as the draft model decodes them greedily, within

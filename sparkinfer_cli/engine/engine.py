@@ -100,7 +100,7 @@ class ContinuousBatchEngine:
         self._keeps_hidden = use_mtp  # the MTP head reads the model's hidden states
         self.scheduler = Scheduler(config, self.kv, create_policy(config), pass_tokens,
                                    model.max_draft_pass_tokens, self.drafter)
-        self.runner = ModelRunner(model, cache)
+        self.runner = ModelRunner(model, cache, self.drafter.caches)
         self.speculation = SpeculationStats()  # written by the engine thread only
         if config.spec_tokens and not self._can_speculate:
             log.warning("speculative decoding is off: this model cannot check drafts")

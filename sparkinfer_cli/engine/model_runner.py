@@ -18,8 +18,11 @@ from sparkinfer_cli.model.batch import SamplingRows, SequenceBatch
 
 
 class ModelRunner:
-    def __init__(self, model: ModelBackend, cache: ModelCache):
+    def __init__(self, model: ModelBackend, cache: ModelCache,
+                 block_mirrors: Sequence[ModelCache] = ()):
+        """block_mirrors: caches laid out like cache (a drafter's) that take its block copies."""
         self.model, self.cache = model, cache
+        self.block_mirrors = block_mirrors
         self.is_hybrid = model.config.is_hybrid
         self.last_forward_s = 0.0  # wall time of the latest run()'s model.forward
 
@@ -116,7 +119,8 @@ class ModelRunner:
     def apply_cache_ops(self, ops: CacheOps) -> None:
         if ops.block_copies:
             src, dst = zip(*ops.block_copies)
-            self.cache.copy_blocks(list(src), list(dst))
+            for cache in (self.cache, *self.block_mirrors):
+                cache.copy_blocks(list(src), list(dst))
         for src_slot, dst_slot in ops.state_copies:
             self.cache.copy_state(src_slot, dst_slot)
         for slot in ops.state_resets:

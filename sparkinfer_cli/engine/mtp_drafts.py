@@ -10,7 +10,8 @@ the model's and indexed by the request's block table (as draft_model.py's); posi
 hold drafts and are rewritten by the next step's pairs. A request whose hidden states have a gap
 (its prompt came from the prefix cache, or its logprobs were scored) takes the pairs from the
 first state it has; the head's KV of the positions before that is whatever the shared blocks
-hold, which only makes its drafts worse, never the output.
+hold (the prefix cache's block copies reach this cache too), which at worst makes its drafts
+worse, never the output.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import numpy as np
 
 from sparkinfer_cli.engine.request import Request
 from sparkinfer_cli.engine.speculative import Drafter
-from sparkinfer_cli.model.backend import NextTokenHead
+from sparkinfer_cli.model.backend import ModelCache, NextTokenHead
 from sparkinfer_cli.model.batch import SequenceBatch
 
 
@@ -38,6 +39,10 @@ class MtpDrafter(Drafter):
     def __init__(self, head: NextTokenHead, num_blocks: int, block_size: int):
         self.head = head
         self.cache = head.create_cache(num_blocks, block_size)
+
+    @property
+    def caches(self) -> list[ModelCache]:
+        return [self.cache]
 
     def drafts(self, wants: Sequence[tuple[Request, int]], step_room: int) -> list[list[int]]:
         pieces: dict[int, Piece] = {}  # by id(request): the next pairs the head takes

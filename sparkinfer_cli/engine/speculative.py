@@ -23,6 +23,7 @@ import numpy as np
 if TYPE_CHECKING:
     from sparkinfer_cli.engine.request import Request
     from sparkinfer_cli.engine.sampler import Sampler
+    from sparkinfer_cli.model.backend import ModelCache
 
 MAX_NGRAM = 3
 # A draft that keeps failing costs each step its checked rows for nothing (a CPU pass of k + 1 rows
@@ -61,6 +62,11 @@ class Drafter(ABC):
 
     def prepare(self, max_seqs: int, max_pass_tokens: int) -> None:
         """Compiles what the drafter's passes need before the engine serves."""
+
+    @property
+    def caches(self) -> list[ModelCache]:
+        """Its caches laid out like the model's, which take the prefix cache's block copies."""
+        return []
 
 
 class NgramDrafter(Drafter):

@@ -95,3 +95,19 @@ def test_a_draft_model_must_fit_the_target():
         ContinuousBatchEngine(target, tokenizer, config, draft_model=hybrid)
     with pytest.raises(ValueError, match="attention layers only"):
         DraftModel(hybrid, 8, 16)
+
+
+def test_the_prefix_cache_s_block_copies_reach_the_draft_model_s_cache():
+    """A prefix hit's tail block is copied in the model's cache and in the draft model's, so
+    the draft model's KV of the copied positions is the prefix's own."""
+    from sparkinfer_cli.engine.kv_cache import CacheOps
+
+    target, tokenizer = _load("qwen3")
+    draft, _ = _load("qwen3", "Q4_K_M")
+    engine = ContinuousBatchEngine(target, tokenizer, EngineConfig(
+        ctx=1024, block_size=16, spec_tokens=3), draft_model=draft)
+    model_cache, draft_cache = engine.runner.cache, engine.drafter.caches[0]
+    for cache in (model_cache, draft_cache):
+        cache.k[:, 2] = 1.5
+    engine.runner.apply_cache_ops(CacheOps(block_copies=[(2, 5)]))
+    assert (model_cache.k[:, 5] == 1.5).all() and (draft_cache.k[:, 5] == 1.5).all()
