@@ -182,10 +182,12 @@ def _speculation(spec_type: Optional[str], draft_n_max: Optional[int],
         _fail(str(exc))
 
 
-def _speculation_flags(speculation) -> tuple[str, ...]:
-    """`serve`'s flags for speculation (None: none)."""
+def _speculation_flags(speculation, serving: bool) -> tuple[str, ...]:
+    """`serve`'s flags for bench's speculation (None: none); only a served bench takes them."""
     if speculation is None:
         return ()
+    if not serving:
+        _fail("the speculation flags are for --serve (the server it starts)")
     draft = ("--model-draft", speculation.draft_model) if speculation.draft_model else \
         ("--spec-type", "mtp" if speculation.mtp else "ngram")
     return (*draft, "--spec-draft-n-max", str(speculation.tokens))
@@ -265,26 +267,23 @@ def bench(model: Optional[str] = typer.Option(None, "-m", "--model", help=MODEL_
           spec_type: Optional[str] = SPEC_TYPE_OPTION,
           spec_draft_n_max: Optional[int] = SPEC_DRAFT_N_MAX_OPTION,
           model_draft: Optional[str] = MODEL_DRAFT_OPTION):
-    """Measure prefill and decode speed, or (--serve) the server's; write results (md + json +
-    png) under the user's data directory (--out bench/results: the repo's), never over an
-    earlier run's."""
+    """Measure prefill and decode speed, or (--serve) the server's; new results go under --out."""
     from sparkinfer_cli.bench.runner import BenchRequest, run_bench
     from sparkinfer_cli.bench.serve import ServeBenchRequest, run_serve_bench
     from sparkinfer_cli.paths import bench_results_dir
     command, out_dir = " ".join(["sparkinfer"] + sys.argv[1:]), out_dir or bench_results_dir()
-    speculation = _speculation(spec_type, spec_draft_n_max, None, model_draft)
+    if (serving := bool(serve or url or turns)) and ctx:
+        _fail("--ctx sets the engine bench's depths; --serve sizes the server itself")
+    serve_flags = _speculation_flags(_speculation(spec_type, spec_draft_n_max, None, model_draft),
+                                     serving)
     try:
-        if serve or url or turns:
-            if ctx:
-                _fail("--ctx sets the engine bench's depths; --serve sizes the server itself")
+        if serving:
             run_serve_bench(ServeBenchRequest(
                 model, synthetic, pick_device(device), tuple(concurrency), prompt_tokens,
                 max_tokens, requests_per_client, rate, duration, url, out_dir, command,
                 turns=turns, turn_tokens=turn_tokens, json=json_answers,
-                serve_flags=_speculation_flags(speculation)), err)
+                serve_flags=serve_flags), err)
         else:
-            if speculation is not None:
-                _fail("the speculation flags are for --serve (the server it starts)")
             run_bench(BenchRequest(model, synthetic, pick_device(device), tuple(ctx),
                                    tuple(concurrency), out_dir, command, llama_bench), err)
     except (ValueError, RuntimeError) as exc:
