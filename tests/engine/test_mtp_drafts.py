@@ -1,7 +1,8 @@
-"""Speculative decoding with the model's MTP head (engine/mtp_drafts.py, model/mtp.py), on a
-synthetic tiny Qwen3.5-MoE with one NextN block: greedy answers equal those without drafts, and
-every draft is what the head gives when it is run afresh over the whole sequence (so the hidden
-states the engine keeps and the head's KV are those of the right positions)."""
+"""Speculative decoding with the model's MTP head (engine/mtp_drafts.py, model/mtp.py), on
+synthetic tiny Qwen3.5-MoE and Qwen3.5 files with one NextN block: greedy answers equal those
+without drafts, and every draft is what the head gives when it is run afresh over the whole
+sequence (so the hidden states the engine keeps and the head's KV are those of the right
+positions)."""
 
 from __future__ import annotations
 
@@ -23,11 +24,11 @@ from sparkinfer_cli.tokenizer.tokenizer import Tokenizer
 BLOCK = 16
 
 
-@pytest.fixture(scope="module")
-def mtp_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("mtp") / "tiny-qwen35moe-mtp.gguf"
-    write_synthetic(path, "tiny-qwen35moe-mtp")
-    return path
+@pytest.fixture(scope="module", params=["tiny-qwen35moe-mtp", "tiny-qwen35-mtp"])
+def mtp_file(tmp_path_factory, request):
+    """A head with an MoE FFN, and a dense one (tied embeddings)."""
+    return write_synthetic(tmp_path_factory.mktemp("mtp") / f"{request.param}.gguf",
+                           request.param)
 
 
 def _prompts() -> list[list[int]]:
