@@ -133,7 +133,7 @@ class _HostTime:
     it (CudaModel.times: until the step's GPU work is queued); None for other models."""
 
     def __init__(self, model: ModelBackend):
-        self.times = getattr(model, "times", None)
+        self.times = model.times
         if self.times is not None:
             self.start = (self.times.host_s["decode"], self.times.steps["decode"])
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 import numpy as np
@@ -50,6 +51,25 @@ class NextTokenHead(ABC, Generic[CacheT]):
         each sequence's last new token."""
 
 
+@dataclass
+class StepTimes:
+    """Host-side cost of forward passes ("decode": decode passes replayed from a graph; "other":
+    the rest, prefills and captures included): `host_s` until the GPU work is queued, `total_s`
+    until the logits are on the host."""
+    steps: dict[str, int] = field(default_factory=lambda: {"decode": 0, "other": 0})
+    host_s: dict[str, float] = field(default_factory=lambda: {"decode": 0.0, "other": 0.0})
+    total_s: dict[str, float] = field(default_factory=lambda: {"decode": 0.0, "other": 0.0})
+
+    def add(self, kind: str, host_s: float, total_s: float) -> None:
+        self.steps[kind] += 1
+        self.host_s[kind] += host_s
+        self.total_s[kind] += total_s
+
+    def mean_us(self, kind: str) -> tuple[float, float]:
+        n = max(self.steps[kind], 1)
+        return self.host_s[kind] / n * 1e6, self.total_s[kind] / n * 1e6
+
+
 class ModelBackend(ABC, Generic[CacheT]):
     """A model the engine runs, over caches of type CacheT that only it creates."""
 
@@ -66,6 +86,7 @@ class ModelBackend(ABC, Generic[CacheT]):
     # depend on the rows beside it (the model's batch-invariant mode); 0: no such limit needed
     invariant_pass_tokens: int = 0
     mtp: NextTokenHead | None = None  # the file's MTP head, where the backend runs it
+    times: StepTimes | None = None  # the host's cost of its passes, where the backend counts it
 
     @abstractmethod
     def create_cache(self, num_blocks: int, block_size: int,

@@ -262,8 +262,8 @@ def test_cli_reports_a_bad_preset_cleanly():
 
 
 def test_decode_host_time_is_the_mean_over_its_graph_replays():
-    from sparkinfer_cli.backend.cuda.model import StepTimes
     from sparkinfer_cli.bench.measure import _HostTime
+    from sparkinfer_cli.model.backend import StepTimes
 
     model = SimpleNamespace(times=StepTimes())
     model.times.add("decode", 0.5, 1.0)  # before the figure: not counted
@@ -272,7 +272,7 @@ def test_decode_host_time_is_the_mean_over_its_graph_replays():
     model.times.add("other", 0.2, 0.3)  # a capture or prefill: not a replayed decode step
     model.times.add("decode", 500e-6, 4e-3)
     assert host.mean_us() == pytest.approx(400.0)
-    assert _HostTime(SimpleNamespace()).mean_us() is None
+    assert _HostTime(SimpleNamespace(times=None)).mean_us() is None  # a model that counts none
 
 
 def test_decode_on_a_queuing_model_times_runs_of_passes(monkeypatch):
@@ -287,6 +287,7 @@ def test_decode_on_a_queuing_model_times_runs_of_passes(monkeypatch):
     class QueuingModel:
         config = SimpleNamespace(n_vocab=50, is_hybrid=False)
         max_queued_steps = 4
+        times = None
 
         def create_cache(self, num_blocks, block_size, num_state_slots):
             return SimpleNamespace(num_blocks=num_blocks)

@@ -60,7 +60,7 @@ from sparkinfer_cli.kernels.cuda.runtime.driver_calls import (
 from sparkinfer_cli.kernels.cuda.runtime.file_upload import FileUploader
 from sparkinfer_cli.kernels.cuda.runtime.graphs import CapturedGraph
 from sparkinfer_cli.kernels.cuda.runtime.intrinsics import IS_SIMULATOR
-from sparkinfer_cli.model.backend import ModelBackend
+from sparkinfer_cli.model.backend import ModelBackend, StepTimes
 from sparkinfer_cli.model.batch import SamplingRows, SequenceBatch
 from sparkinfer_cli.model.config import ModelConfig
 from sparkinfer_cli.model.layers import Embedding
@@ -91,25 +91,6 @@ class CudaLayer:
     mixer: CudaAttention | CudaGatedDeltaNet
     ffn_norm: Any
     ffn: CudaSwiGLU | CudaMoE
-
-
-@dataclass
-class StepTimes:
-    """Host-side cost of forward passes ("decode": decode passes replayed from a graph; "other":
-    the rest, prefills and captures included): `host_s` until the GPU work is queued, `total_s`
-    until the logits are on the host."""
-    steps: dict[str, int] = field(default_factory=lambda: {"decode": 0, "other": 0})
-    host_s: dict[str, float] = field(default_factory=lambda: {"decode": 0.0, "other": 0.0})
-    total_s: dict[str, float] = field(default_factory=lambda: {"decode": 0.0, "other": 0.0})
-
-    def add(self, kind: str, host_s: float, total_s: float) -> None:
-        self.steps[kind] += 1
-        self.host_s[kind] += host_s
-        self.total_s[kind] += total_s
-
-    def mean_us(self, kind: str) -> tuple[float, float]:
-        n = max(self.steps[kind], 1)
-        return self.host_s[kind] / n * 1e6, self.total_s[kind] / n * 1e6
 
 
 @dataclass
@@ -154,7 +135,7 @@ class CudaModel(ModelBackend[CudaModelCache]):
         self.embedding = Embedding(tensors.token_embd)
         self.stream = cuda.stream()
         self._marks = [StreamMark() for _ in range(MAX_QUEUED_STEPS)]  # decode_greedy's passes
-        self.times = StepTimes()
+        self.times: StepTimes = StepTimes()
         self._passes: weakref.WeakKeyDictionary[CudaModelCache, CachePasses] = \
             weakref.WeakKeyDictionary()
         up = self._upload(tensors, console, total_bytes)
