@@ -20,7 +20,7 @@ from sanic.response import HTTPResponse, json
 
 from sparkinfer_cli.engine.config import EngineConfig
 from sparkinfer_cli.server import anthropic_api, responses_api, router_api, routes
-from sparkinfer_cli.server.async_engine import AsyncEngine
+from sparkinfer_cli.server.async_engine import AsyncEngine, EngineClient
 from sparkinfer_cli.server.auth import check_request
 from sparkinfer_cli.server.config import ServerConfig, Speculation, build_engine_config
 from sparkinfer_cli.server.metrics import ServerMetrics
@@ -68,10 +68,9 @@ _ERROR_CODES = {404: "unknown_url", 405: "method_not_allowed", 408: "request_tim
                 413: "request_too_large", 503: "service_unavailable"}
 
 
-def create_app(engine: Any, tokenizer: Any, chat_template: Any,
+def create_app(engine: EngineClient, tokenizer: Any, chat_template: Any,
                server_config: ServerConfig | None = None) -> Sanic:
-    """An OpenAI-compatible app over a started engine (ContinuousBatchEngine or any object with
-    its submit/abort/stats/max_context interface)."""
+    """An OpenAI-compatible app over a started engine (ContinuousBatchEngine, an EngineClient)."""
     config = server_config or ServerConfig()
     app = Sanic(f"sparkinfer_{next(_app_numbers)}", configure_logging=False)
     _configure_transport(app, config)

@@ -14,9 +14,12 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from concurrent.futures import Future
+from typing import Any, Protocol
 
 from sparkinfer_cli.engine.config import EngineStoppedError, QueueFullError, RequestTooLargeError
+from sparkinfer_cli.engine.engine import EngineStats
+from sparkinfer_cli.engine.request import RequestEvent
 from sparkinfer_cli.engine.sampling_params import SamplingParams
 from sparkinfer_cli.server.metrics import ServerMetrics
 from sparkinfer_cli.server.protocol import ApiError
@@ -48,8 +51,25 @@ class LoopRelay:
             fn(*args)
 
 
+class EngineClient(Protocol):
+    """What the server asks of an engine (ContinuousBatchEngine; the tests' FakeEngine)."""
+
+    @property
+    def keeps_state_snapshots(self) -> bool: ...
+    @property
+    def max_context(self) -> int: ...
+    def submit(self, prompt_ids: list[int], params: SamplingParams,
+               on_event: Callable[[RequestEvent], None], *,
+               request_id: str | None = None) -> str: ...
+    def check_grammar(self, grammar: str) -> str: ...
+    def abort(self, request_id: str) -> None: ...
+    def abort_waiting(self) -> None: ...
+    def stats(self) -> EngineStats: ...
+    def flush_prefix_cache(self) -> Future[int]: ...
+
+
 class AsyncEngine:
-    def __init__(self, engine: Any, *, metrics: ServerMetrics | None = None,
+    def __init__(self, engine: EngineClient, *, metrics: ServerMetrics | None = None,
                  request_timeout_s: float = 0.0, retry_after_s: int = 1):
         self.engine = engine
         self.metrics = metrics

@@ -23,6 +23,7 @@ from sparkinfer_cli import __version__
 from sparkinfer_cli.engine.config import EngineStoppedError, QueueFullError
 from sparkinfer_cli.engine.engine import EngineStats, RequestEvent
 from sparkinfer_cli.engine.sampling_params import SamplingParams
+from sparkinfer_cli.server.async_engine import EngineClient
 from sparkinfer_cli.server.routes import ServerState
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0  # SGLang's default for the same check
@@ -113,7 +114,7 @@ async def health_generate(request: Request) -> HTTPResponse:
     return json({"status": "ok"})
 
 
-async def one_token_failure(engine: Any, timeout_s: float) -> str | None:
+async def one_token_failure(engine: EngineClient, timeout_s: float) -> str | None:
     """Generates one greedy token; None when that worked, else why it did not."""
     loop = asyncio.get_running_loop()
     finished: asyncio.Future[RequestEvent] = loop.create_future()
