@@ -188,9 +188,9 @@ def _speculation_flags(speculation, serving: bool) -> tuple[str, ...]:
         return ()
     if not serving:
         _fail("the speculation flags are for --serve (the server it starts)")
-    draft = ("--model-draft", speculation.draft_model) if speculation.draft_model else \
-        ("--spec-type", "mtp" if speculation.mtp else "ngram")
-    return (*draft, "--spec-draft-n-max", str(speculation.tokens))
+    kind = "mtp" if speculation.mtp else "draft" if speculation.draft_model else "ngram"
+    draft = ("--model-draft", speculation.draft_model) if speculation.draft_model else ()
+    return ("--spec-type", kind, *draft, "--spec-draft-n-max", str(speculation.tokens))
 
 
 def _resolve_draft(speculation, device: str):

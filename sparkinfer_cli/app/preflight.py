@@ -18,7 +18,7 @@ from sparkinfer_cli import env
 from sparkinfer_cli.gguf.reader import GGUFError, GGUFFile
 from sparkinfer_cli.kv_budget import DraftFit, KVPool, fit_kv_pool
 from sparkinfer_cli.model.config import ModelConfig
-from sparkinfer_cli.model.loader import check_draft_model, checked_config
+from sparkinfer_cli.model.loader import check_draft_model, checked_config, mtp_tensors
 from sparkinfer_cli.server.config import Speculation, build_engine_config
 from sparkinfer_cli.tokenizer.chat_template import ChatTemplate, ChatTemplateError
 from sparkinfer_cli.tokenizer.tokenizer import Tokenizer
@@ -67,10 +67,11 @@ def check_serve(path: str | Path, host: str | None, port: int | None, ctx: int |
     environment's)."""
     check_address(host or env.HOST.get(environ), env.PORT.get(environ) if port is None else port)
     checked = check_model_file(path, environ)
-    draft = None if speculation is None or speculation.draft_model is None else \
-        check_draft_file(speculation.draft_model, checked.gguf)
+    draft = None
     if speculation is not None and speculation.mtp:
-        check_mtp(checked.config, device)
+        check_mtp(checked, device, speculation.draft_model)
+    elif speculation is not None and speculation.draft_model is not None:
+        draft = check_draft_file(speculation.draft_model, checked.gguf)
     pool = fit_kv_pool(checked.config, ctx, device, checked.gguf.n_bytes, environ,
                        None if speculation is None else speculation.tokens, draft)
     # as run_server builds it after loading: a bad --ctx or SPARKINFER_* setting fails now
@@ -87,12 +88,15 @@ def check_draft_file(path: str | Path, target: GGUFFile) -> DraftFit:
     return DraftFit(check_draft_model(draft, target), draft.n_bytes)
 
 
-def check_mtp(config: ModelConfig, device: str) -> None:
-    """--spec-type mtp needs a file with an MTP head, on a backend that runs it."""
-    if not config.mtp_layers:
-        raise ValueError("--spec-type mtp: the model has no MTP head (nextn_predict_layers)")
+def check_mtp(checked: CheckedModel, device: str, head_file: str | Path | None) -> None:
+    """--spec-type mtp needs an MTP head, the model file's or head_file's, on a backend that
+    runs it."""
     if device != "cpu":
         raise ValueError("--spec-type mtp runs on the CPU backend only so far (--device cpu)")
+    try:
+        mtp_tensors(checked.gguf, checked.config, head_file)
+    except ValueError as exc:
+        raise ValueError(f"--spec-type mtp: {exc}") from None
 
 
 def check_address(host: str, port: int) -> None:

@@ -119,17 +119,18 @@ def _load(req: GenerateRequest, checked: CheckedModel, ctx: int, err: Console) -
 
     ctx = min(ctx + WARM_UP_TOKENS, checked.config.context_length + WARM_UP_TOKENS)
     spec = req.speculation
+    use_mtp = spec is not None and spec.mtp
+    other_file = None if spec is None else spec.draft_model  # a head-only file's, with mtp
     with err.status("loading") as status:
         model = load_runtime_model(checked.gguf, req.device,
                                    report=lambda what: status.update(escape(what)),
-                                   with_mtp=spec is not None and spec.mtp)
-        draft = None if spec is None or spec.draft_model is None else \
-            load_draft_model(spec.draft_model, checked.gguf, req.device,
+                                   with_mtp=use_mtp, mtp_file=other_file if use_mtp else None)
+        draft = None if use_mtp or not other_file else \
+            load_draft_model(other_file, checked.gguf, req.device,
                              report=lambda what: status.update(escape(what)))
         status.update("starting the engine")
         session = GenerationSession(model, checked.tokenizer, ctx,
-                                    0 if spec is None else spec.tokens, draft,
-                                    spec is not None and spec.mtp)
+                                    0 if spec is None else spec.tokens, draft, use_mtp)
         cold = req.device == "cpu" and not cpu_kernels_are_cached()
         status.update("compiling the kernels (first run only: numba caches them)" if cold
                       else "warming up")

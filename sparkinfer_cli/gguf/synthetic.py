@@ -79,6 +79,7 @@ class SyntheticSpec:
     rms_eps: float = 1e-6
     recipe: str = "q4_k_m"
     mtp_layers: int = 0  # NextN / MTP blocks after the trunk (qwen35*: llama.cpp's layout)
+    head_only: bool = False  # the MTP blocks without the trunk's (convert_hf_to_gguf.py --mtp)
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHITECTURES:
@@ -92,6 +93,8 @@ class SyntheticSpec:
                              "H_k (ssm_n_group)")
         if self.mtp_layers and not self.arch.startswith("qwen35"):
             raise ValueError("MTP heads are written for the qwen35 architectures only")
+        if self.head_only and not self.mtp_layers:
+            raise ValueError("a head-only file needs mtp_layers")
         if not 256 <= self.special_token_base <= self.n_vocab - len(SPECIAL_TOKENS):
             raise ValueError(f"special_token_base must leave room for 256 byte tokens and "
                              f"{len(SPECIAL_TOKENS)} special tokens in n_vocab={self.n_vocab}")
@@ -191,7 +194,7 @@ def tensor_plan(preset: str | SyntheticSpec) -> list[TensorPlan]:
     """Every tensor of the file, in file order, with its ggml type."""
     spec = resolve_preset(preset)
     shapes = _global_shapes(spec)
-    for layer in range(spec.n_layer + spec.mtp_layers):
+    for layer in range(spec.n_layer if spec.head_only else 0, spec.n_layer + spec.mtp_layers):
         shapes += _layer_shapes(spec, layer)
     types = _tensor_types(spec, shapes)
     return [TensorPlan(name, shape, t) for (name, shape), t in zip(shapes, types)]

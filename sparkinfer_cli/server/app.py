@@ -247,9 +247,11 @@ def run_server(model_path: str | Path, host: str | None = None, port: int | None
                                           model_name=model_name, cors_origins=cors_origins,
                                           fallback_model_name=default_model_name(gguf))
     use_mtp = speculation is not None and speculation.mtp
-    model = load_runtime_model(gguf, device, environ, with_mtp=use_mtp)
-    draft = None if speculation is None or speculation.draft_model is None else \
-        load_draft_model(speculation.draft_model, gguf, device, environ)
+    other_file = None if speculation is None else speculation.draft_model  # a head's, with mtp
+    model = load_runtime_model(gguf, device, environ, with_mtp=use_mtp,
+                               mtp_file=other_file if use_mtp else None)
+    draft = None if use_mtp or other_file is None else \
+        load_draft_model(other_file, gguf, device, environ)
     tokenizer = load_tokenizer(gguf, environ)
     spec_tokens = {} if speculation is None else {"spec_tokens": speculation.tokens}
     engine_config = build_engine_config(ctx, model.config.context_length, environ, device=device,

@@ -117,8 +117,8 @@ DEFAULT_SPEC_DRAFT_TOKENS = 4
 @dataclass(frozen=True)
 class Speculation:
     tokens: int  # EngineConfig.spec_tokens: the most tokens a decode step drafts
-    draft_model: str | None = None  # the draft model's GGUF (or demo name)
-    mtp: bool = False  # drafts from the model's MTP head (else n-gram, without a draft model)
+    draft_model: str | None = None  # the draft model's GGUF (or demo name); with mtp: a head's
+    mtp: bool = False  # drafts from an MTP head: the model's, else draft_model's head-only file
 
 
 def speculation_from_flags(spec_type: str | None, draft_n_max: int | None,
@@ -143,8 +143,11 @@ def speculation_from_flags(spec_type: str | None, draft_n_max: int | None,
     if spec_type not in SPEC_TYPES:
         raise ValueError(f"speculative method {spec_type!r} is not supported; the engine has: "
                          f"{', '.join(SPEC_TYPES)}")
-    if (spec_type == "draft") != (model_draft is not None):
-        raise ValueError("--model-draft FILE goes with --spec-type draft (and only with it)")
+    if spec_type == "draft" and model_draft is None:
+        raise ValueError("--spec-type draft needs --model-draft FILE")
+    if spec_type == "ngram" and model_draft is not None:
+        raise ValueError("--model-draft FILE goes with --spec-type draft (a draft model) or mtp "
+                         "(a head-only MTP file)")
     tokens = DEFAULT_SPEC_DRAFT_TOKENS if draft_n_max is None else draft_n_max
     if not 1 <= tokens <= MAX_SPEC_TOKENS:
         raise ValueError(f"draft tokens must be 1 to {MAX_SPEC_TOKENS}, got {tokens}")

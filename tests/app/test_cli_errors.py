@@ -97,18 +97,19 @@ def test_serve_with_good_settings_reaches_the_server(tiny):
 
 @pytest.mark.parametrize(("flags", "needle"), [
     (["--spec-type", "eagle"], "'eagle' is not supported"),
-    (["--spec-type", "mtp"], "the model has no MTP head"),
-    (["--spec-type", "draft-mtp"], "the model has no MTP head"),
+    (["--spec-type", "mtp"], "has no MTP head"),
+    (["--spec-type", "draft-mtp"], "has no MTP head"),
     (["--spec-type", "ngram", "--spec-draft-n-max", "9"], "1 to 7"),
     (["--spec-draft-n-max", "3"], "--spec-draft-n-max needs --spec-type"),
     (["--speculative-config", "{nope"], "--speculative-config is no JSON"),
     (["--speculative-config", '{"method": "ngram"}', "--spec-type", "ngram"], "not both"),
-    (["--spec-type", "draft"], "--model-draft FILE goes with --spec-type draft"),
+    (["--spec-type", "draft"], "--spec-type draft needs --model-draft FILE"),
     (["--spec-type", "ngram", "--model-draft", "{tiny}"], "--model-draft FILE goes with"),
+    (["--spec-type", "mtp", "--model-draft", "{qwen35}"], "is no MTP head of"),
     (["--model-draft", "{qwen35}"], "attention layers only"),
     (["--model-draft", "{qwen3}"], "tokens differ"),
     (["--speculative-config", '{"model": 5}'], "model must be a file name"),
-    (["--speculative-config", '{"method": "draft_model"}'], "--model-draft FILE goes with")])
+    (["--speculative-config", '{"method": "draft_model"}'], "--spec-type draft needs")])
 def test_serve_speculation_flags_are_checked_before_loading(tiny, flags, needle):
     files = {"tiny": tiny, "qwen35": TINY / "qwen35" / "qwen35-Q8_0.gguf",
              "qwen3": TINY / "qwen3" / "qwen3-Q8_0.gguf"}

@@ -97,14 +97,21 @@ def test_a_draft_model_leaves_the_answer_as_it_was(tiny, fixtures_dir):
     assert re.search(r"drafts: \d+ of [1-9]\d* kept", drafted.stderr)
 
 
-def test_mtp_drafts_leave_the_answer_as_it_was(tmp_path):
-    """--spec-type mtp on a synthetic Qwen3.5-MoE with an MTP head: the greedy answer of the run
-    without drafts, and a stats line that counts the head's drafts."""
-    from sparkinfer_cli.gguf.synthetic import write_synthetic
-    path = str(write_synthetic(tmp_path / "mtp.gguf", "tiny-qwen35moe-mtp"))
+@pytest.mark.parametrize("head_only", [False, True])
+def test_mtp_drafts_leave_the_answer_as_it_was(tmp_path, head_only):
+    """--spec-type mtp on a synthetic Qwen3.5-MoE with an MTP head, in the file or in a head-only
+    file given as --model-draft: the greedy answer of the run without drafts, and a stats line
+    that counts the head's drafts."""
+    import dataclasses
+
+    from sparkinfer_cli.gguf.synthetic import PRESETS, write_synthetic
+    spec = PRESETS["tiny-qwen35moe-mtp"]
+    path = str(write_synthetic(tmp_path / "mtp.gguf", "tiny-qwen35moe" if head_only else spec))
+    head = ["--model-draft", str(write_synthetic(
+        tmp_path / "head.gguf", dataclasses.replace(spec, head_only=True)))] if head_only else []
     args = ("generate", "The sea is", "-m", path, "--raw", "--max-tokens", "12", "--device", "cpu")
     plain = runner.invoke(app, list(args))
-    drafted = runner.invoke(app, [*args, "--spec-type", "mtp", "--spec-draft-n-max", "2"])
+    drafted = runner.invoke(app, [*args, "--spec-type", "mtp", "--spec-draft-n-max", "2", *head])
     assert plain.exit_code == drafted.exit_code == 0, drafted.output
     assert drafted.stdout == plain.stdout
     assert re.search(r"drafts: \d+ of [1-9]\d* kept", drafted.stderr)

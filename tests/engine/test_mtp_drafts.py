@@ -6,6 +6,7 @@ positions)."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import numpy as np
@@ -16,7 +17,7 @@ from sparkinfer_cli.engine.config import EngineConfig
 from sparkinfer_cli.engine.engine import ContinuousBatchEngine
 from sparkinfer_cli.engine.speculative import DraftLength, HiddenRows
 from sparkinfer_cli.gguf.reader import GGUFFile
-from sparkinfer_cli.gguf.synthetic import write_synthetic
+from sparkinfer_cli.gguf.synthetic import PRESETS, write_synthetic
 from sparkinfer_cli.model.batch import SequenceBatch
 from sparkinfer_cli.model.loader import load_model, load_runtime_model
 from sparkinfer_cli.tokenizer.tokenizer import Tokenizer
@@ -24,11 +25,17 @@ from sparkinfer_cli.tokenizer.tokenizer import Tokenizer
 BLOCK = 16
 
 
-@pytest.fixture(scope="module", params=["tiny-qwen35moe-mtp", "tiny-qwen35-mtp"])
-def mtp_file(tmp_path_factory, request):
-    """A head with an MoE FFN, and a dense one (tied embeddings)."""
-    return write_synthetic(tmp_path_factory.mktemp("mtp") / f"{request.param}.gguf",
-                           request.param)
+@pytest.fixture(scope="module", params=["tiny-qwen35moe-mtp", "tiny-qwen35-mtp", "head-only"])
+def mtp_files(tmp_path_factory, request):
+    """(model file, head-only file or None): a head with an MoE FFN, a dense one (tied
+    embeddings), and an MoE head in a file of its own beside a model without one (llama.cpp's
+    convert_hf_to_gguf.py --mtp and --no-mtp)."""
+    folder = tmp_path_factory.mktemp("mtp")
+    if request.param != "head-only":
+        return write_synthetic(folder / f"{request.param}.gguf", request.param), None
+    head = dataclasses.replace(PRESETS["tiny-qwen35moe-mtp"], head_only=True)
+    return (write_synthetic(folder / "model.gguf", "tiny-qwen35moe"),
+            write_synthetic(folder / "head.gguf", head))
 
 
 def _prompts() -> list[list[int]]:
@@ -51,10 +58,11 @@ def _engine(model, tokenizer, **kwargs) -> ContinuousBatchEngine:
 
 
 @pytest.mark.slow
-def test_greedy_answers_with_mtp_drafts_equal_those_without(mtp_file):
+def test_greedy_answers_with_mtp_drafts_equal_those_without(mtp_files):
     """Alone and together, the prefix cache on (two prompts share blocks)."""
-    gguf = GGUFFile(mtp_file)
-    model, tokenizer = load_runtime_model(gguf, "cpu", with_mtp=True), Tokenizer.from_gguf(gguf)
+    gguf = GGUFFile(mtp_files[0])
+    model = load_runtime_model(gguf, "cpu", with_mtp=True, mtp_file=mtp_files[1])
+    tokenizer = Tokenizer.from_gguf(gguf)
     answers = {}
     for use_mtp in (False, True):
         engine = _engine(model, tokenizer, use_mtp=use_mtp)
@@ -69,15 +77,15 @@ def test_greedy_answers_with_mtp_drafts_equal_those_without(mtp_file):
 
 
 @pytest.mark.slow
-def test_every_mtp_draft_is_the_head_run_afresh_over_the_sequence(mtp_file, monkeypatch):
+def test_every_mtp_draft_is_the_head_run_afresh_over_the_sequence(mtp_files, monkeypatch):
     """Each step's drafts, recomputed from scratch: the model's hidden states of the whole
     sequence in one pass, the head over every (hidden at p, token p + 1) pair, then drafting on
     from its own state. Fails when a kept hidden state or a head KV entry belongs to another
     position (a draft that keeps missing would only slow decoding down). Every step drafts the
     most it may (the random head's drafts miss, which would shorten them)."""
     monkeypatch.setattr(DraftLength, "checked", lambda self, kept: None)
-    model = load_model(mtp_file, "cpu", with_mtp=True)
-    engine = _engine(model, Tokenizer.from_gguf(GGUFFile(mtp_file)), use_mtp=True)
+    model = load_model(mtp_files[0], "cpu", with_mtp=True, mtp_file=mtp_files[1])
+    engine = _engine(model, Tokenizer.from_gguf(GGUFFile(mtp_files[0])), use_mtp=True)
     seen: list[tuple[list[int], list[int], list[np.ndarray]]] = []  # tokens, drafts, logits
     drafts, head = engine.drafter.drafts, model.mtp.forward
     passes: list[np.ndarray] = []  # the logits of each head pass of one step's drafting
@@ -141,10 +149,14 @@ def test_hidden_rows_follow_the_passes_that_computed_them():
     assert (rows.start, rows.end) == (9, 10)
 
 
-def test_mtp_needs_a_head(mtp_file, fixtures_dir):
+def test_mtp_needs_a_head_that_fits(fixtures_dir, tmp_path):
     plain = fixtures_dir / "tiny" / "qwen35moe" / "qwen35moe-Q8_0.gguf"
     with pytest.raises(ValueError, match="no MTP head"):
         load_model(plain, "cpu", with_mtp=True)
+    dense_head = dataclasses.replace(PRESETS["tiny-qwen35-mtp"], head_only=True)
+    with pytest.raises(ValueError, match="is no MTP head of"):  # 2 blocks, not 4; other FFN
+        load_model(plain, "cpu", with_mtp=True,
+                   mtp_file=write_synthetic(tmp_path / "head.gguf", dense_head))
     model = load_model(plain, "cpu")
     with pytest.raises(ValueError, match="no MTP head"):
         ContinuousBatchEngine(model, Tokenizer.from_gguf(GGUFFile(plain)),
