@@ -192,6 +192,10 @@ def _check_blocks_exist(gguf: GGUFFile, n_layer: int) -> None:
     from it (a hostile 2^31 would be a MemoryError)."""
     last = f"blk.{n_layer - 1}."
     if n_layer > 0 and not any(name.startswith(last) for name in gguf.tensors):
+        if f"blk.{n_layer}.nextn.eh_proj.weight" in gguf.tensors:
+            raise UnusableModelError(f"{gguf.path}: an MTP head without its model (llama.cpp's "
+                                     "--mtp file): give it as --model-draft with --spec-type "
+                                     "mtp beside the model")
         raise GGUFError(f"{gguf.path}: the metadata gives {n_layer} layers, but the file has no "
                         f"tensors for layer {n_layer - 1}")
 

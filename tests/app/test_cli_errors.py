@@ -149,3 +149,14 @@ def test_serve_ctx_and_engine_settings_are_checked_before_loading(tiny, monkeypa
     monkeypatch.setenv("SPARKINFER_SCHED_POLICY", "fastest")
     result = runner.invoke(app, ["serve", "-m", str(tiny), "--device", "cpu", "--port", "0"])
     assert_error(result, "SPARKINFER_SCHED_POLICY")
+
+
+def test_a_head_only_file_is_named_as_such(tmp_path):
+    """A file of llama.cpp's --mtp kind holds no model to run: every command says what it is."""
+    import dataclasses
+
+    from sparkinfer_cli.gguf.synthetic import PRESETS, write_synthetic
+    head = write_synthetic(tmp_path / "head.gguf",
+                           dataclasses.replace(PRESETS["tiny-qwen35moe-mtp"], head_only=True))
+    for command in (["inspect", str(head)], ["generate", "hi", "-m", str(head), "--device", "cpu"]):
+        assert_error(runner.invoke(app, command), "an MTP head without its model")
