@@ -182,12 +182,12 @@ def _speculation(spec_type: Optional[str], draft_n_max: Optional[int],
         _fail(str(exc))
 
 
-def _speculation_flags(speculation, serving: bool) -> tuple[str, ...]:
-    """`serve`'s flags for bench's speculation (None: none); only a served bench takes them."""
+def _speculation_flags(speculation, starts_server: bool) -> tuple[str, ...]:
+    """`serve`'s flags for bench's speculation (None: none), for the server it starts."""
     if speculation is None:
         return ()
-    if not serving:
-        _fail("the speculation flags are for --serve (the server it starts)")
+    if not starts_server:
+        _fail("the speculation flags are for the server --serve starts (not with --url)")
     kind = "mtp" if speculation.mtp else "draft" if speculation.draft_model else "ngram"
     draft = ("--model-draft", speculation.draft_model) if speculation.draft_model else ()
     return ("--spec-type", kind, *draft, "--spec-draft-n-max", str(speculation.tokens))
@@ -275,7 +275,7 @@ def bench(model: Optional[str] = typer.Option(None, "-m", "--model", help=MODEL_
     if (serving := bool(serve or url or turns)) and ctx:
         _fail("--ctx sets the engine bench's depths; --serve sizes the server itself")
     serve_flags = _speculation_flags(_speculation(spec_type, spec_draft_n_max, None, model_draft),
-                                     serving)
+                                     serving and not url)
     try:
         if serving:
             run_serve_bench(ServeBenchRequest(

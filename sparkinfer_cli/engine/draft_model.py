@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from sparkinfer_cli.engine.request import Request
-from sparkinfer_cli.engine.speculative import Drafter
+from sparkinfer_cli.engine.speculative import DRAFTER_PASS_TOKENS, Drafter
 from sparkinfer_cli.model.backend import ModelBackend, ModelCache
 from sparkinfer_cli.model.batch import SequenceBatch
 
@@ -61,14 +61,15 @@ class DraftModel(Drafter):
 
     def _catch_up(self, requests: list[Request]) -> list[list[int]]:
         """Feeds each request's tokens whose draft KV is not written yet (at least its last one),
-        in passes of at most the model's max_pass_tokens; returns [the token after them]."""
+        in passes of at most DRAFTER_PASS_TOKENS (and the model's max_pass_tokens); returns [the
+        token after them]."""
         todo = {}
         for request in requests:
             assert request.drafting is not None
             todo[id(request)] = min(request.drafting.draft_kv_tokens, request.num_tokens - 1)
         picked: dict[int, int] = {}
         while any(todo[id(r)] < r.num_tokens for r in requests):
-            room = self.model.max_pass_tokens or sum(r.num_tokens for r in requests)
+            room = min(self.model.max_pass_tokens or DRAFTER_PASS_TOKENS, DRAFTER_PASS_TOKENS)
             pieces = []
             for request in requests:
                 start = todo[id(request)]

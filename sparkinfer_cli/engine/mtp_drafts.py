@@ -22,7 +22,7 @@ from typing import NamedTuple
 import numpy as np
 
 from sparkinfer_cli.engine.request import Request
-from sparkinfer_cli.engine.speculative import Drafter
+from sparkinfer_cli.engine.speculative import DRAFTER_PASS_TOKENS, Drafter
 from sparkinfer_cli.model.backend import ModelCache, NextTokenHead
 from sparkinfer_cli.model.batch import SequenceBatch
 
@@ -51,7 +51,7 @@ class MtpDrafter(Drafter):
             pairs = self._unseen_pairs(request) if limit > 0 and step_room > 0 else None
             limits.append(0 if pairs is None else min(limit, step_room))
             if pairs is not None:
-                pieces[id(request)] = pairs
+                pieces[id(request)] = self._take_leading_pairs(request, pairs)
             step_room -= limits[-1]
         active = [(request, k) for (request, _), k in zip(wants, limits) if k]
         drafted: dict[int, list[int]] = {id(request): [] for request, _ in active}
@@ -67,6 +67,15 @@ class MtpDrafter(Drafter):
             request.drafting.draft_kv_tokens = request.num_tokens
             request.drafting.hidden.drop_before(request.num_tokens - 1)
         return [drafted.get(id(request), []) for request, _ in wants]
+
+    def _take_leading_pairs(self, request: Request, piece: Piece) -> Piece:
+        """Feeds the head all but the last DRAFTER_PASS_TOKENS of the piece's pairs, a pass of
+        at most that many at a time; returns the rest."""
+        while len(piece.tokens) > DRAFTER_PASS_TOKENS:
+            n = min(DRAFTER_PASS_TOKENS, len(piece.tokens) - DRAFTER_PASS_TOKENS)
+            self._forward([request], [Piece(piece.first, piece.tokens[:n], piece.hidden[:n])])
+            piece = Piece(piece.first + n, piece.tokens[n:], piece.hidden[n:])
+        return piece
 
     @staticmethod
     def _unseen_pairs(request: Request) -> Piece | None:

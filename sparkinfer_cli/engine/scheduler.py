@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import sys
 import time
 from dataclasses import dataclass, field
@@ -17,6 +18,8 @@ from sparkinfer_cli.engine.kv_cache import (
 from sparkinfer_cli.engine.policy import BasePolicy
 from sparkinfer_cli.engine.request import Request, RequestStatus
 from sparkinfer_cli.engine.speculative import Drafter, NgramDrafter
+
+log = logging.getLogger(__name__)
 
 # a prompt whose logprobs are asked for computes every token's logits: pieces of at most this many
 # tokens bound the (piece, n_vocab) array
@@ -100,8 +103,7 @@ class Scheduler:
         pieces = [(request, self._num_uncomputed(request)) for request in decodes] + prefills
         room = self.max_draft_step_tokens - sum(n for _, n in pieces) \
             if self.max_draft_step_tokens else sys.maxsize  # for drafts, in this step
-        drafts = self.drafter.drafts([(r, self._draft_limit(r, n)) for r, n in pieces], room)
-        for (request, n), guessed in zip(pieces, drafts):
+        for (request, n), guessed in zip(pieces, self._drafts(pieces, room), strict=True):
             output.sequences.append(self._scheduled(request, n, guessed))
         for seq in output.sequences:  # a hybrid model's pass runs the drafts into the state
             if seq.num_drafts and self.kv.is_hybrid:
@@ -267,10 +269,24 @@ class Scheduler:
                                  request.wants_prompt_logits and start < request.num_prompt_tokens,
                                  len(drafts))
 
+    def _drafts(self, pieces: list[tuple[Request, int]], room: int) -> list[list[int]]:
+        """Each piece's drafts. A drafter that fails (a draft model's pass) costs this step its
+        drafts, not the step: the cache operations already taken must still run."""
+        try:
+            return self.drafter.drafts([(r, self._draft_limit(r, n)) for r, n in pieces], room)
+        except Exception:
+            log.exception("drafting failed: this step checks no drafts")
+            for request, _ in pieces:
+                if request.drafting is not None:
+                    request.drafting.draft_kv_tokens = 0  # recompute the drafter's KV
+            return [[] for _ in pieces]
+
     def _draft_limit(self, request: Request, num_new: int) -> int:
-        """The drafts a request's piece of this step may carry: none unless it is a decode,
+        """The drafts a request's piece of this step may carry: none unless it is a decode
+        (its prompt computed: a prefix hit's block copies have reached the drafter's cache),
         else as many as its DraftLength allows now within the KV the request reserved."""
         if num_new != 1 or request.num_computed_tokens + 1 != request.num_tokens or \
+                request.num_computed_tokens < request.num_prompt_tokens or \
                 request.drafting is None or (self.kv.is_hybrid and request.kv is not None and
                                              request.kv.draft_slot == NO_STATE_SLOT):
             return 0

@@ -26,6 +26,9 @@ if TYPE_CHECKING:
     from sparkinfer_cli.model.backend import ModelCache
 
 MAX_NGRAM = 3
+# a draft model's or MTP head's pass takes at most this many tokens (a long prompt's catch-up
+# runs in pieces, between which nothing else waits longer than one piece)
+DRAFTER_PASS_TOKENS = 512
 # A draft that keeps failing costs each step its checked rows for nothing (a CPU pass of k + 1 rows
 # costs about (k + 3) / 3 single ones): after MISSES_TO_PAUSE checks in a row that keep no draft,
 # a request stops drafting for a pause that doubles each time, up to MAX_PAUSE_STEPS decode steps
@@ -127,32 +130,47 @@ class TokenArray:
 class HiddenRows:
     """A request's normed hidden states (the model's, as its passes computed them) at positions
     [start, end): what its MTP head reads. A pass's rows replace those from the pass's first
-    position on (a restored hybrid sequence recomputes some); a gap starts the rows afresh."""
+    position on (a restored hybrid sequence recomputes some); a gap starts the rows afresh. Kept
+    as the passes' own pieces (copies), joined only when taken, so a long prompt's pieces are
+    not copied again at every piece."""
 
     def __init__(self) -> None:
         self.start = 0
-        self.rows: np.ndarray | None = None  # (end - start, n_embd)
+        self._pieces: list[np.ndarray] = []  # consecutive (rows, n_embd) pieces from start
 
     @property
     def end(self) -> int:
-        return self.start + (0 if self.rows is None else len(self.rows))
+        return self.start + sum(len(p) for p in self._pieces)
 
     def put(self, start: int, rows: np.ndarray) -> None:
-        if self.rows is None or not self.start <= start <= self.end:
-            self.start, self.rows = start, rows
+        if not self._pieces or not self.start <= start <= self.end:
+            self.start, self._pieces = start, []
         else:
-            self.rows = np.concatenate([self.rows[:start - self.start], rows])
+            self._keep_below(start)
+        self._pieces.append(np.array(rows, dtype=np.float32))  # a copy: not a view of the pass
 
     def take(self, lo: int, hi: int) -> np.ndarray | None:
         """The rows of positions [lo, hi), or None unless all are here."""
-        if self.rows is None or lo < self.start or hi > self.end:
+        if not self._pieces or lo < self.start or hi > self.end:
             return None
-        return self.rows[lo - self.start:hi - self.start]
+        return np.concatenate(self._pieces)[lo - self.start:hi - self.start]
 
     def drop_before(self, position: int) -> None:
-        if self.rows is not None and position > self.start:
-            self.rows = self.rows[position - self.start:]
+        while self._pieces and self.start + len(self._pieces[0]) <= position:
+            self.start += len(self._pieces.pop(0))
+        if self._pieces and position > self.start:
+            self._pieces[0] = self._pieces[0][position - self.start:]
             self.start = position
+
+    def _keep_below(self, position: int) -> None:
+        """Drops the rows of positions from position on."""
+        kept, at = [], self.start
+        for piece in self._pieces:
+            keep = min(len(piece), max(position - at, 0))
+            if keep:
+                kept.append(piece[:keep])
+            at += len(piece)
+        self._pieces = kept
 
 
 class DraftLength:

@@ -139,7 +139,8 @@ def speculation_from_flags(spec_type: str | None, draft_n_max: int | None,
                 raise ValueError("--spec-draft-n-max needs --spec-type")
             return None
         spec_type = "draft"
-    spec_type = SPEC_TYPE_ALIASES.get(spec_type, spec_type)
+    spec_type = "mtp" if spec_type.endswith("_mtp") else \
+        SPEC_TYPE_ALIASES.get(spec_type, spec_type)  # vLLM's per-model MTP methods too
     if spec_type not in SPEC_TYPES:
         raise ValueError(f"speculative method {spec_type!r} is not supported; the engine has: "
                          f"{', '.join(SPEC_TYPES)}")

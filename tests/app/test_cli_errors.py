@@ -109,6 +109,7 @@ def test_serve_with_good_settings_reaches_the_server(tiny):
     (["--model-draft", "{qwen35}"], "attention layers only"),
     (["--model-draft", "{qwen3}"], "tokens differ"),
     (["--speculative-config", '{"model": 5}'], "model must be a file name"),
+    (["--speculative-config", '{"method": "qwen3_next_mtp"}'], "has no MTP head"),
     (["--speculative-config", '{"method": "draft_model"}'], "--spec-type draft needs")])
 def test_serve_speculation_flags_are_checked_before_loading(tiny, flags, needle):
     files = {"tiny": tiny, "qwen35": TINY / "qwen35" / "qwen35-Q8_0.gguf",

@@ -283,9 +283,10 @@ def test_cli_refuses_ctx_with_serve():
     assert result.exit_code == 1 and "--ctx" in result.output
 
 
-def test_cli_refuses_speculation_flags_without_serve():
-    result = CliRunner().invoke(app, ["bench", "--spec-type", "ngram", "--device", "cpu"])
-    assert result.exit_code == 1 and "for --serve" in result.output
+@pytest.mark.parametrize("mode", [[], ["--url", "http://127.0.0.1:9"]])
+def test_cli_refuses_speculation_flags_without_a_server_to_start(mode):
+    result = CliRunner().invoke(app, ["bench", "--spec-type", "ngram", "--device", "cpu", *mode])
+    assert result.exit_code == 1 and "the server --serve starts" in result.output
 
 
 # ---- end to end ----------------------------------------------------------------------------------

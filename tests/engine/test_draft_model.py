@@ -111,3 +111,23 @@ def test_the_prefix_cache_s_block_copies_reach_the_draft_model_s_cache():
         cache.k[:, 2] = 1.5
     engine.runner.apply_cache_ops(CacheOps(block_copies=[(2, 5)]))
     assert (model_cache.k[:, 5] == 1.5).all() and (draft_cache.k[:, 5] == 1.5).all()
+
+
+def test_a_failing_drafter_costs_its_drafts_not_the_step(caplog):
+    """A draft model whose pass fails (e.g. out of memory) leaves the step without drafts: every
+    request still gets the answer it gets without speculation."""
+    from sparkinfer_cli.engine.speculative import Drafter
+
+    class Failing(Drafter):
+        def drafts(self, wants, step_room):
+            if any(limit for _, limit in wants):
+                raise MemoryError("the draft model's pass")
+            return [[] for _ in wants]
+
+    target, tokenizer = _load("qwen3moe")
+    config = {"ctx": 2048, "block_size": 16, "prefix_cache": True}
+    plain = _run(ContinuousBatchEngine(target, tokenizer, EngineConfig(**config)), _prompts())
+    engine = ContinuousBatchEngine(target, tokenizer, EngineConfig(**config, spec_tokens=3))
+    engine.scheduler.drafter = Failing()
+    assert _run(engine, _prompts()) == plain
+    assert "drafting failed" in caplog.text and engine.speculation.num_drafts == 0

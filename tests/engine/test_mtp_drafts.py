@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from engine_harness import Collector, greedy
 
+from sparkinfer_cli.engine import mtp_drafts
 from sparkinfer_cli.engine.config import EngineConfig
 from sparkinfer_cli.engine.engine import ContinuousBatchEngine
 from sparkinfer_cli.engine.speculative import DraftLength, HiddenRows
@@ -82,13 +83,15 @@ def test_every_mtp_draft_is_the_head_run_afresh_over_the_sequence(mtp_files, mon
     sequence in one pass, the head over every (hidden at p, token p + 1) pair, then drafting on
     from its own state. Fails when a kept hidden state or a head KV entry belongs to another
     position (a draft that keeps missing would only slow decoding down). Every step drafts the
-    most it may (the random head's drafts miss, which would shorten them)."""
+    most it may (the random head's drafts miss, which would shorten them), and the head takes a
+    prompt's pairs in passes of at most 7."""
     monkeypatch.setattr(DraftLength, "checked", lambda self, kept: None)
+    monkeypatch.setattr(mtp_drafts, "DRAFTER_PASS_TOKENS", 7)
     model = load_model(mtp_files[0], "cpu", with_mtp=True, mtp_file=mtp_files[1])
     engine = _engine(model, Tokenizer.from_gguf(GGUFFile(mtp_files[0])), use_mtp=True)
     seen: list[tuple[list[int], list[int], list[np.ndarray]]] = []  # tokens, drafts, logits
     drafts, head = engine.drafter.drafts, model.mtp.forward
-    passes: list[np.ndarray] = []  # the logits of each head pass of one step's drafting
+    passes: list[np.ndarray] = []  # the logits of each head pass of one step (drafting last)
 
     def head_pass(hidden, batch, cache):
         logits, states = head(hidden, batch, cache)
@@ -99,8 +102,9 @@ def test_every_mtp_draft_is_the_head_run_afresh_over_the_sequence(mtp_files, mon
         passes.clear()
         found = drafts(wants, room)
         drafting = [(r, d) for (r, _), d in zip(wants, found) if d]
-        for i, (request, guessed) in enumerate(drafting):  # pass s holds the ones going on
-            rows = [passes[s][sum(len(d) > s for _, d in drafting[:i])]
+        steps = passes[len(passes) - max((len(d) for _, d in drafting), default=0):]
+        for i, (request, guessed) in enumerate(drafting):  # step s holds the ones going on
+            rows = [steps[s][sum(len(d) > s for _, d in drafting[:i])]
                     for s in range(len(guessed))]
             seen.append((list(request.token_ids), guessed, rows))
         return found
@@ -147,6 +151,12 @@ def test_hidden_rows_follow_the_passes_that_computed_them():
     assert rows.take(3, 4) is None and rows.take(4, 6).ravel().tolist() == [40.0, 50.0]
     rows.put(9, np.array([[90.0]]))  # a gap starts afresh
     assert (rows.start, rows.end) == (9, 10)
+    rows.put(10, np.array([[100.0], [110.0]]))
+    rows.put(12, np.array([[120.0], [130.0]]))
+    rows.put(11, np.array([[111.0]]))  # replaces 11 and what follows, across pieces
+    assert rows.take(9, 12).ravel().tolist() == [90.0, 100.0, 111.0] and rows.end == 12
+    rows.drop_before(11)
+    assert (rows.start, rows.take(11, 12).ravel().tolist()) == (11, [111.0])
 
 
 def test_mtp_needs_a_head_that_fits(fixtures_dir, tmp_path):
