@@ -69,7 +69,7 @@ def check_serve(path: str | Path, host: str | None, port: int | None, ctx: int |
     checked = check_model_file(path, environ)
     draft = None
     if speculation is not None and speculation.mtp:
-        check_mtp(checked, device, speculation.draft_model)
+        check_mtp(checked, speculation.draft_model)
     elif speculation is not None and speculation.draft_model is not None:
         draft = check_draft_file(speculation.draft_model, checked.gguf)
     pool = fit_kv_pool(checked.config, ctx, device, checked.gguf.n_bytes, environ,
@@ -88,11 +88,8 @@ def check_draft_file(path: str | Path, target: GGUFFile) -> DraftFit:
     return DraftFit(check_draft_model(draft, target), draft.n_bytes)
 
 
-def check_mtp(checked: CheckedModel, device: str, head_file: str | Path | None) -> None:
-    """--spec-type mtp needs an MTP head, the model file's or head_file's, on a backend that
-    runs it."""
-    if device != "cpu":
-        raise ValueError("--spec-type mtp runs on the CPU backend only so far (--device cpu)")
+def check_mtp(checked: CheckedModel, head_file: str | Path | None) -> None:
+    """--spec-type mtp needs an MTP head, the model file's or head_file's."""
     try:
         mtp_tensors(checked.gguf, checked.config, head_file)
     except ValueError as exc:

@@ -421,8 +421,8 @@ class ContinuousBatchEngine:
     def _device_picks(self, output: SchedulerOutput) -> tuple[bool, SamplingRows | None]:
         """(whether the model picks every sampling sequence's token on its device, their
         draws (Sampler.device_draw), or None when all are plain greedy: the argmax)."""
-        if not self.runner.can_pick_greedy:
-            return False, None
+        if not self.runner.can_pick_greedy or self._keeps_hidden:  # hidden states need a pass
+            return False, None  # that returns them beside the logits (run_hidden)
         wanted = [self.scheduler.requests[s.request_id].sampler for s in output.sequences
                   if s.needs_logits]
         samplers = [x for x in wanted if x is not None]

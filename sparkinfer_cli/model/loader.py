@@ -26,17 +26,19 @@ def load_model(path: str | Path | GGUFFile, device: str = "cpu", *,
     F16 KV cache; off, every op is float32 (what the oracle tests check to 1e-3), the cache too.
     kv_int8 (CUDA): int8 KV cache with a scale per 32 values (SPARKINFER_KV_INT8), half of F16's
     memory. with_mtp: the MTP head too (model.mtp), the file's or mtp_file's (mtp_tensors;
-    ValueError where there is none or the backend runs none)."""
+    ValueError where there is none)."""
     gguf = path if isinstance(path, GGUFFile) else GGUFFile(path)
     config = checked_config(gguf)
     head = mtp_tensors(gguf, config, mtp_file) if with_mtp else None
     if device == "cuda":
-        if head is not None:
-            raise ValueError("the CUDA backend does not run MTP heads yet (--device cpu does)")
         from sparkinfer_cli.backend.cuda.model import (
             load_cuda_model,  # imports numba.cuda only here
         )
-        return load_cuda_model(gguf, config, kv_int8=kv_int8)
+        cuda_model = load_cuda_model(gguf, config, kv_int8=kv_int8)
+        if head is not None:
+            from sparkinfer_cli.backend.cuda.mtp import CudaMtpHead
+            cuda_model.mtp = CudaMtpHead(head, cuda_model)
+        return cuda_model
     if device != "cpu":
         raise ValueError(f"device {device!r} is not available in this build (use 'cpu' or 'cuda')")
     model = CausalLM.from_gguf(gguf, config)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sparkinfer_cli.gguf.ggml_types import COMPUTE_TYPES, GGMLType
+from sparkinfer_cli.gguf.ggml_types import BLOCK_GEOMETRY, COMPUTE_TYPES, GGMLType
 from sparkinfer_cli.gguf.reader import GGUFError, GGUFFile, TensorInfo
 
 
@@ -28,6 +28,16 @@ class QTensor:
         """A 2-D tensor made of some output rows (whole encoded rows, so any ggml type)."""
         raw = np.ascontiguousarray(self.raw[rows])  # (len(rows), row units)
         return QTensor(name, self.ggml_type, (self.ne0, len(rows)), raw)
+
+    def select_columns(self, lo: int, hi: int, name: str) -> QTensor:
+        """A 2-D tensor made of input features lo .. hi of every row (whole blocks of its type:
+        raw's last axis holds a row's elements or bytes, in proportion to the features)."""
+        block = BLOCK_GEOMETRY[GGMLType(self.ggml_type)][0]
+        if lo % block or hi % block or not 0 <= lo < hi <= self.ne0:
+            raise ValueError(f"{self.name}: features {lo}..{hi} do not fall on its blocks")
+        units = self.raw.shape[-1] // (self.ne0 // block)  # of raw's last axis a block
+        raw = np.ascontiguousarray(self.raw[..., lo // block * units:hi // block * units])
+        return QTensor(name, self.ggml_type, (hi - lo, *self.shape[1:]), raw)
 
     def as_f32(self) -> np.ndarray:
         """Small F32 tensors (norms, biases, ssm params) as a float32 array in numpy order."""

@@ -78,6 +78,27 @@ def test_greedy_answers_with_mtp_drafts_equal_those_without(mtp_files):
 
 
 @pytest.mark.slow
+def test_a_model_that_picks_tokens_on_its_device_still_hands_the_head_its_states(
+        mtp_files, monkeypatch):
+    """As a CUDA model does: greedy steps would take the argmax ids from the device
+    (forward_greedy), which return no hidden states; with an MTP head the engine runs the
+    passes that do, and the answers are those of the model without drafts."""
+    model = load_model(mtp_files[0], "cpu", with_mtp=True, mtp_file=mtp_files[1])
+    tokenizer = Tokenizer.from_gguf(GGUFFile(mtp_files[0]))
+    answers = {}
+    for use_mtp in (False, True):
+        monkeypatch.setattr(model, "picks_on_device", use_mtp)  # forward_greedy still raises
+        engine = _engine(model, tokenizer, use_mtp=use_mtp)
+        engine.start()
+        try:
+            answers[use_mtp] = _answers(engine, _prompts())
+        finally:
+            engine.shutdown()
+    assert answers[True] == answers[False]
+    assert engine.speculation.num_drafts > 0
+
+
+@pytest.mark.slow
 def test_every_mtp_draft_is_the_head_run_afresh_over_the_sequence(mtp_files, monkeypatch):
     """Each step's drafts, recomputed from scratch: the model's hidden states of the whole
     sequence in one pass, the head over every (hidden at p, token p + 1) pair, then drafting on

@@ -122,22 +122,12 @@ class CudaModel(ModelBackend[CudaModelCache]):
     def __init__(self, tensors: ModelTensors, config: ModelConfig, *, exact: bool = False,
                  kv_int8: bool = False, use_graphs: bool | None = None,
                  console: Console | None = None, total_bytes: int | None = None):
-        self.config, self.exact = config, exact
         if exact and kv_int8:
             raise ValueError("exact mode keeps the KV cache in float32: no int8 KV")
-        self.kv_dtype = np.float32 if exact else (np.int8 if kv_int8 else np.float16)
-        self.use_graphs = (not IS_SIMULATOR) if use_graphs is None else use_graphs
-        # SPARKINFER_BATCH_INVARIANT: the engine keeps every pass within the rows computed as
-        # decodes (invariant_pass_tokens), whose attention takes a lone decode's splits
-        self.fixed_splits = env.SPARKINFER_BATCH_INVARIANT.get()
-        self.invariant_pass_tokens = DRAFT_PASS_TOKENS if self.fixed_splits else 0
+        self._init_passes(config, exact, np.float32 if exact else
+                          (np.int8 if kv_int8 else np.float16), use_graphs, cuda.stream())
         # the host lookup, for tables the device cannot read
         self.embedding = Embedding(tensors.token_embd)
-        self.stream = cuda.stream()
-        self._marks = [StreamMark() for _ in range(MAX_QUEUED_STEPS)]  # decode_greedy's passes
-        self.times: StepTimes = StepTimes()
-        self._passes: weakref.WeakKeyDictionary[CudaModelCache, CachePasses] = \
-            weakref.WeakKeyDictionary()
         up = self._upload(tensors, console, total_bytes)
         self.weight_bytes = up.n_bytes + up.half_bytes
         self.console = console
@@ -147,11 +137,25 @@ class CudaModel(ModelBackend[CudaModelCache]):
             console.print(f"CUDA weights: {up.n_tensors} tensors, {up.n_bytes / 2**30:.2f} GiB"
                           f"{' (dequantized to F32: exact mode)' if exact else ''}{halves}")
 
+    def _init_passes(self, config: ModelConfig, exact: bool, kv_dtype, use_graphs: bool | None,
+                     stream) -> None:
+        """What running passes needs besides the weights (the MTP head's passes share it)."""
+        self.config, self.exact, self.kv_dtype, self.stream = config, exact, kv_dtype, stream
+        self.use_graphs = (not IS_SIMULATOR) if use_graphs is None else use_graphs
+        # SPARKINFER_BATCH_INVARIANT: the engine keeps every pass within the rows computed as
+        # decodes (invariant_pass_tokens), whose attention takes a lone decode's splits
+        self.fixed_splits = env.SPARKINFER_BATCH_INVARIANT.get()
+        self.invariant_pass_tokens = DRAFT_PASS_TOKENS if self.fixed_splits else 0
+        self._marks = [StreamMark() for _ in range(MAX_QUEUED_STEPS)]  # decode_greedy's passes
+        self.times: StepTimes = StepTimes()
+        self._passes: weakref.WeakKeyDictionary[CudaModelCache, CachePasses] = \
+            weakref.WeakKeyDictionary()
+        self.console = None
+
     def _upload(self, tensors: ModelTensors, console: Console | None,
                 total_bytes: int | None) -> Uploader:
         """Every weight on the device, whole file tensors read from the file (Uploader.file)."""
-        up = Uploader(self.exact, stream=self.stream,
-                      f16_copies=not self.exact and env.SPARKINFER_F16_PREFILL.get())
+        up = self._uploader()
         # exact mode uploads host arrays of dequantized rows: no staging to open
         reader = nullcontext() if self.exact else FileUploader(tensors.path, self.stream)
         with upload_progress(console) as progress, reader as f:
@@ -163,6 +167,10 @@ class CudaModel(ModelBackend[CudaModelCache]):
             self.token_embd = self._upload_embedding(up, tensors.token_embd)
             self.stream.synchronize()
         return up
+
+    def _uploader(self) -> Uploader:
+        return Uploader(self.exact, stream=self.stream,
+                        f16_copies=not self.exact and env.SPARKINFER_F16_PREFILL.get())
 
     def _upload_layer(self, up: Uploader, t: LayerTensors, i: int) -> CudaLayer:
         cfg = self.config
@@ -200,10 +208,25 @@ class CudaModel(ModelBackend[CudaModelCache]):
     def forward(self, batch: SequenceBatch, cache: CudaModelCache) -> np.ndarray:
         """Logits (num_seqs, V) for each sequence's last new token, or (N, V) if all_logits."""
         p = self._pass(batch, cache)
-        logits = self._logits(p.ws, p.logit_rows).reshape(p.logit_rows, -1)[:p.n_logits]
-        logits = logits.copy_to_host(stream=self.stream)
+        logits = self._host_logits(p)
         self._finish(p)
         return logits  # (n_logits, n_vocab)
+
+    def forward_hidden(self, batch: SequenceBatch,
+                       cache: CudaModelCache) -> tuple[np.ndarray, np.ndarray]:
+        """forward's logits and the output norm's rows of every new token (N, n_embd), which
+        the pass leaves in ws.x."""
+        p = self._pass(batch, cache)
+        logits = self._host_logits(p)
+        hidden = p.ws.x.f.reshape(p.ws.n_rows, -1)[:len(batch.token_ids)]
+        hidden = hidden.copy_to_host(stream=self.stream)
+        self._finish(p)
+        return logits, hidden
+
+    def _host_logits(self, p: QueuedPass) -> np.ndarray:
+        """A queued pass's real logit rows, copied to the host once the stream gets there."""
+        logits = self._logits(p.ws, p.logit_rows).reshape(p.logit_rows, -1)[:p.n_logits]
+        return logits.copy_to_host(stream=self.stream)
 
     def forward_greedy(self, batch: SequenceBatch, cache: CudaModelCache) -> np.ndarray:
         """The argmax token id (num_seqs,) int32 of each sequence's logits (ties → lowest id),
@@ -309,11 +332,14 @@ class CudaModel(ModelBackend[CudaModelCache]):
 
     # ---- internals -----------------------------------------------------------------------------
     def _pass(self, batch: SequenceBatch, cache: CudaModelCache, greedy: bool = False,
-              step: int = 0, device_tokens=None, sampling_rows=None) -> QueuedPass:
+              step: int = 0, device_tokens=None, sampling_rows=None,
+              rows_in: np.ndarray | None = None) -> QueuedPass:
         """Queue a forward pass (graph replay or eager launches) up to the logits on the device,
         and their token ids (ws.sampling: argmax, or drawn by sampling_rows) when greedy. step: the
         staging row of its inputs (a queued decode pass's own); device_tokens: a device array
-        whose first N ids replace the batch's token ids (the previous decode pass's argmax)."""
+        whose first N ids replace the batch's token ids (the previous decode pass's argmax);
+        rows_in: (N, n_embd) floats a row the pass reads beside its tokens (ws.rows_in: the MTP
+        head's hidden states)."""
         t0 = time.perf_counter()
         if len(batch.token_ids) > MAX_PASS_TOKENS:
             raise ValueError(f"a CUDA forward pass takes at most {MAX_PASS_TOKENS} tokens, got "
@@ -328,6 +354,8 @@ class CudaModel(ModelBackend[CudaModelCache]):
         ws.fill(batch, self.embedding(batch.token_ids) if on_host else None, step)
         ws.multi_token = max(batch.num_new_tokens) > 1
         ws.upload(self.stream, step)
+        if rows_in is not None:
+            ws.stage_rows_in(rows_in, self.stream)
         if device_tokens is not None:
             n = len(batch.token_ids)
             copy_device_async(ws.token_ids[:n], device_tokens[:n], self.stream)
@@ -363,10 +391,7 @@ class CudaModel(ModelBackend[CudaModelCache]):
              greedy: bool = False) -> None:
         """Every launch of one pass, on stream (or graph builder) s; greedy: and the argmax."""
         eps = self.config.rms_eps
-        if self.token_embd is not None:
-            embedding.embed_rows(self.token_embd, ws.token_ids, ws.h.reshape(ws.n_rows, -1),
-                                 stream=s)
-        norm.rms_norm(ws.h, self.layers[0].attn_norm, ws.x.f, eps, stream=s, act=ws.x.q)
+        self._first_input(ws, s)
         for i, layer in enumerate(self.layers):
             if i > 0:  # the previous FFN's output joins the residual inside this pre-norm
                 self.layers[i - 1].ffn.add_norm(ws, layer.attn_norm, eps, s, ws.x.q)
@@ -374,8 +399,7 @@ class CudaModel(ModelBackend[CudaModelCache]):
             norm.add_rms_norm(ws.delta, ws.h, layer.ffn_norm, ws.x.f, eps, stream=s, act=ws.x.q)
             layer.ffn(ws, s)
         self.layers[-1].ffn.add_norm(ws, self.output_norm, eps, s, None)
-        cols = min(logit_rows, ws.cols)
-        final = ws.act("final", self.config.n_embd, logit_rows // cols, cols)
+        final = self._final(ws, logit_rows)
         gather_rows(ws.x.f.reshape(ws.n_rows, -1), ws.logit_rows[:logit_rows],
                     final.f.reshape(logit_rows, -1), stream=s)
         if self.output.reads_q8(ws, logit_rows):
@@ -385,11 +409,25 @@ class CudaModel(ModelBackend[CudaModelCache]):
         if greedy:
             self._draw(ws, logit_rows, s)
 
+    def _first_input(self, ws: Workspace, s) -> None:
+        """ws.h = the pass's token embeddings (unless the host looked them up), ws.x = the first
+        layer's normed input."""
+        if self.token_embd is not None:
+            embedding.embed_rows(self.token_embd, ws.token_ids, ws.h.reshape(ws.n_rows, -1),
+                                 stream=s)
+        norm.rms_norm(ws.h, self.layers[0].attn_norm, ws.x.f, self.config.rms_eps, stream=s,
+                      act=ws.x.q)
+
     def _draw(self, ws: Workspace, logit_rows: int, s) -> None:
         """The ids of a pass's logits, by the draws staged in ws.sampling."""
         g = ws.sampling(logit_rows, self.output.n_rows)
         sampling.sample(self._logits(ws, logit_rows).reshape(logit_rows, -1), *g.params, g.ids,
                         g.workspace, stream=s, allowed=g.allowed)
+
+    def _final(self, ws: Workspace, logit_rows: int):
+        """The output norm's logit rows, the output matrix's input (an Act)."""
+        cols = min(logit_rows, ws.cols)
+        return ws.act("final", self.config.n_embd, logit_rows // cols, cols)
 
     def _logits(self, ws: Workspace, logit_rows: int):
         cols = min(logit_rows, ws.cols)

@@ -145,6 +145,7 @@ class Workspace:
             self.state_slots, self.seq_lo, self.seq_n, self.logit_rows = views
         self.block_tables = self.ints[len(INT_FIELDS) * n_rows:].reshape(n_rows, self.table_width)
         self._h_host: np.ndarray | None = None  # pinned, made when the host looks rows up
+        self._rows_in_host: np.ndarray | None = None  # pinned, made when a pass reads rows_in
         self.h = device_zeros((self.groups, self.cols, n_embd), np.float32)  # residual stream
         self.delta = self.buf("delta", self.groups, self.cols, n_embd)  # sub-layer output
         self.x = self.act("x", n_embd)  # normed sub-layer input
@@ -189,6 +190,20 @@ class Workspace:
         if key not in self._bufs:
             self._bufs[key] = DeviceSampling(n_rows, n_vocab)
         return self._bufs[key]
+
+    @property
+    def rows_in(self):
+        """(groups, cols, n_embd) floats a row that a pass reads beside its tokens (the MTP
+        head's hidden states), copied in by stage_rows_in."""
+        return self.buf("rows_in", *self.h.shape)
+
+    def stage_rows_in(self, rows: np.ndarray, stream) -> None:
+        """Queue the copy of rows (N, n_embd) into rows_in, zeros on the padding rows."""
+        if self._rows_in_host is None:
+            self._rows_in_host = cuda.pinned_array(self.h.shape, np.float32)
+        host = self._rows_in_host.reshape(self.n_rows, -1)
+        host[:len(rows)], host[len(rows):] = rows, 0
+        copy_to_device_async(self.rows_in, self._rows_in_host, stream)
 
     def iota(self, n: int, div: int = 1):
         """Static int32 (n,) = arange(n) // div (GEMV slot → activation group)."""

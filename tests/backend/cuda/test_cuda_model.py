@@ -646,8 +646,6 @@ def test_engine_answers_the_same_with_drafts(family: str, source: str) -> None:
     device: the family's own file where it has attention layers only (so drafts are kept), else
     the tiny qwen3's. A hybrid model's state goes back to its copy after a rejected draft.
     Drafts are checked in passes of up to DRAFT_PASS_TOKENS rows computed as decodes."""
-    from sparkinfer_cli.engine.engine import ContinuousBatchEngine, EngineConfig
-    from sparkinfer_cli.engine.sampling_params import SamplingParams
     from sparkinfer_cli.tokenizer.tokenizer import Tokenizer
 
     path = TINY / family / f"{family}-Q8_0.gguf"
@@ -656,14 +654,31 @@ def test_engine_answers_the_same_with_drafts(family: str, source: str) -> None:
     draft = None if source == "ngram" else _gpu_model(
         path if drafts_itself else TINY / "qwen3" / "qwen3-Q8_0.gguf", False)
     text = [int(t) for t in _goldens(family)["prompt_long"]]
-    prompts = [text[i:i + 9] * 4 for i in range(0, 60, 10)]  # 36 tokens, a 9-token period
+    answers, kept = answers_with_and_without_drafts(model, tokenizer, text,
+                                                    draft_model=draft)
+    assert answers[4, False] == answers[0, False], "alone"
+    assert answers[4, True] == answers[0, True], "together"
+    repeats = family in ("qwen3", "qwen3moe", "qwen35")  # its answers repeat their prompts
+    assert kept > 0 or not (repeats if source == "ngram" else drafts_itself)
+
+
+def answers_with_and_without_drafts(model, tokenizer, text: list[int], **drafts):
+    """({(spec tokens 4 | 0, together): greedy answers}, drafts kept) of 6 prompts of text's
+    tokens (36 each, a 9-token period), alone and given to an engine before its first step;
+    drafts: the engine's draft source (draft_model= or use_mtp=True; none: n-gram lookup)."""
+    from sparkinfer_cli.engine.engine import ContinuousBatchEngine, EngineConfig
+    from sparkinfer_cli.engine.sampling_params import SamplingParams
+
+    prompts = [text[i:i + 9] * 4 for i in range(0, 60, 10)]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     answers, kept = {}, 0
     for spec_tokens in (4, 0):
         config = EngineConfig(ctx=4096, block_size=BLOCK_SIZE, max_num_seqs=8,
                               prefix_cache=False, spec_tokens=spec_tokens)
         for together in (True, False):  # one engine at a time: they share the model's stream
-            engine, sink = ContinuousBatchEngine(model, tokenizer, config, draft), _Sink()
+            engine = ContinuousBatchEngine(model, tokenizer, config,
+                                           **(drafts if spec_tokens else {}))
+            sink = _Sink()
             ids = [engine.submit(p, params, sink.on_event) for p in prompts] if together else []
             engine.start()
             try:
@@ -672,10 +687,7 @@ def test_engine_answers_the_same_with_drafts(family: str, source: str) -> None:
                 kept += engine.speculation.num_accepted_tokens
             finally:
                 engine.shutdown()
-    assert answers[4, False] == answers[0, False], "alone"
-    assert answers[4, True] == answers[0, True], "together"
-    repeats = family in ("qwen3", "qwen3moe", "qwen35")  # its answers repeat their prompts
-    assert kept > 0 or not (repeats if source == "ngram" else drafts_itself)
+    return answers, kept
 
 
 class _Sink:
