@@ -40,6 +40,9 @@ class MtpDrafter(Drafter):
         self.head = head
         self.cache = head.create_cache(num_blocks, block_size)
 
+    def prepare(self, max_seqs: int, max_pass_tokens: int) -> None:
+        self.head.prepare(self.cache, max_seqs, min(max_pass_tokens, DRAFTER_PASS_TOKENS))
+
     @property
     def caches(self) -> list[ModelCache]:
         return [self.cache]

@@ -50,6 +50,10 @@ class NextTokenHead(ABC, Generic[CacheT]):
         """hidden (N, n_embd): the model's, one row a new token of batch. (logits, hidden) of
         each sequence's last new token."""
 
+    def prepare(self, cache: CacheT, max_seqs: int, max_pass_tokens: int) -> None:
+        """Compiles or captures the head's passes of up to max_seqs sequences and max_pass_tokens
+        tokens over cache before the engine serves (nothing to do by default)."""
+
 
 @dataclass
 class StepTimes:

@@ -34,6 +34,9 @@ class CudaMtpHead(NextTokenHead[CudaModelCache]):
                 cache: CudaModelCache) -> tuple[np.ndarray, np.ndarray]:
         return self.passes.forward_head(hidden, batch, cache)
 
+    def prepare(self, cache: CudaModelCache, max_seqs: int, max_pass_tokens: int) -> None:
+        self.passes.prepare(cache, max_seqs, max_pass_tokens)
+
 
 class _HeadPasses(CudaModel):
     """The head's layer as a one-layer model on the trunk's stream, embedding and output."""
@@ -64,6 +67,9 @@ class _HeadPasses(CudaModel):
         states = states.copy_to_host(stream=self.stream)
         self._finish(p)
         return logits, states
+
+    def _capture(self, batch: SequenceBatch, cache: CudaModelCache) -> None:
+        self.forward(batch, cache)  # the head's passes return logits, never ids
 
     def _first_input(self, ws: Workspace, s) -> None:
         """ws.x = the layer's normed input, from the tokens' embeddings (ws.h) and the trunk's
