@@ -267,17 +267,20 @@ class ContinuousBatchEngine:
             self._run_prompt_logits(output)
             return output
         on_device, rows = self._device_picks(output)
-        n_steps = self._num_decode_steps(output) if on_device else 1
+        if self._keeps_hidden and rows is not None:  # draws come with no hidden states
+            on_device, rows = False, None
+        # queued passes return no hidden states, which an MTP head reads
+        n_steps = self._num_decode_steps(output) if on_device and not self._keeps_hidden else 1
         if n_steps > 1:
             self._last_passes = n_steps
             self._run_decode_steps(self.scheduler.extend_decodes(output, n_steps), n_steps, rows)
             return output
         hidden: dict[str, np.ndarray] = {}
         try:
-            if on_device:
+            if self._keeps_hidden:
+                results, hidden = self.runner.run_hidden(output, picks=on_device)
+            elif on_device:
                 results = self.runner.run_device_picks(output, rows)
-            elif self._keeps_hidden:
-                results, hidden = self.runner.run_hidden(output)
             else:
                 results = self.runner.run(output)
         except Exception as exc:  # a failed forward pass ends the requests it carried
@@ -421,8 +424,8 @@ class ContinuousBatchEngine:
     def _device_picks(self, output: SchedulerOutput) -> tuple[bool, SamplingRows | None]:
         """(whether the model picks every sampling sequence's token on its device, their
         draws (Sampler.device_draw), or None when all are plain greedy: the argmax)."""
-        if not self.runner.can_pick_greedy or self._keeps_hidden:  # hidden states need a pass
-            return False, None  # that returns them beside the logits (run_hidden)
+        if not self.runner.can_pick_greedy:
+            return False, None
         wanted = [self.scheduler.requests[s.request_id].sampler for s in output.sequences
                   if s.needs_logits]
         samplers = [x for x in wanted if x is not None]

@@ -30,14 +30,16 @@ class ModelRunner:
         """request id → (n_vocab,) logits, for each sequence whose piece ends its known tokens."""
         return self._run(output, self.model.forward)  # rows of (num_seqs, n_vocab)
 
-    def run_hidden(self, output: SchedulerOutput
+    def run_hidden(self, output: SchedulerOutput, picks: bool = False
                    ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-        """run()'s rows, and request id → the normed hidden state of each token the step
-        computes for it (ModelBackend.forward_hidden: what an MTP head reads)."""
+        """run()'s rows (picks: run_device_picks' argmax ids instead), and request id → the
+        normed hidden state of each token the step computes for it (ModelBackend.forward_hidden:
+        what an MTP head reads)."""
         hidden = {}
+        forward_hidden = self.model.forward_greedy_hidden if picks else self.model.forward_hidden
 
         def forward(batch: SequenceBatch, cache: ModelCache) -> np.ndarray:
-            logits, states = self.model.forward_hidden(batch, cache)  # states: (N, n_embd)
+            logits, states = forward_hidden(batch, cache)  # states: (N, n_embd)
             offsets = batch.token_offsets()
             for i, seq in enumerate(output.sequences):
                 hidden[seq.request_id] = states[offsets[i]:offsets[i + 1]]

@@ -106,6 +106,12 @@ class ModelBackend(ABC, Generic[CacheT]):
         the MTP head reads."""
         raise NotImplementedError(f"{type(self).__name__} gives no hidden states")
 
+    def forward_greedy_hidden(self, batch: SequenceBatch,
+                              cache: CacheT) -> tuple[np.ndarray, np.ndarray]:
+        """forward_greedy's ids and forward_hidden's hidden states of one pass (picks_on_device):
+        an MTP head's steps move ids, not logits, off the device."""
+        raise NotImplementedError(f"{type(self).__name__} picks no tokens on a device")
+
     def prepare(self, cache: CacheT, max_seqs: int, max_pass_tokens: int) -> None:
         """Compiles or captures every pass of up to max_seqs sequences and max_pass_tokens
         tokens before the engine serves (nothing to do by default)."""

@@ -78,16 +78,26 @@ def test_greedy_answers_with_mtp_drafts_equal_those_without(mtp_files):
 
 
 @pytest.mark.slow
-def test_a_model_that_picks_tokens_on_its_device_still_hands_the_head_its_states(
+def test_a_model_that_picks_tokens_on_its_device_hands_the_head_its_states(
         mtp_files, monkeypatch):
-    """As a CUDA model does: greedy steps would take the argmax ids from the device
-    (forward_greedy), which return no hidden states; with an MTP head the engine runs the
-    passes that do, and the answers are those of the model without drafts."""
+    """As a CUDA model does: greedy steps take argmax ids from the device, and queue several
+    decode passes (which return no hidden states: forward_greedy and decode_greedy still
+    raise); with an MTP head every step runs forward_greedy_hidden (the ids and the states)
+    and the answers are those of the model without drafts."""
     model = load_model(mtp_files[0], "cpu", with_mtp=True, mtp_file=mtp_files[1])
     tokenizer = Tokenizer.from_gguf(GGUFFile(mtp_files[0]))
+    passes = []
+
+    def greedy_hidden(batch, cache):
+        logits, hidden = model.forward_hidden(batch, cache)
+        passes.append(len(batch.token_ids))
+        return np.argmax(logits, axis=1), hidden
+
     answers = {}
     for use_mtp in (False, True):
-        monkeypatch.setattr(model, "picks_on_device", use_mtp)  # forward_greedy still raises
+        monkeypatch.setattr(model, "picks_on_device", use_mtp)
+        monkeypatch.setattr(model, "max_queued_steps", 4 if use_mtp else 1)
+        monkeypatch.setattr(model, "forward_greedy_hidden", greedy_hidden)
         engine = _engine(model, tokenizer, use_mtp=use_mtp)
         engine.start()
         try:
@@ -95,7 +105,7 @@ def test_a_model_that_picks_tokens_on_its_device_still_hands_the_head_its_states
         finally:
             engine.shutdown()
     assert answers[True] == answers[False]
-    assert engine.speculation.num_drafts > 0
+    assert engine.speculation.num_drafts > 0 and passes
 
 
 @pytest.mark.slow

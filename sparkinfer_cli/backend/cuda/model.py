@@ -218,10 +218,22 @@ class CudaModel(ModelBackend[CudaModelCache]):
         the pass leaves in ws.x."""
         p = self._pass(batch, cache)
         logits = self._host_logits(p)
-        hidden = p.ws.x.f.reshape(p.ws.n_rows, -1)[:len(batch.token_ids)]
-        hidden = hidden.copy_to_host(stream=self.stream)
+        hidden = self._host_hidden(p, len(batch.token_ids))
         self._finish(p)
         return logits, hidden
+
+    def forward_greedy_hidden(self, batch: SequenceBatch,
+                              cache: CudaModelCache) -> tuple[np.ndarray, np.ndarray]:
+        p = self._pass(batch, cache, greedy=True)
+        picks = p.ws.sampling(p.logit_rows, self.output.n_rows)
+        copy_to_host_async(picks.ids_host[0], picks.ids, self.stream)
+        hidden = self._host_hidden(p, len(batch.token_ids))
+        self._finish(p)
+        return picks.ids_host[0, :p.n_logits].copy(), hidden
+
+    def _host_hidden(self, p: QueuedPass, n_tokens: int) -> np.ndarray:
+        rows = p.ws.x.f.reshape(p.ws.n_rows, -1)[:n_tokens]
+        return rows.copy_to_host(stream=self.stream)
 
     def _host_logits(self, p: QueuedPass) -> np.ndarray:
         """A queued pass's real logit rows, copied to the host once the stream gets there."""
