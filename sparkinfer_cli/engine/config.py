@@ -53,6 +53,9 @@ class EngineConfig:
     # n-gram speculative decoding: drafted tokens a plain-greedy decode step checks at once, on
     # models that score drafts (ModelBackend.scores_drafts); 0 = off
     spec_tokens: int = 0
+    # drafts a step carries follow what a pass's rows cost and how often each request's drafts
+    # are kept (DraftBudget); False: each request drafts as many as its DraftLength allows
+    draft_budget: bool = True
     step_trace: str = ""  # file that gets one JSON line per step (StepTrace); "" = none
 
     def __post_init__(self) -> None:

@@ -22,6 +22,7 @@ from sparkinfer_cli.engine.config import (
     RequestTooLargeError,
 )
 from sparkinfer_cli.engine.constraint import GrammarConstraint, check_grammar
+from sparkinfer_cli.engine.draft_budget import DraftBudget
 from sparkinfer_cli.engine.draft_model import DraftModel
 from sparkinfer_cli.engine.greedy_batch import GreedyBatch, default_num_threads
 from sparkinfer_cli.engine.kv_cache import CacheOps, KVCacheManager, PrefixCacheStats
@@ -98,8 +99,9 @@ class ContinuousBatchEngine:
                           default=0)
         self.drafter = _drafter(model, config, draft_model, use_mtp)
         self._keeps_hidden = use_mtp  # the MTP head reads the model's hidden states
+        self.budget = DraftBudget() if self._can_speculate and config.draft_budget else None
         self.scheduler = Scheduler(config, self.kv, create_policy(config), pass_tokens,
-                                   model.max_draft_pass_tokens, self.drafter)
+                                   model.max_draft_pass_tokens, self.drafter, self.budget)
         self.runner = ModelRunner(model, cache, self.drafter.caches)
         self.speculation = SpeculationStats()  # written by the engine thread only
         if config.spec_tokens and not self._can_speculate:
@@ -336,8 +338,10 @@ class ContinuousBatchEngine:
                 self._finish(request, "rejected", str(exc))
                 return
         self.speculation.record(len(drafts), kept)
+        if self.budget is not None:
+            self.budget.checked(len(drafts), kept)
         if request.drafting is not None:
-            request.drafting.checked(kept)
+            request.drafting.checked(len(drafts), kept)
         computed = self.scheduler.drafts_checked(request, len(drafts), kept)
         for i in range(kept + 1):
             if request.is_finished:
@@ -538,6 +542,10 @@ class ContinuousBatchEngine:
             step_s = time.perf_counter() - started
             self.timings.add("decode" if output.is_decode_only else "mixed", step_s,
                              self.runner.last_forward_s)
+            if self.budget is not None and output.is_decoding and self.runner.last_forward_s:
+                # NOTE: queued decode passes are measured per pass (what a drafting step forgoes)
+                self.budget.cost.observe(output.num_tokens,
+                                         self.runner.last_forward_s / self._last_passes)
             if self._trace is not None:
                 self._trace.write([len(s.token_ids) - s.num_drafts for s in output.sequences],
                                   self._last_passes, step_s, self.runner.last_forward_s,

@@ -25,6 +25,7 @@ class ModelRunner:
         self.block_mirrors = block_mirrors
         self.is_hybrid = model.config.is_hybrid
         self.last_forward_s = 0.0  # wall time of the latest run()'s model.forward
+        self.clock: Callable[[], float] = time.perf_counter  # what times it (tests: a model's)
 
     def run(self, output: SchedulerOutput) -> dict[str, np.ndarray]:
         """request id → (n_vocab,) logits, for each sequence whose piece ends its known tokens."""
@@ -82,13 +83,13 @@ class ModelRunner:
         draws(step), called once the previous pass's ids were read. Read them all."""
         self.apply_cache_ops(output.cache_ops)
         batch = self.prepare_batch(output.sequences)
-        started = time.perf_counter()
+        started = self.clock()
         passes = self.model.decode_greedy(batch, self.cache, n_steps) if draws is None else \
             self.model.decode_drawn(batch, self.cache, n_steps, draws)
         for ids in passes:
-            self.last_forward_s += time.perf_counter() - started
+            self.last_forward_s += self.clock() - started
             yield ids
-            started = time.perf_counter()
+            started = self.clock()
 
     def _run(self, output: SchedulerOutput,
              forward: Callable[[SequenceBatch, ModelCache], np.ndarray]) -> dict[str, np.ndarray]:
@@ -96,9 +97,9 @@ class ModelRunner:
         if not output.sequences:
             return {}
         batch = self.prepare_batch(output.sequences)
-        started = time.perf_counter()
+        started = self.clock()
         result = forward(batch, self.cache)  # (Σ logit rows, ...)
-        self.last_forward_s = time.perf_counter() - started
+        self.last_forward_s = self.clock() - started
         rows, cursor = {}, 0
         for seq in output.sequences:  # NOTE: a sequence with drafts gets (1 + drafts, ...) rows
             n = 1 + seq.num_drafts
@@ -113,9 +114,9 @@ class ModelRunner:
         self.apply_cache_ops(output.cache_ops)
         batch = self.prepare_batch(output.sequences)
         batch.all_logits = True
-        started = time.perf_counter()
+        started = self.clock()
         logits = self.model.forward(batch, self.cache)
-        self.last_forward_s = time.perf_counter() - started
+        self.last_forward_s = self.clock() - started
         return logits
 
     def apply_cache_ops(self, ops: CacheOps) -> None:

@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 
 from sparkinfer_cli.engine.config import EngineConfig
+from sparkinfer_cli.engine.draft_budget import DraftBudget
 from sparkinfer_cli.engine.kv_cache import (
     NO_STATE_SLOT,
     CacheOps,
@@ -58,6 +59,13 @@ class SchedulerOutput:
         return all(len(s.token_ids) == 1 for s in self.sequences)
 
     @property
+    def is_decoding(self) -> bool:
+        """Every sequence decodes one token, with or without drafts: the passes DraftBudget
+        weighs against each other."""
+        return bool(self.sequences) and all(len(s.token_ids) - s.num_drafts == 1 and
+                                            s.needs_logits for s in self.sequences)
+
+    @property
     def is_empty(self) -> bool:
         return not self.sequences and self.cache_ops.is_empty
 
@@ -65,14 +73,16 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager, policy: BasePolicy,
                  max_step_tokens: int = 0, max_draft_step_tokens: int = 0,
-                 drafter: Drafter | None = None):
+                 drafter: Drafter | None = None, budget: DraftBudget | None = None):
         """max_step_tokens: the most tokens the model takes in one forward pass;
         max_draft_step_tokens: the most a pass that checks drafts may carry (0 = no limit);
-        drafter: where drafts come from (n-gram prompt lookup by default)."""
+        drafter: where drafts come from (n-gram prompt lookup by default); budget: how many
+        drafts each request carries in a step (None: as many as its DraftLength allows)."""
         self.config, self.kv, self.policy = config, kv, policy
         self.max_step_tokens = max_step_tokens
         self.max_draft_step_tokens = max_draft_step_tokens
         self.drafter = drafter or NgramDrafter()
+        self.budget = budget
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -272,8 +282,13 @@ class Scheduler:
     def _drafts(self, pieces: list[tuple[Request, int]], room: int) -> list[list[int]]:
         """Each piece's drafts. A drafter that fails (a draft model's pass) costs this step its
         drafts, not the step: the cache operations already taken must still run."""
+        wants = [(request, self._draft_limit(request, n)) for request, n in pieces]
+        if self.budget is not None:
+            num_sampling = sum(r.num_computed_tokens + n == r.num_tokens for r, n in pieces)
+            counts = self.budget.split(wants, sum(n for _, n in pieces), num_sampling, room)
+            wants = [(request, k) for (request, _), k in zip(wants, counts, strict=True)]
         try:
-            return self.drafter.drafts([(r, self._draft_limit(r, n)) for r, n in pieces], room)
+            return self.drafter.drafts(wants, room)
         except Exception:
             log.exception("drafting failed: this step checks no drafts")
             for request, _ in pieces:

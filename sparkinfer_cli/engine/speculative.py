@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from sparkinfer_cli.engine.draft_budget import REQUEST_FADE, Acceptance
+
 if TYPE_CHECKING:
     from sparkinfer_cli.engine.request import Request
     from sparkinfer_cli.engine.sampler import Sampler
@@ -177,13 +179,15 @@ class DraftLength:
     """How many tokens a request drafts at its next decode step: the configured most at first,
     then one more than its last check kept (a copied span tends to go on; a short one, to stop),
     and none for a while once checks keep failing (free prose that repeats nothing), so that
-    speculation costs little where it does not pay."""
+    speculation costs little where it does not pay. Within that, the engine's DraftBudget
+    decides by what a row costs and how often this request's drafts are kept (acceptance)."""
 
     def __init__(self, most: int):
         self.most = most
         self.ids = TokenArray()  # the request's tokens, for ngram_draft
         self.draft_kv_tokens = 0  # its leading positions whose KV a draft model (or head) wrote
         self.hidden = HiddenRows()  # for an MTP head
+        self.acceptance = Acceptance()
         self._next = most
         self._misses = 0  # checks in a row that kept no draft
         self._pause = 0  # decode steps left without drafts
@@ -191,13 +195,15 @@ class DraftLength:
 
     def limit(self) -> int:
         """The drafts this decode step may carry (called once a decode step)."""
+        self.acceptance.fade(REQUEST_FADE)
         if self._pause:
             self._pause -= 1
             return 0
         return self._next
 
-    def checked(self, kept: int) -> None:
-        """A step's check kept `kept` of its drafted tokens."""
+    def checked(self, drafted: int, kept: int) -> None:
+        """A step's check kept `kept` of its `drafted` tokens."""
+        self.acceptance.checked(drafted, kept)
         self._next = min(self.most, kept + 1)
         if kept:
             self._misses, self._next_pause = 0, FIRST_PAUSE_STEPS

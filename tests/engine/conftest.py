@@ -1,4 +1,5 @@
-"""The `engines` fixture: started engines over FakeModel (or a given model), shut down after."""
+"""The `engines` fixture: started engines over FakeModel (or a given model), shut down after; a
+model with a clock (FakeModel's) times the engine's passes."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ def engines():
 
     def create(model=None, start=True, **config):
         config = {"ctx": 1024, "block_size": 8, **config}
-        engine = ContinuousBatchEngine(model or FakeModel(), TOKENIZER, EngineConfig(**config))
+        model = model or FakeModel()
+        engine = ContinuousBatchEngine(model, TOKENIZER, EngineConfig(**config))
+        engine.runner.clock = getattr(model, "clock", None) or engine.runner.clock
         created.append(engine)
         if start:
             engine.start()

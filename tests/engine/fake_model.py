@@ -92,10 +92,27 @@ class FakeCache:
         self.state[slot] = 0
 
 
+class FakeClock:
+    """The time a FakeModel's passes took: each forward adds what its rows cost, so what the
+    engine measures (ModelRunner.clock) is the same on every run."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 class FakeModel(ModelBackend):
     """Greedy-deterministic model; counts computed tokens; can fail or call a hook on demand."""
 
     scores_drafts = True  # honours batch.logit_counts
+
+    @staticmethod
+    def pass_seconds(num_rows: int) -> float:
+        """What a pass of num_rows tokens costs on FakeClock: a GPU decode's shape, where a few
+        more rows cost little, so drafts pay wherever they are kept."""
+        return 1e-3 * (1 + num_rows / 64)
 
     @staticmethod
     def pick(seen: Sequence[int]) -> int:
@@ -108,6 +125,7 @@ class FakeModel(ModelBackend):
         self.batch_sizes: list[int] = []
         self.fail_on_token: int | None = None  # forward raises when this token id is fed
         self.before_forward: Callable[[SequenceBatch], None] | None = None
+        self.clock: FakeClock | None = FakeClock()  # None: the engine times it on its own clock
 
     def create_cache(self, num_blocks: int, block_size: int, num_state_slots: int) -> FakeCache:
         return FakeCache(num_blocks, block_size, num_state_slots)
@@ -118,6 +136,8 @@ class FakeModel(ModelBackend):
         if self.fail_on_token is not None and self.fail_on_token in batch.token_ids:
             raise RuntimeError("injected model failure")
         self.num_forward_tokens += len(batch.token_ids)
+        if self.clock is not None:
+            self.clock.now += self.pass_seconds(len(batch.token_ids))
         self.batch_sizes.append(batch.num_seqs)
         offsets = batch.token_offsets()
         rows = [self._sequence_logits(batch, cache, i, batch.token_ids[offsets[i]:offsets[i + 1]])

@@ -535,6 +535,7 @@ def test_long_prompts_are_split_to_the_models_pass_limit(engines):
 def test_step_timings_split_forward_from_engine_time(engines):
     model, forward_s = FakeModel(), 0.004
     model.before_forward = lambda batch: time.sleep(forward_s)
+    model.clock = None  # the engine's own clock: this test times it
     engine, sink = engines(model), Collector()
     ids = [engine.submit(p, greedy(6), sink) for p in _prompts(3)]
     for request_id in ids:
@@ -554,6 +555,7 @@ def test_step_timings_split_forward_from_engine_time(engines):
 def test_step_trace_writes_each_step_as_it_ran(engines, tmp_path):
     trace = tmp_path / "steps.jsonl"
     model = FakeModel()
+    model.clock = None  # the engine's own clock, which the trace's step times also read
     engine, sink = engines(model, step_trace=str(trace)), Collector()
     prompts = _prompts(3)
     ids = [engine.submit(p, greedy(5), sink) for p in prompts]

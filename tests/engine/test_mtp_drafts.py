@@ -52,8 +52,8 @@ def _answers(engine: ContinuousBatchEngine, prompts: list[list[int]],
     return [sink.tokens(sink.final(i).request_id) for i in ids]
 
 
-def _engine(model, tokenizer, **kwargs) -> ContinuousBatchEngine:
-    spec = {"spec_tokens": 3} if kwargs.get("use_mtp") else {}
+def _engine(model, tokenizer, draft_budget: bool = True, **kwargs) -> ContinuousBatchEngine:
+    spec = {"spec_tokens": 3, "draft_budget": draft_budget} if kwargs.get("use_mtp") else {}
     return ContinuousBatchEngine(model, tokenizer, EngineConfig(
         ctx=4096, block_size=BLOCK, prefix_cache=True, **spec), **kwargs)
 
@@ -116,10 +116,11 @@ def test_every_mtp_draft_is_the_head_run_afresh_over_the_sequence(mtp_files, mon
     position (a draft that keeps missing would only slow decoding down). Every step drafts the
     most it may (the random head's drafts miss, which would shorten them), and the head takes a
     prompt's pairs in passes of at most 7."""
-    monkeypatch.setattr(DraftLength, "checked", lambda self, kept: None)
+    monkeypatch.setattr(DraftLength, "checked", lambda self, drafted, kept: None)
     monkeypatch.setattr(mtp_drafts, "DRAFTER_PASS_TOKENS", 7)
     model = load_model(mtp_files[0], "cpu", with_mtp=True, mtp_file=mtp_files[1])
-    engine = _engine(model, Tokenizer.from_gguf(GGUFFile(mtp_files[0])), use_mtp=True)
+    engine = _engine(model, Tokenizer.from_gguf(GGUFFile(mtp_files[0])), draft_budget=False,
+                     use_mtp=True)
     seen: list[tuple[list[int], list[int], list[np.ndarray]]] = []  # tokens, drafts, logits
     drafts, head = engine.drafter.drafts, model.mtp.forward
     passes: list[np.ndarray] = []  # the logits of each head pass of one step (drafting last)

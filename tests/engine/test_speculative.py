@@ -47,12 +47,12 @@ def test_drafts_from_a_request_s_token_array_equal_those_from_its_list():
 def test_the_draft_length_follows_what_the_last_check_kept():
     drafting = DraftLength(4)
     assert drafting.limit() == 4
-    drafting.checked(1)
+    drafting.checked(4, 1)
     assert drafting.limit() == 2  # one kept: try one more than that
-    drafting.checked(2)
+    drafting.checked(2, 2)
     assert drafting.limit() == 3
-    drafting.checked(3)
-    drafting.checked(4)
+    drafting.checked(3, 3)
+    drafting.checked(4, 4)
     assert drafting.limit() == 4  # never past the configured most
 
 
@@ -61,14 +61,14 @@ def test_drafts_that_keep_failing_pause_and_the_pause_doubles():
     pauses = []
     for _ in range(4):
         for _ in range(MISSES_TO_PAUSE):
-            drafting.checked(0)
+            drafting.checked(1, 0)
         limits = [drafting.limit() for _ in range(2 * MAX_PAUSE_STEPS)]
         pauses.append(limits.index(1))  # one draft token after a miss
         assert not any(limits[:pauses[-1]])
     assert pauses == [FIRST_PAUSE_STEPS * 2 ** i for i in range(4)]
-    drafting.checked(1)  # a kept draft: the next misses pause for the first pause again
+    drafting.checked(1, 1)  # a kept draft: the next misses pause for the first pause again
     for _ in range(MISSES_TO_PAUSE):
-        drafting.checked(0)
+        drafting.checked(1, 0)
     assert [drafting.limit() for _ in range(FIRST_PAUSE_STEPS + 1)][-2:] == [0, 1]
 
 
