@@ -26,6 +26,9 @@ if TYPE_CHECKING:
 
 # the weight of a new measurement in a row count's running mean (steps vary ±20 % on a busy host)
 COST_EWMA = 0.25
+# a measurement counts as at most this many times its row count's mean: a stall (another thread,
+# a collection) must not stop drafting at that count until it is measured again and again
+SPIKE_CAP = 2.0
 # a row count measured over this many passes ago no longer counts: the cost drifts as contexts
 # grow, and a stale figure must not stop drafting (or keep it going) forever
 STALE_PASSES = 256
@@ -76,7 +79,10 @@ class PassCost:
     def observe(self, rows: int, seconds: float) -> None:
         self._passes += 1
         mean = self._means.get(rows)
-        self._means[rows] = seconds if mean is None else mean + COST_EWMA * (seconds - mean)
+        if mean is None:
+            self._means[rows] = seconds
+        else:
+            self._means[rows] = mean + COST_EWMA * (min(seconds, SPIKE_CAP * mean) - mean)
         self._counts[rows] = self._counts.get(rows, 0) + 1
         self._last[rows] = self._passes
         for stale in [r for r, at in self._last.items() if self._passes - at > STALE_PASSES]:

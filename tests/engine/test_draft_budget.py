@@ -8,7 +8,9 @@ from engine_harness import Collector, greedy
 from test_prefix_cache import RepeatingModel, _greedy_of
 
 from sparkinfer_cli.engine.draft_budget import (
+    COST_EWMA,
     PRIOR_TRIALS,
+    SPIKE_CAP,
     STALE_PASSES,
     Acceptance,
     DraftBudget,
@@ -96,6 +98,13 @@ def test_pass_cost_fits_a_line_through_the_measured_row_counts():
     falling.observe(8, 1.0)
     falling.observe(12, 0.9)
     assert falling.seconds(8) == falling.seconds(40) == pytest.approx(0.95)
+
+
+def test_a_stall_moves_a_row_count_s_mean_a_little():
+    cost = PassCost()
+    cost.observe(1, 1.0)
+    cost.observe(1, 100.0)  # counts as 2.0
+    assert cost.seconds(1) == pytest.approx(1.0 + COST_EWMA * (SPIKE_CAP - 1.0))
 
 
 def test_a_row_count_measured_long_ago_no_longer_counts():
