@@ -1,6 +1,7 @@
 """The MTP head on the GPU (backend/cuda/mtp.py) against the CPU head (model/mtp.py), and the
 engine's greedy answers with its drafts against those without, on synthetic tiny Qwen3.5 files
-with one NextN block (an MoE head, a dense one, and an MoE head in a file of its own)."""
+with one NextN block (an MoE head, a dense one, and an MoE head in a file of its own). Without a
+GPU the head's own first stage runs in numba's simulator (a whole pass is too slow there)."""
 
 from __future__ import annotations
 
@@ -82,3 +83,27 @@ def test_engine_answers_the_same_with_mtp_drafts(mtp_files) -> None:
         model, Tokenizer.from_gguf(GGUFFile(mtp_files[0])), PROMPT, use_mtp=True)
     assert answers[4, False] == answers[0, False], "alone"
     assert answers[4, True] == answers[0, True], "together"
+
+
+@pytest.mark.slow
+def test_head_input_is_eh_proj_over_the_normed_embedding_and_hidden_rows(tmp_path) -> None:
+    """The stage the head adds to a layer (eh_proj as two column halves summed in the residual
+    add, then the layer's pre-norm): ws.x equals the CPU head's attn_norm(eh_proj([enorm(e) |
+    hnorm(h)])) row by row, padding rows aside."""
+    from sparkinfer_cli.backend.cuda.model import CachePasses
+
+    files = (write_synthetic(tmp_path / "m.gguf", "tiny-qwen35moe-mtp", seed=3), None)
+    head = _gpu_model(files, exact=True).mtp.passes
+    cpu = load_model(files[0], "cpu", with_mtp=True).mtp
+    tokens = np.array([5, 17, 301], np.int32)
+    hidden = np.random.default_rng(0).standard_normal((3, head.config.n_embd)).astype(np.float32)
+    cache = head.create_cache(2, BLOCK_SIZE, 0)
+    ws = head._workspace(CachePasses(), cache, 4)
+    ws.fill(SequenceBatch.single(tokens, 0, np.arange(1, dtype=np.int32), 0), None)
+    ws.upload(head.stream)
+    ws.stage_rows_in(hidden, head.stream)
+    head._first_input(ws, head.stream)
+    got = np.asarray(ws.x.f.copy_to_host(stream=head.stream)).reshape(4, -1)[:3]
+    pairs = np.concatenate([cpu.enorm(cpu.trunk.token_embd(tokens)), cpu.hnorm(hidden)], axis=1)
+    want = cpu.layer.attn_norm(cpu.eh_proj(pairs))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
