@@ -60,9 +60,9 @@ class MtpDrafter(Drafter):
         drafted: dict[int, list[int]] = {id(request): [] for request, _ in active}
         for step in range(max((k for _, k in active), default=0)):
             going = [request for request, k in active if k > step]
-            logits, hidden = self._forward(going, [pieces[id(r)] for r in going])
-            for request, row, h in zip(going, logits, hidden):
-                token = int(np.argmax(row))
+            ids, hidden = self._forward(going, [pieces[id(r)] for r in going])
+            for request, picked, h in zip(going, ids, hidden):
+                token = int(picked)
                 drafted[id(request)].append(token)
                 pieces[id(request)] = Piece(request.num_tokens + step, [token], h[None])
         for request, _ in active:
@@ -96,7 +96,8 @@ class MtpDrafter(Drafter):
 
     def _forward(self, requests: list[Request],
                  pieces: list[Piece]) -> tuple[np.ndarray, np.ndarray]:
-        """The head over each request's piece: the logits and hidden state of its last pair."""
+        """The head over each request's piece: the argmax id and hidden state of its last
+        pair."""
         tables = []
         for request in requests:
             assert request.kv is not None
@@ -107,4 +108,4 @@ class MtpDrafter(Drafter):
             num_new_tokens=[len(p.tokens) for p in pieces], block_tables=tables,
             state_slots=[], logit_counts=[])
         hidden = np.concatenate([p.hidden for p in pieces]).astype(np.float32, copy=False)
-        return self.head.forward(hidden, batch, self.cache)
+        return self.head.forward_greedy(hidden, batch, self.cache)

@@ -50,6 +50,13 @@ class NextTokenHead(ABC, Generic[CacheT]):
         """hidden (N, n_embd): the model's, one row a new token of batch. (logits, hidden) of
         each sequence's last new token."""
 
+    def forward_greedy(self, hidden: np.ndarray, batch: SequenceBatch,
+                       cache: CacheT) -> tuple[np.ndarray, np.ndarray]:
+        """forward's argmax ids (num_seqs,) (ties: the lowest id) and hidden states; a head on a
+        device picks them there, so only the ids come back."""
+        logits, states = self.forward(hidden, batch, cache)
+        return np.argmax(logits, axis=-1), states
+
     def prepare(self, cache: CacheT, max_seqs: int, max_pass_tokens: int) -> None:
         """Compiles or captures the head's passes of up to max_seqs sequences and max_pass_tokens
         tokens over cache before the engine serves (nothing to do by default)."""

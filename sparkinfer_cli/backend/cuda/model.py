@@ -225,11 +225,17 @@ class CudaModel(ModelBackend[CudaModelCache]):
     def forward_greedy_hidden(self, batch: SequenceBatch,
                               cache: CudaModelCache) -> tuple[np.ndarray, np.ndarray]:
         p = self._pass(batch, cache, greedy=True)
-        picks = p.ws.sampling(p.logit_rows, self.output.n_rows)
-        copy_to_host_async(picks.ids_host[0], picks.ids, self.stream)
+        ids = self._host_ids(p)
         hidden = self._host_hidden(p, len(batch.token_ids))
         self._finish(p)
-        return picks.ids_host[0, :p.n_logits].copy(), hidden
+        return ids.copy(), hidden
+
+    def _host_ids(self, p: QueuedPass) -> np.ndarray:
+        """A greedy pass's ids: the pinned row they are copied into (read once the stream is
+        there)."""
+        picks = p.ws.sampling(p.logit_rows, self.output.n_rows)
+        copy_to_host_async(picks.ids_host[0], picks.ids, self.stream)
+        return picks.ids_host[0, :p.n_logits]
 
     def _host_hidden(self, p: QueuedPass, n_tokens: int) -> np.ndarray:
         rows = p.ws.x.f.reshape(p.ws.n_rows, -1)[:n_tokens]
@@ -253,10 +259,9 @@ class CudaModel(ModelBackend[CudaModelCache]):
         (kernels/cuda/sampling.py: the host Sampler's choice for the same u where
         sampling.supports_exactly; temperature 0 = argmax); None = argmax on all."""
         p = self._pass(batch, cache, greedy=True, sampling_rows=rows)
-        picks = p.ws.sampling(p.logit_rows, self.output.n_rows)
-        copy_to_host_async(picks.ids_host[0], picks.ids, self.stream)
+        ids = self._host_ids(p)
         self._finish(p)
-        return picks.ids_host[0, :p.n_logits].copy()  # (n_logits,)
+        return ids.copy()  # (n_logits,)
 
     def decode_greedy(self, batch: SequenceBatch, cache: CudaModelCache,
                       n_steps: int) -> Iterator[np.ndarray]:

@@ -34,6 +34,10 @@ class CudaMtpHead(NextTokenHead[CudaModelCache]):
                 cache: CudaModelCache) -> tuple[np.ndarray, np.ndarray]:
         return self.passes.forward_head(hidden, batch, cache)
 
+    def forward_greedy(self, hidden: np.ndarray, batch: SequenceBatch,
+                       cache: CudaModelCache) -> tuple[np.ndarray, np.ndarray]:
+        return self.passes.forward_head(hidden, batch, cache, greedy=True)
+
     def prepare(self, cache: CudaModelCache, max_seqs: int, max_pass_tokens: int) -> None:
         self.passes.prepare(cache, max_seqs, max_pass_tokens)
 
@@ -58,18 +62,20 @@ class _HeadPasses(CudaModel):
         self.stream.synchronize()
         self.weight_bytes = up.n_bytes + up.half_bytes
 
-    def forward_head(self, hidden: np.ndarray, batch: SequenceBatch,
-                     cache: CudaModelCache) -> tuple[np.ndarray, np.ndarray]:
-        """NextTokenHead.forward: (logits, normed state) of each sequence's last new token."""
-        p = self._pass(batch, cache, rows_in=hidden)
-        logits = self._host_logits(p)
+    def forward_head(self, hidden: np.ndarray, batch: SequenceBatch, cache: CudaModelCache,
+                     greedy: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """NextTokenHead.forward: (logits, normed state) of each sequence's last new token;
+        greedy: (argmax ids picked on the device, normed state)."""
+        p = self._pass(batch, cache, greedy=greedy, rows_in=hidden)
+        picked = self._host_ids(p) if greedy else self._host_logits(p)
         states = self._final(p.ws, p.logit_rows).f.reshape(p.logit_rows, -1)[:p.n_logits]
         states = states.copy_to_host(stream=self.stream)
         self._finish(p)
-        return logits, states
+        return picked.copy() if greedy else picked, states
+
 
     def _capture(self, batch: SequenceBatch, cache: CudaModelCache) -> None:
-        self.forward(batch, cache)  # the head's passes return logits, never ids
+        self.forward_greedy(batch, cache)  # drafting asks for the ids, not the logits
 
     def _first_input(self, ws: Workspace, s) -> None:
         """ws.x = the layer's normed input, from the tokens' embeddings (ws.h) and the trunk's
