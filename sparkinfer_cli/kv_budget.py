@@ -89,7 +89,8 @@ def state_pool_bytes(config: ModelConfig, environ: Mapping[str, str] | None = No
 
 @dataclass(frozen=True)
 class DraftFit:
-    """What a draft model adds to the memory a server needs."""
+    """What a drafter adds to the memory a server needs: a draft model's config and weights, or
+    an MTP head's layer (ModelConfig.mtp_head_config) and a head-only file's weights."""
     config: ModelConfig
     weights_bytes: int
 
@@ -99,7 +100,7 @@ def fit_kv_pool(config: ModelConfig, ctx: int | None, device: str, weights_bytes
                 spec_tokens: int | None = None, draft: DraftFit | None = None) -> KVPool:
     """The server's KV pool for --ctx `ctx` (None: $CTX; unset or 0: the trained context), beside
     the weights and the recurrent-state slots (hybrid models; spec_tokens: state_pool_bytes),
-    which are allocated whatever the pool; a draft model's weights and KV (as many tokens as the
+    which are allocated whatever the pool; a drafter's weights and KV (as many tokens as the
     pool) count too."""
     asked = env.CTX.get(environ) if ctx is None else ctx
     tokens = asked or config.context_length

@@ -79,3 +79,31 @@ def test_a_draft_model_counts_its_weights_and_its_kv(monkeypatch):
     capped = kv_budget.fit_kv_pool(target, None, "cpu", weights, {}, draft=draft).ctx
     both = (target.kv_bytes_per_token(1) + draft.config.kv_bytes_per_token(1)) * per_value
     assert capped is not None and capped * both <= pool + (1 << 19) < (capped + 16) * both
+
+
+def test_an_mtp_head_counts_its_layer_kv_and_a_head_files_weights(tmp_path, monkeypatch):
+    """serve's preflight: the head's one attention layer takes a KV entry per pool token beside
+    the model's (a pool that fits the model's alone is refused), and a head-only file's bytes
+    count as weights; a head inside the model file adds none (the file's bytes hold it)."""
+    import dataclasses
+
+    from sparkinfer_cli.app import preflight
+    from sparkinfer_cli.gguf.synthetic import PRESETS, write_synthetic
+    from sparkinfer_cli.server.config import Speculation
+
+    model = write_synthetic(tmp_path / "model.gguf", "tiny-qwen35moe-mtp")
+    head_only = write_synthetic(tmp_path / "head.gguf", dataclasses.replace(
+        PRESETS["tiny-qwen35moe-mtp"], head_only=True))
+    checked = preflight.check_model_file(model, {})
+    inside, beside = preflight.check_mtp(checked, None), preflight.check_mtp(checked, head_only)
+    assert inside.weights_bytes == 0 and beside.weights_bytes == GGUFFile(head_only).n_bytes
+    assert inside.config.kv_bytes_per_token(1) == \
+        checked.config.kv_bytes_per_token(1) // len(checked.config.attention_layers)
+    ctx, weights = 4096, GGUFFile(model).n_bytes
+    pool = ctx * checked.config.kv_bytes_per_token(1) * kv_budget.kv_bytes_per_value("cpu")
+    memory = weights + 2 * pool + kv_budget.state_pool_bytes(checked.config, {}, 3) + 1024
+    monkeypatch.setattr(kv_budget, "available_memory_bytes", lambda device: memory)
+    assert kv_budget.fit_kv_pool(checked.config, ctx, "cpu", weights, {}, 3).ctx == ctx
+    with pytest.raises(ValueError, match="ask for fewer tokens"):
+        preflight.check_serve(model, "127.0.0.1", 0, ctx, "cpu", {},
+                              speculation=Speculation(3, None, mtp=True))

@@ -69,7 +69,7 @@ def check_serve(path: str | Path, host: str | None, port: int | None, ctx: int |
     checked = check_model_file(path, environ)
     draft = None
     if speculation is not None and speculation.mtp:
-        check_mtp(checked, speculation.draft_model)
+        draft = check_mtp(checked, speculation.draft_model)
     elif speculation is not None and speculation.draft_model is not None:
         draft = check_draft_file(speculation.draft_model, checked.gguf)
     pool = fit_kv_pool(checked.config, ctx, device, checked.gguf.n_bytes, environ,
@@ -88,12 +88,16 @@ def check_draft_file(path: str | Path, target: GGUFFile) -> DraftFit:
     return DraftFit(check_draft_model(draft, target), draft.n_bytes)
 
 
-def check_mtp(checked: CheckedModel, head_file: str | Path | None) -> None:
-    """--spec-type mtp needs an MTP head, the model file's or head_file's."""
+def check_mtp(checked: CheckedModel, head_file: str | Path | None) -> DraftFit:
+    """--spec-type mtp needs an MTP head, the model file's or head_file's; what it adds to the
+    server's memory: its layer's KV (as many tokens as the pool) and a head-only file's weights
+    (the model file's bytes already hold its own head's)."""
     try:
         mtp_tensors(checked.gguf, checked.config, head_file)
     except ValueError as exc:
         raise ValueError(f"--spec-type mtp: {exc}") from None
+    return DraftFit(checked.config.mtp_head_config(),
+                    GGUFFile(head_file).n_bytes if head_file is not None else 0)
 
 
 def check_address(host: str, port: int) -> None:

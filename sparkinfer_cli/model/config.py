@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
@@ -133,6 +134,11 @@ class ModelConfig:
     @property
     def ssm_conv_dim(self) -> int:
         return 2 * self.ssm_n_group * self.ssm_d_state + self.ssm_inner_size
+
+    def mtp_head_config(self) -> ModelConfig:
+        """The config an MTP head's own layer runs under: one full-attention layer (index 0 of
+        its cache) with this model's widths."""
+        return dataclasses.replace(self, n_layer=1, recurrent_layers=(), mtp_layers=0)
 
     def kv_bytes_per_token(self, bytes_per_value: int = 2) -> int:
         """K and V of one token over all attention layers."""

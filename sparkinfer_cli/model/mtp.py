@@ -11,8 +11,6 @@ token pairs with zeros). Drafting continues from the head's own h' and its argma
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 
 from sparkinfer_cli.model.backend import NextTokenHead
@@ -27,8 +25,7 @@ from sparkinfer_cli.model.tensors import AttentionTensors, MtpTensors
 class MtpHead(NextTokenHead[ModelCache]):
     def __init__(self, t: MtpTensors, trunk: CausalLM):
         # the head's cache holds one attention layer: index 0 of a one-layer config
-        self.config = dataclasses.replace(trunk.config, n_layer=1, recurrent_layers=(),
-                                          mtp_layers=0)
+        self.config = trunk.config.mtp_head_config()
         eps = self.config.rms_eps
         assert isinstance(t.layer.mixer, AttentionTensors) and t.layer.mixer.q_gate is not None
         self.layer = DecoderLayer(RMSNorm(t.layer.attn_norm, eps),

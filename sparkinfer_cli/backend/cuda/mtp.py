@@ -10,8 +10,6 @@ output matrix, and the head's own normed state comes back beside them to draft o
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 
 from sparkinfer_cli.backend.cuda.cache import CudaModelCache
@@ -46,7 +44,7 @@ class _HeadPasses(CudaModel):
     """The head's layer as a one-layer model on the trunk's stream, embedding and output."""
 
     def __init__(self, t: MtpTensors, trunk: CudaModel):
-        config = dataclasses.replace(trunk.config, n_layer=1, recurrent_layers=(), mtp_layers=0)
+        config = trunk.config.mtp_head_config()
         self._init_passes(config, trunk.exact, trunk.kv_dtype, trunk.use_graphs, trunk.stream)
         self.embedding, self.token_embd = trunk.embedding, trunk.token_embd
         self.output = trunk.output
