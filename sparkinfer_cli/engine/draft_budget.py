@@ -122,20 +122,20 @@ class PassCost:
         return mean_s - slope * mean_r, slope
 
 
-def allocate_drafts(caps: Sequence[int], rates: Sequence[float], base_rows: int,
-                    base_tokens: int, cost: Callable[[int], float], room: int) -> list[int]:
-    """Drafts for each request (at most caps[i], room in all): the draft rows go best expected
-    gain first (request i's j-th draft adds rates[i] ** j tokens), and the step keeps the number
-    of them that gives the most expected tokens per second of cost(rows). The step carries
-    base_rows rows without drafts, base_tokens of which give a token."""
+def allocate_drafts(caps: Sequence[int], rates: Sequence[float], num_decodes: int,
+                    cost: Callable[[int], float], room: int) -> list[int]:
+    """Drafts for each request (at most caps[i], room in all) beside num_decodes decodes (a row
+    and a token each): the draft rows go best expected gain first (request i's j-th draft adds
+    rates[i] ** j tokens), and the step keeps the number of them that gives the most expected
+    tokens per second of cost(rows)."""
     candidates = sorted((-(rates[i] ** j), j, i) for i, cap in enumerate(caps)
                         for j in range(1, cap + 1))[:max(room, 0)]
-    best_n, best = 0, base_tokens / cost(base_rows)
-    tokens = float(base_tokens)
+    best_n, best = 0, num_decodes / cost(num_decodes)
+    tokens = float(num_decodes)
     for n, (gain, _, _) in enumerate(candidates, 1):
         tokens -= gain
         # NOTE: the best count over all, not the first fall: a measured cost need not be convex
-        value = tokens / cost(base_rows + n)
+        value = tokens / cost(num_decodes + n)
         if value > best:
             best_n, best = n, value
     counts = [0] * len(caps)
@@ -155,19 +155,20 @@ class DraftBudget:
         self.acceptance.fade(ENGINE_FADE)
         self.acceptance.checked(drafted, kept)
 
-    def split(self, wants: Sequence[tuple[Request, int]], base_rows: int, base_tokens: int,
+    def split(self, wants: Sequence[tuple[Request, int]], num_decodes: int,
               room: int) -> list[int]:
-        """The drafts each (request, the most it may draft now) carries in a step of base_rows
-        rows (base_tokens of which sample) with room for that many drafted tokens in all."""
+        """The drafts each (request, the most it may draft now) carries in a step with
+        num_decodes decodes and room for that many drafted tokens in all. A step that also
+        carries prompt pieces weighs its drafts against its decodes alone: the prompt's rows
+        are paid for anyway, and a draft must beat what a token costs by decoding."""
         if not any(cap > 0 for _, cap in wants):
             return [0] * len(wants)
-        # NOTE: one measured count fits no line. Where only drafting steps were measured, a
-        # step of decodes alone (each of its rows samples) measures the rows without drafts
-        if self.cost.num_known == 1 and not self.cost.is_known(base_rows) and \
-                base_rows == base_tokens:
+        # NOTE: one measured count fits no line. Where only drafting steps were measured, the
+        # step measures the rows without drafts
+        if self.cost.num_known == 1 and not self.cost.is_known(num_decodes):
             return [0] * len(wants)
         prior = self.acceptance.rate(INITIAL_ACCEPTANCE)
         rates = [0.0 if request.drafting is None else request.drafting.acceptance.rate(prior)
                  for request, _ in wants]
-        return allocate_drafts([cap for _, cap in wants], rates, base_rows, base_tokens,
-                               self.cost.seconds, room)
+        return allocate_drafts([cap for _, cap in wants], rates, num_decodes, self.cost.seconds,
+                               room)

@@ -284,8 +284,9 @@ class Scheduler:
         drafts, not the step: the cache operations already taken must still run."""
         wants = [(request, self._draft_limit(request, n)) for request, n in pieces]
         if self.budget is not None:
-            num_sampling = sum(r.num_computed_tokens + n == r.num_tokens for r, n in pieces)
-            counts = self.budget.split(wants, sum(n for _, n in pieces), num_sampling, room)
+            num_decodes = sum(n == 1 and r.num_computed_tokens + 1 == r.num_tokens
+                              for r, n in pieces)
+            counts = self.budget.split(wants, num_decodes, room)
             wants = [(request, k) for (request, _), k in zip(wants, counts, strict=True)]
         try:
             return self.drafter.drafts(wants, room)

@@ -7,6 +7,7 @@ import pytest
 from engine_harness import Collector, greedy
 from test_prefix_cache import RepeatingModel, _greedy_of
 
+from sparkinfer_cli.engine.config import EngineConfig
 from sparkinfer_cli.engine.draft_budget import (
     COST_EWMA,
     PRIOR_TRIALS,
@@ -17,8 +18,11 @@ from sparkinfer_cli.engine.draft_budget import (
     PassCost,
     allocate_drafts,
 )
+from sparkinfer_cli.engine.kv_cache import KVCacheManager
+from sparkinfer_cli.engine.policy import create_policy
 from sparkinfer_cli.engine.request import Request
 from sparkinfer_cli.engine.sampling_params import SamplingParams
+from sparkinfer_cli.engine.scheduler import Scheduler
 from sparkinfer_cli.engine.speculative import DraftLength
 
 
@@ -33,25 +37,25 @@ def gpu_cost(rows: int) -> float:
 
 
 def test_one_request_whose_drafts_are_kept_drafts_all_it_may():
-    assert allocate_drafts([4], [0.9], 1, 1, cpu_cost, 99) == [4]
-    assert allocate_drafts([4], [0.6], 1, 1, gpu_cost, 99) == [4]
-    assert allocate_drafts([3], [0.9], 1, 1, cpu_cost, 99) == [3]  # never past its cap
+    assert allocate_drafts([4], [0.9], 1, cpu_cost, 99) == [4]
+    assert allocate_drafts([4], [0.6], 1, gpu_cost, 99) == [4]
+    assert allocate_drafts([3], [0.9], 1, cpu_cost, 99) == [3]  # never past its cap
 
 
 def test_eight_sequences_on_cpu_costs_with_middling_acceptance_draft_nothing():
     """At 60 % kept a first draft pays alone (1.6 tokens for 4/3 of a pass), not beside seven
     other sequences (their step gives 2.4 tokens a pass-unit, a draft row 1.8)."""
-    assert allocate_drafts([4], [0.6], 1, 1, cpu_cost, 99) == [1]
-    assert allocate_drafts([4] * 8, [0.6] * 8, 8, 8, cpu_cost, 99) == [0] * 8
+    assert allocate_drafts([4], [0.6], 1, cpu_cost, 99) == [1]
+    assert allocate_drafts([4] * 8, [0.6] * 8, 8, cpu_cost, 99) == [0] * 8
     # on a GPU's costs they draft, up to the fourth draft (0.13 tokens) that is not worth a row
-    assert allocate_drafts([4] * 8, [0.6] * 8, 8, 8, gpu_cost, 99) == [3] * 8
+    assert allocate_drafts([4] * 8, [0.6] * 8, 8, gpu_cost, 99) == [3] * 8
 
 
 def test_drafts_go_to_the_requests_whose_drafts_are_kept_first():
     rates = [0.2, 0.95, 0.5, 0.9]
-    assert allocate_drafts([4] * 4, rates, 4, 4, cpu_cost, 99) == [0, 4, 0, 2]
-    assert allocate_drafts([4] * 4, rates, 4, 4, gpu_cost, 99) == [1, 4, 2, 4]
-    assert allocate_drafts([4] * 4, rates, 4, 4, gpu_cost, 5) == [0, 4, 0, 1]  # the room
+    assert allocate_drafts([4] * 4, rates, 4, cpu_cost, 99) == [0, 4, 0, 2]
+    assert allocate_drafts([4] * 4, rates, 4, gpu_cost, 99) == [1, 4, 2, 4]
+    assert allocate_drafts([4] * 4, rates, 4, gpu_cost, 5) == [0, 4, 0, 1]  # the room
 
 
 def test_the_best_count_is_found_past_a_costlier_one():
@@ -59,7 +63,7 @@ def test_the_best_count_is_found_past_a_costlier_one():
     def bumpy(rows: int) -> float:
         return 3.0 if rows == 2 else 1.0 + rows / 100
 
-    assert allocate_drafts([4], [0.5], 1, 1, bumpy, 99) == [4]
+    assert allocate_drafts([4], [0.5], 1, bumpy, 99) == [4]
 
 
 def test_acceptance_counts_the_drafts_each_check_decided():
@@ -131,22 +135,40 @@ def test_the_budget_tries_drafting_before_it_has_measured_it():
     only drafting steps are measured, a step measures the rows without them; with both
     measured, eight sequences at CPU costs and the prior acceptance draft nothing."""
     budget, wants = DraftBudget(), _wants(8, 4)
-    assert budget.split(wants, 8, 8, 99) == [4] * 8
+    assert budget.split(wants, 8, 99) == [4] * 8
     budget.cost.observe(8, cpu_cost(8))
-    assert budget.split(wants, 8, 8, 99) == [4] * 8
+    assert budget.split(wants, 8, 99) == [4] * 8
     measured = DraftBudget()
     measured.cost.observe(40, cpu_cost(40))
-    assert measured.split(wants, 8, 8, 99) == [0] * 8
+    assert measured.split(wants, 8, 99) == [0] * 8
     measured.cost.observe(8, cpu_cost(8))
-    assert measured.split(wants, 8, 8, 99) == [0] * 8
-    assert measured.split(wants[:1], 1, 1, 99) == [1]
+    assert measured.split(wants, 8, 99) == [0] * 8
+    assert measured.split(wants[:1], 1, 99) == [1]
 
 
-def test_a_step_with_a_prompt_piece_drafts_while_the_base_is_unmeasured():
-    """A prompt piece's step is never measured, so it does not wait for its rows to be."""
-    budget, wants = DraftBudget(), _wants(2, 3)
-    budget.cost.observe(40, 1.0)
-    assert budget.split(wants, 2 + 100, 2, 99) == [3, 3]
+def test_a_step_with_a_prompt_piece_weighs_drafts_against_its_decodes_alone():
+    """Beside a prompt piece of 256 tokens a draft row looks cheap against the step's cost,
+    but costs more than a token by decoding: eight decodes at CPU costs draft nothing (as
+    without the prompt) and the budget is told of the eight decodes, not of the step's rows."""
+    config = EngineConfig()
+    budget = DraftBudget()
+    scheduler = Scheduler(config, KVCacheManager.from_config(config, False),
+                          create_policy(config), budget=budget)
+    for rows in (8, 40):
+        budget.cost.observe(rows, cpu_cost(rows))
+    asked = []
+    split = budget.split
+    budget.split = lambda wants, num_decodes, room: asked.append(num_decodes) or \
+        split(wants, num_decodes, room)
+    decodes = []
+    for request, _ in _wants(8, 4):
+        request.token_ids += [1, 2, 3, 1, 2]  # an answer whose n-gram drafts exist
+        request.num_computed_tokens = request.num_tokens - 1
+        decodes.append((request, 1))
+    prompt = Request("p", list(range(300)), SamplingParams(max_tokens=4))
+    assert scheduler._drafts(decodes + [(prompt, 256)], 99) == [[]] * 9
+    assert asked == [8]
+    assert [len(d) for d in scheduler._drafts(decodes[:1], 99)] == [1]  # alone it drafts
 
 
 class SteepRepeatingModel(RepeatingModel):

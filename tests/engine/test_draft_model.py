@@ -79,8 +79,9 @@ def test_a_model_drafting_for_itself_is_always_right():
     target, tokenizer = _load("qwen3moe")
     draft, _ = _load("qwen3moe")
     draft.max_pass_tokens = 7
-    engine = ContinuousBatchEngine(target, tokenizer, EngineConfig(
-        ctx=4096, block_size=16, prefix_cache=True, spec_tokens=3), draft_model=draft)
+    engine = ContinuousBatchEngine(target, tokenizer, EngineConfig(  # every step drafts
+        ctx=4096, block_size=16, prefix_cache=True, spec_tokens=3, draft_budget=False),
+        draft_model=draft)
     _run(engine, _prompts())
     stats = engine.speculation
     assert stats.num_draft_tokens > 8 * len(_prompts())
