@@ -1,5 +1,5 @@
-"""DraftBudget: how many drafts each decoding request carries in a step, chosen for the step's
-expected tokens per second of forward pass.
+"""DraftBudget: how many drafts each decoding request carries in a step, chosen for the
+decodes' expected tokens per second of forward pass.
 
 A check of k drafts at per-draft acceptance a gives 1 + a + a² + … + a^k tokens in expectation
 (a draft counts only if every draft before it was kept), and it adds k rows to the pass. What a
@@ -8,8 +8,9 @@ row costs depends on the device and the batch: on the CPU a pass of R rows costs
 batch 8 four drafts each (40 rows) cost ~4× the 8-row step and rarely pay; a GPU decode is
 memory-bound, so extra rows are nearly free at small batches and not at large ones. So the engine
 measures what its passes cost (PassCost), keeps each request's acceptance (Acceptance, with the
-engine's as its prior), and a step adds draft rows best expected gain first while the step's
-expected tokens per second grow (allocate_drafts). Each request stays capped by what its
+engine's as its prior), and a step adds draft rows best expected gain first while its decodes'
+expected tokens per second grow (allocate_drafts; a prompt piece in the step is paid for anyway
+and does not count). Each request stays capped by what its
 DraftLength allows now (speculative.py): the budget decides how many, never which tokens, so
 the output is the same with it on or off.
 
