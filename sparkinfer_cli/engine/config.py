@@ -54,8 +54,10 @@ class EngineConfig:
     # models that score drafts (ModelBackend.scores_drafts); 0 = off
     spec_tokens: int = 0
     # drafts a step carries follow what a pass's rows cost and how often each request's drafts
-    # are kept (DraftBudget); False: each request drafts as many as its DraftLength allows
-    draft_budget: bool = True
+    # are kept (DraftBudget); False: each request drafts as many as its DraftLength allows. Off
+    # by default until measured on a GPU: it decides from wall-clock pass times, and one noisy
+    # measurement on a busy host can stop a request's drafting for hundreds of steps
+    draft_budget: bool = False
     step_trace: str = ""  # file that gets one JSON line per step (StepTrace); "" = none
 
     def __post_init__(self) -> None:

@@ -52,7 +52,7 @@ def _answers(engine: ContinuousBatchEngine, prompts: list[list[int]],
     return [sink.tokens(sink.final(i).request_id) for i in ids]
 
 
-def _engine(model, tokenizer, draft_budget: bool = True, **kwargs) -> ContinuousBatchEngine:
+def _engine(model, tokenizer, draft_budget: bool = False, **kwargs) -> ContinuousBatchEngine:
     spec = {"spec_tokens": 3, "draft_budget": draft_budget} if kwargs.get("use_mtp") else {}
     return ContinuousBatchEngine(model, tokenizer, EngineConfig(
         ctx=4096, block_size=BLOCK, prefix_cache=True, **spec), **kwargs)
@@ -119,8 +119,7 @@ def test_every_mtp_draft_is_the_head_run_afresh_over_the_sequence(mtp_files, mon
     monkeypatch.setattr(DraftLength, "checked", lambda self, drafted, kept: None)
     monkeypatch.setattr(mtp_drafts, "DRAFTER_PASS_TOKENS", 7)
     model = load_model(mtp_files[0], "cpu", with_mtp=True, mtp_file=mtp_files[1])
-    engine = _engine(model, Tokenizer.from_gguf(GGUFFile(mtp_files[0])), draft_budget=False,
-                     use_mtp=True)
+    engine = _engine(model, Tokenizer.from_gguf(GGUFFile(mtp_files[0])), use_mtp=True)
     seen: list[tuple[list[int], list[int], list[np.ndarray]]] = []  # tokens, drafts, logits
     drafts, head = engine.drafter.drafts, model.mtp.forward
     passes: list[np.ndarray] = []  # the logits of each head pass of one step (drafting last)
