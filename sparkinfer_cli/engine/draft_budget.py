@@ -25,13 +25,16 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from sparkinfer_cli.engine.request import Request
 
-# the weight of a new measurement in a row count's running mean (steps vary ±20 % on a busy host)
+# the weight of a new measurement in a row count's running mean (steps vary ±20 % on a busy host),
+# more for one below the mean: a busy host makes passes slower, never faster
 COST_EWMA = 0.25
+COST_EWMA_DOWN = 0.5
 # a measurement counts as at most this many times its row count's mean: a stall (another thread,
 # a collection) must not stop drafting at that count until it is measured again and again
 SPIKE_CAP = 2.0
 # a row count measured over this many passes ago no longer counts: the cost drifts as contexts
-# grow, and a stale figure must not stop drafting (or keep it going) forever
+# grow, and a stale figure must not stop drafting (or keep it going) forever. One measured n
+# times lasts n / FIT_WEIGHT_CAP of that: a single stalled measurement goes in 32 passes
 STALE_PASSES = 256
 FIT_WEIGHT_CAP = 8  # a row count's weight in the line: its measurements, at most this many
 # a request's own checks fade by this much each decode step, so one that stopped drafting for a
@@ -66,9 +69,11 @@ class Acceptance:
 
 class PassCost:
     """Seconds of forward pass a step of R rows (tokens) takes: a running mean per row count
-    the engine measured, and a line a + b·R fit through the recent ones for every count. Until
-    two counts are measured the line is flat: extra rows are presumed free, so drafting is tried
-    (and so measured)."""
+    the engine measured lately, and for the other counts a line a + b·R fit through those. The
+    means themselves where known: a kernel that changes at some row count makes the cost jump
+    there (on the CPU demo models a pass of 9 rows costs 1.3× one of 8), which a line spreads
+    over every count. Until two counts are measured the line is flat: extra rows are presumed
+    free, so drafting is tried (and so measured)."""
 
     def __init__(self) -> None:
         self._means: dict[int, float] = {}  # row count → running mean seconds
@@ -83,12 +88,17 @@ class PassCost:
         if mean is None:
             self._means[rows] = seconds
         else:
-            self._means[rows] = mean + COST_EWMA * (min(seconds, SPIKE_CAP * mean) - mean)
+            weight = COST_EWMA if seconds > mean else COST_EWMA_DOWN
+            self._means[rows] = mean + weight * (min(seconds, SPIKE_CAP * mean) - mean)
         self._counts[rows] = self._counts.get(rows, 0) + 1
         self._last[rows] = self._passes
-        for stale in [r for r, at in self._last.items() if self._passes - at > STALE_PASSES]:
+        for stale in [r for r in self._last if self._is_stale(r)]:
             del self._means[stale], self._counts[stale], self._last[stale]
         self._line = None
+
+    def _is_stale(self, rows: int) -> bool:
+        lasts = STALE_PASSES * min(self._counts[rows], FIT_WEIGHT_CAP) // FIT_WEIGHT_CAP
+        return self._passes - self._last[rows] > lasts
 
     @property
     def num_known(self) -> int:
@@ -99,6 +109,8 @@ class PassCost:
         return rows in self._means
 
     def seconds(self, rows: int) -> float:
+        if rows in self._means:
+            return self._means[rows]
         if self._line is None:
             self._line = self._fit()
         a, b = self._line

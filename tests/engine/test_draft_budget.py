@@ -10,6 +10,8 @@ from test_prefix_cache import RepeatingModel, _greedy_of
 from sparkinfer_cli.engine.config import EngineConfig
 from sparkinfer_cli.engine.draft_budget import (
     COST_EWMA,
+    COST_EWMA_DOWN,
+    FIT_WEIGHT_CAP,
     PRIOR_TRIALS,
     SPIKE_CAP,
     STALE_PASSES,
@@ -98,26 +100,43 @@ def test_pass_cost_fits_a_line_through_the_measured_row_counts():
         cost.observe(rows, cpu_cost(rows))
     assert [cost.seconds(r) for r in (1, 20, 60)] == \
         pytest.approx([cpu_cost(r) for r in (1, 20, 60)])
+    cost.observe(9, 10.0)  # a measured count is its own mean, whatever the line says
+    assert cost.seconds(9) == 10.0 and cost.seconds(10) < cost.seconds(9)
     falling = PassCost()  # noise that makes more rows cheaper counts as no slope
     falling.observe(8, 1.0)
     falling.observe(12, 0.9)
-    assert falling.seconds(8) == falling.seconds(40) == pytest.approx(0.95)
+    assert falling.seconds(4) == falling.seconds(40) == pytest.approx(0.95)
 
 
-def test_a_stall_moves_a_row_count_s_mean_a_little():
+def test_a_stall_moves_a_row_count_s_mean_a_little_and_a_faster_pass_more():
     cost = PassCost()
     cost.observe(1, 1.0)
     cost.observe(1, 100.0)  # counts as 2.0
     assert cost.seconds(1) == pytest.approx(1.0 + COST_EWMA * (SPIKE_CAP - 1.0))
+    cost.observe(1, 0.5)
+    assert cost.seconds(1) == pytest.approx(1.25 + COST_EWMA_DOWN * (0.5 - 1.25))
 
 
 def test_a_row_count_measured_long_ago_no_longer_counts():
-    cost = PassCost()
-    cost.observe(40, cpu_cost(40))
-    for _ in range(STALE_PASSES):
-        cost.observe(8, cpu_cost(8))
+    """A count measured FIT_WEIGHT_CAP times lasts STALE_PASSES passes, one measured once an
+    eighth of that (a stalled measurement, say)."""
+    cost, passes = PassCost(), [0]
+
+    def measure(rows: int, seconds: float, until: int = 0) -> None:
+        for _ in range((until or passes[0] + 1) - passes[0]):
+            cost.observe(rows, seconds)
+            passes[0] += 1
+
+    measure(40, cpu_cost(40), until=FIT_WEIGHT_CAP)
+    measure(41, 100.0)
+    once = STALE_PASSES // FIT_WEIGHT_CAP
+    measure(8, cpu_cost(8), until=FIT_WEIGHT_CAP + 1 + once)
+    assert cost.num_known == 3 and cost.seconds(41) == 100.0
+    measure(8, cpu_cost(8))
+    assert cost.num_known == 2 and cost.seconds(41) < cost.seconds(40) + 1
+    measure(8, cpu_cost(8), until=FIT_WEIGHT_CAP + STALE_PASSES)
     assert cost.num_known == 2 and cost.seconds(40) > cost.seconds(8)
-    cost.observe(8, cpu_cost(8))
+    measure(8, cpu_cost(8))
     assert cost.num_known == 1 and cost.seconds(40) == cost.seconds(8)
 
 
