@@ -4,19 +4,21 @@ to produce, each drafted token wrong with probability 1 − q), and what a pass 
 drafts costs against a decode pass.
 
     python bench/probes/spec_replay.py qwen3.6-35b-a3b OUT.json [--device cuda] [--q 0.83]
-        [--spec-tokens 3] [--prompt 512] [--max-tokens 256] [--repeats 3]
+        [--spec-tokens 3] [--prompt 512] [--max-tokens 256] [--repeats 3] [--trace DIR]
 
 Synthetic weights accept almost no n-gram draft, so the draft source is replaced by a replay of
 the answer the same engine gave without drafts (the scheduler's Drafter, replaced): the check's
 arithmetic, the passes and the engine's bookkeeping are those of real
 speculation, only the guesses are made up. q 0.83 with 3 drafts keeps ≈ 70 % of the drafted
 tokens. Off and on alternate; a rate is the median over the repeats, timed from the first token
-to the last as the answer streams.
+to the last as the answer streams. --trace DIR writes each engine's step trace (StepTrace) and a
+cProfile of the drafting engine's thread (where a drafted step's host time goes).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import statistics
 import sys
@@ -77,6 +79,20 @@ def pass_costs(model, n_rows: int, ks: list[int], reps: int = 50) -> dict[int, f
     return costs
 
 
+def profile_thread(engine: ContinuousBatchEngine, path: Path) -> None:
+    """Profiles the engine's thread (its loop) with cProfile, dumped to path when it exits."""
+    loop = engine._loop
+
+    def profiled_loop() -> None:
+        profiler = cProfile.Profile()
+        try:
+            profiler.runcall(loop)
+        finally:
+            profiler.dump_stats(str(path))
+
+    engine._loop = profiled_loop  # type: ignore[method-assign]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("preset", help="a synthetic preset, or a GGUF path")
@@ -87,6 +103,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--trace", type=Path, help="folder for step traces and a profile")
     args = parser.parse_args()
     path = Path(args.preset) if args.preset.endswith(".gguf") else \
         ensure_synthetic(args.preset, Console(stderr=True))
@@ -94,9 +111,14 @@ def main() -> None:
     model, tokenizer = load_model(gguf, args.device), Tokenizer.from_gguf(gguf)
     costs = pass_costs(model, args.prompt, [0, 1, 3]) if args.device == "cuda" else {}
     print("pass ms by drafts checked:", {k: round(v, 3) for k, v in costs.items()}, flush=True)
+    if args.trace:
+        args.trace.mkdir(parents=True, exist_ok=True)
     engines = {k: ContinuousBatchEngine(model, tokenizer, EngineConfig(
         ctx=args.prompt + args.max_tokens + 64, spec_tokens=k, prefix_cache=False,
-        max_num_seqs=1)) for k in (0, args.spec_tokens)}
+        max_num_seqs=1, step_trace=str(args.trace / f"steps-k{k}.jsonl") if args.trace else ""))
+        for k in (0, args.spec_tokens)}
+    if args.trace:
+        profile_thread(engines[args.spec_tokens], args.trace / "drafting-engine.prof")
     for engine in engines.values():
         engine.start()
     rng = np.random.default_rng(1)
