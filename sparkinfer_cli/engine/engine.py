@@ -342,7 +342,7 @@ class ContinuousBatchEngine:
             self.budget.checked(len(drafts), kept)
         if request.drafting is not None:
             request.drafting.checked(len(drafts), kept)
-        computed = self.scheduler.drafts_checked(request, len(drafts), kept)
+        computed = self.scheduler.drafts_checked(request, seq, kept)
         for i in range(kept + 1):
             if request.is_finished:
                 return
@@ -387,7 +387,10 @@ class ContinuousBatchEngine:
             if self._inbox or self._aborts or self._is_aborting_waiting:
                 return 1
         requests = [self.scheduler.requests[s.request_id] for s in output.sequences]
-        return min([limit] + [r.params.max_tokens - r.num_output_tokens for r in requests])
+        # a request pausing its drafts drafts again once the pause's tokens are decoded
+        return min([limit] + [r.params.max_tokens - r.num_output_tokens for r in requests] +
+                   [r.drafting.paused_tokens(r.num_tokens) for r in requests
+                    if r.drafting is not None and r.drafting.paused_tokens(r.num_tokens)])
 
     def _run_decode_steps(self, output: SchedulerOutput, n_steps: int,
                           rows: SamplingRows | None) -> None:

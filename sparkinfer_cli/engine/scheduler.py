@@ -130,18 +130,18 @@ class Scheduler:
             if not (seq.num_drafts and self.kv.is_hybrid):
                 self._advance(self.requests[seq.request_id], len(seq.token_ids) - seq.num_drafts)
 
-    def drafts_checked(self, request: Request, num_drafts: int, kept: int) -> bool:
-        """The engine kept `kept` of a decode's num_drafts drafts. Returns whether the fed token
-        and the kept drafts count as computed now (decoded() then advances over each kept
-        draft). A hybrid model's pass ran every draft into the recurrent state: when all were
-        kept that is the state wanted; otherwise the state goes back to its copy from before the
-        pass and the fed token, the kept drafts and the next token run again in the next step
-        (their KV is rewritten with the same values)."""
+    def drafts_checked(self, request: Request, seq: ScheduledSequence, kept: int) -> bool:
+        """The engine kept `kept` of the drafts of seq, a decode piece of the request. Returns
+        whether the piece's fed tokens and the kept drafts count as computed now (decoded() then
+        advances over each kept draft). A hybrid model's pass ran every draft into the recurrent
+        state: when all were kept that is the state wanted; otherwise the state goes back to its
+        copy from before the pass and the fed tokens, the kept drafts and the next token run
+        again in the next step (their KV is rewritten with the same values)."""
         if not self.kv.is_hybrid:
             return True
         assert request.kv is not None
-        if kept == num_drafts:
-            self._advance(request, 1)
+        if kept == seq.num_drafts:
+            self._advance(request, len(seq.token_ids) - seq.num_drafts)
             return True
         self.kv.restore_state(request.kv)
         return False
@@ -298,15 +298,18 @@ class Scheduler:
             return [[] for _ in pieces]
 
     def _draft_limit(self, request: Request, num_new: int) -> int:
-        """The drafts a request's piece of this step may carry: none unless it is a decode
-        (its prompt computed: a prefix hit's block copies have reached the drafter's cache),
-        else as many as its DraftLength allows now within the KV the request reserved."""
-        if num_new != 1 or request.num_computed_tokens + 1 != request.num_tokens or \
+        """The drafts a request's piece of this step may carry: none unless it decodes (it
+        reaches the request's last token, its prompt computed: a prefix hit's block copies have
+        reached the drafter's cache), else as many as its DraftLength allows now within the KV
+        the request reserved. A hybrid model's piece of several decoded tokens (those a rejected
+        check kept, run again from the restored state) drafts too: the step's room keeps it
+        within a pass that computes each row as its decode would."""
+        if request.num_computed_tokens + num_new != request.num_tokens or \
                 request.num_computed_tokens < request.num_prompt_tokens or \
                 request.drafting is None or (self.kv.is_hybrid and request.kv is not None and
                                              request.kv.draft_slot == NO_STATE_SLOT):
             return 0
-        return min(request.drafting.limit(),
+        return min(request.drafting.limit(request.num_tokens),
                    request.params.max_tokens - request.num_output_tokens)
 
 

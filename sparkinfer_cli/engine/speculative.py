@@ -33,10 +33,11 @@ MAX_NGRAM = 3
 DRAFTER_PASS_TOKENS = 512
 # A draft that keeps failing costs each step its checked rows for nothing (a CPU pass of k + 1 rows
 # costs about (k + 3) / 3 single ones): after MISSES_TO_PAUSE checks in a row that keep no draft,
-# a request stops drafting for a pause that doubles each time, up to MAX_PAUSE_STEPS decode steps
+# a request stops drafting for a pause that doubles each time, up to MAX_PAUSE_TOKENS tokens. A
+# pause counts tokens, not steps: a step of queued decode passes (CUDA) decodes several
 MISSES_TO_PAUSE = 2
-FIRST_PAUSE_STEPS = 4
-MAX_PAUSE_STEPS = 64
+FIRST_PAUSE_TOKENS = 4
+MAX_PAUSE_TOKENS = 64
 
 
 def ngram_draft(token_ids: Sequence[int] | np.ndarray, max_drafts: int) -> list[int]:
@@ -190,28 +191,33 @@ class DraftLength:
         self.acceptance = Acceptance()
         self._next = most
         self._misses = 0  # checks in a row that kept no draft
-        self._pause = 0  # decode steps left without drafts
-        self._next_pause = FIRST_PAUSE_STEPS
+        self._pause = 0  # tokens to decode without drafts, from the next limit() on
+        self._resume_at = 0  # the request's token count from which it drafts again
+        self._next_pause = FIRST_PAUSE_TOKENS
 
-    def limit(self) -> int:
-        """The drafts this decode step may carry (called once a decode step)."""
+    def limit(self, num_tokens: int) -> int:
+        """The drafts this decode step may carry, the request holding num_tokens tokens (called
+        once a decode step)."""
         self.acceptance.fade(REQUEST_FADE)
         if self._pause:
-            self._pause -= 1
-            return 0
-        return self._next
+            self._resume_at, self._pause = num_tokens + self._pause, 0
+        return 0 if num_tokens < self._resume_at else self._next
+
+    def paused_tokens(self, num_tokens: int) -> int:
+        """Tokens the request decodes without drafts from num_tokens on (0: it drafts)."""
+        return max(self._resume_at - num_tokens, 0)
 
     def checked(self, drafted: int, kept: int) -> None:
         """A step's check kept `kept` of its `drafted` tokens."""
         self.acceptance.checked(drafted, kept)
         self._next = min(self.most, kept + 1)
         if kept:
-            self._misses, self._next_pause = 0, FIRST_PAUSE_STEPS
+            self._misses, self._next_pause = 0, FIRST_PAUSE_TOKENS
             return
         self._misses += 1
         if self._misses >= MISSES_TO_PAUSE:
             self._misses, self._pause = 0, self._next_pause
-            self._next_pause = min(2 * self._next_pause, MAX_PAUSE_STEPS)
+            self._next_pause = min(2 * self._next_pause, MAX_PAUSE_TOKENS)
 
 
 @dataclass

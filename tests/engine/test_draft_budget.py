@@ -83,11 +83,11 @@ def test_a_request_that_stopped_drafting_returns_to_the_engine_s_rate():
     """Checks that kept nothing fade as decode steps pass, so the request is tried again."""
     drafting = DraftLength(4)
     for _ in range(3):
-        drafting.limit()
+        drafting.limit(0)
         drafting.checked(4, 0)
     low = drafting.acceptance.rate(0.8)
     for _ in range(40):
-        drafting.limit()
+        drafting.limit(0)
     assert low < 0.4 < 0.75 < drafting.acceptance.rate(0.8)
 
 

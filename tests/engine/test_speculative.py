@@ -7,13 +7,14 @@ import math
 
 import pytest
 from engine_harness import Collector, greedy
+from fake_model import N_VOCAB, FakeDeviceModel, FakeModel, expected_greedy
 from test_prefix_cache import RepeatingModel, _greedy_of
 
 from sparkinfer_cli.engine.sampling_params import SamplingParams
 from sparkinfer_cli.engine.speculative import (
-    FIRST_PAUSE_STEPS,
-    MAX_PAUSE_STEPS,
+    FIRST_PAUSE_TOKENS,
     MISSES_TO_PAUSE,
+    Drafter,
     DraftLength,
     SpeculationStats,
     TokenArray,
@@ -46,30 +47,46 @@ def test_drafts_from_a_request_s_token_array_equal_those_from_its_list():
 
 def test_the_draft_length_follows_what_the_last_check_kept():
     drafting = DraftLength(4)
-    assert drafting.limit() == 4
+    assert drafting.limit(10) == 4
     drafting.checked(4, 1)
-    assert drafting.limit() == 2  # one kept: try one more than that
+    assert drafting.limit(12) == 2  # one kept: try one more than that
     drafting.checked(2, 2)
-    assert drafting.limit() == 3
+    assert drafting.limit(15) == 3
     drafting.checked(3, 3)
     drafting.checked(4, 4)
-    assert drafting.limit() == 4  # never past the configured most
+    assert drafting.limit(23) == 4  # never past the configured most
+
+
+def _pause_after_misses(drafting: DraftLength, position: int) -> int:
+    """Tokens decoded one at a time from position until drafting resumes after a run of
+    misses; each position's paused_tokens counts down to it."""
+    for _ in range(MISSES_TO_PAUSE):
+        drafting.checked(1, 0)
+    start = position
+    while not drafting.limit(position):
+        assert drafting.paused_tokens(position) == drafting.paused_tokens(start) - \
+            (position - start) > 0
+        position += 1
+    assert drafting.paused_tokens(position) == 0
+    return position - start
 
 
 def test_drafts_that_keep_failing_pause_and_the_pause_doubles():
     drafting = DraftLength(4)
-    pauses = []
-    for _ in range(4):
-        for _ in range(MISSES_TO_PAUSE):
-            drafting.checked(1, 0)
-        limits = [drafting.limit() for _ in range(2 * MAX_PAUSE_STEPS)]
-        pauses.append(limits.index(1))  # one draft token after a miss
-        assert not any(limits[:pauses[-1]])
-    assert pauses == [FIRST_PAUSE_STEPS * 2 ** i for i in range(4)]
+    pauses = [_pause_after_misses(drafting, 100 * i) for i in range(1, 5)]
+    assert pauses == [FIRST_PAUSE_TOKENS * 2 ** i for i in range(4)]
     drafting.checked(1, 1)  # a kept draft: the next misses pause for the first pause again
+    assert _pause_after_misses(drafting, 600) == FIRST_PAUSE_TOKENS
+
+
+def test_a_pause_counts_tokens_not_steps():
+    """A step of queued decode passes adds several tokens at once: drafting resumes once the
+    pause's tokens are decoded, however few steps that took."""
+    drafting = DraftLength(3)
     for _ in range(MISSES_TO_PAUSE):
-        drafting.checked(1, 0)
-    assert [drafting.limit() for _ in range(FIRST_PAUSE_STEPS + 1)][-2:] == [0, 1]
+        drafting.checked(3, 0)
+    assert drafting.limit(50) == 0 and drafting.paused_tokens(50) == FIRST_PAUSE_TOKENS
+    assert drafting.limit(50 + FIRST_PAUSE_TOKENS) == 1  # one step later: one draft after a miss
 
 
 def test_speculation_stats_count_checks_drafts_and_kept_tokens():
@@ -123,3 +140,63 @@ def test_sampled_answers_with_drafts_keep_their_distribution(engines, hybrid):
             assert spec.num_drafts > n_requests and spec.acceptance_rate > 0.5
     sigma = math.sqrt(p_pick * (1 - p_pick) / (n_requests * max_tokens))
     assert all(abs(share - p_pick) < 5 * sigma for share in shares.values()), shares
+
+
+class _SomeDraftsWrong(Drafter):
+    """Drafts the known greedy answer with the token of every third position wrong, so that
+    checks keep some drafts and reject the rest."""
+
+    def __init__(self, answer: list[int]):
+        self.answer = answer
+
+    def drafts(self, wants, step_room: int) -> list[list[int]]:
+        found = []
+        for request, limit in wants:
+            start = request.num_tokens
+            known = self.answer[start:start + max(min(limit, step_room), 0)]
+            found.append([t if p % 3 else (t + 1) % N_VOCAB for p, t in enumerate(known, start)])
+            step_room -= len(found[-1])
+        return found
+
+
+def test_a_hybrid_model_s_replay_of_kept_tokens_drafts_too(engines):
+    """A hybrid model's rejected check restores the state from before the pass, so the fed
+    token, the kept drafts and the next token run again in the next step: that piece drafts
+    too (a step without drafts there would add one token for a whole pass). Greedy output is
+    unchanged and the state matches the KV at every pass (FakeModel checks it)."""
+    model = FakeModel(hybrid=True)
+    prompt, max_tokens = [3, 14, 15, 9, 26], 40
+    answer = prompt + expected_greedy(prompt, max_tokens)
+    replays = []  # (tokens the piece runs again, drafts) of each piece that does both
+    model.before_forward = lambda batch: replays.extend(
+        (n - (k - 1), k - 1) for n, k in zip(batch.num_new_tokens, batch.logit_counts)
+        if k > 1 and n > k)
+    engine, sink = engines(model, spec_tokens=3), Collector()
+    engine.scheduler.drafter = _SomeDraftsWrong(answer)
+    request_id = engine.submit(prompt, greedy(max_tokens), sink)
+    assert sink.tokens(sink.final(request_id).request_id) == answer[len(prompt):]
+    assert replays and all(fed > 1 and drafts for fed, drafts in replays)
+    spec = engine.stats().speculation
+    assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens
+
+
+class _AllDraftsWrong(_SomeDraftsWrong):
+    def drafts(self, wants, step_room: int) -> list[list[int]]:
+        return [[(t + 1) % N_VOCAB for t in found] for found in super().drafts(wants, step_room)]
+
+
+def test_queued_decode_passes_end_with_a_pause(engines):
+    """A model that queues decode passes (CudaModel) runs a paused request's pause as queued
+    passes and no more: the first pause's tokens in one run, then a check again."""
+    model = FakeDeviceModel()
+    prompt, max_tokens = [3, 14, 15, 9, 26], 40
+    engine, sink = engines(model, spec_tokens=3), Collector()
+    engine.scheduler.drafter = _AllDraftsWrong(prompt + expected_greedy(prompt, max_tokens))
+    queued = []
+    run_decode_steps = engine.runner.run_decode_steps
+    engine.runner.run_decode_steps = lambda output, n_steps, draws=None: (
+        queued.append(n_steps), run_decode_steps(output, n_steps, draws))[1]
+    request_id = engine.submit(prompt, greedy(max_tokens), sink)
+    assert sink.tokens(sink.final(request_id).request_id) == expected_greedy(prompt, max_tokens)
+    assert queued[:2] == [FIRST_PAUSE_TOKENS, 2 * FIRST_PAUSE_TOKENS]
+    assert engine.stats().speculation.num_drafts >= 3 * MISSES_TO_PAUSE
