@@ -103,9 +103,14 @@ class EngineConfig:
         return cached + int(bool(self.prefix_token_ids))
 
     def num_seq_slots(self, is_hybrid: bool, checks_drafts: bool) -> int:
-        """Recurrent-state slots of running sequences: one each, two when the engine checks
-        drafts (the copy a rejected draft goes back to)."""
-        return self.max_num_seqs * (2 if checks_drafts else 1) if is_hybrid else 0
+        """Recurrent-state slots of running sequences: one each, and when the engine checks
+        drafts as many again (at least spec_tokens): each sequence's copy a rejected draft goes
+        back to, or the slots a step's checks keep the states after their rows in
+        (KVCacheManager's draft_state_slots)."""
+        if not is_hybrid:
+            return 0
+        return self.max_num_seqs + (max(self.max_num_seqs, self.spec_tokens) if checks_drafts
+                                    else 0)
 
     def num_state_slots(self, is_hybrid: bool) -> int:
         """Every recurrent-state slot the engine allocates, at most: the running sequences'

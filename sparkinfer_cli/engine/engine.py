@@ -92,7 +92,8 @@ class ContinuousBatchEngine:
         # state is copied before such a pass and restored after a rejection: Scheduler)
         self._can_speculate = bool(config.spec_tokens and model.scores_drafts)
         self.kv = KVCacheManager.from_config(config, model.config.is_hybrid,
-                                             draft_slots=self._can_speculate)
+                                             draft_slots=self._can_speculate,
+                                             snapshots_draft_states=model.snapshots_draft_states)
         cache = model.create_cache(config.num_blocks, config.block_size, self.kv.num_state_slots)
         self._state_bytes = model.config.recurrent_state_bytes() if model.config.is_hybrid else 0
         pass_tokens = min((n for n in (model.max_pass_tokens, model.invariant_pass_tokens) if n),

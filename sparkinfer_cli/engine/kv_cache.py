@@ -82,20 +82,23 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, num_seq_slots: int,
                  prefix_token_ids: Sequence[int] = (), *, num_snapshot_slots: int = 0,
                  auto_prefix_cache: bool = True, snapshot_interval: int = 0,
-                 draft_slots: bool = False):
+                 draft_slots: bool = False, draft_state_slots: int = 0):
         """num_seq_slots: recurrent-state slots for running sequences (0 for non-hybrid models);
         num_snapshot_slots: slots for prefix-cache snapshots after them (hybrid models; the
         configured prefix takes one); snapshot_interval: prompt tokens between snapshots of a
-        long prompt (a multiple of block_size; 0 = none); draft_slots: each request of a hybrid
-        model takes two of the running slots, its state's and a copy from before a pass that
-        checks drafts (speculative decoding)."""
+        long prompt (a multiple of block_size; 0 = none). Speculative decoding on a hybrid
+        model: draft_state_slots > 0, the last that many running slots take the states after
+        the rows a step's checks carry (a model that snapshots_draft_states), one a draft;
+        else draft_slots: each request takes two running slots, its state's and a copy from
+        before a pass that checks drafts."""
         self.block_size = block_size
-        self.draft_slots = draft_slots and num_seq_slots > 0
+        self.draft_slots = draft_slots and num_seq_slots > 0 and not draft_state_slots
         self.auto = auto_prefix_cache
         self.snapshot_interval = snapshot_interval
         self.block_pool = BlockPool(num_blocks,
                                     on_evict=lambda b: self.prefix_cache.forget_block(b))
-        self.slot_pool = SlotPool(num_seq_slots)
+        self.slot_pool = SlotPool(num_seq_slots - draft_state_slots)
+        self.draft_state_pool = SlotPool(draft_state_slots, first=num_seq_slots - draft_state_slots)
         self.prefix_cache = PrefixCache(self.block_pool, block_size,
                                         SlotPool(num_snapshot_slots, first=num_seq_slots),
                                         needs_state=num_seq_slots > 0)
@@ -110,21 +113,31 @@ class KVCacheManager:
             self.prefix = KVBlocks(tuple(self.block_pool.allocate(self.num_blocks_for(n))), slot, 0)
 
     @classmethod
-    def from_config(cls, config: EngineConfig, is_hybrid: bool,
-                    draft_slots: bool = False) -> KVCacheManager:
-        """draft_slots: the engine checks drafts (speculative decoding)."""
+    def from_config(cls, config: EngineConfig, is_hybrid: bool, draft_slots: bool = False,
+                    snapshots_draft_states: bool = False) -> KVCacheManager:
+        """draft_slots: the engine checks drafts (speculative decoding); snapshots_draft_states:
+        the model keeps the state after each checked row (ModelBackend)."""
         drafts = is_hybrid and draft_slots
         num_seq_slots = config.num_seq_slots(is_hybrid, drafts)
         interval = config.prefix_snapshot_tokens // config.block_size * config.block_size
         return cls(config.num_blocks, config.block_size, num_seq_slots, config.prefix_token_ids,
                    num_snapshot_slots=config.num_snapshot_slots(is_hybrid),
                    auto_prefix_cache=config.prefix_cache, snapshot_interval=interval,
-                   draft_slots=drafts)
+                   draft_slots=drafts, draft_state_slots=num_seq_slots - config.max_num_seqs
+                   if drafts and snapshots_draft_states else 0)
 
     @property
     def num_state_slots(self) -> int:
-        """Recurrent-state slots the model cache needs: running sequences', then snapshots."""
-        return self.slot_pool.num_slots + self.prefix_cache.snapshot_slots.num_slots
+        """Recurrent-state slots the model cache needs: running sequences' (and the draft
+        states'), then snapshots."""
+        return self.slot_pool.num_slots + self.draft_state_pool.num_slots + \
+            self.prefix_cache.snapshot_slots.num_slots
+
+    def can_check_drafts(self, kv: KVBlocks) -> bool:
+        """A request's pass may carry drafts: the model has no recurrent state, or the state
+        after a rejected draft can be had (a draft state slot, or the request's copy)."""
+        return not self.is_hybrid or self.draft_state_pool.num_slots > 0 or \
+            kv.draft_slot != NO_STATE_SLOT
 
     @property
     def is_hybrid(self) -> bool:
@@ -233,10 +246,24 @@ class KVCacheManager:
             if slot != NO_STATE_SLOT:
                 self.slot_pool.free(slot)
 
-    def restore_state(self, kv: KVBlocks) -> None:
-        """Before the next pass, the sequence's state goes back to its copy from before the pass
-        that checked its drafts (some were rejected: that pass also ran them)."""
-        self.pending.state_copies.append((kv.draft_slot, kv.state_slot))
+    def restore_state(self, kv: KVBlocks, slot: int = NO_STATE_SLOT) -> None:
+        """Before the next pass, the sequence's state becomes slot's (a draft check's state at
+        its last kept token), or by default goes back to its copy from before the pass that
+        checked its drafts (some were rejected: that pass also ran them)."""
+        self.pending.state_copies.append((kv.draft_slot if slot == NO_STATE_SLOT else slot,
+                                          kv.state_slot))
+
+    def take_draft_state_slots(self, n: int) -> tuple[int, ...]:
+        """n of the draft state slots (at most num_free_draft_state_slots), for a step."""
+        return tuple(self.draft_state_pool.allocate() for _ in range(n))
+
+    def free_draft_state_slots(self, slots: Sequence[int]) -> None:
+        for slot in slots:
+            self.draft_state_pool.free(slot)
+
+    @property
+    def num_free_draft_state_slots(self) -> int:
+        return self.draft_state_pool.num_free_slots
 
     def pin_prefix(self) -> None:
         """The configured prefix's KV (and state) is computed: make it a pinned resume point."""

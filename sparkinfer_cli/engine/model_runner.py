@@ -139,6 +139,8 @@ class ModelRunner:
             state_slots=[s.state_slot for s in sequences] if self.is_hybrid else [],
             logit_counts=[1 + s.num_drafts for s in sequences]
             if any(s.num_drafts for s in sequences) else [],
+            draft_state_slots=[s.draft_state_slots for s in sequences]
+            if any(s.draft_state_slots for s in sequences) else [],
         )
 
     def prefill(self, token_ids: Sequence[int], block_ids: Sequence[int], state_slot: int,

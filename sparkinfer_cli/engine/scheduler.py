@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from sparkinfer_cli.engine.config import EngineConfig
 from sparkinfer_cli.engine.draft_budget import DraftBudget
 from sparkinfer_cli.engine.kv_cache import (
-    NO_STATE_SLOT,
     CacheOps,
     KVCacheManager,
     SequenceProgress,
@@ -37,6 +36,8 @@ class ScheduledSequence:
     needs_logits: bool  # the piece reaches the request's last token: sample from it
     needs_all_logits: bool = False  # every token's logits (its prompt's logprobs are asked for)
     num_drafts: int = 0  # trailing token_ids guessed (speculative): their rows are checked too
+    # a hybrid model's slots for the state after each checked row but the last (SequenceBatch)
+    draft_state_slots: tuple[int, ...] = ()
 
 
 @dataclass
@@ -87,6 +88,7 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._num_scheduled = 0  # sequences scheduled so far: the rotation stamp
+        self._draft_state_slots: list[int] = []  # the last step's (free again at the next)
 
     @property
     def has_unfinished(self) -> bool:
@@ -104,6 +106,9 @@ class Scheduler:
         # max_batch_tokens; then prefill pieces join in queue order (running partial prefills
         # first, then admissions in policy order) as far as the policy and the step's room allow.
         output = SchedulerOutput(cache_ops=self.kv.take_pending_ops())
+        # NOTE: the copies out of the last step's draft states run before this step's pass
+        self.kv.free_draft_state_slots(self._draft_state_slots)
+        self._draft_state_slots = []
         decodes = self._pick_decodes()
         prefills = self._pick_prefills(sum(map(self._num_uncomputed, decodes)),
                                        output.cache_ops)
@@ -113,14 +118,27 @@ class Scheduler:
         pieces = [(request, self._num_uncomputed(request)) for request in decodes] + prefills
         room = self.max_draft_step_tokens - sum(n for _, n in pieces) \
             if self.max_draft_step_tokens else sys.maxsize  # for drafts, in this step
+        if self.kv.draft_state_pool.num_slots:
+            room = min(room, self.kv.num_free_draft_state_slots)
         for (request, n), guessed in zip(pieces, self._drafts(pieces, room), strict=True):
-            output.sequences.append(self._scheduled(request, n, guessed))
-        for seq in output.sequences:  # a hybrid model's pass runs the drafts into the state
-            if seq.num_drafts and self.kv.is_hybrid:
-                kv = self.requests[seq.request_id].kv
-                assert kv is not None
-                output.cache_ops.state_copies.append((kv.state_slot, kv.draft_slot))
+            output.sequences.append(self._scheduled(request, n, guessed,
+                                                    self._draft_states(request, len(guessed),
+                                                                       output.cache_ops)))
         return output
+
+    def _draft_states(self, request: Request, num_drafts: int, ops: CacheOps) -> tuple[int, ...]:
+        """A hybrid model's pass runs a piece's drafts into its state: the slots that keep the
+        state after each checked row but the last, or () after queueing a copy of the state
+        from before the pass (a model that keeps no such states)."""
+        if not num_drafts or not self.kv.is_hybrid:
+            return ()
+        assert request.kv is not None
+        if not self.kv.draft_state_pool.num_slots:
+            ops.state_copies.append((request.kv.state_slot, request.kv.draft_slot))
+            return ()
+        slots = self.kv.take_draft_state_slots(num_drafts)
+        self._draft_state_slots += slots
+        return slots
 
     def update_from_output(self, output: SchedulerOutput) -> None:
         """Marks the step's tokens as computed (call after the forward pass succeeded); drafts
@@ -134,17 +152,20 @@ class Scheduler:
         """The engine kept `kept` of the drafts of seq, a decode piece of the request. Returns
         whether the piece's fed tokens and the kept drafts count as computed now (decoded() then
         advances over each kept draft). A hybrid model's pass ran every draft into the recurrent
-        state: when all were kept that is the state wanted; otherwise the state goes back to its
-        copy from before the pass and the fed tokens, the kept drafts and the next token run
+        state: when all were kept that is the state wanted; otherwise the state becomes the one
+        the pass kept after the last kept token (draft_state_slots), or goes back to its copy
+        from before the pass, and then the fed tokens, the kept drafts and the next token run
         again in the next step (their KV is rewritten with the same values)."""
         if not self.kv.is_hybrid:
             return True
         assert request.kv is not None
-        if kept == seq.num_drafts:
-            self._advance(request, len(seq.token_ids) - seq.num_drafts)
-            return True
-        self.kv.restore_state(request.kv)
-        return False
+        if kept < seq.num_drafts and not seq.draft_state_slots:
+            self.kv.restore_state(request.kv)
+            return False
+        if kept < seq.num_drafts:
+            self.kv.restore_state(request.kv, seq.draft_state_slots[kept])
+        self._advance(request, len(seq.token_ids) - seq.num_drafts)
+        return True
 
     def extend_decodes(self, output: SchedulerOutput, n_steps: int) -> SchedulerOutput:
         """A decode-only output run as n_steps passes (each feeding the previous one's token):
@@ -266,8 +287,8 @@ class Scheduler:
         self.running.append(request)
         return True
 
-    def _scheduled(self, request: Request, num_new: int,
-                   drafts: list[int]) -> ScheduledSequence:
+    def _scheduled(self, request: Request, num_new: int, drafts: list[int],
+                   draft_state_slots: tuple[int, ...] = ()) -> ScheduledSequence:
         assert request.kv is not None
         self._num_scheduled += 1
         request.last_scheduled = self._num_scheduled
@@ -277,7 +298,7 @@ class Scheduler:
                                  request.kv.block_ids[:self.kv.num_blocks_for(end + len(drafts))],
                                  request.kv.state_slot, end == request.num_tokens,
                                  request.wants_prompt_logits and start < request.num_prompt_tokens,
-                                 len(drafts))
+                                 len(drafts), draft_state_slots)
 
     def _drafts(self, pieces: list[tuple[Request, int]], room: int) -> list[list[int]]:
         """Each piece's drafts. A drafter that fails (a draft model's pass) costs this step its
@@ -306,8 +327,8 @@ class Scheduler:
         within a pass that computes each row as its decode would."""
         if request.num_computed_tokens + num_new != request.num_tokens or \
                 request.num_computed_tokens < request.num_prompt_tokens or \
-                request.drafting is None or (self.kv.is_hybrid and request.kv is not None and
-                                             request.kv.draft_slot == NO_STATE_SLOT):
+                request.drafting is None or (request.kv is not None and
+                                             not self.kv.can_check_drafts(request.kv)):
             return 0
         return min(request.drafting.limit(request.num_tokens),
                    request.params.max_tokens - request.num_output_tokens)

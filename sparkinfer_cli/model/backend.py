@@ -93,6 +93,10 @@ class ModelBackend(ABC, Generic[CacheT]):
     # those of decoding it alone) in passes of at most max_draft_pass_tokens tokens (0 = any)
     scores_drafts: bool = False
     max_draft_pass_tokens: int = 0
+    # a hybrid model's pass writes the recurrent state after a decode's checked rows into
+    # batch.draft_state_slots; without it the engine copies the state before such a pass and,
+    # after a rejection, restores it and runs the kept tokens again
+    snapshots_draft_states: bool = False
     # > 0: the engine keeps every pass within this many tokens, where a row's numbers do not
     # depend on the rows beside it (the model's batch-invariant mode); 0: no such limit needed
     invariant_pass_tokens: int = 0

@@ -54,6 +54,7 @@ class CausalLM(ModelBackend[ModelCache]):
     """Every architecture on the CPU backend."""
 
     scores_drafts = True  # every token attends row by row (layers.Attention.attend)
+    snapshots_draft_states = True  # GatedDeltaNet.run_sequence
     kv_dtype: type = np.float32  # of the KV cache: float16 with int8 decode
 
     def __init__(self, tensors: ModelTensors, config: ModelConfig):

@@ -24,6 +24,9 @@ class SequenceSpan:
     hi: int
     block_table: np.ndarray
     state_slot: int
+    # slots that take the recurrent state after each of the rows hi − 1 − len(...) .. hi − 2 (a
+    # decode's fed token and all but its last draft: SequenceBatch.draft_state_slots)
+    draft_state_slots: tuple[int, ...] = ()
 
     @property
     def end(self) -> int:
@@ -41,6 +44,11 @@ class SequenceBatch:
     all_logits: bool = False  # True: logits of every new token; False: last token of each sequence
     # per sequence: logits of its last this-many new tokens (drafts to verify); empty: 1 each
     logit_counts: list[int] = field(default_factory=list)
+    # per sequence (hybrid models that snapshot_draft_states): the slots that take its recurrent
+    # state after each checked row but the last (the state after the fed token and after each
+    # draft), so that a rejected draft's sequence goes on from the state at the last kept token;
+    # empty: none
+    draft_state_slots: list[tuple[int, ...]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if len(self.start_positions) != len(self.num_new_tokens) or \
@@ -66,8 +74,10 @@ class SequenceBatch:
         """Where each sequence's new tokens sit in token_ids, with its cache coordinates."""
         offsets = self.token_offsets()
         slots = self.state_slots or [0] * self.num_seqs
+        drafts = self.draft_state_slots or [()] * self.num_seqs
         return [SequenceSpan(self.start_positions[i], int(offsets[i]), int(offsets[i + 1]),
-                             self.block_tables[i], slots[i]) for i in range(self.num_seqs)]
+                             self.block_tables[i], slots[i], drafts[i])
+                for i in range(self.num_seqs)]
 
     def logit_rows(self) -> np.ndarray:
         """Indices into token_ids of the rows whose logits the caller wants."""

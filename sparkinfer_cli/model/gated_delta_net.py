@@ -57,11 +57,28 @@ class GatedDeltaNet:
 
     def run_sequence(self, mixed: np.ndarray, g: np.ndarray, beta: np.ndarray, s: SequenceSpan,
                      fwd: Forward) -> np.ndarray:
-        """Conv + delta rule over one sequence's new tokens, advancing its state slot."""
+        """Conv + delta rule over one sequence's new tokens, advancing its state slot; the state
+        after each row a draft state slot stands for is copied there."""
         conv_state, delta_state = fwd.cache.recurrent_state(self.layer, s.state_slot)
         if s.start == 0:  # NOTE: a sequence at position 0 has no history, whatever the slot held
             conv_state[:] = 0
             delta_state[:] = 0
+        T = len(mixed)
+        ends = [T - len(s.draft_state_slots) + i for i in range(len(s.draft_state_slots))] + [T]
+        pieces, lo = [], 0
+        for end, slot in zip(ends, (*s.draft_state_slots, None)):
+            pieces.append(self._advance(mixed[lo:end], g[lo:end], beta[lo:end], conv_state,
+                                        delta_state))
+            if slot is not None:
+                for state, kept in zip(fwd.cache.recurrent_state(self.layer, slot),
+                                       (conv_state, delta_state)):
+                    state[:] = kept
+            lo = end
+        return np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
+
+    def _advance(self, mixed: np.ndarray, g: np.ndarray, beta: np.ndarray,
+                 conv_state: np.ndarray, delta_state: np.ndarray) -> np.ndarray:
+        """(T, H_v, d_v) outputs of T tokens; the states advance over them in place."""
         T, kd = len(mixed), self.key_dim
         u = causal_conv1d_silu(mixed, conv_state, self.ssm_conv1d)  # (T, conv_dim)
         q = l2_normalize(u[:, :kd].reshape(T, self.H_k, self.d_k), self.eps)  # (T, H_k, d_k)

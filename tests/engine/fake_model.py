@@ -107,6 +107,7 @@ class FakeModel(ModelBackend):
     """Greedy-deterministic model; counts computed tokens; can fail or call a hook on demand."""
 
     scores_drafts = True  # honours batch.logit_counts
+    snapshots_draft_states = True  # writes batch.draft_state_slots (False: the engine restores)
 
     @staticmethod
     def pass_seconds(num_rows: int) -> float:
@@ -151,9 +152,14 @@ class FakeModel(ModelBackend):
         seen = cache.read(table, start + len(new_ids))
         if self.config.is_hybrid:  # the state must hold exactly the hash of the KV-visible tokens
             slot = batch.state_slots[i]
-            cache.state[slot] = extend_hash(cache.state[slot], new_ids)
+            before = cache.state[slot]
+            cache.state[slot] = extend_hash(before, new_ids)
             if cache.state[slot] != extend_hash(0, seen):
                 raise RuntimeError("recurrent state does not match the sequence")
+            drafts = batch.draft_state_slots[i] if batch.draft_state_slots else ()
+            for j, draft_slot in enumerate(drafts):  # the state after each checked row
+                cache.state[draft_slot] = extend_hash(before,
+                                                      new_ids[:len(new_ids) - len(drafts) + j])
         count = batch.logit_counts[i] if batch.logit_counts else 1
         ends = range(start + 1 if batch.all_logits else len(seen) - count + 1, len(seen) + 1)
         logits = np.zeros((len(ends), N_VOCAB), dtype=np.float32)  # (rows, n_vocab)

@@ -159,25 +159,35 @@ class _SomeDraftsWrong(Drafter):
         return found
 
 
-def test_a_hybrid_model_s_replay_of_kept_tokens_drafts_too(engines):
-    """A hybrid model's rejected check restores the state from before the pass, so the fed
-    token, the kept drafts and the next token run again in the next step: that piece drafts
-    too (a step without drafts there would add one token for a whole pass). Greedy output is
-    unchanged and the state matches the KV at every pass (FakeModel checks it)."""
+@pytest.mark.parametrize("snapshots", [True, False])
+def test_a_hybrid_model_goes_on_from_the_state_at_the_last_kept_token(engines, snapshots):
+    """A check that rejects a draft leaves a hybrid model's state past it. A model that keeps the
+    state after each checked row (snapshots_draft_states) goes on from the one at the last kept
+    token: no token runs twice. Without those states the state goes back to its copy from
+    before the pass, and the fed token, the kept drafts and the next token run again in the
+    next step, which drafts too (a step without drafts there would add one token for a whole
+    pass). Greedy output is unchanged and the state matches the KV at every pass (FakeModel
+    checks it)."""
     model = FakeModel(hybrid=True)
+    model.snapshots_draft_states = snapshots
     prompt, max_tokens = [3, 14, 15, 9, 26], 40
     answer = prompt + expected_greedy(prompt, max_tokens)
-    replays = []  # (tokens the piece runs again, drafts) of each piece that does both
-    model.before_forward = lambda batch: replays.extend(
-        (n - (k - 1), k - 1) for n, k in zip(batch.num_new_tokens, batch.logit_counts)
-        if k > 1 and n > k)
+    checks = []  # (tokens before the checked rows + 1, drafts) of each piece that drafts
+    model.before_forward = lambda batch: checks.extend(
+        (n - (k - 1), k - 1) for n, k in zip(batch.num_new_tokens, batch.logit_counts) if k > 1)
     engine, sink = engines(model, spec_tokens=3), Collector()
     engine.scheduler.drafter = _SomeDraftsWrong(answer)
+    before = model.num_forward_tokens
     request_id = engine.submit(prompt, greedy(max_tokens), sink)
     assert sink.tokens(sink.final(request_id).request_id) == answer[len(prompt):]
-    assert replays and all(fed > 1 and drafts for fed, drafts in replays)
     spec = engine.stats().speculation
     assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens
+    assert bool([fed for fed, _ in checks if fed > 1]) != snapshots  # pieces that run again
+    # every position but the last token's is computed: once, as a fed token or a kept draft,
+    # plus the rejected drafts' rows (and, without snapshots, the tokens that run again)
+    once = len(answer) - 1 + spec.num_draft_tokens - spec.num_accepted_tokens
+    computed = model.num_forward_tokens - before
+    assert computed == once if snapshots else computed > once
 
 
 class _AllDraftsWrong(_SomeDraftsWrong):
