@@ -181,3 +181,54 @@ def test_delta_rule_seq_qwen36_shape(lengths, prepare, chunked):
                                               n_k, True)
     np.testing.assert_allclose(out, ref_out, rtol=1e-3, atol=1e-4)
     np.testing.assert_allclose(new_state, ref_state, rtol=1e-3, atol=1e-4)
+
+
+# a check's states after its rows: sequence 1 (rows 3 .. 6) keeps its state after rows 4 and 5
+# in slots 1 and 2; sequence 0's rows keep none
+SNAP_SLOTS, SNAP_LO, SNAP_N = [4, 0], [0, 3], [3, 4]
+SNAP_ROWS = np.array([-1, -1, -1, -1, 1, 2, -1], np.int32)
+
+
+@pytest.mark.slow
+def test_conv_silu_seq_keeps_the_state_after_the_rows_a_check_asks_for():
+    rng = np.random.default_rng(8)
+    mixed = rng.standard_normal((7, 6)).astype(np.float32)
+    conv_w = rng.standard_normal((6, 4)).astype(np.float32)
+    state = rng.standard_normal((6, 6, 3)).astype(np.float32)  # (slots, conv_dim, K − 1)
+    dev_state, out = cuda.to_device(state), cuda.device_array(mixed.shape, np.float32)
+    ints = (np.asarray(x, np.int32) for x in (SNAP_SLOTS, SNAP_LO, SNAP_N))
+    gd.conv_silu_seq(cuda.to_device(mixed), cuda.to_device(conv_w), dev_state,
+                     *(cuda.to_device(x) for x in ints), out,
+                     row_state_slots=cuda.to_device(SNAP_ROWS))
+    got = dev_state.copy_to_host()
+    _, whole = _conv_seq_reference(mixed, conv_w, state, SNAP_SLOTS, SNAP_LO, SNAP_N)
+    np.testing.assert_allclose(got[[0, 4]], whole[[0, 4]], rtol=1e-6)
+    for slot, rows in ((1, 2), (2, 3)):  # the state after sequence 1's first `rows` rows
+        _, part = _conv_seq_reference(mixed, conv_w, state, SNAP_SLOTS, SNAP_LO, [3, rows])
+        np.testing.assert_allclose(got[slot], part[0], rtol=1e-6)
+    np.testing.assert_array_equal(got[[3, 5]], state[[3, 5]])
+
+
+@pytest.mark.slow
+def test_delta_rule_seq_keeps_the_state_after_the_rows_a_check_asks_for():
+    """dv = 6: the columns past it (idle lanes) must not write a kept state either."""
+    rng = np.random.default_rng(9)
+    n_k, n_v, dk, dv = 1, 2, 32, 6
+    u, a, b, ssm_a, dt_bias, state = _delta_inputs(rng, 7, n_k, n_v, dk, dv, slots=6)
+    dev_state = cuda.to_device(state)
+    out = cuda.device_array((7, n_v, dv), np.float32)
+    gd.delta_rule_seq(*(cuda.to_device(x) for x in (u, a, b, ssm_a, dt_bias)), dev_state,
+                      *(cuda.to_device(np.asarray(x, np.int32))
+                        for x in (SNAP_SLOTS, SNAP_LO, SNAP_N)), out,
+                      n_k_heads=n_k, head_map_mod=True, eps=1e-6,
+                      row_state_slots=cuda.to_device(SNAP_ROWS))
+    got = dev_state.copy_to_host()
+    ref_out, whole = _delta_seq_reference(u, a, b, ssm_a, dt_bias, state, SNAP_SLOTS, SNAP_LO,
+                                          SNAP_N, n_k, True)
+    np.testing.assert_allclose(out.copy_to_host(), ref_out, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(got[[0, 4]], whole[[0, 4]], rtol=1e-4, atol=1e-5)
+    for slot, rows in ((1, 2), (2, 3)):
+        _, part = _delta_seq_reference(u, a, b, ssm_a, dt_bias, state, SNAP_SLOTS, SNAP_LO,
+                                       [3, rows], n_k, True)
+        np.testing.assert_allclose(got[slot], part[0], rtol=1e-4, atol=1e-5)
+    np.testing.assert_array_equal(got[[3, 5]], state[[3, 5]])

@@ -258,14 +258,17 @@ class CudaGatedDeltaNet:
                                     stream)
         li = cache.rec_index[self.layer]
         u = ws.buf("gdn.u", rows, self.qkv_rows)
+        # passes whose rows are decodes' may check drafts: they keep the states a check asks for
+        kept = ws.row_state_slots if ws.rows_as_decodes else None
         gated_delta.conv_silu_seq(mixed.reshape(rows, -1), self.conv_w, cache.conv_state[li],
-                                  ws.state_slots, ws.seq_lo, ws.seq_n, u, stream=stream)
+                                  ws.state_slots, ws.seq_lo, ws.seq_n, u, stream=stream,
+                                  row_state_slots=kept)
         o = ws.buf("gdn.o", rows, self.H_v, self.d_v)
         gated_delta.delta_rule_seq(u, a.reshape(rows, -1), b.reshape(rows, -1), self.a, self.dt,
                                    cache.delta_state[li], ws.state_slots, ws.seq_lo, ws.seq_n, o,
                                    n_k_heads=self.H_k, head_map_mod=self.head_map_mod,
                                    eps=self.eps, prepare=ws.prefill_kernels,
-                                   chunked=self.chunked, stream=stream)
+                                   chunked=self.chunked, row_state_slots=kept, stream=stream)
         y = ws.act("gdn.y", self.z_rows)
         norm.rms_norm_silu_gate(o.reshape(G, C, -1), z, self.norm_w, y.f, self.eps, stream=stream,
                                 act=y.q)

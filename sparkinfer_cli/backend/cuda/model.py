@@ -118,6 +118,7 @@ class CudaModel(ModelBackend[CudaModelCache]):
     picks_on_device = True
     scores_drafts = True  # within max_draft_pass_tokens
     max_draft_pass_tokens = DRAFT_PASS_TOKENS
+    snapshots_draft_states = True  # passes of decodes' rows (layers.CudaGatedDeltaNet)
 
     def __init__(self, tensors: ModelTensors, config: ModelConfig, *, exact: bool = False,
                  kv_int8: bool = False, use_graphs: bool | None = None,

@@ -36,7 +36,7 @@ from sparkinfer_cli.model.batch import (
 
 MAX_COLS = qg.MAX_COLS
 INT_FIELDS = ("token_ids", "positions", "seq_lens", "slot_mapping", "row_seq", "state_slots",
-              "seq_lo", "seq_n", "logit_rows")
+              "seq_lo", "seq_n", "logit_rows", "row_state_slots")
 # Decode passes queued before the host reads the first one's ids (CudaModel.decode_greedy): each
 # has its own pinned staging of the pass's inputs and of the ids that come back.
 MAX_QUEUED_STEPS = 8
@@ -142,7 +142,8 @@ class Workspace:
         self.ints = cuda.device_array(n_ints, np.int32)
         views = [self.ints[i * n_rows:(i + 1) * n_rows] for i in range(len(INT_FIELDS))]
         self.token_ids, self.positions, self.seq_lens, self.slot_mapping, self.row_seq, \
-            self.state_slots, self.seq_lo, self.seq_n, self.logit_rows = views
+            self.state_slots, self.seq_lo, self.seq_n, self.logit_rows, \
+            self.row_state_slots = views  # row_state_slots: SequenceBatch.draft_state_slots
         self.block_tables = self.ints[len(INT_FIELDS) * n_rows:].reshape(n_rows, self.table_width)
         self._h_host: np.ndarray | None = None  # pinned, made when the host looks rows up
         self._rows_in_host: np.ndarray | None = None  # pinned, made when a pass reads rows_in
@@ -276,6 +277,10 @@ class Workspace:
         f["seq_n"][:S], f["seq_n"][S:] = batch.num_new_tokens, 0
         rows = batch.logit_rows()
         f["logit_rows"][:len(rows)], f["logit_rows"][len(rows):] = rows, 0
+        f["row_state_slots"][:] = -1  # the slot that keeps the state after each row, if any
+        ends = batch.token_offsets()[1:]
+        for end, slots in zip(ends, batch.draft_state_slots):
+            f["row_state_slots"][end - 1 - len(slots):end - 1] = slots
         self.host_embeddings = embeddings is not None
         if embeddings is not None:
             if self._h_host is None:

@@ -194,7 +194,9 @@ CONV_ROWS = 32
 
 
 @functools.cache
-def _conv_seq_kernel(k_conv: int):
+def _conv_seq_kernel(k_conv: int, snapshots: bool):
+    """conv_seq; snapshots: the state after each row whose row_slots entry is a slot (≥ 0) is
+    written to that slot too."""
     n_hist = k_conv - 1
 
     @device_function
@@ -207,7 +209,7 @@ def _conv_seq_kernel(k_conv: int):
         return hist[i] if i < n_hist else mixed[(lo + i - n_hist) * conv_dim + c]
 
     @device_function
-    def sequence_head(mixed, w, conv_state, out, slot, lo, n, conv_dim, c):
+    def sequence_head(mixed, w, conv_state, out, slot, lo, n, conv_dim, c, row_slots):
         hist = cuda.local.array(n_hist, float32)  # (K − 1,) old state, oldest first
         base = (slot * conv_dim + c) * n_hist
         for t in range(n_hist):
@@ -217,11 +219,19 @@ def _conv_seq_kernel(k_conv: int):
             for t in range(k_conv):
                 acc += w[t] * stream_at(mixed, hist, lo, d + t, conv_dim, c)
             out[(lo + d) * conv_dim + c] = silu(acc)
+        if snapshots:  # after row d the window is the stream's elements d + 1 .. d + K − 1
+            for d in range(n):
+                kept = row_slots[lo + d]
+                if kept >= 0:
+                    for t in range(n_hist):
+                        conv_state[(kept * conv_dim + c) * n_hist + t] = \
+                            stream_at(mixed, hist, lo, d + 1 + t, conv_dim, c)
         for t in range(n_hist):
             conv_state[base + t] = stream_at(mixed, hist, lo, n + t, conv_dim, c)
 
     @kernel(fastmath=True)
-    def conv_seq(mixed, conv_w, conv_state, state_slots, seq_lo, seq_n, conv_dim, rows, out):
+    def conv_seq(mixed, conv_w, conv_state, state_slots, seq_lo, seq_n, conv_dim, rows, out,
+                 row_slots):
         chain_start()
         row_seq = cuda.shared.array(CONV_ROWS, int32)  # (rows,) sequence of each row, or −1
         tid = cuda.threadIdx.x
@@ -246,7 +256,8 @@ def _conv_seq_kernel(k_conv: int):
             r = r0 + i
             d = r - seq_lo[s]
             if d == 0:
-                sequence_head(mixed, w, conv_state, out, state_slots[s], r, seq_n[s], conv_dim, c)
+                sequence_head(mixed, w, conv_state, out, state_slots[s], r, seq_n[s], conv_dim, c,
+                              row_slots)
             elif d >= n_hist:
                 acc = float32(0.0)
                 for t in range(k_conv):
@@ -255,8 +266,11 @@ def _conv_seq_kernel(k_conv: int):
     return conv_seq
 
 
-def conv_silu_seq(mixed, conv_w, conv_state, state_slots, seq_lo, seq_n, out, stream=0) -> None:
-    """mixed (n_rows, conv_dim) → out = silu(causal conv) per sequence; state advances by seq_n."""
+def conv_silu_seq(mixed, conv_w, conv_state, state_slots, seq_lo, seq_n, out, stream=0,
+                  row_state_slots=None) -> None:
+    """mixed (n_rows, conv_dim) → out = silu(causal conv) per sequence; state advances by seq_n.
+    row_state_slots (n_rows,) int32: the state after row r is also written to slot
+    row_state_slots[r] where that is ≥ 0 (a check's states after its rows); None: nowhere."""
     n_rows, conv_dim = mixed.shape
     k_conv = conv_w.shape[1]
     n_seqs = seq_n.size
@@ -266,10 +280,15 @@ def conv_silu_seq(mixed, conv_w, conv_state, state_slots, seq_lo, seq_n, out, st
         check_array(name, arr, np.int32, (n_seqs,))
     if k_conv < 2 or conv_state.shape[1:] != (conv_dim, k_conv - 1):
         raise ValueError(f"conv_state {conv_state.shape} is not (slots, {conv_dim}, {k_conv - 1})")
+    snapshots = row_state_slots is not None
+    if snapshots:
+        check_array("row_state_slots", row_state_slots, np.int32, (n_rows,))
     rows = min(CONV_ROWS, max(1, n_rows // 128))  # each block scans all n_seqs entries once
-    _conv_seq_kernel(k_conv)[(cdiv(conv_dim, THREADS), cdiv(n_rows, rows)), THREADS, stream](
+    _conv_seq_kernel(k_conv, snapshots)[(cdiv(conv_dim, THREADS), cdiv(n_rows, rows)), THREADS,
+                                        stream](
         mixed.reshape(mixed.size), conv_w.reshape(conv_w.size), conv_state.reshape(conv_state.size),
-        state_slots, seq_lo, seq_n, conv_dim, rows, out.reshape(out.size))
+        state_slots, seq_lo, seq_n, conv_dim, rows, out.reshape(out.size),
+        row_state_slots if snapshots else seq_n)
 
 
 # Layout of delta_seq: a value column j (dk state rows S[j][·]) lives in a group of 8 lanes, lane
@@ -406,13 +425,24 @@ def _token_step(dk: int, prepared: bool):
 
 
 @functools.cache
-def _token_runner(dk: int, prepared: bool):
-    """run_tokens: a column's state advanced over a sequence's rows, loads one token ahead."""
-    load_token = _row_moves(dk)[2]
+def _token_runner(dk: int, prepared: bool, snapshots: bool):
+    """run_tokens: a column's state advanced over a sequence's rows, loads one token ahead;
+    snapshots: the state after each row whose row_slots entry is a slot (≥ 0) stored there."""
+    _, store_row, load_token = _row_moves(dk)
     token_step = _token_step(dk, prepared)
 
     @device_function
-    def step_and_prefetch(u, a, b, out, s, left, rows, lane_offs, store, gates, cur, nxt):
+    def store_snapshot(snap, left, s):
+        """snap = (state, row_slots, the sequence's last row, this lane's byte offset in a
+        slot, a slot's bytes, whether this lane stores): s after the row `left` rows before the
+        last goes to that row's slot, if it has one."""
+        state, row_slots, last_row, col, slot_bytes, keep = snap
+        slot = row_slots[last_row - left]
+        if keep and slot >= 0:
+            store_row(state, slot * slot_bytes + col, s)
+
+    @device_function
+    def step_and_prefetch(u, a, b, out, s, left, rows, lane_offs, store, gates, cur, nxt, snap):
         """Load the next token into buffers nxt while token `cur` updates s (and its output is
         stored); returns (tokens left, the next token's row offsets, its v / a / b)."""
         u_row, g_row, o_row = rows
@@ -423,22 +453,26 @@ def _token_runner(dk: int, prepared: bool):
         o = token_step(s, cur[0], cur[1], cur[2], cur[3], cur[4], neg_a, bias, eps)
         if store:
             st_f32(out, o_row, o)
+        if snapshots:
+            store_snapshot(snap, left, s)
         return left - 1, (u_nxt, g_nxt, o_row + o_step), v_n, a_n, b_n
 
     @device_function
     def run_tokens(u, a, b, out, s, n, u_row, g_row, o_row, lane_offs, store, gates, qa, ka, qb,
-                   kb):
+                   kb, snap):
         """s ← s advanced over n tokens from byte offsets u_row / g_row; outputs from o_row."""
         q_off, k_off, v_off = lane_offs[0], lane_offs[1], lane_offs[2]
         left, rows = n - 1, (u_row, g_row, o_row)  # left: tokens after the current one
         va, aa, ba = load_token(u, a, b, u_row, g_row, q_off, k_off, v_off, qa, ka)
         while True:  # two tokens a trip: one computes from buffer A while B loads, then swap
             left, rows, vb, ab, bb = step_and_prefetch(u, a, b, out, s, left, rows, lane_offs,
-                                                       store, gates, (qa, ka, va, aa, ba), (qb, kb))
+                                                       store, gates, (qa, ka, va, aa, ba), (qb, kb),
+                                                       snap)
             if left < 0:
                 return
             left, rows, va, aa, ba = step_and_prefetch(u, a, b, out, s, left, rows, lane_offs,
-                                                       store, gates, (qb, kb, vb, ab, bb), (qa, ka))
+                                                       store, gates, (qb, kb, vb, ab, bb), (qa, ka),
+                                                       snap)
             if left < 0:
                 return
 
@@ -446,15 +480,15 @@ def _token_runner(dk: int, prepared: bool):
 
 
 @functools.cache
-def _delta_seq_kernel(dk: int, dv: int, prepared: bool):
+def _delta_seq_kernel(dk: int, dv: int, prepared: bool, snapshots: bool):
     per_lane = dk // 8
     warps, col_blocks = _delta_seq_blocks(dv)
     load_row, store_row, _ = _row_moves(dk)
-    run_tokens = _token_runner(dk, prepared)
+    run_tokens = _token_runner(dk, prepared, snapshots)
 
     @kernel(fastmath=True)
     def delta_seq(u, a, b, ssm_a, dt_bias, state, state_slots, seq_lo, seq_n, n_k_heads,
-                  head_map_mod, eps, out):
+                  head_map_mod, eps, out, row_slots):
         chain_start()
         n_v_heads = cuda.gridDim.x // col_blocks
         h = cuda.blockIdx.x // col_blocks
@@ -472,17 +506,20 @@ def _delta_seq_kernel(dk: int, dv: int, prepared: bool):
         qa, ka = cuda.local.array(per_lane, float32), cuda.local.array(per_lane, float32)
         qb, kb = cuda.local.array(per_lane, float32), cuda.local.array(per_lane, float32)
         stride, busy = cuda.gridDim.y, uint32(0)
+        slot_bytes = 4 * n_v_heads * dv * dk
         for seq in range(cuda.blockIdx.y, seq_n.size, stride):
             bit = seq // stride % 32  # this entry's bit of busy
             if bit == 0:  # one load a lane checks the next 32 entries (most are padding)
                 busy = _lanes_with_rows(seq_n, seq + lane * stride, lane)
             if busy >> bit & 1:
                 lo = seq_lo[seq]
-                col = 4 * (((state_slots[seq] * n_v_heads + h) * dv + jc) * dk) + 16 * sub  # bytes
+                in_slot = 4 * ((h * dv + jc) * dk) + 16 * sub  # bytes
+                col = state_slots[seq] * slot_bytes + in_slot
                 load_row(state, col, s)
                 run_tokens(u, a, b, out, s, seq_n[seq], lo * lane_offs[3],
                            lo * lane_offs[4] + 4 * h, 4 * ((lo * n_v_heads + h) * dv + j),
-                           lane_offs, sub == 0 and j < dv, gates, qa, ka, qb, kb)
+                           lane_offs, sub == 0 and j < dv, gates, qa, ka, qb, kb,
+                           (state, row_slots, lo + seq_n[seq] - 1, in_slot, slot_bytes, j < dv))
                 if j < dv:
                     store_row(state, col, s)
     return delta_seq
@@ -490,7 +527,7 @@ def _delta_seq_kernel(dk: int, dv: int, prepared: bool):
 
 def delta_rule_seq(u, a, b, ssm_a, dt_bias, state, state_slots, seq_lo, seq_n, out, *,
                    n_k_heads: int, head_map_mod: bool, eps: float, prepare: bool = False,
-                   chunked: bool = False, stream=0) -> None:
+                   chunked: bool = False, row_state_slots=None, stream=0) -> None:
     """The gated delta rule over each sequence's rows (see delta_rule_step for the math).
 
     u (n_rows, 2·H_k·dk + H_v·dv), a/b (n_rows, H_v), out (n_rows, H_v, dv); state (slots, H_v,
@@ -500,7 +537,9 @@ def delta_rule_seq(u, a, b, ssm_a, dt_bias, state, state_slots, seq_lo, seq_n, o
     one token after another, does only the state's products: about half its instructions a
     token, for one launch more (passes of multi-token sequences).
     chunked (with prepare, where gated_delta_chunked supports the head size): the recurrence a
-    chunk of tokens at a time, as products of matrices."""
+    chunk of tokens at a time, as products of matrices. row_state_slots (n_rows,) int32 (not
+    with prepare): the state after row r is also written to slot row_state_slots[r] where that
+    is ≥ 0 (a check's states after its rows); None: nowhere."""
     n_rows, n_v_heads, dv = out.shape
     dk = state.shape[3]
     n_seqs = seq_n.size
@@ -518,14 +557,19 @@ def delta_rule_seq(u, a, b, ssm_a, dt_bias, state, state_slots, seq_lo, seq_n, o
                                                n_k_heads=n_k_heads, head_map_mod=head_map_mod,
                                                stream=stream)
         return
+    snapshots = row_state_slots is not None
+    if snapshots:
+        if prepare:
+            raise ValueError("row_state_slots: passes of decodes' rows only (prepare=False)")
+        check_array("row_state_slots", row_state_slots, np.int32, (n_rows,))
     if prepare:
         _prepare_inputs(u, a, b, ssm_a, dt_bias, n_k_heads, dk, eps, stream)
     warps, col_blocks = _delta_seq_blocks(dv)
-    _delta_seq_kernel(dk, dv, prepare)[(n_v_heads * col_blocks, min(n_seqs, SEQ_BLOCKS)),
-                                       32 * warps, stream](
+    _delta_seq_kernel(dk, dv, prepare, snapshots)[
+        (n_v_heads * col_blocks, min(n_seqs, SEQ_BLOCKS)), 32 * warps, stream](
         u.reshape(u.size), a.reshape(a.size), b.reshape(b.size), ssm_a, dt_bias,
         state.reshape(state.size), state_slots, seq_lo, seq_n, n_k_heads, head_map_mod,
-        float32(eps), out.reshape(out.size))
+        float32(eps), out.reshape(out.size), row_state_slots if snapshots else seq_n)
 
 
 PREPARE_WARPS = 4

@@ -13,6 +13,7 @@ from sparkinfer_cli.backend.cuda.weights import Uploader, one_row
 from sparkinfer_cli.backend.cuda.workspace import Workspace
 from sparkinfer_cli.gguf.ggml_types import GGMLType
 from sparkinfer_cli.kernels.cuda import quant_gemv as qg
+from sparkinfer_cli.model.batch import SequenceBatch
 from sparkinfer_cli.model.weights import QTensor
 
 
@@ -201,3 +202,16 @@ def test_sampling_rows_spread_draws_over_a_pass_and_argmax_elsewhere():
     assert [d.top_k for d in spread] == [ARGMAX.top_k, 5, ARGMAX.top_k, 3]
     np.testing.assert_array_equal(spread.uniform, np.float32([0.0, 0.125, 0.0, 0.5]))
     assert spread.temperature.dtype == np.float32 and spread.top_k.dtype == np.int32
+
+
+def test_a_pass_stages_the_slot_of_each_row_whose_state_a_check_keeps():
+    """Two sequences, the second a fed token and 2 drafts (draft_state_slots: the states after
+    its first two rows): the device's row_state_slots name those slots on those rows, −1 on
+    every other row, padding included."""
+    ws = Workspace(8, PoolShape(4, 16, 1, 0), 64, True, 0, 0)
+    table = np.arange(2, dtype=np.int32)
+    batch = SequenceBatch(np.arange(5, dtype=np.int32), [3, 7], [2, 3], [table, table], [0, 1],
+                          logit_counts=[1, 3], draft_state_slots=[(), (5, 6)])
+    ws.fill(batch, None)
+    ws.upload(0)
+    assert ws.row_state_slots.copy_to_host().tolist() == [-1, -1, 5, 6, -1, -1, -1, -1]
