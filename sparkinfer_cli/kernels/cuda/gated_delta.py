@@ -194,9 +194,10 @@ CONV_ROWS = 32
 
 
 @functools.cache
-def _conv_seq_kernel(k_conv: int, snapshots: bool):
-    """conv_seq; snapshots: the state after each row whose row_slots entry is a slot (≥ 0) is
-    written to that slot too."""
+def _conv_sequence_head(k_conv: int, snapshots: bool):
+    """(silu, sequence_head): the latter runs a sequence's first K − 1 rows (they read the old
+    state) and writes its new state; snapshots: the state after each row whose row_slots entry
+    is a slot (≥ 0) there too."""
     n_hist = k_conv - 1
 
     @device_function
@@ -228,6 +229,16 @@ def _conv_seq_kernel(k_conv: int, snapshots: bool):
                             stream_at(mixed, hist, lo, d + 1 + t, conv_dim, c)
         for t in range(n_hist):
             conv_state[base + t] = stream_at(mixed, hist, lo, n + t, conv_dim, c)
+
+    return silu, sequence_head
+
+
+@functools.cache
+def _conv_seq_kernel(k_conv: int, snapshots: bool):
+    """conv_seq; snapshots: the state after each row whose row_slots entry is a slot (≥ 0) is
+    written to that slot too."""
+    n_hist = k_conv - 1
+    silu, sequence_head = _conv_sequence_head(k_conv, snapshots)
 
     @kernel(fastmath=True)
     def conv_seq(mixed, conv_w, conv_state, state_slots, seq_lo, seq_n, conv_dim, rows, out,
