@@ -73,8 +73,9 @@ def _host_available_bytes() -> int | None:
 def state_pool_bytes(config: ModelConfig, environ: Mapping[str, str] | None = None,
                      spec_tokens: int | None = None) -> int:
     """A hybrid model's recurrent-state slots as the server allocates them: one per sequence
-    (two where drafts are checked: spec_tokens, default SPARKINFER_SPEC_TOKENS), the prefix
-    cache's snapshots and the configured prefix's (SPARKINFER_PREFIX_CACHE*)."""
+    (and those a step's checks keep states in where drafts are checked: spec_tokens, default
+    SPARKINFER_SPEC_TOKENS; EngineConfig.num_seq_slots), the prefix cache's snapshots and the
+    configured prefix's (SPARKINFER_PREFIX_CACHE*)."""
     if not config.is_hybrid:
         return 0
     has_prefix = bool(env.SPARKINFER_SERVER_PREFIX_TOKEN_FILE.get(environ) or

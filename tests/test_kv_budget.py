@@ -46,6 +46,17 @@ def test_speculation_doubles_the_running_state_slots_as_the_engine_does(hybrid):
     assert manager.num_state_slots == config.num_state_slots(True) == 2 * 64 + 64
 
 
+def test_every_draft_of_a_step_has_a_state_slot_up_to_the_cuda_check_s_size():
+    """A hybrid model keeps the state after each checked row: the running slots hold one a
+    draft of every sequence (up to what a CUDA check holds), and at least one a sequence."""
+    from sparkinfer_cli.engine.config import MAX_DRAFT_STATES, EngineConfig
+
+    for seqs, spec, drafts in ((1, 3, 3), (4, 3, 12), (6, 4, MAX_DRAFT_STATES), (64, 4, 64)):
+        config = EngineConfig(ctx=4096, max_num_seqs=seqs, spec_tokens=spec)
+        assert config.num_seq_slots(True, True) == seqs + drafts
+        assert config.num_seq_slots(True, False) == seqs and config.num_seq_slots(False, True) == 0
+
+
 def test_the_kv_pool_is_sized_after_the_state_slots(hybrid, monkeypatch):
     """Memory that holds the asked-for pool beside the weights alone, but not beside the state
     slots too, refuses it; with fewer snapshots it fits again."""

@@ -10,6 +10,9 @@ SCHED_POLICIES = ("batched", "continuous", "chunked", "priority")
 # running streams' inter-token gap near a second
 DEFAULT_STEP_TOKENS = {"cuda": 2048, "cpu": 256}
 MAX_SPEC_TOKENS = 7  # drafts a decode step checks at most (n-gram speculation)
+# the recurrent states a step's checks keep at most when every sequence drafts (a hybrid model's
+# draft state slots): CUDA checks a step's drafts in passes of at most 16 tokens
+MAX_DRAFT_STATES = 16
 
 
 class QueueFullError(Exception):
@@ -104,13 +107,15 @@ class EngineConfig:
 
     def num_seq_slots(self, is_hybrid: bool, checks_drafts: bool) -> int:
         """Recurrent-state slots of running sequences: one each, and when the engine checks
-        drafts as many again (at least spec_tokens): each sequence's copy a rejected draft goes
-        back to, or the slots a step's checks keep the states after their rows in
-        (KVCacheManager's draft_state_slots)."""
+        drafts the slots a step's checks keep the states after their rows in (KVCacheManager's
+        draft_state_slots: one a draft of every sequence, up to MAX_DRAFT_STATES), at least one
+        a sequence (a backend without those states copies each sequence's state before its
+        check instead)."""
         if not is_hybrid:
             return 0
-        return self.max_num_seqs + (max(self.max_num_seqs, self.spec_tokens) if checks_drafts
-                                    else 0)
+        n = self.max_num_seqs
+        drafts = max(n, min(n * self.spec_tokens, MAX_DRAFT_STATES)) if checks_drafts else 0
+        return n + drafts
 
     def num_state_slots(self, is_hybrid: bool) -> int:
         """Every recurrent-state slot the engine allocates, at most: the running sequences'

@@ -97,6 +97,25 @@ def test_draft_slots_give_each_hybrid_request_a_second_slot_for_its_state_before
     assert plain.allocate([1], 4)[0].draft_slot == NO_STATE_SLOT  # no recurrent state to copy
 
 
+def test_draft_state_slots_are_a_pool_a_step_s_checks_take_and_give_back():
+    """A model that keeps the state after each checked row: each request takes one running
+    slot, the last draft_state_slots of them are a pool; a rejection's state comes from one."""
+    kv = KVCacheManager(num_blocks=10, block_size=4, num_seq_slots=5, draft_slots=True,
+                        draft_state_slots=3)
+    first, _ = kv.allocate([1], 4)
+    second, _ = kv.allocate([1], 4)
+    assert {first.state_slot, second.state_slot} == {0, 1}
+    assert first.draft_slot == NO_STATE_SLOT and kv.can_check_drafts(first)
+    assert kv.num_state_slots == 5 and kv.num_free_draft_state_slots == 3
+    taken = kv.take_draft_state_slots(3)
+    assert sorted(taken) == [2, 3, 4] and kv.num_free_draft_state_slots == 0
+    kv.restore_state(first, taken[1])
+    assert kv.take_pending_ops().state_copies == [(taken[1], first.state_slot)]
+    kv.free_draft_state_slots(taken)
+    assert kv.num_free_draft_state_slots == 3
+    assert kv.allocate([1], 4) is None  # the pool is not the running sequences'
+
+
 PREFIX = (5, 6, 7, 8, 9, 10)  # 6 tokens, block_size 4: one full block + a partial one
 
 
