@@ -389,9 +389,10 @@ class ContinuousBatchEngine:
                 return 1
         requests = [self.scheduler.requests[s.request_id] for s in output.sequences]
         # a request pausing its drafts drafts again once the pause's tokens are decoded
+        pauses = [r.drafting.paused_tokens(r.num_tokens) for r in requests
+                  if r.drafting is not None]
         return min([limit] + [r.params.max_tokens - r.num_output_tokens for r in requests] +
-                   [r.drafting.paused_tokens(r.num_tokens) for r in requests
-                    if r.drafting is not None and r.drafting.paused_tokens(r.num_tokens)])
+                   [n for n in pauses if n])
 
     def _run_decode_steps(self, output: SchedulerOutput, n_steps: int,
                           rows: SamplingRows | None) -> None:
