@@ -19,6 +19,7 @@ import numpy as np
 from numba import cuda
 
 from sparkinfer_cli.kernels.cuda import gated_delta as gd
+from sparkinfer_cli.kernels.cuda import gated_delta_chunked as gdc
 
 H_K, H_V, DK, DV, K_CONV, GDN_LAYERS = 16, 32, 128, 128, 4, 30
 CONV_DIM = 2 * H_K * DK + H_V * DV
@@ -45,6 +46,7 @@ def _case(rng, lengths: list[int], n_rows: int) -> dict:
     dev = {k: cuda.to_device(np.ascontiguousarray(v)) for k, v in host.items()}
     dev["out"] = cuda.device_array((n_rows, H_V, DV), f32)
     dev["conv_out"] = cuda.device_array((n_rows, CONV_DIM), f32)
+    dev["chunks"] = cuda.device_array((n_rows, H_V, gdc.scratch_cols(DK, DV)), f32)
     return dev
 
 
@@ -53,7 +55,8 @@ def _delta(d: dict, prepare: bool = False, chunked: bool = False) -> None:
     when prepared again (k keeps unit norm, q returns to 1/sqrt(dk), gates map into (0, 1))."""
     gd.delta_rule_seq(d["u"], d["a"], d["b"], d["ssm_a"], d["dt_bias"], d["state"],
                       d["state_slots"], d["seq_lo"], d["seq_n"], d["out"], n_k_heads=H_K,
-                      head_map_mod=True, eps=1e-6, prepare=prepare, chunked=chunked)
+                      head_map_mod=True, eps=1e-6, prepare=prepare,
+                      chunk_scratch=d["chunks"] if chunked else None)
 
 
 def _prepared(d: dict) -> None:

@@ -7,6 +7,7 @@ import pytest
 from numba import cuda
 
 from sparkinfer_cli.kernels.cuda import gated_delta as gd
+from sparkinfer_cli.kernels.cuda import gated_delta_chunked as gdc
 from sparkinfer_cli.kernels.delta_rule_reference import fused_step
 
 
@@ -114,11 +115,13 @@ def _delta_seq_reference(u, a, b, ssm_a, dt_bias, state, slots, lo, n, n_k, head
 def _run_delta_seq(u, a, b, ssm_a, dt_bias, state, slots, lo, n, n_k, head_map_mod,
                    prepare=False, chunked=False):
     dev_state = cuda.to_device(state)
-    out = cuda.to_device(np.full((u.shape[0], state.shape[1], state.shape[2]), 7, np.float32))
+    n_rows, n_v, dv, dk = u.shape[0], *state.shape[1:]
+    out = cuda.to_device(np.full((n_rows, n_v, dv), 7, np.float32))
+    scratch = cuda.device_array((n_rows, n_v, gdc.scratch_cols(dk, dv)), np.float32)
     gd.delta_rule_seq(*(cuda.to_device(x) for x in (u, a, b, ssm_a, dt_bias)), dev_state,
                       *(cuda.to_device(np.asarray(x, np.int32)) for x in (slots, lo, n)), out,
                       n_k_heads=n_k, head_map_mod=head_map_mod, eps=1e-6, prepare=prepare,
-                      chunked=chunked)
+                      chunk_scratch=scratch if chunked else None)
     return out.copy_to_host(), dev_state.copy_to_host()
 
 
@@ -164,8 +167,8 @@ def test_delta_rule_seq_long_sequence_and_more_entries_than_grid_rows(prepare):
 @pytest.mark.gpu
 @pytest.mark.parametrize("lengths, prepare, chunked", [
     ([300, 1, 77], True, False), ([300, 1, 77], False, False), ([1] * 64, False, False),
-    ([300, 1, 77], True, True),  # chunked, few sequences: a head's columns over several blocks
-    ([128] * 16, True, True),  # chunked, a block per (sequence, head)
+    ([300, 1, 77], True, True),  # chunked: chunks of many lengths, partial last ones
+    ([128] * 16, True, True),  # chunked: the serve burst's pass
 ])
 def test_delta_rule_seq_qwen36_shape(lengths, prepare, chunked):
     """Qwen3.6 GDN heads (16 k / 32 v, dk = dv = 128): prefill batches and a decode batch."""

@@ -41,13 +41,13 @@ def _reference(q, k, v, log_decay, beta, state, slots, lo, n, head_map_mod):
     return out, new_state
 
 
-@pytest.mark.parametrize("chunk, wide_pass, head_map_mod", [
-    (16, gdc.WIDE_PASS, True),  # few sequences: each head's columns over several blocks
-    (16, 1, False),  # a block takes all of a head's columns
-    (gdc.CHUNK, 1, True),
+@pytest.mark.parametrize("chunk, cols, head_map_mod", [
+    (16, 16, True),  # a head's columns over several recurrence blocks
+    (16, None, False),  # a block takes all of a head's columns
+    (gdc.CHUNK, 32, True),
 ])
 @pytest.mark.slow
-def test_chunked_delta_rule_matches_reference(chunk, wide_pass, head_map_mod):
+def test_chunked_delta_rule_matches_reference(chunk, cols, head_map_mod):
     """Sequences of several chunks and a partial last one, a 1-token sequence, an empty entry,
     an untouched slot; rows no sequence owns keep their old output."""
     rng = np.random.default_rng(11)
@@ -57,10 +57,12 @@ def test_chunked_delta_rule_matches_reference(chunk, wide_pass, head_map_mod):
     slots, lo, n = [2, 0, 3, 1], [1, 20, 0, 21], [19, 1, 0, 20]  # row 0 belongs to nobody
     dev_state = cuda.to_device(state)
     out = cuda.to_device(np.full((rows, n_v, dv), 7, np.float32))
+    scratch = cuda.to_device(np.full((rows, n_v, gdc.scratch_cols(dk, dv, chunk)), np.nan,
+                                     np.float32))  # what the kernels read, they wrote first
     gdc.delta_rule_chunked(*(cuda.to_device(x) for x in (u, log_decay, beta)), dev_state,
                            *(cuda.to_device(np.asarray(x, np.int32)) for x in (slots, lo, n)),
-                           out, n_k_heads=n_k, head_map_mod=head_map_mod, chunk=chunk,
-                           wide_pass=wide_pass)
+                           out, scratch, n_k_heads=n_k, head_map_mod=head_map_mod, chunk=chunk,
+                           cols=cols)
     ref_out, ref_state = _reference(q, k, v, log_decay, beta, state, slots, lo, n, head_map_mod)
     got_state = dev_state.copy_to_host()
     np.testing.assert_allclose(out.copy_to_host()[1:], ref_out[1:], rtol=1e-4, atol=2e-5)

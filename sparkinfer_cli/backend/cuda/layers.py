@@ -21,6 +21,7 @@ from sparkinfer_cli.kernels.cuda import (
     attention_flash,
     attention_prefill,
     gated_delta,
+    gated_delta_chunked,
     mma_gemm,
     mmq_k,
     moe,
@@ -248,7 +249,7 @@ class CudaGatedDeltaNet:
         self.conv_w, self.dt, self.a = up.vector(t.conv1d), up.vector(t.dt), up.vector(t.a)
         self.norm_w, self.out = up.vector(t.norm), up.linear(t.out, prefill=True)
         self.H_k, self.H_v = config.ssm_n_group, config.ssm_n_v_heads
-        self.d_v = config.ssm_inner_size // self.H_v
+        self.d_k, self.d_v = config.ssm_d_state, config.ssm_inner_size // self.H_v
         self.head_map_mod, self.eps, self.layer = t.head_map == "mod", config.rms_eps, layer
         self.chunked = env.SPARKINFER_GDN_CHUNKED.get()
 
@@ -268,8 +269,18 @@ class CudaGatedDeltaNet:
                                    cache.delta_state[li], ws.state_slots, ws.seq_lo, ws.seq_n, o,
                                    n_k_heads=self.H_k, head_map_mod=self.head_map_mod,
                                    eps=self.eps, prepare=ws.prefill_kernels,
-                                   chunked=self.chunked, row_state_slots=kept, stream=stream)
+                                   chunk_scratch=self._chunk_scratch(ws),
+                                   row_state_slots=kept, stream=stream)
         y = ws.act("gdn.y", self.z_rows)
         norm.rms_norm_silu_gate(o.reshape(G, C, -1), z, self.norm_w, y.f, self.eps, stream=stream,
                                 act=y.q)
         self.out(ws, y, ws.delta, stream)
+
+    def _chunk_scratch(self, ws: Workspace):
+        """The chunked kernels' buffer where this pass takes them (SPARKINFER_GDN_CHUNKED, a
+        prefill pass, heads they support), else None."""
+        if not (self.chunked and ws.prefill_kernels and
+                gated_delta_chunked.supports(self.d_k, self.d_v)):
+            return None
+        return ws.buf("gdn.chunks", ws.n_rows, self.H_v,
+                      gated_delta_chunked.scratch_cols(self.d_k, self.d_v))

@@ -1,35 +1,27 @@
 """The gated delta rule over whole chunks of a sequence's tokens (the WY form) on tensor cores.
 
 The token-by-token kernel (gated_delta.delta_seq) advances the state one token at a time: every
-token is a chain of dependent dot products and shuffles. Here a block takes C tokens at once (the
-math of the CPU reference `kernels/cpu/gated_delta.gated_delta_chunked`, with Sᵀ[j][i] the state
-of value column j): with G_c the chunk's cumulative log-decay up to token c and S₀ the state
-before it,
+token is a chain of dependent dot products and shuffles. Here the tokens go C at a time (the math
+of the CPU reference `kernels/cpu/gated_delta.gated_delta_chunked`, with Sᵀ[j][i] the state of
+value column j): with G_c a chunk's cumulative log-decay up to token c and S₀ the state before it,
 
     A[c][c'] = β_c e^(G_c − G_c') k_c·k_c'  (c' < c)    P[c][c'] = e^(G_c − G_c') q_c·k_c' (c' ≤ c)
-    R[c] = β_c (v_c − e^(G_c) S₀ k_c)           D = (I + A)⁻¹ R
-    o_c = e^(G_c) S₀ q_c + Σ_c' P[c][c'] D[c']
-    Sᵀ  = e^(G_last) S₀ᵀ + Dᵀ K̃,  k̃_c = e^(G_last − G_c) k_c
+    T = (I + A)⁻¹    W = T·(β e^G K)    U = T·(β V)        (none of these depends on S₀)
+    V' = U − W·S₀    o_c = e^(G_c) S₀ q_c + Σ_c' P[c][c'] V'[c']
+    Sᵀ = e^(G_last) S₀ᵀ + V'ᵀ K̃,  k̃_c = e^(G_last − G_c) k_c
 
-Five of these are matrix products (mma.sync m16n8k16): [K; Q]·Kᵀ (A and P), [K; Q]·S₀ (the
-state's products), Dᵀ = Rᵀ·(I + A)⁻ᵀ, P·D (outputs) and Dᵀ·K̃ (the update); only the inverse
-runs row by row, in one warp's registers. Each operand is staged in shared memory as two f16
-planes, x ≈ hi + lo with hi = f16(x), lo = f16(x − hi), and a product takes three mma (hi·hi +
-hi·lo + lo·hi, f32 sums): about float32's precision, at a third of the tensor cores' rate, which
-these small products leave idle anyway. A block keeps its part of Sᵀ in its warps' accumulator
-registers over the whole sequence.
+Two kernels, as the fast public implementations split it (docs/gated-deltanet-prefill.md): the
+first (`chunk_prep`) computes G, P, T, W and U for every chunk of every sequence and value head at
+once, in parallel, into a scratch buffer; the second (`chunk_recur`) carries the state across a
+sequence's chunks — the only sequential part, three products a chunk: [W; Q]·S₀, P·V' and V'ᵀ·K̃.
+Every product runs on mma.sync m16n8k16 over operands staged in shared memory as two f16 planes,
+x ≈ hi + lo with hi = f16(x), lo = f16(x − hi), three mma a tile (hi·hi + hi·lo + lo·hi, f32
+sums): about float32's precision. A recurrence block keeps its COLS value columns of Sᵀ in its
+warps' accumulator registers over the whole sequence.
 
-A launch runs two grids, one of blocks per (sequence, value head) and one per (sequence, value
-head, NARROW_COLS columns) (a captured pass cannot know its sequence count on the host); a block
-with a sequence of its own counts the pass's sequences, and the grid that does not suit them
-exits: with enough (sequence, head) pairs to fill the GPU a block takes all of a
-head's columns, otherwise (a few long prompts) a head's columns split over several blocks, each
-of which computes the chunk's A and P again. Inputs are prepared (gated_delta's prepare step with
-log_decay): q, k L2-normalised (q also / sqrt(dk)), a the log-decay, b the β.
-
-Opt-in (SPARKINFER_GDN_CHUNKED): on an H100 it has not yet beaten the token kernel
-(bench/results/2026-12-06-gdn-chunked-prefill.md says by how much and what the profile should
-look at next).
+Inputs are prepared (gated_delta's prepare step with log_decay): q, k L2-normalised (q also
+/ sqrt(dk)), a the log-decay, b the β. Opt-in (SPARKINFER_GDN_CHUNKED) until measured faster than
+the token kernel on the GPU.
 """
 
 from __future__ import annotations
@@ -38,50 +30,70 @@ import functools
 import math
 
 import numpy as np
-from numba import cuda, float32, int32, uint32
+from numba import cuda, float32, uint32
 
 from sparkinfer_cli.kernels.cuda.mma_fragments import mma_into
 from sparkinfer_cli.kernels.cuda.runtime.intrinsics import chain_start, f16_bits_to_f32, pack_f16x2
 from sparkinfer_cli.kernels.cuda.runtime.jit import device_function, kernel
-from sparkinfer_cli.kernels.cuda.runtime.launch import check_array
+from sparkinfer_cli.kernels.cuda.runtime.launch import cdiv, check_array
 from sparkinfer_cli.kernels.cuda.runtime.warp import shfl_xor
 
-CHUNK = 32  # tokens a chunk (two k16 steps of the P·D and update products)
+CHUNK = 32  # tokens a chunk (two k16 steps of the P·V' and update products)
 WARPS = 8
 THREADS = 32 * WARPS
-NARROW_COLS = 32  # value columns a block takes when the pass has few sequences
-WIDE_PASS = 256  # (sequence, head) pairs from which a block takes all of a head's columns
-SEQ_BLOCKS = 64  # grid rows; block row y runs sequence entries y, y + 64, …
-MAX_DK = 128  # shared memory: the chunk's rows and the state as f16 planes, under 227 KiB
+COLS = 32  # value columns a recurrence block takes (where dv is a multiple)
+SEQ_BLOCKS = 64  # recurrence grid rows; block row y runs sequence entries y, y + 64, …
+MAX_DK = 128  # shared memory: a chunk's rows as f16 planes, under 227 KiB
 ROW_PAD = 8  # halves padding a staged row: a fragment load's 8 rows × 4 words hit 32 banks
 
 
 def supports(dk: int, dv: int) -> bool:
-    """Whether the chunked kernel takes heads of this size."""
+    """Whether the chunked kernels take heads of this size."""
     return dk % 16 == 0 and dk <= MAX_DK and dv % 16 == 0 and dv <= 128
 
 
+def scratch_cols(dk: int, dv: int, chunk: int = CHUNK) -> int:
+    """Floats a (row, value head) of the scratch buffer holds: W's row, U's, P's and G."""
+    return dk + dv + chunk + 1
+
+
+def _cols(dv: int) -> int:
+    """Value columns a recurrence block takes."""
+    return COLS if dv % COLS == 0 else dv
+
+
 @functools.cache
-def _layout(dk: int, dvp: int, C: int) -> dict[str, int]:
-    """Word offsets of a block's shared memory: f16 planes (hi at `name`, lo at `name_lo`, rows of
-    `name_w` words) of the chunk's k | q rows, k̃ᵀ, Sᵀ, Rᵀ then Dᵀ, P and T = (I + A)⁻¹, then
-    float32 X = [S₀k; S₀q], A, G and β; `words` in all."""
-    planes = {"kq": (2 * C, dk), "kt": (dk, C), "st": (dvp, dk), "dt": (dvp, C), "pp": (C, C),
-              "tt": (C, C)}
+def _layout(planes: tuple[tuple[str, int, int], ...],
+            floats: tuple[tuple[str, int], ...]) -> dict[str, int]:
+    """Word offsets of a block's shared memory: f16 planes (hi at `name`, lo at `name_lo`, rows
+    of `name_w` words) of (name, rows, halves a row), then float32 arrays (name, size); `words`
+    in all."""
     at, out = 0, {}
-    for name, (rows, cols) in planes.items():
+    for name, rows, cols in planes:
         w = (cols + ROW_PAD) // 2
         out[name], out[name + "_lo"], out[name + "_w"] = at, at + rows * w, w
         at += 2 * rows * w
-    for name, size in (("x", 2 * C * dvp), ("am", C * C), ("g", C), ("beta", C)):
+    for name, size in floats:
         out[name] = at
         at += size
     out["words"] = at
     return out
 
 
+def _prep_layout(dk: int, dv: int, C: int) -> dict[str, int]:
+    """chunk_prep's: k | q rows, [β e^G K | β V]ᵀ and T planes; A, G and β."""
+    return _layout((("kq", 2 * C, dk), ("bkv", dk + dv, C), ("tt", C, C)),
+                   (("am", C * C), ("g", C), ("beta", C)))
+
+
+def _recur_layout(dk: int, dvp: int, C: int) -> dict[str, int]:
+    """chunk_recur's: W | Q rows, K̃ᵀ, Sᵀ, V'ᵀ and P planes; X = [W; Q]·S₀ and G."""
+    return _layout((("kq", 2 * C, dk), ("kt", dk, C), ("st", dvp, dk), ("dt", dvp, C),
+                    ("pp", C, C)), (("x", 2 * C * dvp), ("g", C)))
+
+
 def _plane(layout: dict[str, int], name: str) -> tuple[int, int, int]:
-    """(hi word, lo word, words a row) of one of _layout's f16 planes."""
+    """(hi word, lo word, words a row) of one of a layout's f16 planes."""
     return layout[name], layout[name + "_lo"], layout[name + "_w"]
 
 
@@ -89,10 +101,6 @@ def _warp_share(row_tiles: int, col_tiles: int) -> tuple[int, int]:
     """(tiles a warp, accumulators a lane) of a product of row_tiles × col_tiles mma tiles."""
     per_warp = -(-row_tiles * col_tiles // WARPS)
     return per_warp, 4 * per_warp
-
-
-def shared_bytes(dk: int, dvp: int, chunk: int = CHUNK) -> int:
-    return 4 * _layout(dk, dvp, chunk)["words"]
 
 
 @device_function
@@ -146,43 +154,38 @@ def _tile_element(row0, n0, e):
 
 
 @device_function
-def _owns_sequences(seq_n):
-    """Whether any of this block's sequence entries (y, y + grid rows, …) has rows: a block
-    without work leaves before it counts the pass's sequences."""
-    y, rows = cuda.blockIdx.y, cuda.gridDim.y
-    n_mine = (seq_n.size - y + rows - 1) // rows
-    mine = int32(0)
-    for k in range(cuda.threadIdx.x, n_mine, cuda.blockDim.x):
-        if seq_n[y + k * rows] > 0:
-            mine = int32(1)
-    return cuda.syncthreads_or(mine) != 0
+def _find_chunk(seq_lo, seq_n, index, C):
+    """(first row, rows) of the pass's chunk number `index`, each sequence entry's chunks counted
+    in order; (0, 0) past the last chunk."""
+    for s in range(seq_n.size):
+        m = (seq_n[s] + C - 1) // C
+        if index < m:
+            return seq_lo[s] + index * C, min(C, seq_n[s] - index * C)
+        index -= m
+    return 0, 0
 
 
 @device_function
-def _active_sequences(seq_n):
-    """Sequence entries with rows, counted by the whole block."""
-    count = 0
-    for base in range(0, seq_n.size, cuda.blockDim.x):
-        e = base + cuda.threadIdx.x
-        has_rows = int32(0)
-        if e < seq_n.size and seq_n[e] > 0:
-            has_rows = int32(1)
-        count += cuda.syncthreads_count(has_rows)
-    return count
+def _scratch_at(dest, c):
+    """Index in the scratch buffer of the (row, value head) of chunk row c; dest = (first row,
+    rows, value head, value heads, floats a (row, head))."""
+    return ((dest[0] + c) * dest[3] + dest[2]) * dest[4]
 
 
 @functools.cache
-def _load_fn(dk: int, dvp: int, C: int):
-    L = _layout(dk, dvp, C)
+def _prep_load_fn(dk: int, dv: int, C: int):
+    L = _prep_layout(dk, dv, C)
     kq, kq_lo, kq_w = _plane(L, "kq")
-    kt, kt_lo, kt_w = _plane(L, "kt")
-    g_at, b_at = L["g"], L["beta"]
-    half_dk, half_c = dk // 2, C // 2
+    bkv, bkv_lo, bkv_w = _plane(L, "bkv")
+    g_at, b_at, g_col = L["g"], L["beta"], dk + dv + C
+    half_dk, half_c, n_kv = dk // 2, C // 2, dk + dv
 
     @device_function
-    def load_chunk(u, a, b, smw, smf, r, n_c, u_stride, q_off, k_off, h, n_v_heads):
-        """Stage tokens r .. r + n_c − 1 (rows past n_c zero: they neither decay nor write): k | q
-        rows, G (the log-decays summed over the chunk), β, and k̃ᵀ = (k_c e^(G_last − G_c))ᵀ."""
+    def load(u, a, b, smw, smf, offs, dest, scratch):
+        """Stage the chunk's rows (rows past n_c zero: they neither decay nor write): k | q rows,
+        G (the log-decays summed over the chunk, also to the scratch), β and [β e^G K | β V]ᵀ."""
+        u_stride, q_off, k_off, v_off = offs
+        r, n_c, h, n_v_heads = dest[0], dest[1], dest[2], dest[3]
         tid = cuda.threadIdx.x
         for q in range(-(-2 * C * half_dk // THREADS)):  # a fixed count: its loads go out at once
             e = tid + q * THREADS
@@ -202,30 +205,31 @@ def _load_fn(dk: int, dvp: int, C: int):
             for c in range(1, C):
                 smf[g_at + c] += smf[g_at + c - 1]
         cuda.syncthreads()
-        g_last = smf[g_at + C - 1]
-        for q in range(-(-dk * half_c // THREADS)):
+        if tid < n_c:
+            scratch[_scratch_at(dest, tid) + g_col] = smf[g_at + tid]
+        for q in range(-(-n_kv * half_c // THREADS)):
             e = tid + q * THREADS
-            if e >= dk * half_c:
-                break
-            i, cw = e // half_c, e % half_c
-            c = 2 * cw
-            x, y = float32(0.0), float32(0.0)
-            if c < n_c:
-                x = u[(r + c) * u_stride + k_off + i] * math.exp(g_last - smf[g_at + c])
-            if c + 1 < n_c:
-                y = u[(r + c + 1) * u_stride + k_off + i] * math.exp(g_last - smf[g_at + c + 1])
-            _put_pair(smw, kt + i * kt_w + cw, kt_lo + i * kt_w + cw, x, y)
-    return load_chunk
+            cw, i = e // n_kv, e % n_kv  # i fastest: a warp reads a row's consecutive floats
+            xy = cuda.local.array(2, float32)
+            for m in range(2):
+                c = 2 * cw + m
+                xy[m] = float32(0.0)
+                if c < n_c and cw < half_c:
+                    scale = smf[b_at + c] * (math.exp(smf[g_at + c]) if i < dk else float32(1.0))
+                    xy[m] = scale * u[(r + c) * u_stride + (k_off + i if i < dk else
+                                                            v_off + i - dk)]
+            if cw < half_c:
+                _put_pair(smw, bkv + i * bkv_w + cw, bkv_lo + i * bkv_w + cw, xy[0], xy[1])
+    return load
 
 
 @functools.cache
-def _token_products_fn(dk: int, dvp: int, C: int):
-    """token_products: A (float32, strictly lower) and P (f16 planes, lower with the diagonal)
-    from [K; Q]·Kᵀ: a warp per 16 rows × 16 columns of the 2C × C product."""
-    L = _layout(dk, dvp, C)
+def _token_products_fn(dk: int, dv: int, C: int):
+    """token_products: A (float32 in shared memory, strictly lower) and P (to the scratch, lower
+    with the diagonal) from [K; Q]·Kᵀ: a warp per 16 rows × 16 columns of the 2C × C product."""
+    L = _prep_layout(dk, dv, C)
     kq, kq_lo, kq_w = _plane(L, "kq")
-    pp, pp_lo, pp_w = _plane(L, "pp")
-    am, g_at, b_at = L["am"], L["g"], L["beta"]
+    am, g_at, b_at, p_col = L["am"], L["g"], L["beta"], dk + dv
     tiles = (2 * C // 16) * (C // 16)  # warp tiles of 16 × 16
 
     @device_function
@@ -238,7 +242,7 @@ def _token_products_fn(dk: int, dvp: int, C: int):
         return v * smf[b_at + c] if row < C else v
 
     @device_function
-    def token_products(smw, smf):
+    def token_products(smw, smf, scratch, dest):
         warp = cuda.threadIdx.x >> 5
         for t in range(warp, tiles, WARPS):
             row0, n0 = 16 * (t // (C // 16)), 16 * (t % (C // 16))
@@ -250,53 +254,73 @@ def _token_products_fn(dk: int, dvp: int, C: int):
                 for nt in range(2):
                     _mma3(acc, 4 * nt, a, smw, kq, kq_lo, kq_w, n0 + 8 * nt, kw)
             for nt in range(2):
-                for e in range(0, 4, 2):
+                for e in range(4):
                     row, c2 = _tile_element(row0, n0 + 8 * nt, e)
-                    v0 = masked(smf, row, c2, acc[4 * nt + e])
-                    v1 = masked(smf, row, c2 + 1, acc[4 * nt + e + 1])
+                    v = masked(smf, row, c2, acc[4 * nt + e])
                     if row < C:
-                        smf[uint32(am + row * C + c2)] = v0
-                        smf[uint32(am + row * C + c2 + 1)] = v1
-                    else:
-                        wd = (row - C) * pp_w + c2 // 2
-                        _put_pair(smw, pp + wd, pp_lo + wd, v0, v1)
+                        smf[uint32(am + row * C + c2)] = v
+                    elif row - C < dest[1]:
+                        scratch[_scratch_at(dest, row - C) + p_col + c2] = v
     return token_products
 
 
 @functools.cache
-def _state_products_fn(dk: int, dvp: int, C: int):
-    """state_products: X = [K; Q]·S₀ (2C × dvp, float32), 16 × 8 tiles spread over the warps
-    (a warp keeps one row tile: its A fragments serve all its column tiles)."""
-    L = _layout(dk, dvp, C)
-    kq, kq_lo, kq_w = _plane(L, "kq")
-    st, st_lo, st_w = _plane(L, "st")
-    x_at = L["x"]
-    row_tiles, col_tiles = 2 * C // 16, dvp // 8
-    per_warp = _warp_share(row_tiles, col_tiles)[0]
-    group = min(per_warp, 2)  # column tiles a k walk (registers: the wide kernel holds Sᵀ too)
-    n_acc = 4 * group  # accumulators a lane
+def _wy_fn(dk: int, dv: int, C: int):
+    """wy: [W | U] = T·[β e^G K | β V] (C × (dk + dv)) to the scratch, 16 × 8 tiles over the
+    warps."""
+    L = _prep_layout(dk, dv, C)
+    tt, tt_lo, tt_w = _plane(L, "tt")
+    bkv, bkv_lo, bkv_w = _plane(L, "bkv")
+    row_tiles, tiles = C // 16, (C // 16) * ((dk + dv) // 8)
 
     @device_function
-    def state_products(smw, smf):
+    def wy(smw, scratch, dest):
         warp = cuda.threadIdx.x >> 5
-        row0 = 16 * (warp % row_tiles)
-        for q0 in range(0, per_warp, group):
-            acc = cuda.local.array(n_acc, float32)
-            for i in range(n_acc):
+        for t in range(warp, tiles, WARPS):
+            row0, n0 = 16 * (t % row_tiles), 8 * (t // row_tiles)
+            acc = cuda.local.array(4, float32)
+            for i in range(4):
                 acc[i] = 0.0
-            for kw in range(0, dk // 2, 8):
-                a = _frags_a(smw, kq, kq_lo, kq_w, row0, kw)
-                for q in range(group):
-                    t = warp + WARPS * (q0 + q)
-                    if t < row_tiles * col_tiles:
-                        _mma3(acc, 4 * q, a, smw, st, st_lo, st_w, 8 * (t // row_tiles), kw)
-            for q in range(group):
-                t = warp + WARPS * (q0 + q)
-                if t < row_tiles * col_tiles:
-                    for e in range(4):
-                        row, j = _tile_element(row0, 8 * (t // row_tiles), e)
-                        smf[uint32(x_at + row * dvp + j)] = acc[4 * q + e]
-    return state_products
+            for kw in range(0, C // 2, 8):
+                _mma3(acc, 0, _frags_a(smw, tt, tt_lo, tt_w, row0, kw), smw, bkv, bkv_lo, bkv_w,
+                      n0, kw)
+            for e in range(4):
+                c, n = _tile_element(row0, n0, e)
+                if c < dest[1]:
+                    scratch[_scratch_at(dest, c) + n] = acc[e]
+    return wy
+
+
+@functools.cache
+def _prep_kernel(dk: int, dv: int, C: int):
+    """chunk_prep: a block per (value head, chunk of the pass)."""
+    L = _prep_layout(dk, dv, C)
+    load = _prep_load_fn(dk, dv, C)
+    token_products = _token_products_fn(dk, dv, C)
+    invert = _inverse_fn(C, L["am"], *_plane(L, "tt"))
+    wy = _wy_fn(dk, dv, C)
+    n_scratch = scratch_cols(dk, dv, C)
+
+    @kernel(fastmath=True)
+    def chunk_prep(u, a, b, seq_lo, seq_n, n_k_heads, head_map_mod, scratch):
+        chain_start()
+        h, n_v_heads = cuda.blockIdx.x, cuda.gridDim.x
+        r, n_c = _find_chunk(seq_lo, seq_n, cuda.blockIdx.y, C)
+        if n_c == 0:
+            return
+        smw = cuda.shared.array(0, uint32)  # f16 planes (_prep_layout)
+        smf = cuda.shared.array(0, float32)  # the same memory: the float32 part
+        kh = h % n_k_heads if head_map_mod else h // (n_v_heads // n_k_heads)
+        key_dim = n_k_heads * dk
+        offs = (2 * key_dim + n_v_heads * dv, kh * dk, key_dim + kh * dk, 2 * key_dim + h * dv)
+        dest = (r, n_c, h, n_v_heads, n_scratch)
+        load(u, a, b, smw, smf, offs, dest, scratch)
+        token_products(smw, smf, scratch, dest)
+        cuda.syncthreads()
+        invert(smw, smf)
+        cuda.syncthreads()
+        wy(smw, scratch, dest)
+    return chunk_prep
 
 
 @functools.cache
@@ -334,64 +358,45 @@ def _pair_fn(C: int, tt: int, tt_lo: int, tt_w: int):
 
 
 @functools.cache
-def _deltas_fn(dk: int, dvp: int, C: int):
-    """D = (I + A)⁻¹ R in three steps: R's f16 planes (every thread), the inverse T = (I + A)⁻¹
-    (warp 0, _inverse_fn), then Dᵀ = Rᵀ·Tᵀ on the tensor cores, 16 × 8 tiles, a warp one row
-    tile of value columns (as the update)."""
-    L = _layout(dk, dvp, C)
-    x_at, am, g_at, b_at = L["x"], L["am"], L["g"], L["beta"]
-    dt, dt_lo, dt_w = _plane(L, "dt")
-    tt, tt_lo, tt_w = _plane(L, "tt")
-    row_tiles, col_tiles = dvp // 16, C // 8
-    per_warp, n_acc = _warp_share(row_tiles, col_tiles)
-    half_c = C // 2
+def _state_products_fn(dk: int, dvp: int, C: int):
+    """state_products: X = [K; Q]·S₀ (2C × dvp, float32), 16 × 8 tiles spread over the warps
+    (a warp keeps one row tile: its A fragments serve all its column tiles)."""
+    L = _recur_layout(dk, dvp, C)
+    kq, kq_lo, kq_w = _plane(L, "kq")
+    st, st_lo, st_w = _plane(L, "st")
+    x_at = L["x"]
+    row_tiles, col_tiles = 2 * C // 16, dvp // 8
+    per_warp = _warp_share(row_tiles, col_tiles)[0]
+    group = min(per_warp, 2)  # column tiles a k walk (registers: the wide kernel holds Sᵀ too)
+    n_acc = 4 * group  # accumulators a lane
 
     @device_function
-    def residuals(u, smw, smf, r, n_c, u_stride, v_off):
-        """Rᵀ's planes (in Dᵀ's place): R[c][j] = β_c (v − e^(G_c) S₀k_c)[j]."""
-        for q in range(-(-dvp * half_c // THREADS)):
-            e = cuda.threadIdx.x + q * THREADS
-            if e < dvp * half_c:
-                cw, j = e // dvp, e % dvp
-                rv = cuda.local.array(2, float32)
-                for h in range(2):
-                    c = 2 * cw + h
-                    v = u[(r + c) * u_stride + v_off + j] if c < n_c else float32(0.0)
-                    rv[h] = smf[b_at + c] * (v - math.exp(smf[g_at + c]) *
-                                             smf[uint32(x_at + c * dvp + j)])
-                _put_pair(smw, dt + j * dt_w + cw, dt_lo + j * dt_w + cw, rv[0], rv[1])
-
-    invert = _inverse_fn(C, am, tt, tt_lo, tt_w)
-
-    @device_function
-    def deltas(smw):
-        """Dᵀ's planes ← Rᵀ·Tᵀ (all warps read Rᵀ's planes before any writes Dᵀ there)."""
+    def state_products(smw, smf):
         warp = cuda.threadIdx.x >> 5
         row0 = 16 * (warp % row_tiles)
-        acc = cuda.local.array(n_acc, float32)
-        for i in range(n_acc):
-            acc[i] = 0.0
-        for kw in range(0, half_c, 8):
-            a = _frags_a(smw, dt, dt_lo, dt_w, row0, kw)
-            for q in range(per_warp):
-                t = warp + WARPS * q
+        for q0 in range(0, per_warp, group):
+            acc = cuda.local.array(n_acc, float32)
+            for i in range(n_acc):
+                acc[i] = 0.0
+            for kw in range(0, dk // 2, 8):
+                a = _frags_a(smw, kq, kq_lo, kq_w, row0, kw)
+                for q in range(group):
+                    t = warp + WARPS * (q0 + q)
+                    if t < row_tiles * col_tiles:
+                        _mma3(acc, 4 * q, a, smw, st, st_lo, st_w, 8 * (t // row_tiles), kw)
+            for q in range(group):
+                t = warp + WARPS * (q0 + q)
                 if t < row_tiles * col_tiles:
-                    _mma3(acc, 4 * q, a, smw, tt, tt_lo, tt_w, 8 * (t // row_tiles), kw)
-        cuda.syncthreads()
-        for q in range(per_warp):
-            t = warp + WARPS * q
-            if t < row_tiles * col_tiles:
-                for e in range(0, 4, 2):
-                    j, c = _tile_element(row0, 8 * (t // row_tiles), e)
-                    wd = j * dt_w + c // 2
-                    _put_pair(smw, dt + wd, dt_lo + wd, acc[4 * q + e], acc[4 * q + e + 1])
-    return residuals, invert, deltas
+                    for e in range(4):
+                        row, j = _tile_element(row0, 8 * (t // row_tiles), e)
+                        smf[uint32(x_at + row * dvp + j)] = acc[4 * q + e]
+    return state_products
 
 
 @functools.cache
 def _outputs_fn(dk: int, dvp: int, C: int):
     """outputs: o = e^G S₀q + P·D for the chunk's rows < n_c, 16 × 8 tiles over the warps."""
-    L = _layout(dk, dvp, C)
+    L = _recur_layout(dk, dvp, C)
     pp, pp_lo, pp_w = _plane(L, "pp")
     dt, dt_lo, dt_w = _plane(L, "dt")
     x_at, g_at = L["x"], L["g"]
@@ -429,7 +434,7 @@ def _outputs_fn(dk: int, dvp: int, C: int):
 def _state_fns(dk: int, dvp: int, C: int):
     """The block's part of Sᵀ (dvp × dk) lives in its warps' accumulators: 16 × 8 tiles, a warp
     keeping one row tile of value columns. Returns (accumulators a lane, load, update, store)."""
-    L = _layout(dk, dvp, C)
+    L = _recur_layout(dk, dvp, C)
     st, st_lo, st_w = _plane(L, "st")
     dt, dt_lo, dt_w = _plane(L, "dt")
     kt, kt_lo, kt_w = _plane(L, "kt")
@@ -487,41 +492,169 @@ def _state_fns(dk: int, dvp: int, C: int):
     return n_acc, load, update, store
 
 
-def _narrow_cols(dv: int) -> int:
-    """Value columns a block takes when a pass has few sequences (dv: no narrow grid)."""
-    return NARROW_COLS if dv > NARROW_COLS and dv % NARROW_COLS == 0 else dv
+@functools.cache
+def _state_fns(dk: int, dvp: int, C: int):
+    """The block's part of Sᵀ (dvp × dk) lives in its warps' accumulators: 16 × 8 tiles, a warp
+    keeping one row tile of value columns. Returns (accumulators a lane, load, update, store)."""
+    L = _recur_layout(dk, dvp, C)
+    st, st_lo, st_w = _plane(L, "st")
+    dt, dt_lo, dt_w = _plane(L, "dt")
+    kt, kt_lo, kt_w = _plane(L, "kt")
+    g_at, row_tiles, col_tiles = L["g"], dvp // 16, dk // 8
+    per_warp, n_acc = _warp_share(row_tiles, col_tiles)
+
+    @device_function(numba_inline=True)  # s: the kernel's registers
+    def to_planes(smw, s):
+        """Sᵀ's f16 planes (the B operand of the next chunk's state products) ← s."""
+        warp = cuda.threadIdx.x >> 5
+        for q in range(per_warp):
+            t = warp + WARPS * q
+            if t < row_tiles * col_tiles:
+                for e in range(0, 4, 2):
+                    j, i = _tile_element(16 * (warp % row_tiles), 8 * (t // row_tiles), e)
+                    wd = j * st_w + i // 2
+                    _put_pair(smw, st + wd, st_lo + wd, s[4 * q + e], s[4 * q + e + 1])
+
+    @device_function(numba_inline=True)  # s: the kernel's registers
+    def load(state, base, smw, s):
+        """s ← Sᵀ of the part from the global state (S[j][i], i contiguous), and its planes."""
+        warp = cuda.threadIdx.x >> 5
+        for q in range(per_warp):
+            t = warp + WARPS * q
+            if t < row_tiles * col_tiles:
+                for e in range(4):
+                    j, i = _tile_element(16 * (warp % row_tiles), 8 * (t // row_tiles), e)
+                    s[4 * q + e] = state[base + j * dk + i]
+        to_planes(smw, s)
+
+    @device_function(numba_inline=True)  # s: the kernel's registers
+    def update(smw, smf, s):
+        """Sᵀ ← e^(G_last) Sᵀ + Dᵀ·K̃."""
+        warp = cuda.threadIdx.x >> 5
+        decay = math.exp(smf[g_at + C - 1])
+        for i in range(n_acc):
+            s[i] *= decay
+        for kw in range(0, C // 2, 8):
+            a = _frags_a(smw, dt, dt_lo, dt_w, 16 * (warp % row_tiles), kw)
+            for q in range(per_warp):
+                t = warp + WARPS * q
+                if t < row_tiles * col_tiles:
+                    _mma3(s, 4 * q, a, smw, kt, kt_lo, kt_w, 8 * (t // row_tiles), kw)
+        to_planes(smw, s)
+
+    @device_function(numba_inline=True)  # s: the kernel's registers
+    def store(state, base, s):
+        warp = cuda.threadIdx.x >> 5
+        for q in range(per_warp):
+            t = warp + WARPS * q
+            if t < row_tiles * col_tiles:
+                for e in range(4):
+                    j, i = _tile_element(16 * (warp % row_tiles), 8 * (t // row_tiles), e)
+                    state[base + j * dk + i] = s[4 * q + e]
+    return n_acc, load, update, store
 
 
 @functools.cache
-def _chunk_kernel(dk: int, dv: int, dvp: int, C: int):
-    """The kernel of blocks taking dvp of a head's dv value columns (dvp = dv: the wide grid)."""
-    load_chunk = _load_fn(dk, dvp, C)
-    token_products = _token_products_fn(dk, dvp, C)
+def _recur_load_fn(dk: int, dvp: int, C: int):
+    L = _recur_layout(dk, dvp, C)
+    kq, kq_lo, kq_w = _plane(L, "kq")
+    kt, kt_lo, kt_w = _plane(L, "kt")
+    pp, pp_lo, pp_w = _plane(L, "pp")
+    g_at, half_dk, half_c = L["g"], dk // 2, C // 2
+
+    @device_function
+    def load(u, scratch, smw, smf, offs, dest):
+        """Stage the chunk (rows past n_c zero): W | Q rows, P, G and K̃ᵀ = (k_c e^(G_last −
+        G_c))ᵀ; the chunk's rows past n_c take G_last."""
+        u_stride, q_off, k_off, dv = offs
+        n_c, tid = dest[1], cuda.threadIdx.x
+        p_at = dk + dv  # the scratch's columns: W, U, P, G
+        for q in range(-(-2 * C * half_dk // THREADS)):  # a fixed count: its loads go out at once
+            e = tid + q * THREADS
+            row, wd = e // half_dk, e % half_dk
+            c = row % C
+            x, y = float32(0.0), float32(0.0)
+            if c < n_c and row < 2 * C:
+                src = ((dest[0] + c) * u_stride + q_off + 2 * wd if row >= C else
+                       _scratch_at(dest, c) + 2 * wd)
+                x, y = (u[src], u[src + 1]) if row >= C else (scratch[src], scratch[src + 1])
+            if row < 2 * C:
+                _put_pair(smw, kq + row * kq_w + wd, kq_lo + row * kq_w + wd, x, y)
+        for q in range(-(-C * half_c // THREADS)):
+            e = tid + q * THREADS
+            c, cw = e // half_c, e % half_c
+            x, y = float32(0.0), float32(0.0)
+            if c < n_c:
+                src = _scratch_at(dest, c) + p_at + 2 * cw
+                x, y = scratch[src], scratch[src + 1]
+            if c < C:
+                _put_pair(smw, pp + c * pp_w + cw, pp_lo + c * pp_w + cw, x, y)
+        for c in range(tid, C, THREADS):
+            smf[g_at + c] = scratch[_scratch_at(dest, min(c, n_c - 1)) + p_at + C]
+        cuda.syncthreads()
+        g_last = smf[g_at + C - 1]
+        for q in range(-(-dk * half_c // THREADS)):
+            e = tid + q * THREADS
+            cw, i = e // dk, e % dk  # i fastest: a warp reads a row's consecutive floats
+            xy = cuda.local.array(2, float32)
+            for m in range(2):
+                c = 2 * cw + m
+                xy[m] = float32(0.0)
+                if c < n_c and cw < half_c:
+                    xy[m] = u[(dest[0] + c) * u_stride + k_off + i] * math.exp(
+                        g_last - smf[g_at + c])
+            if cw < half_c:
+                _put_pair(smw, kt + i * kt_w + cw, kt_lo + i * kt_w + cw, xy[0], xy[1])
+    return load
+
+
+@functools.cache
+def _new_values_fn(dk: int, dvp: int, C: int):
+    L = _recur_layout(dk, dvp, C)
+    dt, dt_lo, dt_w = _plane(L, "dt")
+    x_at, half_c = L["x"], C // 2
+
+    @device_function
+    def new_values(scratch, smw, smf, dest, u_col):
+        """V'ᵀ's planes: V'[c][j] = U[c][j] − (W·S₀)[c][j] (U from scratch column u_col + j)."""
+        for q in range(-(-dvp * half_c // THREADS)):
+            e = cuda.threadIdx.x + q * THREADS
+            cw, j = e // dvp, e % dvp
+            xy = cuda.local.array(2, float32)
+            for m in range(2):
+                c = 2 * cw + m
+                xy[m] = float32(0.0)
+                if c < dest[1] and cw < half_c:
+                    xy[m] = scratch[_scratch_at(dest, c) + u_col + j] - smf[uint32(
+                        x_at + c * dvp + j)]
+            if cw < half_c:
+                _put_pair(smw, dt + j * dt_w + cw, dt_lo + j * dt_w + cw, xy[0], xy[1])
+    return new_values
+
+
+@functools.cache
+def _recur_kernel(dk: int, dv: int, dvp: int, C: int):
+    """chunk_recur: a block per (value head, dvp of its columns) and sequence entry y, y + grid
+    rows, …"""
+    load = _recur_load_fn(dk, dvp, C)
     state_products = _state_products_fn(dk, dvp, C)
-    residuals, invert, deltas = _deltas_fn(dk, dvp, C)
+    new_values = _new_values_fn(dk, dvp, C)
     outputs = _outputs_fn(dk, dvp, C)
     n_state, load_state, update_state, store_state = _state_fns(dk, dvp, C)
-    parts = dv // dvp
-    two_grids = _narrow_cols(dv) < dv  # a launch also runs the other grid
+    parts, n_scratch = dv // dvp, scratch_cols(dk, dv, C)
 
     @kernel(fastmath=True)
-    def delta_chunked(u, a, b, state, state_slots, seq_lo, seq_n, n_k_heads, head_map_mod,
-                      wide_pass, out):
+    def chunk_recur(u, scratch, state, state_slots, seq_lo, seq_n, n_k_heads, head_map_mod,
+                    out):
         chain_start()
         n_v_heads = cuda.gridDim.x // parts
         h, part = cuda.blockIdx.x // parts, cuda.blockIdx.x % parts
-        if not _owns_sequences(seq_n):
-            return
-        if two_grids and (_active_sequences(seq_n) * n_v_heads >= wide_pass) != (parts == 1):
-            return  # the other grid of the launch suits this pass
-        smw = cuda.shared.array(0, uint32)  # f16 planes (_layout)
+        smw = cuda.shared.array(0, uint32)  # f16 planes (_recur_layout)
         smf = cuda.shared.array(0, float32)  # the same memory: the float32 part
         s = cuda.local.array(n_state, float32)  # this lane's part of its warp's tiles of Sᵀ
         kh = h % n_k_heads if head_map_mod else h // (n_v_heads // n_k_heads)
         key_dim = n_k_heads * dk
-        u_stride = 2 * key_dim + n_v_heads * dv
-        q_off, k_off = kh * dk, key_dim + kh * dk
-        v_off = 2 * key_dim + h * dv + part * dvp
+        offs = (2 * key_dim + n_v_heads * dv, kh * dk, key_dim + kh * dk, dv)
         for seq in range(cuda.blockIdx.y, seq_n.size, cuda.gridDim.y):
             n = seq_n[seq]
             if n == 0:
@@ -530,44 +663,47 @@ def _chunk_kernel(dk: int, dv: int, dvp: int, C: int):
             base = ((state_slots[seq] * n_v_heads + h) * dv + part * dvp) * dk
             load_state(state, base, smw, s)
             for r in range(lo, lo + n, C):
-                n_c = min(C, lo + n - r)
-                load_chunk(u, a, b, smw, smf, r, n_c, u_stride, q_off, k_off, h, n_v_heads)
-                token_products(smw, smf)
+                dest = (r, min(C, lo + n - r), h, n_v_heads, n_scratch)
+                load(u, scratch, smw, smf, offs, dest)
                 state_products(smw, smf)
                 cuda.syncthreads()
-                residuals(u, smw, smf, r, n_c, u_stride, v_off)
-                invert(smw, smf)
+                new_values(scratch, smw, smf, dest, dk + part * dvp)
                 cuda.syncthreads()
-                deltas(smw)
-                cuda.syncthreads()
-                outputs(smw, smf, out, r, n_c, n_v_heads * dv, h * dv + part * dvp)
+                outputs(smw, smf, out, r, dest[1], n_v_heads * dv, h * dv + part * dvp)
                 update_state(smw, smf, s)
                 cuda.syncthreads()
             store_state(state, base, s)
-    return delta_chunked
+    return chunk_recur
 
 
-def delta_rule_chunked(u, a, b, state, state_slots, seq_lo, seq_n, out, *, n_k_heads: int,
-                       head_map_mod: bool, chunk: int = CHUNK, wide_pass: int = WIDE_PASS,
-                       stream=0) -> None:
+def delta_rule_chunked(u, a, b, state, state_slots, seq_lo, seq_n, out, scratch, *,
+                       n_k_heads: int, head_map_mod: bool, chunk: int = CHUNK,
+                       cols: int | None = None, stream=0) -> None:
     """The gated delta rule over each sequence's rows, a chunk of tokens at a time, on prepared
     inputs: u's q, k L2-normalised (q also / sqrt(dk)), a the log-decay and b the β of each row
-    and value head. Shapes and state as gated_delta.delta_rule_seq. wide_pass: the (sequence,
-    head) pairs from which a block takes all of a head's value columns."""
+    and value head. Shapes and state as gated_delta.delta_rule_seq; scratch (n_rows, H_v,
+    scratch_cols(dk, dv, chunk)) float32 holds each chunk's W, U, P and G between the two
+    kernels. cols: the value columns a recurrence block takes (default: _cols)."""
     n_rows, n_v_heads, dv = out.shape
     dk = state.shape[3]
-    if not supports(dk, dv) or state.shape[1:3] != (n_v_heads, dv) or chunk % 16:
-        raise ValueError(f"state {state.shape}, chunk {chunk}: the chunked kernel takes dk ≤ "
-                         f"{MAX_DK}, dk and dv multiples of 16, dv ≤ 128, chunks of 16·m")
+    dvp = cols or _cols(dv)
+    if not supports(dk, dv) or state.shape[1:3] != (n_v_heads, dv) or chunk % 16 or dv % dvp \
+            or dvp % 16:
+        raise ValueError(f"state {state.shape}, chunk {chunk}, cols {dvp}: the chunked kernels "
+                         f"take dk ≤ {MAX_DK}, dk, dv and cols multiples of 16, dv ≤ 128, "
+                         f"chunks of 16·m")
     if u.shape != (n_rows, 2 * n_k_heads * dk + n_v_heads * dv):
         raise ValueError(f"u {u.shape} is not (n_rows, 2·H_k·dk + H_v·dv)")
     check_array("a", a, np.float32, (n_rows, n_v_heads))
     check_array("b", b, np.float32, (n_rows, n_v_heads))
-    args = (u.reshape(u.size), a.reshape(a.size), b.reshape(b.size), state.reshape(state.size),
-            state_slots, seq_lo, seq_n, n_k_heads, head_map_mod, wide_pass, out.reshape(out.size))
-    for dvp in sorted({dv, _narrow_cols(dv)}):
-        parts = dv // dvp
-        # the narrow grid runs passes of fewer than wide_pass / H_v sequences: as many rows
-        rows = min(seq_n.size, SEQ_BLOCKS if parts == 1 else -(-wide_pass // n_v_heads))
-        _chunk_kernel(dk, dv, dvp, chunk)[(n_v_heads * parts, rows), THREADS, stream,
-                                          shared_bytes(dk, dvp, chunk)](*args)
+    check_array("scratch", scratch, np.float32, (n_rows, n_v_heads, scratch_cols(dk, dv, chunk)))
+    flat = scratch.reshape(scratch.size)
+    u, n_seqs = u.reshape(u.size), seq_n.size
+    # every chunk of every sequence: at most ⌈rows / C⌉ + one partial chunk an entry
+    _prep_kernel(dk, dv, chunk)[(n_v_heads, cdiv(n_rows, chunk) + n_seqs), THREADS, stream,
+                                4 * _prep_layout(dk, dv, chunk)["words"]](
+        u, a.reshape(a.size), b.reshape(b.size), seq_lo, seq_n, n_k_heads, head_map_mod, flat)
+    _recur_kernel(dk, dv, dvp, chunk)[(n_v_heads * (dv // dvp), min(n_seqs, SEQ_BLOCKS)),
+                                      THREADS, stream, 4 * _recur_layout(dk, dvp, chunk)["words"]](
+        u, flat, state.reshape(state.size), state_slots, seq_lo, seq_n, n_k_heads, head_map_mod,
+        out.reshape(out.size))
