@@ -87,9 +87,9 @@ def _prep_layout(dk: int, dv: int, C: int) -> dict[str, int]:
 
 
 def _recur_layout(dk: int, dvp: int, C: int) -> dict[str, int]:
-    """chunk_recur's: W | Q rows, K̃ᵀ, Sᵀ, V'ᵀ and P planes; X = [W; Q]·S₀ and G."""
+    """chunk_recur's: W | Q rows, K̃ᵀ, Sᵀ, V'ᵀ and P planes; X = [W; Q]·S₀, U and G."""
     return _layout((("kq", 2 * C, dk), ("kt", dk, C), ("st", dvp, dk), ("dt", dvp, C),
-                    ("pp", C, C)), (("x", 2 * C * dvp), ("g", C)))
+                    ("pp", C, C)), (("x", 2 * C * dvp), ("uu", C * dvp), ("g", C)))
 
 
 def _plane(layout: dict[str, int], name: str) -> tuple[int, int, int]:
@@ -172,13 +172,72 @@ def _scratch_at(dest, c):
     return ((dest[0] + c) * dest[3] + dest[2]) * dest[4]
 
 
+def _row_stager(n_plane: int, cols: int, C: int, pair):
+    """stage(smw, plane, n_c, args): the f16 planes (hi, lo, words a row) of an n_plane × cols
+    matrix whose row `row` is chunk row c = row % C; (M[row][col], M[row][col + 1]) =
+    pair(args, row, c, col) for c < n_c, zero past them. A fixed count of loads a thread, so
+    that they all go out at once."""
+    half = cols // 2
+
+    @device_function
+    def stage(smw, plane, n_c, args):
+        hi, lo, w = plane
+        for q in range(-(-n_plane * half // THREADS)):
+            e = cuda.threadIdx.x + q * THREADS
+            row, wd = e // half, e % half
+            x, y = float32(0.0), float32(0.0)
+            if row % C < n_c and row < n_plane:
+                x, y = pair(args, row, row % C, 2 * wd)
+            if row < n_plane:
+                _put_pair(smw, hi + row * w + wd, lo + row * w + wd, x, y)
+    return stage
+
+
+def _transposed_stager(n_plane: int, C: int, value):
+    """stage(smw, plane, n_c, args): the f16 planes (hi, lo, words a row) of an n_plane × C
+    matrix Mᵀ, Mᵀ[i][c] = value(args, c, i) for rows c < n_c, zero past them; a thread a pair of
+    rows of one i, i fastest (a warp reads a token row's consecutive floats)."""
+    half_c = C // 2
+
+    @device_function
+    def stage(smw, plane, n_c, args):
+        hi, lo, w = plane
+        for q in range(-(-n_plane * half_c // THREADS)):
+            e = cuda.threadIdx.x + q * THREADS
+            cw, i = e // n_plane, e % n_plane
+            xy = cuda.local.array(2, float32)
+            for m in range(2):
+                xy[m] = float32(0.0)
+                if 2 * cw + m < n_c and cw < half_c:
+                    xy[m] = value(args, 2 * cw + m, i)
+            if cw < half_c:
+                _put_pair(smw, hi + i * w + cw, lo + i * w + cw, xy[0], xy[1])
+    return stage
+
+
 @functools.cache
 def _prep_load_fn(dk: int, dv: int, C: int):
     L = _prep_layout(dk, dv, C)
-    kq, kq_lo, kq_w = _plane(L, "kq")
-    bkv, bkv_lo, bkv_w = _plane(L, "bkv")
+    kq, bkv = _plane(L, "kq"), _plane(L, "bkv")
     g_at, b_at, g_col = L["g"], L["beta"], dk + dv + C
-    half_dk, half_c, n_kv = dk // 2, C // 2, dk + dv
+
+    @device_function
+    def kq_pair(args, row, c, col):
+        """k_c (rows < C) or q_c (the next C) at columns col, col + 1."""
+        u, r, u_stride, q_off, k_off = args
+        src = (r + c) * u_stride + (q_off if row >= C else k_off) + col
+        return u[src], u[src + 1]
+
+    stage_kq = _row_stager(2 * C, dk, C, kq_pair)
+
+    @device_function
+    def bkv_value(args, c, i):
+        """[β e^G K | β V][c][i]."""
+        u, smf, r, u_stride, k_off, v_off = args
+        scale = smf[b_at + c] * (math.exp(smf[g_at + c]) if i < dk else float32(1.0))
+        return scale * u[(r + c) * u_stride + (k_off + i if i < dk else v_off + i - dk)]
+
+    stage_bkv = _transposed_stager(dk + dv, C, bkv_value)
 
     @device_function
     def load(u, a, b, smw, smf, offs, dest, scratch):
@@ -187,16 +246,7 @@ def _prep_load_fn(dk: int, dv: int, C: int):
         u_stride, q_off, k_off, v_off = offs
         r, n_c, h, n_v_heads = dest[0], dest[1], dest[2], dest[3]
         tid = cuda.threadIdx.x
-        for q in range(-(-2 * C * half_dk // THREADS)):  # a fixed count: its loads go out at once
-            e = tid + q * THREADS
-            row, wd = e // half_dk, e % half_dk
-            c = row % C
-            x, y = float32(0.0), float32(0.0)
-            if c < n_c and row < 2 * C:
-                src = (r + c) * u_stride + (q_off if row >= C else k_off) + 2 * wd
-                x, y = u[src], u[src + 1]
-            if row < 2 * C:
-                _put_pair(smw, kq + row * kq_w + wd, kq_lo + row * kq_w + wd, x, y)
+        stage_kq(smw, kq, n_c, (u, r, u_stride, q_off, k_off))
         for c in range(tid, C, THREADS):
             smf[g_at + c] = a[(r + c) * n_v_heads + h] if c < n_c else float32(0.0)
             smf[b_at + c] = b[(r + c) * n_v_heads + h] if c < n_c else float32(0.0)
@@ -207,19 +257,7 @@ def _prep_load_fn(dk: int, dv: int, C: int):
         cuda.syncthreads()
         if tid < n_c:
             scratch[_scratch_at(dest, tid) + g_col] = smf[g_at + tid]
-        for q in range(-(-n_kv * half_c // THREADS)):
-            e = tid + q * THREADS
-            cw, i = e // n_kv, e % n_kv  # i fastest: a warp reads a row's consecutive floats
-            xy = cuda.local.array(2, float32)
-            for m in range(2):
-                c = 2 * cw + m
-                xy[m] = float32(0.0)
-                if c < n_c and cw < half_c:
-                    scale = smf[b_at + c] * (math.exp(smf[g_at + c]) if i < dk else float32(1.0))
-                    xy[m] = scale * u[(r + c) * u_stride + (k_off + i if i < dk else
-                                                            v_off + i - dk)]
-            if cw < half_c:
-                _put_pair(smw, bkv + i * bkv_w + cw, bkv_lo + i * bkv_w + cw, xy[0], xy[1])
+        stage_bkv(smw, bkv, n_c, (u, smf, r, u_stride, k_off, v_off))
     return load
 
 
@@ -395,7 +433,7 @@ def _state_products_fn(dk: int, dvp: int, C: int):
 
 @functools.cache
 def _outputs_fn(dk: int, dvp: int, C: int):
-    """outputs: o = e^G S₀q + P·D for the chunk's rows < n_c, 16 × 8 tiles over the warps."""
+    """outputs: o = e^G S₀q + P·V' for the chunk's rows < n_c, 16 × 8 tiles over the warps."""
     L = _recur_layout(dk, dvp, C)
     pp, pp_lo, pp_w = _plane(L, "pp")
     dt, dt_lo, dt_w = _plane(L, "dt")
@@ -467,7 +505,7 @@ def _state_fns(dk: int, dvp: int, C: int):
 
     @device_function(numba_inline=True)  # s: the kernel's registers
     def update(smw, smf, s):
-        """Sᵀ ← e^(G_last) Sᵀ + Dᵀ·K̃."""
+        """Sᵀ ← e^(G_last) Sᵀ + V'ᵀ·K̃ (V'ᵀ in the planes named dt)."""
         warp = cuda.threadIdx.x >> 5
         decay = math.exp(smf[g_at + C - 1])
         for i in range(n_acc):
@@ -493,118 +531,57 @@ def _state_fns(dk: int, dvp: int, C: int):
 
 
 @functools.cache
-def _state_fns(dk: int, dvp: int, C: int):
-    """The block's part of Sᵀ (dvp × dk) lives in its warps' accumulators: 16 × 8 tiles, a warp
-    keeping one row tile of value columns. Returns (accumulators a lane, load, update, store)."""
+def _recur_load_fn(dk: int, dv: int, dvp: int, C: int):
     L = _recur_layout(dk, dvp, C)
-    st, st_lo, st_w = _plane(L, "st")
-    dt, dt_lo, dt_w = _plane(L, "dt")
-    kt, kt_lo, kt_w = _plane(L, "kt")
-    g_at, row_tiles, col_tiles = L["g"], dvp // 16, dk // 8
-    per_warp, n_acc = _warp_share(row_tiles, col_tiles)
+    kq, kt, pp = _plane(L, "kq"), _plane(L, "kt"), _plane(L, "pp")
+    g_at, uu = L["g"], L["uu"]
+    p_col = dk + dv  # the scratch's columns: W, U, P, G
 
-    @device_function(numba_inline=True)  # s: the kernel's registers
-    def to_planes(smw, s):
-        """Sᵀ's f16 planes (the B operand of the next chunk's state products) ← s."""
-        warp = cuda.threadIdx.x >> 5
-        for q in range(per_warp):
-            t = warp + WARPS * q
-            if t < row_tiles * col_tiles:
-                for e in range(0, 4, 2):
-                    j, i = _tile_element(16 * (warp % row_tiles), 8 * (t // row_tiles), e)
-                    wd = j * st_w + i // 2
-                    _put_pair(smw, st + wd, st_lo + wd, s[4 * q + e], s[4 * q + e + 1])
+    @device_function
+    def wq_pair(args, row, c, col):
+        """W[c] (rows < C, from the scratch) or q_c (the next C) at columns col, col + 1."""
+        u, scratch, dest, u_stride, q_off = args
+        if row >= C:
+            src = (dest[0] + c) * u_stride + q_off + col
+            return u[src], u[src + 1]
+        src = _scratch_at(dest, c) + col
+        return scratch[src], scratch[src + 1]
 
-    @device_function(numba_inline=True)  # s: the kernel's registers
-    def load(state, base, smw, s):
-        """s ← Sᵀ of the part from the global state (S[j][i], i contiguous), and its planes."""
-        warp = cuda.threadIdx.x >> 5
-        for q in range(per_warp):
-            t = warp + WARPS * q
-            if t < row_tiles * col_tiles:
-                for e in range(4):
-                    j, i = _tile_element(16 * (warp % row_tiles), 8 * (t // row_tiles), e)
-                    s[4 * q + e] = state[base + j * dk + i]
-        to_planes(smw, s)
+    @device_function
+    def p_pair(args, row, c, col):
+        scratch, dest = args
+        src = _scratch_at(dest, c) + p_col + col
+        return scratch[src], scratch[src + 1]
 
-    @device_function(numba_inline=True)  # s: the kernel's registers
-    def update(smw, smf, s):
-        """Sᵀ ← e^(G_last) Sᵀ + Dᵀ·K̃."""
-        warp = cuda.threadIdx.x >> 5
-        decay = math.exp(smf[g_at + C - 1])
-        for i in range(n_acc):
-            s[i] *= decay
-        for kw in range(0, C // 2, 8):
-            a = _frags_a(smw, dt, dt_lo, dt_w, 16 * (warp % row_tiles), kw)
-            for q in range(per_warp):
-                t = warp + WARPS * q
-                if t < row_tiles * col_tiles:
-                    _mma3(s, 4 * q, a, smw, kt, kt_lo, kt_w, 8 * (t // row_tiles), kw)
-        to_planes(smw, s)
+    stage_wq, stage_p = _row_stager(2 * C, dk, C, wq_pair), _row_stager(C, C, C, p_pair)
 
-    @device_function(numba_inline=True)  # s: the kernel's registers
-    def store(state, base, s):
-        warp = cuda.threadIdx.x >> 5
-        for q in range(per_warp):
-            t = warp + WARPS * q
-            if t < row_tiles * col_tiles:
-                for e in range(4):
-                    j, i = _tile_element(16 * (warp % row_tiles), 8 * (t // row_tiles), e)
-                    state[base + j * dk + i] = s[4 * q + e]
-    return n_acc, load, update, store
+    @device_function
+    def kt_value(args, c, i):
+        """K̃[c][i] = k_c[i] e^(G_last − G_c)."""
+        u, scratch, dest, u_stride, k_off, g_last = args
+        g = scratch[_scratch_at(dest, c) + p_col + C]
+        return u[(dest[0] + c) * u_stride + k_off + i] * math.exp(g_last - g)
 
-
-@functools.cache
-def _recur_load_fn(dk: int, dvp: int, C: int):
-    L = _recur_layout(dk, dvp, C)
-    kq, kq_lo, kq_w = _plane(L, "kq")
-    kt, kt_lo, kt_w = _plane(L, "kt")
-    pp, pp_lo, pp_w = _plane(L, "pp")
-    g_at, half_dk, half_c = L["g"], dk // 2, C // 2
+    stage_kt = _transposed_stager(dk, C, kt_value)
 
     @device_function
     def load(u, scratch, smw, smf, offs, dest):
-        """Stage the chunk (rows past n_c zero): W | Q rows, P, G and K̃ᵀ = (k_c e^(G_last −
-        G_c))ᵀ; the chunk's rows past n_c take G_last."""
-        u_stride, q_off, k_off, dv = offs
+        """Stage the chunk (rows past n_c zero), every load of it at once: W | Q rows, P, U's
+        columns u_col.., G (rows past n_c take G_last) and K̃ᵀ = (k_c e^(G_last − G_c))ᵀ."""
+        u_stride, q_off, k_off, u_col = offs
         n_c, tid = dest[1], cuda.threadIdx.x
-        p_at = dk + dv  # the scratch's columns: W, U, P, G
-        for q in range(-(-2 * C * half_dk // THREADS)):  # a fixed count: its loads go out at once
+        stage_wq(smw, kq, n_c, (u, scratch, dest, u_stride, q_off))
+        stage_p(smw, pp, n_c, (scratch, dest))
+        for q in range(-(-C * dvp // THREADS)):
             e = tid + q * THREADS
-            row, wd = e // half_dk, e % half_dk
-            c = row % C
-            x, y = float32(0.0), float32(0.0)
-            if c < n_c and row < 2 * C:
-                src = ((dest[0] + c) * u_stride + q_off + 2 * wd if row >= C else
-                       _scratch_at(dest, c) + 2 * wd)
-                x, y = (u[src], u[src + 1]) if row >= C else (scratch[src], scratch[src + 1])
-            if row < 2 * C:
-                _put_pair(smw, kq + row * kq_w + wd, kq_lo + row * kq_w + wd, x, y)
-        for q in range(-(-C * half_c // THREADS)):
-            e = tid + q * THREADS
-            c, cw = e // half_c, e % half_c
-            x, y = float32(0.0), float32(0.0)
-            if c < n_c:
-                src = _scratch_at(dest, c) + p_at + 2 * cw
-                x, y = scratch[src], scratch[src + 1]
+            c, j = e // dvp, e % dvp
             if c < C:
-                _put_pair(smw, pp + c * pp_w + cw, pp_lo + c * pp_w + cw, x, y)
+                smf[uu + e] = scratch[_scratch_at(dest, c) + u_col + j] if c < n_c else 0.0
         for c in range(tid, C, THREADS):
-            smf[g_at + c] = scratch[_scratch_at(dest, min(c, n_c - 1)) + p_at + C]
+            smf[g_at + c] = scratch[_scratch_at(dest, min(c, n_c - 1)) + p_col + C]
+        g_last = scratch[_scratch_at(dest, n_c - 1) + p_col + C]
+        stage_kt(smw, kt, n_c, (u, scratch, dest, u_stride, k_off, g_last))
         cuda.syncthreads()
-        g_last = smf[g_at + C - 1]
-        for q in range(-(-dk * half_c // THREADS)):
-            e = tid + q * THREADS
-            cw, i = e // dk, e % dk  # i fastest: a warp reads a row's consecutive floats
-            xy = cuda.local.array(2, float32)
-            for m in range(2):
-                c = 2 * cw + m
-                xy[m] = float32(0.0)
-                if c < n_c and cw < half_c:
-                    xy[m] = u[(dest[0] + c) * u_stride + k_off + i] * math.exp(
-                        g_last - smf[g_at + c])
-            if cw < half_c:
-                _put_pair(smw, kt + i * kt_w + cw, kt_lo + i * kt_w + cw, xy[0], xy[1])
     return load
 
 
@@ -612,23 +589,19 @@ def _recur_load_fn(dk: int, dvp: int, C: int):
 def _new_values_fn(dk: int, dvp: int, C: int):
     L = _recur_layout(dk, dvp, C)
     dt, dt_lo, dt_w = _plane(L, "dt")
-    x_at, half_c = L["x"], C // 2
+    x_at, uu, half_c = L["x"], L["uu"], C // 2
 
     @device_function
-    def new_values(scratch, smw, smf, dest, u_col):
-        """V'ᵀ's planes: V'[c][j] = U[c][j] − (W·S₀)[c][j] (U from scratch column u_col + j)."""
+    def new_values(smw, smf):
+        """V'ᵀ's planes: V'[c][j] = U[c][j] − (W·S₀)[c][j] (rows past n_c: U and W zero)."""
         for q in range(-(-dvp * half_c // THREADS)):
             e = cuda.threadIdx.x + q * THREADS
             cw, j = e // dvp, e % dvp
-            xy = cuda.local.array(2, float32)
-            for m in range(2):
-                c = 2 * cw + m
-                xy[m] = float32(0.0)
-                if c < dest[1] and cw < half_c:
-                    xy[m] = scratch[_scratch_at(dest, c) + u_col + j] - smf[uint32(
-                        x_at + c * dvp + j)]
             if cw < half_c:
-                _put_pair(smw, dt + j * dt_w + cw, dt_lo + j * dt_w + cw, xy[0], xy[1])
+                c = 2 * cw
+                _put_pair(smw, dt + j * dt_w + cw, dt_lo + j * dt_w + cw,
+                          smf[uu + c * dvp + j] - smf[uint32(x_at + c * dvp + j)],
+                          smf[uu + (c + 1) * dvp + j] - smf[uint32(x_at + (c + 1) * dvp + j)])
     return new_values
 
 
@@ -636,7 +609,7 @@ def _new_values_fn(dk: int, dvp: int, C: int):
 def _recur_kernel(dk: int, dv: int, dvp: int, C: int):
     """chunk_recur: a block per (value head, dvp of its columns) and sequence entry y, y + grid
     rows, …"""
-    load = _recur_load_fn(dk, dvp, C)
+    load = _recur_load_fn(dk, dv, dvp, C)
     state_products = _state_products_fn(dk, dvp, C)
     new_values = _new_values_fn(dk, dvp, C)
     outputs = _outputs_fn(dk, dvp, C)
@@ -654,7 +627,7 @@ def _recur_kernel(dk: int, dv: int, dvp: int, C: int):
         s = cuda.local.array(n_state, float32)  # this lane's part of its warp's tiles of Sᵀ
         kh = h % n_k_heads if head_map_mod else h // (n_v_heads // n_k_heads)
         key_dim = n_k_heads * dk
-        offs = (2 * key_dim + n_v_heads * dv, kh * dk, key_dim + kh * dk, dv)
+        offs = (2 * key_dim + n_v_heads * dv, kh * dk, key_dim + kh * dk, dk + part * dvp)
         for seq in range(cuda.blockIdx.y, seq_n.size, cuda.gridDim.y):
             n = seq_n[seq]
             if n == 0:
@@ -667,7 +640,7 @@ def _recur_kernel(dk: int, dv: int, dvp: int, C: int):
                 load(u, scratch, smw, smf, offs, dest)
                 state_products(smw, smf)
                 cuda.syncthreads()
-                new_values(scratch, smw, smf, dest, dk + part * dvp)
+                new_values(smw, smf)
                 cuda.syncthreads()
                 outputs(smw, smf, out, r, dest[1], n_v_heads * dv, h * dv + part * dvp)
                 update_state(smw, smf, s)

@@ -438,6 +438,19 @@ def _prefill_then_decode(model, ids: np.ndarray) -> np.ndarray:
 def test_prefill_of_padded_buckets_matches_cpu(family: str, n_tokens: int) -> None:
     """Prompts of 300 and 700 tokens (buckets of 512 and 1,024 rows, 212 and 324 of them
     padding; dense linears and experts on tensor cores): every logit row as the CPU model's."""
+    _assert_prefill_matches_cpu(family, n_tokens)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_tokens", (300, 700))
+def test_chunked_gated_delta_prefill_matches_cpu(n_tokens: int, monkeypatch) -> None:
+    """SPARKINFER_GDN_CHUNKED: the hybrid model's prefill through the chunked Gated DeltaNet
+    kernels (many chunks, a partial last one, padded rows) gives the CPU model's logits."""
+    monkeypatch.setenv("SPARKINFER_GDN_CHUNKED", "1")
+    _assert_prefill_matches_cpu("qwen35moe", n_tokens)
+
+
+def _assert_prefill_matches_cpu(family: str, n_tokens: int) -> None:
     path = TINY / family / f"{family}-Q8_0.gguf"
     ids = np.resize(_goldens(family)["prompt_long"], n_tokens).astype(np.int32)
     cpu, gpu = _prefill(load_model(path), ids), _prefill(_gpu_model(path, True), ids)
