@@ -6,8 +6,8 @@ Cases, as CudaGatedDeltaNet launches them (seq_lo / seq_n / state_slots hold n_r
 unused ones zero): a prefill of --tokens rows in K sequences for each K of --split (as a burst
 of clients sends them), run as the model runs multi-token passes (prepare: q/k norms and gates
 computed for all rows first), without that step, and a chunk of tokens at a time on tensor cores
-(gated_delta_chunked, SPARKINFER_GDN_CHUNKED), and a decode step of --batch sequences of
-one token each. Per case: µs per launch (CUDA events, mean of --reps), µs per
+(gated_delta_chunked, SPARKINFER_GDN_CHUNKED; at its default chunk and at 64 tokens), and a
+decode step of --batch sequences of one token each. Per case: µs per launch (CUDA events, mean of --reps), µs per
 token, the 30-layer total, and effective GB/s over the bytes the kernel must move (state read +
 written, q/k/v/gates read, output written).
 """
@@ -47,6 +47,7 @@ def _case(rng, lengths: list[int], n_rows: int) -> dict:
     dev["out"] = cuda.device_array((n_rows, H_V, DV), f32)
     dev["conv_out"] = cuda.device_array((n_rows, CONV_DIM), f32)
     dev["chunks"] = cuda.device_array((n_rows, H_V, gdc.scratch_cols(DK, DV)), f32)
+    dev["chunks64"] = cuda.device_array((n_rows, H_V, gdc.scratch_cols(DK, DV, 64)), f32)
     return dev
 
 
@@ -65,6 +66,15 @@ def _prepared(d: dict) -> None:
 
 def _chunked(d: dict) -> None:
     _delta(d, prepare=True, chunked=True)
+
+
+def _chunked_64(d: dict) -> None:
+    """The chunked kernels at 64 tokens a chunk (delta_rule_seq's prepare step, then them)."""
+    gd._prepare_inputs(d["u"], d["a"], d["b"], d["ssm_a"], d["dt_bias"], H_K, DK, 1e-6, 0,
+                       log_decay=True)
+    gdc.delta_rule_chunked(d["u"], d["a"], d["b"], d["state"], d["state_slots"], d["seq_lo"],
+                           d["seq_n"], d["out"], d["chunks64"], n_k_heads=H_K, head_map_mod=True,
+                           chunk=64)
 
 
 def _conv(d: dict) -> None:
@@ -125,6 +135,8 @@ def main() -> None:
             _report(f"  prepared {name}", _gpu_us(_prepared, d, args.reps), sum(lengths),
                     len(lengths), delta_bytes)
             _report(f"  chunked {name}", _gpu_us(_chunked, d, args.reps), sum(lengths),
+                    len(lengths), delta_bytes)
+            _report(f"  chunked 64 {name}", _gpu_us(_chunked_64, d, args.reps), sum(lengths),
                     len(lengths), delta_bytes)
         if not np.isfinite(d["out"].copy_to_host()).all():
             raise SystemExit("delta_rule_seq wrote non-finite outputs")

@@ -71,6 +71,26 @@ def test_chunked_delta_rule_matches_reference(chunk, cols, head_map_mod):
 
 
 @pytest.mark.slow
+def test_chunks_of_64_tokens_match_reference():
+    """64-token chunks: (I + A)⁻¹ over two warps' columns, a sequence of a whole chunk and a
+    partial one, another of a partial one alone."""
+    rng = np.random.default_rng(13)
+    n_k, n_v, dk, dv, rows = 1, 1, 16, 16, 80
+    u, log_decay, beta, q, k, v = _prepared(rng, rows, n_k, n_v, dk, dv)
+    state = (rng.standard_normal((2, n_v, dv, dk)) * 0.1).astype(np.float32)
+    slots, lo, n = [1, 0], [0, 70], [70, 10]
+    dev_state = cuda.to_device(state)
+    out = cuda.device_array((rows, n_v, dv), np.float32)
+    scratch = cuda.device_array((rows, n_v, gdc.scratch_cols(dk, dv, 64)), np.float32)
+    gdc.delta_rule_chunked(*(cuda.to_device(x) for x in (u, log_decay, beta)), dev_state,
+                           *(cuda.to_device(np.asarray(x, np.int32)) for x in (slots, lo, n)),
+                           out, scratch, n_k_heads=n_k, head_map_mod=True, chunk=64)
+    ref_out, ref_state = _reference(q, k, v, log_decay, beta, state, slots, lo, n, True)
+    np.testing.assert_allclose(out.copy_to_host(), ref_out, rtol=1e-4, atol=2e-5)
+    np.testing.assert_allclose(dev_state.copy_to_host(), ref_state, rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.slow
 def test_delta_rule_seq_chunked_prepares_and_matches_reference():
     """delta_rule_seq(prepare, chunked): the prepare step writes log-decays for the chunked
     kernel; a 35-token sequence spans two chunks."""

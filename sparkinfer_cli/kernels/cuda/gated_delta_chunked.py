@@ -364,22 +364,23 @@ def _prep_kernel(dk: int, dv: int, C: int):
 @functools.cache
 def _inverse_fn(C: int, am: int, tt: int, tt_lo: int, tt_w: int):
     """invert(smw, smf): T = (I + A)⁻¹ (A strictly lower, float32 at word am) into T's f16 planes
-    (rows c, k = c' contiguous), by warp 0, lane c' computing column c' in registers: once T[c2]
+    (rows c, k = c' contiguous), thread c' computing column c' in registers: once T[c2]
     is final, A[c][c2]·T[c2] leaves every row c below it, so the critical path is C dependent
     multiply-adds. The C(C − 1)/2 of them are written out here (generated source): a loop nest
     that size is left rolled by LLVM, which would put the column in local memory."""
-    body = [f"    t{c} = float32(1.0) if lane == {c} else float32(0.0)" for c in range(C)]
+    body = [f"    t{c} = float32(1.0) if col == {c} else float32(0.0)" for c in range(C)]
     for c2 in range(C - 1):
         body += [f"    t{c} -= smf[{am + c * C + c2}] * t{c2}" for c in range(c2 + 1, C)]
-    body += [f"    pair(smw, {c}, lane, t{c})" for c in range(C)]
-    source = "def column(smw, smf, lane):\n" + "\n".join(body) + "\n"
+    body += [f"    pair(smw, {c}, col, t{c})" for c in range(C)]
+    source = "def column(smw, smf, col):\n" + "\n".join(body) + "\n"
     namespace = {"__name__": __name__, "float32": float32, "pair": _pair_fn(C, tt, tt_lo, tt_w)}
     exec(compile(source, f"<gated_delta_chunked inverse C={C}>", "exec"), namespace)
     column = device_function(namespace["column"])
+    n_threads = 32 * cdiv(C, 32)  # whole warps: pair() shuffles
 
     @device_function
     def invert(smw, smf):
-        if cuda.threadIdx.x < 32:
+        if cuda.threadIdx.x < n_threads:
             column(smw, smf, cuda.threadIdx.x)
     return invert
 
@@ -387,11 +388,11 @@ def _inverse_fn(C: int, am: int, tt: int, tt_lo: int, tt_w: int):
 @functools.cache
 def _pair_fn(C: int, tt: int, tt_lo: int, tt_w: int):
     @device_function
-    def pair(smw, c, lane, v):
-        """T[c][lane] and T[c][lane + 1] (from the next lane) into a word of T's planes."""
+    def pair(smw, c, col, v):
+        """T[c][col] and T[c][col + 1] (from the next lane) into a word of T's planes."""
         right = shfl_xor(v, 1)
-        if lane < C and lane % 2 == 0:
-            _put_pair(smw, tt + c * tt_w + lane // 2, tt_lo + c * tt_w + lane // 2, v, right)
+        if col < C and col % 2 == 0:
+            _put_pair(smw, tt + c * tt_w + col // 2, tt_lo + c * tt_w + col // 2, v, right)
     return pair
 
 
