@@ -7,9 +7,9 @@ unused ones zero): a prefill of --tokens rows in K sequences for each K of --spl
 of clients sends them), run as the model runs multi-token passes (prepare: q/k norms and gates
 computed for all rows first), without that step, and a chunk of tokens at a time on tensor cores
 (gated_delta_chunked, SPARKINFER_GDN_CHUNKED; at its default chunk and at 64 tokens), and a
-decode step of --batch sequences of one token each. Per case: µs per launch (CUDA events, mean of --reps), µs per
-token, the 30-layer total, and effective GB/s over the bytes the kernel must move (state read +
-written, q/k/v/gates read, output written).
+decode step of --batch sequences of one token each. Per case: µs per launch (CUDA events, mean
+of --reps), µs per token, the 30-layer total, and effective GB/s over the bytes the kernel must
+move (state read + written, q/k/v/gates read, output written).
 """
 from __future__ import annotations
 
@@ -46,8 +46,12 @@ def _case(rng, lengths: list[int], n_rows: int) -> dict:
     dev = {k: cuda.to_device(np.ascontiguousarray(v)) for k, v in host.items()}
     dev["out"] = cuda.device_array((n_rows, H_V, DV), f32)
     dev["conv_out"] = cuda.device_array((n_rows, CONV_DIM), f32)
-    dev["chunks"] = cuda.device_array((n_rows, H_V, gdc.scratch_cols(DK, DV)), f32)
-    dev["chunks64"] = cuda.device_array((n_rows, H_V, gdc.scratch_cols(DK, DV, 64)), f32)
+    for chunk in (gdc.CHUNK, 64):
+        lists = np.empty((2, n_rows), np.int32)
+        gdc.chunk_list(ints[1, :n_seqs], ints[2, :n_seqs], lists[0], lists[1], chunk)
+        dev[f"chunks{chunk}"] = gdc.ChunkedPass(
+            cuda.device_array((n_rows, H_V, gdc.scratch_cols(DK, DV, chunk)), f32),
+            *(cuda.to_device(x) for x in lists))
     return dev
 
 
@@ -57,7 +61,7 @@ def _delta(d: dict, prepare: bool = False, chunked: bool = False) -> None:
     gd.delta_rule_seq(d["u"], d["a"], d["b"], d["ssm_a"], d["dt_bias"], d["state"],
                       d["state_slots"], d["seq_lo"], d["seq_n"], d["out"], n_k_heads=H_K,
                       head_map_mod=True, eps=1e-6, prepare=prepare,
-                      chunk_scratch=d["chunks"] if chunked else None)
+                      chunks=d[f"chunks{gdc.CHUNK}"] if chunked else None)
 
 
 def _prepared(d: dict) -> None:

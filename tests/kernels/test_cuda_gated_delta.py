@@ -117,11 +117,14 @@ def _run_delta_seq(u, a, b, ssm_a, dt_bias, state, slots, lo, n, n_k, head_map_m
     dev_state = cuda.to_device(state)
     n_rows, n_v, dv, dk = u.shape[0], *state.shape[1:]
     out = cuda.to_device(np.full((n_rows, n_v, dv), 7, np.float32))
-    scratch = cuda.device_array((n_rows, n_v, gdc.scratch_cols(dk, dv)), np.float32)
+    lists = np.empty((2, n_rows), np.int32)
+    gdc.chunk_list(np.asarray(lo), np.asarray(n), lists[0], lists[1])
+    chunks = gdc.ChunkedPass(cuda.device_array((n_rows, n_v, gdc.scratch_cols(dk, dv)),
+                                               np.float32), *(cuda.to_device(x) for x in lists))
     gd.delta_rule_seq(*(cuda.to_device(x) for x in (u, a, b, ssm_a, dt_bias)), dev_state,
                       *(cuda.to_device(np.asarray(x, np.int32)) for x in (slots, lo, n)), out,
                       n_k_heads=n_k, head_map_mod=head_map_mod, eps=1e-6, prepare=prepare,
-                      chunk_scratch=scratch if chunked else None)
+                      chunks=chunks if chunked else None)
     return out.copy_to_host(), dev_state.copy_to_host()
 
 

@@ -41,27 +41,42 @@ def _reference(q, k, v, log_decay, beta, state, slots, lo, n, head_map_mod):
     return out, new_state
 
 
+def _chunked_pass(scratch: np.ndarray, lo: list[int], n: list[int], chunk: int):
+    """The scratch and chunk list on the device, for rows as many as the scratch's."""
+    lists = np.empty((2, scratch.shape[0]), np.int32)
+    gdc.chunk_list(np.asarray(lo), np.asarray(n), lists[0], lists[1], chunk)
+    return gdc.ChunkedPass(cuda.to_device(scratch), *(cuda.to_device(x) for x in lists))
+
+
+def test_chunk_list_holds_each_sequence_s_chunks_in_order():
+    lists = np.full((2, 8), 9, np.int32)
+    gdc.chunk_list(np.array([5, 0, 40]), np.array([33, 1, 16]), lists[0], lists[1], 16)
+    assert lists[0].tolist() == [5, 21, 37, 0, 40, -1, -1, -1]
+    assert lists[1].tolist() == [16, 16, 1, 1, 16, 0, 0, 0]
+
+
 @pytest.mark.parametrize("chunk, cols, head_map_mod", [
     (16, 16, False),  # a head's columns over several recurrence blocks
     (gdc.CHUNK, None, True),  # a block takes all of a head's columns
 ])
 @pytest.mark.slow
 def test_chunked_delta_rule_matches_reference(chunk, cols, head_map_mod):
-    """Sequences of several chunks and a partial last one, a 1-token sequence, an empty entry,
-    an untouched slot; rows no sequence owns keep their old output."""
+    """Sequences of several chunks and a partial last one, a 1-token sequence, an empty entry
+    after them (the kernels stop there), an untouched slot; rows no sequence owns keep their old
+    output."""
     rng = np.random.default_rng(11)
     n_k, n_v, dk, dv, rows = 1, 2, 32, 64, 41
     u, log_decay, beta, q, k, v = _prepared(rng, rows, n_k, n_v, dk, dv)
     state = (rng.standard_normal((4, n_v, dv, dk)) * 0.1).astype(np.float32)
-    slots, lo, n = [2, 0, 3, 1], [1, 20, 0, 21], [19, 1, 0, 20]  # row 0 belongs to nobody
+    slots, lo, n = [2, 0, 1, 3], [1, 20, 21, 0], [19, 1, 20, 0]  # row 0 belongs to nobody
     dev_state = cuda.to_device(state)
     out = cuda.to_device(np.full((rows, n_v, dv), 7, np.float32))
-    scratch = cuda.to_device(np.full((rows, n_v, gdc.scratch_cols(dk, dv, chunk)), np.nan,
-                                     np.float32))  # what the kernels read, they wrote first
+    scratch = np.full((rows, n_v, gdc.scratch_cols(dk, dv, chunk)), np.nan,
+                      np.float32)  # what the kernels read, they wrote first
     gdc.delta_rule_chunked(*(cuda.to_device(x) for x in (u, log_decay, beta)), dev_state,
                            *(cuda.to_device(np.asarray(x, np.int32)) for x in (slots, lo, n)),
-                           out, scratch, n_k_heads=n_k, head_map_mod=head_map_mod, chunk=chunk,
-                           cols=cols)
+                           out, _chunked_pass(scratch, lo, n, chunk), n_k_heads=n_k,
+                           head_map_mod=head_map_mod, chunk=chunk, cols=cols)
     ref_out, ref_state = _reference(q, k, v, log_decay, beta, state, slots, lo, n, head_map_mod)
     got_state = dev_state.copy_to_host()
     np.testing.assert_allclose(out.copy_to_host()[1:], ref_out[1:], rtol=1e-4, atol=2e-5)
@@ -81,10 +96,11 @@ def test_chunks_of_64_tokens_match_reference():
     slots, lo, n = [1, 0], [0, 70], [70, 10]
     dev_state = cuda.to_device(state)
     out = cuda.device_array((rows, n_v, dv), np.float32)
-    scratch = cuda.device_array((rows, n_v, gdc.scratch_cols(dk, dv, 64)), np.float32)
+    scratch = np.zeros((rows, n_v, gdc.scratch_cols(dk, dv, 64)), np.float32)
     gdc.delta_rule_chunked(*(cuda.to_device(x) for x in (u, log_decay, beta)), dev_state,
                            *(cuda.to_device(np.asarray(x, np.int32)) for x in (slots, lo, n)),
-                           out, scratch, n_k_heads=n_k, head_map_mod=True, chunk=64)
+                           out, _chunked_pass(scratch, lo, n, 64), n_k_heads=n_k,
+                           head_map_mod=True, chunk=64)
     ref_out, ref_state = _reference(q, k, v, log_decay, beta, state, slots, lo, n, True)
     np.testing.assert_allclose(out.copy_to_host(), ref_out, rtol=1e-4, atol=2e-5)
     np.testing.assert_allclose(dev_state.copy_to_host(), ref_state, rtol=1e-4, atol=2e-5)

@@ -269,18 +269,19 @@ class CudaGatedDeltaNet:
                                    cache.delta_state[li], ws.state_slots, ws.seq_lo, ws.seq_n, o,
                                    n_k_heads=self.H_k, head_map_mod=self.head_map_mod,
                                    eps=self.eps, prepare=ws.prefill_kernels,
-                                   chunk_scratch=self._chunk_scratch(ws),
+                                   chunks=self._chunked_pass(ws),
                                    row_state_slots=kept, stream=stream)
         y = ws.act("gdn.y", self.z_rows)
         norm.rms_norm_silu_gate(o.reshape(G, C, -1), z, self.norm_w, y.f, self.eps, stream=stream,
                                 act=y.q)
         self.out(ws, y, ws.delta, stream)
 
-    def _chunk_scratch(self, ws: Workspace):
-        """The chunked kernels' buffer where this pass takes them (SPARKINFER_GDN_CHUNKED, a
+    def _chunked_pass(self, ws: Workspace) -> gated_delta_chunked.ChunkedPass | None:
+        """What the chunked kernels need where this pass takes them (SPARKINFER_GDN_CHUNKED, a
         prefill pass, heads they support), else None."""
         if not (self.chunked and ws.prefill_kernels and
                 gated_delta_chunked.supports(self.d_k, self.d_v)):
             return None
-        return ws.buf("gdn.chunks", ws.n_rows, self.H_v,
-                      gated_delta_chunked.scratch_cols(self.d_k, self.d_v))
+        scratch = ws.buf("gdn.chunks", ws.n_rows, self.H_v,
+                         gated_delta_chunked.scratch_cols(self.d_k, self.d_v))
+        return gated_delta_chunked.ChunkedPass(scratch, ws.chunk_lo, ws.chunk_n)

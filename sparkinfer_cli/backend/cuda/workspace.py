@@ -19,7 +19,7 @@ from numba import cuda
 
 from sparkinfer_cli.backend.cuda.cache import PoolShape, device_zeros
 from sparkinfer_cli.backend.cuda.linears import LINEAR_MMA_MIN_ROWS
-from sparkinfer_cli.kernels.cuda import gemm_f16, sampling
+from sparkinfer_cli.kernels.cuda import gated_delta_chunked, gemm_f16, sampling
 from sparkinfer_cli.kernels.cuda import quant_gemv as qg
 from sparkinfer_cli.kernels.cuda.attention import DecodeWorkspace
 from sparkinfer_cli.kernels.cuda.expert_route import ExpertRoute
@@ -36,7 +36,7 @@ from sparkinfer_cli.model.batch import (
 
 MAX_COLS = qg.MAX_COLS
 INT_FIELDS = ("token_ids", "positions", "seq_lens", "slot_mapping", "row_seq", "state_slots",
-              "seq_lo", "seq_n", "logit_rows", "row_state_slots")
+              "seq_lo", "seq_n", "logit_rows", "row_state_slots", "chunk_lo", "chunk_n")
 # Decode passes queued before the host reads the first one's ids (CudaModel.decode_greedy): each
 # has its own pinned staging of the pass's inputs and of the ids that come back.
 MAX_QUEUED_STEPS = 8
@@ -143,7 +143,9 @@ class Workspace:
         views = [self.ints[i * n_rows:(i + 1) * n_rows] for i in range(len(INT_FIELDS))]
         self.token_ids, self.positions, self.seq_lens, self.slot_mapping, self.row_seq, \
             self.state_slots, self.seq_lo, self.seq_n, self.logit_rows, \
-            self.row_state_slots = views  # row_state_slots: SequenceBatch.draft_state_slots
+            self.row_state_slots, self.chunk_lo, self.chunk_n = views
+        # row_state_slots: SequenceBatch.draft_state_slots; chunk_lo / chunk_n: the chunked
+        # Gated DeltaNet kernels' list of a multi-token pass's chunks (gated_delta_chunked)
         self.block_tables = self.ints[len(INT_FIELDS) * n_rows:].reshape(n_rows, self.table_width)
         self._h_host: np.ndarray | None = None  # pinned, made when the host looks rows up
         self._rows_in_host: np.ndarray | None = None  # pinned, made when a pass reads rows_in
@@ -281,6 +283,9 @@ class Workspace:
         ends = batch.token_offsets()[1:]
         for end, slots in zip(ends, batch.draft_state_slots):
             f["row_state_slots"][end - 1 - len(slots):end - 1] = slots
+        if N > S:  # a multi-token pass (the only kind that may run the chunked kernels)
+            gated_delta_chunked.chunk_list(f["seq_lo"][:S], f["seq_n"][:S], f["chunk_lo"],
+                                           f["chunk_n"])
         self.host_embeddings = embeddings is not None
         if embeddings is not None:
             if self._h_host is None:

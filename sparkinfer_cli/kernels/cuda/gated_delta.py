@@ -538,7 +538,7 @@ def _delta_seq_kernel(dk: int, dv: int, prepared: bool, snapshots: bool):
 
 def delta_rule_seq(u, a, b, ssm_a, dt_bias, state, state_slots, seq_lo, seq_n, out, *,
                    n_k_heads: int, head_map_mod: bool, eps: float, prepare: bool = False,
-                   chunk_scratch=None, row_state_slots=None, stream=0) -> None:
+                   chunks=None, row_state_slots=None, stream=0) -> None:
     """The gated delta rule over each sequence's rows (see delta_rule_step for the math).
 
     u (n_rows, 2·H_k·dk + H_v·dv), a/b (n_rows, H_v), out (n_rows, H_v, dv); state (slots, H_v,
@@ -547,10 +547,9 @@ def delta_rule_seq(u, a, b, ssm_a, dt_bias, state, state_slots, seq_lo, seq_n, o
     row at once, over u's q/k and a, b in place (they are then spent), so that the recurrence,
     one token after another, does only the state's products: about half its instructions a
     token, for one launch more (passes of multi-token sequences).
-    chunk_scratch (with prepare, where gated_delta_chunked supports the head size): the
-    recurrence a chunk of tokens at a time, as products of matrices, in two kernels whose
-    float32 buffer this is, (n_rows, H_v, gated_delta_chunked.scratch_cols(dk, dv)).
-    row_state_slots (n_rows,) int32 (not
+    chunks (a gated_delta_chunked.ChunkedPass; with prepare, where gated_delta_chunked supports
+    the head size): the recurrence a chunk of tokens at a time, as products of matrices, in two
+    kernels (the sequence entries with rows first). row_state_slots (n_rows,) int32 (not
     with prepare): the state after row r is also written to slot row_state_slots[r] where that
     is ≥ 0 (a check's states after its rows); None: nowhere."""
     n_rows, n_v_heads, dv = out.shape
@@ -564,10 +563,10 @@ def delta_rule_seq(u, a, b, ssm_a, dt_bias, state, state_slots, seq_lo, seq_n, o
     check_array("b", b, np.float32, (n_rows, n_v_heads))
     if (n_v_heads * dv) % 4 or u.size * 4 >= 2**31:
         raise ValueError(f"u {u.shape}: H_v·dv must be a multiple of 4 and u under 2 GiB")
-    if prepare and chunk_scratch is not None and gated_delta_chunked.supports(dk, dv):
+    if prepare and chunks is not None and gated_delta_chunked.supports(dk, dv):
         _prepare_inputs(u, a, b, ssm_a, dt_bias, n_k_heads, dk, eps, stream, log_decay=True)
         gated_delta_chunked.delta_rule_chunked(u, a, b, state, state_slots, seq_lo, seq_n, out,
-                                               chunk_scratch, n_k_heads=n_k_heads,
+                                               chunks, n_k_heads=n_k_heads,
                                                head_map_mod=head_map_mod, stream=stream)
         return
     snapshots = row_state_slots is not None

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from numba import cuda, float32, uint32
@@ -55,6 +57,27 @@ def supports(dk: int, dv: int) -> bool:
 def scratch_cols(dk: int, dv: int, chunk: int = CHUNK) -> int:
     """Floats a (row, value head) of the scratch buffer holds: W's row, U's, P's and G."""
     return dk + dv + chunk + 1
+
+
+def chunk_list(seq_lo: np.ndarray, seq_n: np.ndarray, out_lo: np.ndarray, out_n: np.ndarray,
+               chunk: int = CHUNK) -> None:
+    """The pass's chunks, each sequence's in order (host): out_lo[i], out_n[i] = first row and
+    rows of chunk i, −1 and 0 past the last (out_*: at least Σ⌈seq_n / chunk⌉ entries)."""
+    n_chunks = -(-seq_n // chunk)  # per sequence entry
+    seq = np.repeat(np.arange(len(seq_n)), n_chunks)
+    k = np.arange(len(seq)) - np.repeat(np.cumsum(n_chunks) - n_chunks, n_chunks)
+    out_lo[:len(seq)], out_lo[len(seq):] = seq_lo[seq] + k * chunk, -1
+    out_n[:len(seq)], out_n[len(seq):] = np.minimum(chunk, seq_n[seq] - k * chunk), 0
+
+
+@dataclass
+class ChunkedPass:
+    """What the chunked kernels need beside the delta rule's arguments (device arrays):
+    scratch (n_rows, H_v, scratch_cols(dk, dv, chunk)) float32 holds each chunk's W, U, P and G
+    between the two kernels; chunk_lo, chunk_n (n_rows,) int32: chunk_list's."""
+    scratch: Any
+    chunk_lo: Any
+    chunk_n: Any
 
 
 def _cols(dv: int) -> int:
@@ -151,18 +174,6 @@ def _tile_element(row0, n0, e):
     """(row, column) of accumulator element e (0..3) of this lane in the tile at (row0, n0)."""
     lane = cuda.threadIdx.x & 31
     return row0 + (lane >> 2) + 8 * (e >> 1), n0 + 2 * (lane & 3) + (e & 1)
-
-
-@device_function
-def _find_chunk(seq_lo, seq_n, index, C):
-    """(first row, rows) of the pass's chunk number `index`, each sequence entry's chunks counted
-    in order; (0, 0) past the last chunk."""
-    for s in range(seq_n.size):
-        m = (seq_n[s] + C - 1) // C
-        if index < m:
-            return seq_lo[s] + index * C, min(C, seq_n[s] - index * C)
-        index -= m
-    return 0, 0
 
 
 @device_function
@@ -331,7 +342,7 @@ def _wy_fn(dk: int, dv: int, C: int):
 
 @functools.cache
 def _prep_kernel(dk: int, dv: int, C: int):
-    """chunk_prep: a block per (value head, chunk of the pass)."""
+    """chunk_prep: a block per value head and chunks y, y + grid rows, … of the pass's list."""
     L = _prep_layout(dk, dv, C)
     load = _prep_load_fn(dk, dv, C)
     token_products = _token_products_fn(dk, dv, C)
@@ -340,24 +351,25 @@ def _prep_kernel(dk: int, dv: int, C: int):
     n_scratch = scratch_cols(dk, dv, C)
 
     @kernel(fastmath=True)
-    def chunk_prep(u, a, b, seq_lo, seq_n, n_k_heads, head_map_mod, scratch):
+    def chunk_prep(u, a, b, chunk_lo, chunk_n, n_k_heads, head_map_mod, scratch):
         chain_start()
         h, n_v_heads = cuda.blockIdx.x, cuda.gridDim.x
-        r, n_c = _find_chunk(seq_lo, seq_n, cuda.blockIdx.y, C)
-        if n_c == 0:
-            return
         smw = cuda.shared.array(0, uint32)  # f16 planes (_prep_layout)
         smf = cuda.shared.array(0, float32)  # the same memory: the float32 part
         kh = h % n_k_heads if head_map_mod else h // (n_v_heads // n_k_heads)
         key_dim = n_k_heads * dk
         offs = (2 * key_dim + n_v_heads * dv, kh * dk, key_dim + kh * dk, 2 * key_dim + h * dv)
-        dest = (r, n_c, h, n_v_heads, n_scratch)
-        load(u, a, b, smw, smf, offs, dest, scratch)
-        token_products(smw, smf, scratch, dest)
-        cuda.syncthreads()
-        invert(smw, smf)
-        cuda.syncthreads()
-        wy(smw, scratch, dest)
+        for i in range(cuda.blockIdx.y, chunk_lo.size, cuda.gridDim.y):
+            if chunk_lo[i] < 0:
+                return
+            dest = (chunk_lo[i], chunk_n[i], h, n_v_heads, n_scratch)
+            load(u, a, b, smw, smf, offs, dest, scratch)
+            token_products(smw, smf, scratch, dest)
+            cuda.syncthreads()
+            invert(smw, smf)
+            cuda.syncthreads()
+            wy(smw, scratch, dest)
+            cuda.syncthreads()  # before the next chunk's loads overwrite shared memory
     return chunk_prep
 
 
@@ -632,7 +644,7 @@ def _recur_kernel(dk: int, dv: int, dvp: int, C: int):
         for seq in range(cuda.blockIdx.y, seq_n.size, cuda.gridDim.y):
             n = seq_n[seq]
             if n == 0:
-                continue
+                return  # the entries with rows come first
             lo = seq_lo[seq]
             base = ((state_slots[seq] * n_v_heads + h) * dv + part * dvp) * dk
             load_state(state, base, smw, s)
@@ -650,14 +662,14 @@ def _recur_kernel(dk: int, dv: int, dvp: int, C: int):
     return chunk_recur
 
 
-def delta_rule_chunked(u, a, b, state, state_slots, seq_lo, seq_n, out, scratch, *,
+def delta_rule_chunked(u, a, b, state, state_slots, seq_lo, seq_n, out, chunks: ChunkedPass, *,
                        n_k_heads: int, head_map_mod: bool, chunk: int = CHUNK,
                        cols: int | None = None, stream=0) -> None:
     """The gated delta rule over each sequence's rows, a chunk of tokens at a time, on prepared
     inputs: u's q, k L2-normalised (q also / sqrt(dk)), a the log-decay and b the β of each row
-    and value head. Shapes and state as gated_delta.delta_rule_seq; scratch (n_rows, H_v,
-    scratch_cols(dk, dv, chunk)) float32 holds each chunk's W, U, P and G between the two
-    kernels. cols: the value columns a recurrence block takes (default: _cols)."""
+    and value head. Shapes and state as gated_delta.delta_rule_seq, with the sequence entries
+    that have rows first; chunks: the scratch and chunk_list's list for this chunk size. cols:
+    the value columns a recurrence block takes (default: _cols)."""
     n_rows, n_v_heads, dv = out.shape
     dk = state.shape[3]
     dvp = cols or _cols(dv)
@@ -670,13 +682,19 @@ def delta_rule_chunked(u, a, b, state, state_slots, seq_lo, seq_n, out, scratch,
         raise ValueError(f"u {u.shape} is not (n_rows, 2·H_k·dk + H_v·dv)")
     check_array("a", a, np.float32, (n_rows, n_v_heads))
     check_array("b", b, np.float32, (n_rows, n_v_heads))
-    check_array("scratch", scratch, np.float32, (n_rows, n_v_heads, scratch_cols(dk, dv, chunk)))
-    flat = scratch.reshape(scratch.size)
+    check_array("scratch", chunks.scratch, np.float32,
+                (n_rows, n_v_heads, scratch_cols(dk, dv, chunk)))
+    check_array("chunk_lo", chunks.chunk_lo, np.int32)
+    check_array("chunk_n", chunks.chunk_n, np.int32, chunks.chunk_lo.shape)
+    flat = chunks.scratch.reshape(chunks.scratch.size)
     u, n_seqs = u.reshape(u.size), seq_n.size
-    # every chunk of every sequence: at most ⌈rows / C⌉ + one partial chunk an entry
-    _prep_kernel(dk, dv, chunk)[(n_v_heads, cdiv(n_rows, chunk) + n_seqs), THREADS, stream,
+    # blocks enough for the chunks of a pass of whole chunks and SEQ_BLOCKS partial ones; more
+    # chunks than that, and blocks take several
+    prep_rows = min(chunks.chunk_lo.size, cdiv(n_rows, chunk) + SEQ_BLOCKS)
+    _prep_kernel(dk, dv, chunk)[(n_v_heads, prep_rows), THREADS, stream,
                                 4 * _prep_layout(dk, dv, chunk)["words"]](
-        u, a.reshape(a.size), b.reshape(b.size), seq_lo, seq_n, n_k_heads, head_map_mod, flat)
+        u, a.reshape(a.size), b.reshape(b.size), chunks.chunk_lo, chunks.chunk_n, n_k_heads,
+        head_map_mod, flat)
     _recur_kernel(dk, dv, dvp, chunk)[(n_v_heads * (dv // dvp), min(n_seqs, SEQ_BLOCKS)),
                                       THREADS, stream, 4 * _recur_layout(dk, dvp, chunk)["words"]](
         u, flat, state.reshape(state.size), state_slots, seq_lo, seq_n, n_k_heads, head_map_mod,
