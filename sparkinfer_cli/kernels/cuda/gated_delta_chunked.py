@@ -47,6 +47,9 @@ COLS = 32  # value columns a recurrence block takes (where dv is a multiple)
 SEQ_BLOCKS = 64  # recurrence grid rows; block row y runs sequence entries y, y + 64, …
 MAX_DK = 128  # shared memory: a chunk's rows as f16 planes, under 227 KiB
 ROW_PAD = 8  # halves padding a staged row: a fragment load's 8 rows × 4 words hit 32 banks
+# two blocks an SM (65,536 registers, under 114 KB of shared memory each): with one, a block's
+# 8 warps alone hide the latency of its chains of loads, barriers and mma
+MAX_REGISTERS = 128
 
 
 def supports(dk: int, dv: int) -> bool:
@@ -350,7 +353,7 @@ def _prep_kernel(dk: int, dv: int, C: int):
     wy = _wy_fn(dk, dv, C)
     n_scratch = scratch_cols(dk, dv, C)
 
-    @kernel(fastmath=True)
+    @kernel(fastmath=True, max_registers=MAX_REGISTERS)
     def chunk_prep(u, a, b, chunk_lo, chunk_n, n_k_heads, head_map_mod, scratch):
         chain_start()
         h, n_v_heads = cuda.blockIdx.x, cuda.gridDim.x
@@ -589,7 +592,7 @@ def _recur_load_fn(dk: int, dv: int, dvp: int, C: int):
             e = tid + q * THREADS
             c, j = e // dvp, e % dvp
             if c < C:
-                smf[uu + e] = scratch[_scratch_at(dest, c) + u_col + j] if c < n_c else 0.0
+                smf[uu + e] = scratch[_scratch_at(dest, c) + u_col + j] if c < n_c else float32(0.0)
         for c in range(tid, C, THREADS):
             smf[g_at + c] = scratch[_scratch_at(dest, min(c, n_c - 1)) + p_col + C]
         g_last = scratch[_scratch_at(dest, n_c - 1) + p_col + C]
@@ -629,7 +632,7 @@ def _recur_kernel(dk: int, dv: int, dvp: int, C: int):
     n_state, load_state, update_state, store_state = _state_fns(dk, dvp, C)
     parts, n_scratch = dv // dvp, scratch_cols(dk, dv, C)
 
-    @kernel(fastmath=True)
+    @kernel(fastmath=True, max_registers=MAX_REGISTERS)
     def chunk_recur(u, scratch, state, state_slots, seq_lo, seq_n, n_k_heads, head_map_mod,
                     out):
         chain_start()

@@ -57,6 +57,8 @@ def kernel(fn=None, **options):
         if not _begins_with_chain_start(f):
             raise TypeError(f"kernel {f.__qualname__}: the body must begin with chain_start()")
         setattr(f, _CHAINED, True)
+        if IS_SIMULATOR:  # its jit has no register budget
+            options.pop("max_registers", None)
         return cuda.jit(**options)(f)
     return wrap if fn is None else wrap(fn)
 
