@@ -401,8 +401,11 @@ class CudaModel(ModelBackend[CudaModelCache]):
     def _workspace(self, passes: CachePasses, cache: CudaModelCache, n_rows: int) -> Workspace:
         if n_rows not in passes.workspaces:
             heads = self.config.n_head if self.config.attention_layers else 0
+            chunked = any(isinstance(layer.mixer, CudaGatedDeltaNet) and layer.mixer.chunked
+                          for layer in self.layers)
             passes.workspaces[n_rows] = Workspace(n_rows, cache.shape, self.config.n_embd,
-                                                  not self.exact, heads, self.config.head_dim)
+                                                  not self.exact, heads, self.config.head_dim,
+                                                  lists_chunks=chunked)
         return passes.workspaces[n_rows]
 
     def _run(self, ws: Workspace, cache: CudaModelCache, logit_rows: int, s,

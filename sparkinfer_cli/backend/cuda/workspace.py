@@ -128,8 +128,11 @@ class DeviceSampling:
 
 class Workspace:
     def __init__(self, n_rows: int, pool: PoolShape, n_embd: int, quantized: bool,
-                 n_heads: int, head_dim: int):
+                 n_heads: int, head_dim: int, lists_chunks: bool = False):
+        """lists_chunks: fill writes the chunk list of multi-token passes (chunk_lo, chunk_n),
+        for a model whose Gated DeltaNet layers run the chunked kernels."""
         self.n_rows, self.pool, self.quantized = n_rows, pool, quantized
+        self.lists_chunks = lists_chunks
         self._bufs: dict[tuple, Any] = {}
         self.cols = min(n_rows, MAX_COLS)
         self.groups = n_rows // self.cols
@@ -283,7 +286,7 @@ class Workspace:
         ends = batch.token_offsets()[1:]
         for end, slots in zip(ends, batch.draft_state_slots):
             f["row_state_slots"][end - 1 - len(slots):end - 1] = slots
-        if N > S:  # a multi-token pass (the only kind that may run the chunked kernels)
+        if self.lists_chunks and N > S:  # a multi-token pass: it may run the chunked kernels
             gated_delta_chunked.chunk_list(f["seq_lo"][:S], f["seq_n"][:S], f["chunk_lo"],
                                            f["chunk_n"])
         self.host_embeddings = embeddings is not None

@@ -215,3 +215,18 @@ def test_a_pass_stages_the_slot_of_each_row_whose_state_a_check_keeps():
     ws.fill(batch, None)
     ws.upload(0)
     assert ws.row_state_slots.copy_to_host().tolist() == [-1, -1, 5, 6, -1, -1, -1, -1]
+
+
+def test_a_multi_token_pass_stages_its_chunk_list_where_the_model_runs_chunked_kernels():
+    """Sequences of 40 and 3 new tokens: chunk_lo / chunk_n list each sequence's chunks of
+    gated_delta_chunked.CHUNK rows, −1 / 0 after them."""
+    from sparkinfer_cli.kernels.cuda import gated_delta_chunked as gdc
+
+    ws = Workspace(48, PoolShape(8, 16, 1, 0), 64, True, 0, 0, lists_chunks=True)
+    tables = [np.arange(3, dtype=np.int32), np.arange(3, 4, dtype=np.int32)]
+    batch = SequenceBatch(np.arange(43, dtype=np.int32), [0, 5], [40, 3], tables, [0, 1])
+    ws.fill(batch, None)
+    ws.upload(0)
+    lo, n, C = ws.chunk_lo.copy_to_host(), ws.chunk_n.copy_to_host(), gdc.CHUNK
+    assert lo[:3].tolist() == [0, C, 40] and (lo[3:] == -1).all()
+    assert n[:3].tolist() == [C, 40 - C, 3] and (n[3:] == 0).all()
