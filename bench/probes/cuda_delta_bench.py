@@ -6,10 +6,10 @@ Cases, as CudaGatedDeltaNet launches them (seq_lo / seq_n / state_slots hold n_r
 unused ones zero): a prefill of --tokens rows in K sequences for each K of --split (as a burst
 of clients sends them), run as the model runs multi-token passes (prepare: q/k norms and gates
 computed for all rows first), without that step, and a chunk of tokens at a time on tensor cores
-(gated_delta_chunked, SPARKINFER_GDN_CHUNKED; at its default chunk and at 64 tokens), and a
-decode step of --batch sequences of one token each. Per case: µs per launch (CUDA events, mean
-of --reps), µs per token, the 30-layer total, and effective GB/s over the bytes the kernel must
-move (state read + written, q/k/v/gates read, output written).
+(gated_delta_chunked, SPARKINFER_GDN_CHUNKED; at its default chunk, each of its two kernels
+alone, and at 64 tokens), and a decode step of --batch sequences of one token each. Per case:
+µs per launch (CUDA events, mean of --reps), µs per token, the 30-layer total, and effective
+GB/s over the bytes the kernel must move (state read + written, q/k/v/gates read, output written).
 """
 from __future__ import annotations
 
@@ -81,6 +81,19 @@ def _chunked_64(d: dict) -> None:
                            chunk=64)
 
 
+def _chunk_prep(d: dict) -> None:
+    """chunk_prep alone, on the inputs _chunked last prepared."""
+    gdc.launch_prep(d["u"], d["a"], d["b"], d[f"chunks{gdc.CHUNK}"], n_k_heads=H_K,
+                    head_map_mod=True, dk=DK, chunk=gdc.CHUNK)
+
+
+def _chunk_recur(d: dict) -> None:
+    """chunk_recur alone, over the scratch chunk_prep wrote."""
+    gdc.launch_recur(d["u"], d[f"chunks{gdc.CHUNK}"], d["state"], d["state_slots"], d["seq_lo"],
+                     d["seq_n"], d["out"], n_k_heads=H_K, head_map_mod=True, chunk=gdc.CHUNK,
+                     cols=gdc.COLS)
+
+
 def _conv(d: dict) -> None:
     gd.conv_silu_seq(d["u"], d["conv_w"], d["conv_state"], d["state_slots"], d["seq_lo"],
                      d["seq_n"], d["conv_out"])
@@ -140,6 +153,9 @@ def main() -> None:
                     len(lengths), delta_bytes)
             _report(f"  chunked {name}", _gpu_us(_chunked, d, args.reps), sum(lengths),
                     len(lengths), delta_bytes)
+            for part, fn in (("prep", _chunk_prep), ("recur", _chunk_recur)):
+                _report(f"    chunk_{part} {name}", _gpu_us(fn, d, args.reps), sum(lengths),
+                        len(lengths), delta_bytes)
             _report(f"  chunked 64 {name}", _gpu_us(_chunked_64, d, args.reps), sum(lengths),
                     len(lengths), delta_bytes)
         if not np.isfinite(d["out"].copy_to_host()).all():

@@ -689,16 +689,34 @@ def delta_rule_chunked(u, a, b, state, state_slots, seq_lo, seq_n, out, chunks: 
                 (n_rows, n_v_heads, scratch_cols(dk, dv, chunk)))
     check_array("chunk_lo", chunks.chunk_lo, np.int32)
     check_array("chunk_n", chunks.chunk_n, np.int32, chunks.chunk_lo.shape)
-    flat = chunks.scratch.reshape(chunks.scratch.size)
-    u, n_seqs = u.reshape(u.size), seq_n.size
+    launch_prep(u, a, b, chunks, n_k_heads=n_k_heads, head_map_mod=head_map_mod, dk=dk,
+                chunk=chunk, stream=stream)
+    launch_recur(u, chunks, state, state_slots, seq_lo, seq_n, out, n_k_heads=n_k_heads,
+                 head_map_mod=head_map_mod, chunk=chunk, cols=dvp, stream=stream)
+
+
+def launch_prep(u, a, b, chunks: ChunkedPass, *, n_k_heads: int, head_map_mod: bool, dk: int,
+                chunk: int, stream=0) -> None:
+    """chunk_prep over the pass's chunk list (delta_rule_chunked's first half, its arguments
+    checked there)."""
+    n_rows, n_v_heads = a.shape
+    dv = (u.shape[1] - 2 * n_k_heads * dk) // n_v_heads
     # blocks enough for the chunks of a pass of whole chunks and SEQ_BLOCKS partial ones; more
     # chunks than that, and blocks take several
     prep_rows = min(chunks.chunk_lo.size, cdiv(n_rows, chunk) + SEQ_BLOCKS)
     _prep_kernel(dk, dv, chunk)[(n_v_heads, prep_rows), THREADS, stream,
                                 4 * _prep_layout(dk, dv, chunk)["words"]](
-        u, a.reshape(a.size), b.reshape(b.size), chunks.chunk_lo, chunks.chunk_n, n_k_heads,
-        head_map_mod, flat)
-    _recur_kernel(dk, dv, dvp, chunk)[(n_v_heads * (dv // dvp), min(n_seqs, SEQ_BLOCKS)),
-                                      THREADS, stream, 4 * _recur_layout(dk, dvp, chunk)["words"]](
-        u, flat, state.reshape(state.size), state_slots, seq_lo, seq_n, n_k_heads, head_map_mod,
-        out.reshape(out.size))
+        u.reshape(u.size), a.reshape(a.size), b.reshape(b.size), chunks.chunk_lo, chunks.chunk_n,
+        n_k_heads, head_map_mod, chunks.scratch.reshape(chunks.scratch.size))
+
+
+def launch_recur(u, chunks: ChunkedPass, state, state_slots, seq_lo, seq_n, out, *,
+                 n_k_heads: int, head_map_mod: bool, chunk: int, cols: int, stream=0) -> None:
+    """chunk_recur over the sequence entries (delta_rule_chunked's second half)."""
+    _, n_v_heads, dv = out.shape
+    dk = state.shape[3]
+    grid = (n_v_heads * (dv // cols), min(seq_n.size, SEQ_BLOCKS))
+    _recur_kernel(dk, dv, cols, chunk)[grid, THREADS, stream,
+                                       4 * _recur_layout(dk, cols, chunk)["words"]](
+        u.reshape(u.size), chunks.scratch.reshape(chunks.scratch.size), state.reshape(state.size),
+        state_slots, seq_lo, seq_n, n_k_heads, head_map_mod, out.reshape(out.size))
