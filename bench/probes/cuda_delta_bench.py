@@ -6,10 +6,10 @@ Cases, as CudaGatedDeltaNet launches them (seq_lo / seq_n / state_slots hold n_r
 unused ones zero): a prefill of --tokens rows in K sequences for each K of --split (as a burst
 of clients sends them), run as the model runs multi-token passes (prepare: q/k norms and gates
 computed for all rows first), without that step, and a chunk of tokens at a time on tensor cores
-(gated_delta_chunked, SPARKINFER_GDN_CHUNKED; at its default chunk, each of its two kernels
-alone, and at 64 tokens), and a decode step of --batch sequences of one token each. Per case:
-µs per launch (CUDA events, mean of --reps), µs per token, the 30-layer total, and effective
-GB/s over the bytes the kernel must move (state read + written, q/k/v/gates read, output written).
+(gated_delta_chunked, SPARKINFER_GDN_CHUNKED; and each of its two kernels alone), and a decode
+step of --batch sequences of one token each. Per case: µs per launch (CUDA events, mean of
+--reps), µs per token, the 30-layer total, and effective GB/s over the bytes the kernel must
+move (state read + written, q/k/v/gates read, output written).
 """
 from __future__ import annotations
 
@@ -46,12 +46,10 @@ def _case(rng, lengths: list[int], n_rows: int) -> dict:
     dev = {k: cuda.to_device(np.ascontiguousarray(v)) for k, v in host.items()}
     dev["out"] = cuda.device_array((n_rows, H_V, DV), f32)
     dev["conv_out"] = cuda.device_array((n_rows, CONV_DIM), f32)
-    for chunk in (gdc.CHUNK, 64):
-        lists = np.empty((2, n_rows), np.int32)
-        gdc.chunk_list(ints[1, :n_seqs], ints[2, :n_seqs], lists[0], lists[1], chunk)
-        dev[f"chunks{chunk}"] = gdc.ChunkedPass(
-            cuda.device_array((n_rows, H_V, gdc.scratch_cols(DK, DV, chunk)), f32),
-            *(cuda.to_device(x) for x in lists))
+    lists = np.empty((2, n_rows), np.int32)
+    gdc.chunk_list(ints[1, :n_seqs], ints[2, :n_seqs], lists[0], lists[1])
+    scratch = cuda.device_array((n_rows, H_V, gdc.scratch_cols(DK, DV)), f32)
+    dev["chunks"] = gdc.ChunkedPass(scratch, *(cuda.to_device(x) for x in lists))
     return dev
 
 
@@ -61,7 +59,7 @@ def _delta(d: dict, prepare: bool = False, chunked: bool = False) -> None:
     gd.delta_rule_seq(d["u"], d["a"], d["b"], d["ssm_a"], d["dt_bias"], d["state"],
                       d["state_slots"], d["seq_lo"], d["seq_n"], d["out"], n_k_heads=H_K,
                       head_map_mod=True, eps=1e-6, prepare=prepare,
-                      chunks=d[f"chunks{gdc.CHUNK}"] if chunked else None)
+                      chunks=d["chunks"] if chunked else None)
 
 
 def _prepared(d: dict) -> None:
@@ -72,24 +70,15 @@ def _chunked(d: dict) -> None:
     _delta(d, prepare=True, chunked=True)
 
 
-def _chunked_64(d: dict) -> None:
-    """The chunked kernels at 64 tokens a chunk (delta_rule_seq's prepare step, then them)."""
-    gd._prepare_inputs(d["u"], d["a"], d["b"], d["ssm_a"], d["dt_bias"], H_K, DK, 1e-6, 0,
-                       log_decay=True)
-    gdc.delta_rule_chunked(d["u"], d["a"], d["b"], d["state"], d["state_slots"], d["seq_lo"],
-                           d["seq_n"], d["out"], d["chunks64"], n_k_heads=H_K, head_map_mod=True,
-                           chunk=64)
-
-
 def _chunk_prep(d: dict) -> None:
     """chunk_prep alone, on the inputs _chunked last prepared."""
-    gdc.launch_prep(d["u"], d["a"], d["b"], d[f"chunks{gdc.CHUNK}"], n_k_heads=H_K,
+    gdc.launch_prep(d["u"], d["a"], d["b"], d["chunks"], n_k_heads=H_K,
                     head_map_mod=True, dk=DK, chunk=gdc.CHUNK)
 
 
 def _chunk_recur(d: dict) -> None:
     """chunk_recur alone, over the scratch chunk_prep wrote."""
-    gdc.launch_recur(d["u"], d[f"chunks{gdc.CHUNK}"], d["state"], d["state_slots"], d["seq_lo"],
+    gdc.launch_recur(d["u"], d["chunks"], d["state"], d["state_slots"], d["seq_lo"],
                      d["seq_n"], d["out"], n_k_heads=H_K, head_map_mod=True, chunk=gdc.CHUNK,
                      cols=gdc.COLS)
 
@@ -156,8 +145,6 @@ def main() -> None:
             for part, fn in (("prep", _chunk_prep), ("recur", _chunk_recur)):
                 _report(f"    chunk_{part} {name}", _gpu_us(fn, d, args.reps), sum(lengths),
                         len(lengths), delta_bytes)
-            _report(f"  chunked 64 {name}", _gpu_us(_chunked_64, d, args.reps), sum(lengths),
-                    len(lengths), delta_bytes)
         if not np.isfinite(d["out"].copy_to_host()).all():
             raise SystemExit("delta_rule_seq wrote non-finite outputs")
         _report(f"conv_silu_seq  {name}", _gpu_us(_conv, d, args.reps), sum(lengths), 0,

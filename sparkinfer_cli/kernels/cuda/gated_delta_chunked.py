@@ -17,7 +17,9 @@ sequence's chunks — the only sequential part, three products a chunk: [W; Q]·
 Every product runs on mma.sync m16n8k16 over operands staged in shared memory as two f16 planes,
 x ≈ hi + lo with hi = f16(x), lo = f16(x − hi), three mma a tile (hi·hi + hi·lo + lo·hi, f32
 sums): about float32's precision. A recurrence block keeps its COLS value columns of Sᵀ in its
-warps' accumulator registers over the whole sequence.
+warps' accumulator registers over the whole sequence, and copies a chunk's rows in with cp.async
+(no thread waits on one load before issuing the next; a load-then-store loop per element made
+each chunk a chain of global round trips) while it works on the chunk before.
 
 Inputs are prepared (gated_delta's prepare step with log_decay): q, k L2-normalised (q also
 / sqrt(dk)), a the log-decay, b the β. Opt-in (SPARKINFER_GDN_CHUNKED) until measured faster than
@@ -35,7 +37,14 @@ import numpy as np
 from numba import cuda, float32, uint32
 
 from sparkinfer_cli.kernels.cuda.mma_fragments import mma_into
-from sparkinfer_cli.kernels.cuda.runtime.intrinsics import chain_start, f16_bits_to_f32, pack_f16x2
+from sparkinfer_cli.kernels.cuda.runtime.intrinsics import (
+    chain_start,
+    cp_async_16,
+    cp_async_commit,
+    cp_async_wait,
+    f16_bits_to_f32,
+    pack_f16x2,
+)
 from sparkinfer_cli.kernels.cuda.runtime.jit import device_function, kernel
 from sparkinfer_cli.kernels.cuda.runtime.launch import cdiv, check_array
 from sparkinfer_cli.kernels.cuda.runtime.warp import shfl_xor
@@ -47,9 +56,12 @@ COLS = 32  # value columns a recurrence block takes (where dv is a multiple)
 SEQ_BLOCKS = 64  # recurrence grid rows; block row y runs sequence entries y, y + 64, …
 MAX_DK = 128  # shared memory: a chunk's rows as f16 planes, under 227 KiB
 ROW_PAD = 8  # halves padding a staged row: a fragment load's 8 rows × 4 words hit 32 banks
-# two blocks an SM (65,536 registers, under 114 KB of shared memory each): with one, a block's
-# 8 warps alone hide the latency of its chains of loads, barriers and mma
-MAX_REGISTERS = 128
+# chunk_prep: two blocks an SM (65,536 registers, under 114 KB of shared memory each): with one,
+# a block's 8 warps alone hide the latency of its chains of loads, barriers and mma.
+# (chunk_recur holds a chunk's raw rows too, so one block an SM: it keeps what registers it needs,
+# and its next chunk's copies are in flight while it works.)
+PREP_MAX_REGISTERS = 128
+MAX_SHARED_BYTES = 227 * 1024  # a block's shared memory on sm_90
 
 
 def supports(dk: int, dv: int) -> bool:
@@ -58,8 +70,9 @@ def supports(dk: int, dv: int) -> bool:
 
 
 def scratch_cols(dk: int, dv: int, chunk: int = CHUNK) -> int:
-    """Floats a (row, value head) of the scratch buffer holds: W's row, U's, P's and G."""
-    return dk + dv + chunk + 1
+    """Floats a (row, value head) of the scratch buffer holds: W's row, U's, P's and G, padded
+    to whole 16-byte pieces (chunk_recur copies them in so)."""
+    return dk + dv + chunk + 4
 
 
 def chunk_list(seq_lo: np.ndarray, seq_n: np.ndarray, out_lo: np.ndarray, out_n: np.ndarray,
@@ -92,14 +105,15 @@ def _cols(dv: int) -> int:
 def _layout(planes: tuple[tuple[str, int, int], ...],
             floats: tuple[tuple[str, int], ...]) -> dict[str, int]:
     """Word offsets of a block's shared memory: f16 planes (hi at `name`, lo at `name_lo`, rows
-    of `name_w` words) of (name, rows, halves a row), then float32 arrays (name, size); `words`
-    in all."""
+    of `name_w` words) of (name, rows, halves a row), then float32 arrays (name, size), each
+    16-byte aligned; `words` in all."""
     at, out = 0, {}
     for name, rows, cols in planes:
         w = (cols + ROW_PAD) // 2
         out[name], out[name + "_lo"], out[name + "_w"] = at, at + rows * w, w
         at += 2 * rows * w
     for name, size in floats:
+        at = -(-at // 4) * 4  # 16-byte aligned: cp.async writes the raw rows
         out[name] = at
         at += size
     out["words"] = at
@@ -113,9 +127,18 @@ def _prep_layout(dk: int, dv: int, C: int) -> dict[str, int]:
 
 
 def _recur_layout(dk: int, dvp: int, C: int) -> dict[str, int]:
-    """chunk_recur's: W | Q rows, K̃ᵀ, Sᵀ, V'ᵀ and P planes; X = [W; Q]·S₀, U and G."""
+    """chunk_recur's: W | Q rows, K̃ᵀ, Sᵀ, V'ᵀ and P planes; X = [W; Q]·S₀, U and G; the raw
+    float32 rows of a chunk as they arrive (_raw_row)."""
     return _layout((("kq", 2 * C, dk), ("kt", dk, C), ("st", dvp, dk), ("dt", dvp, C),
-                    ("pp", C, C)), (("x", 2 * C * dvp), ("uu", C * dvp), ("g", C)))
+                    ("pp", C, C)),
+                   (("x", 2 * C * dvp), ("uu", C * dvp), ("g", C),
+                    ("raw", C * _raw_row(dk, dvp, C))))
+
+
+def _raw_row(dk: int, dvp: int, C: int) -> int:
+    """Floats of a chunk row as chunk_recur copies it in: W | q | k | P | U's columns | G and
+    three floats of padding (whole 16-byte pieces)."""
+    return 3 * dk + C + dvp + 4
 
 
 def _plane(layout: dict[str, int], name: str) -> tuple[int, int, int]:
@@ -353,7 +376,7 @@ def _prep_kernel(dk: int, dv: int, C: int):
     wy = _wy_fn(dk, dv, C)
     n_scratch = scratch_cols(dk, dv, C)
 
-    @kernel(fastmath=True, max_registers=MAX_REGISTERS)
+    @kernel(fastmath=True, max_registers=PREP_MAX_REGISTERS)
     def chunk_prep(u, a, b, chunk_lo, chunk_n, n_k_heads, head_map_mod, scratch):
         chain_start()
         h, n_v_heads = cuda.blockIdx.x, cuda.gridDim.x
@@ -547,58 +570,84 @@ def _state_fns(dk: int, dvp: int, C: int):
 
 
 @functools.cache
-def _recur_load_fn(dk: int, dv: int, dvp: int, C: int):
-    L = _recur_layout(dk, dvp, C)
-    kq, kt, pp = _plane(L, "kq"), _plane(L, "kt"), _plane(L, "pp")
-    g_at, uu = L["g"], L["uu"]
+def _recur_copy_fn(dk: int, dv: int, dvp: int, C: int):
+    """copy(u, scratch, smf, offs, dest): start the copies of a chunk's rows < n_c into the raw
+    rows (_raw_row), 16 bytes a cp.async: none waits for another, and they land while the block
+    works on the chunk before."""
+    raw, rs = _recur_layout(dk, dvp, C)["raw"], _raw_row(dk, dvp, C)
+    pieces, w4, p4, u4 = rs // 4, dk // 4, C // 4, dvp // 4
     p_col = dk + dv  # the scratch's columns: W, U, P, G
 
     @device_function
-    def wq_pair(args, row, c, col):
-        """W[c] (rows < C, from the scratch) or q_c (the next C) at columns col, col + 1."""
-        u, scratch, dest, u_stride, q_off = args
-        if row >= C:
-            src = (dest[0] + c) * u_stride + q_off + col
-            return u[src], u[src + 1]
-        src = _scratch_at(dest, c) + col
-        return scratch[src], scratch[src + 1]
+    def scratch_col(p, u_col):
+        """The scratch column of piece p of a raw row (W, P, U or G)."""
+        if p < w4:
+            return 4 * p
+        if p < 3 * w4 + p4:
+            return p_col + 4 * (p - 3 * w4)
+        return u_col + 4 * (p - 3 * w4 - p4) if p < 3 * w4 + p4 + u4 else p_col + C
 
     @device_function
-    def p_pair(args, row, c, col):
-        scratch, dest = args
-        src = _scratch_at(dest, c) + p_col + col
-        return scratch[src], scratch[src + 1]
+    def copy(u, scratch, smf, offs, dest):
+        u_stride, q_off, k_off, u_col = offs
+        for e in range(cuda.threadIdx.x, C * pieces, THREADS):
+            c, p = e // pieces, e % pieces
+            if c < dest[1]:
+                to = 4 * (raw + c * rs + 4 * p)
+                if w4 <= p < 3 * w4:
+                    col = q_off + 4 * (p - w4) if p < 2 * w4 else k_off + 4 * (p - 2 * w4)
+                    cp_async_16(smf, to, u, 4 * ((dest[0] + c) * u_stride + col))
+                else:
+                    at = _scratch_at(dest, c) + scratch_col(p, u_col)
+                    cp_async_16(smf, to, scratch, 4 * at)
+    return copy
+
+
+@functools.cache
+def _recur_stage_fn(dk: int, dvp: int, C: int):
+    """stage(smw, smf, n_c): the planes, U and G of a chunk from its raw rows (rows past n_c
+    zero; G past them G_last): W | Q rows, P, K̃ᵀ = (k_c e^(G_last − G_c))ᵀ."""
+    L = _recur_layout(dk, dvp, C)
+    kq, kt, pp = _plane(L, "kq"), _plane(L, "kt"), _plane(L, "pp")
+    g_at, uu, raw, rs = L["g"], L["uu"], L["raw"], _raw_row(dk, dvp, C)
+    p_at, u_at, g_col = 3 * dk, 3 * dk + C, 3 * dk + C + dvp  # in a raw row
+
+    @device_function
+    def wq_pair(smf, row, c, col):
+        """W[c] (rows < C) or q_c (the next C) at columns col, col + 1."""
+        at = raw + c * rs + (dk if row >= C else 0) + col
+        return smf[at], smf[at + 1]
+
+    @device_function
+    def p_pair(smf, row, c, col):
+        at = raw + c * rs + p_at + col
+        return smf[at], smf[at + 1]
 
     stage_wq, stage_p = _row_stager(2 * C, dk, C, wq_pair), _row_stager(C, C, C, p_pair)
 
     @device_function
     def kt_value(args, c, i):
         """K̃[c][i] = k_c[i] e^(G_last − G_c)."""
-        u, scratch, dest, u_stride, k_off, g_last = args
-        g = scratch[_scratch_at(dest, c) + p_col + C]
-        return u[(dest[0] + c) * u_stride + k_off + i] * math.exp(g_last - g)
+        smf, g_last = args
+        at = raw + c * rs
+        return smf[at + 2 * dk + i] * math.exp(g_last - smf[at + g_col])
 
     stage_kt = _transposed_stager(dk, C, kt_value)
 
     @device_function
-    def load(u, scratch, smw, smf, offs, dest):
-        """Stage the chunk (rows past n_c zero), every load of it at once: W | Q rows, P, U's
-        columns u_col.., G (rows past n_c take G_last) and K̃ᵀ = (k_c e^(G_last − G_c))ᵀ."""
-        u_stride, q_off, k_off, u_col = offs
-        n_c, tid = dest[1], cuda.threadIdx.x
-        stage_wq(smw, kq, n_c, (u, scratch, dest, u_stride, q_off))
-        stage_p(smw, pp, n_c, (scratch, dest))
+    def stage(smw, smf, n_c):
+        tid = cuda.threadIdx.x
+        stage_wq(smw, kq, n_c, smf)
+        stage_p(smw, pp, n_c, smf)
         for q in range(-(-C * dvp // THREADS)):
             e = tid + q * THREADS
             c, j = e // dvp, e % dvp
             if c < C:
-                smf[uu + e] = scratch[_scratch_at(dest, c) + u_col + j] if c < n_c else float32(0.0)
+                smf[uu + e] = smf[raw + c * rs + u_at + j] if c < n_c else float32(0.0)
         for c in range(tid, C, THREADS):
-            smf[g_at + c] = scratch[_scratch_at(dest, min(c, n_c - 1)) + p_col + C]
-        g_last = scratch[_scratch_at(dest, n_c - 1) + p_col + C]
-        stage_kt(smw, kt, n_c, (u, scratch, dest, u_stride, k_off, g_last))
-        cuda.syncthreads()
-    return load
+            smf[g_at + c] = smf[raw + min(c, n_c - 1) * rs + g_col]
+        stage_kt(smw, kt, n_c, (smf, smf[raw + (n_c - 1) * rs + g_col]))
+    return stage
 
 
 @functools.cache
@@ -625,14 +674,14 @@ def _new_values_fn(dk: int, dvp: int, C: int):
 def _recur_kernel(dk: int, dv: int, dvp: int, C: int):
     """chunk_recur: a block per (value head, dvp of its columns) and sequence entry y, y + grid
     rows, …"""
-    load = _recur_load_fn(dk, dv, dvp, C)
+    copy, stage = _recur_copy_fn(dk, dv, dvp, C), _recur_stage_fn(dk, dvp, C)
     state_products = _state_products_fn(dk, dvp, C)
     new_values = _new_values_fn(dk, dvp, C)
     outputs = _outputs_fn(dk, dvp, C)
     n_state, load_state, update_state, store_state = _state_fns(dk, dvp, C)
     parts, n_scratch = dv // dvp, scratch_cols(dk, dv, C)
 
-    @kernel(fastmath=True, max_registers=MAX_REGISTERS)
+    @kernel(fastmath=True)
     def chunk_recur(u, scratch, state, state_slots, seq_lo, seq_n, n_k_heads, head_map_mod,
                     out):
         chain_start()
@@ -650,10 +699,19 @@ def _recur_kernel(dk: int, dv: int, dvp: int, C: int):
                 return  # the entries with rows come first
             lo = seq_lo[seq]
             base = ((state_slots[seq] * n_v_heads + h) * dv + part * dvp) * dk
+            copy(u, scratch, smf, offs, (lo, min(C, n), h, n_v_heads, n_scratch))
+            cp_async_commit()
             load_state(state, base, smw, s)
             for r in range(lo, lo + n, C):
                 dest = (r, min(C, lo + n - r), h, n_v_heads, n_scratch)
-                load(u, scratch, smw, smf, offs, dest)
+                cp_async_wait(0)
+                cuda.syncthreads()
+                stage(smw, smf, dest[1])
+                cuda.syncthreads()  # the raw rows are free: the next chunk's copies go out
+                if r + C < lo + n:
+                    copy(u, scratch, smf, offs, (r + C, min(C, lo + n - r - C), h, n_v_heads,
+                                                 n_scratch))
+                    cp_async_commit()
                 state_products(smw, smf)
                 cuda.syncthreads()
                 new_values(smw, smf)
@@ -683,6 +741,10 @@ def delta_rule_chunked(u, a, b, state, state_slots, seq_lo, seq_n, out, chunks: 
                          f"chunks of 16·m")
     if u.shape != (n_rows, 2 * n_k_heads * dk + n_v_heads * dv):
         raise ValueError(f"u {u.shape} is not (n_rows, 2·H_k·dk + H_v·dv)")
+    shared = 4 * max(_prep_layout(dk, dv, chunk)["words"], _recur_layout(dk, dvp, chunk)["words"])
+    if shared > MAX_SHARED_BYTES:
+        raise ValueError(f"chunks of {chunk} rows of heads dk {dk}, {dvp} value columns a block "
+                         f"need {shared} bytes of shared memory (at most {MAX_SHARED_BYTES})")
     check_array("a", a, np.float32, (n_rows, n_v_heads))
     check_array("b", b, np.float32, (n_rows, n_v_heads))
     check_array("scratch", chunks.scratch, np.float32,
