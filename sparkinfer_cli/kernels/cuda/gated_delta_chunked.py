@@ -46,7 +46,7 @@ from sparkinfer_cli.kernels.cuda.runtime.intrinsics import (
     pack_f16x2,
 )
 from sparkinfer_cli.kernels.cuda.runtime.jit import device_function, kernel
-from sparkinfer_cli.kernels.cuda.runtime.launch import cdiv, check_array
+from sparkinfer_cli.kernels.cuda.runtime.launch import cdiv, check_array, multiprocessors
 from sparkinfer_cli.kernels.cuda.runtime.warp import shfl_xor
 
 CHUNK = 32  # tokens a chunk (two k16 steps of the P·V' and update products)
@@ -56,11 +56,6 @@ COLS = 32  # value columns a recurrence block takes (where dv is a multiple)
 SEQ_BLOCKS = 64  # recurrence grid rows; block row y runs sequence entries y, y + 64, …
 MAX_DK = 128  # shared memory: a chunk's rows as f16 planes, under 227 KiB
 ROW_PAD = 8  # halves padding a staged row: a fragment load's 8 rows × 4 words hit 32 banks
-# chunk_prep: two blocks an SM (65,536 registers, under 114 KB of shared memory each): with one,
-# a block's 8 warps alone hide the latency of its chains of loads, barriers and mma.
-# (chunk_recur holds a chunk's raw rows too, so one block an SM: it keeps what registers it needs,
-# and its next chunk's copies are in flight while it works.)
-PREP_MAX_REGISTERS = 128
 MAX_SHARED_BYTES = 227 * 1024  # a block's shared memory on sm_90
 
 
@@ -121,9 +116,10 @@ def _layout(planes: tuple[tuple[str, int, int], ...],
 
 
 def _prep_layout(dk: int, dv: int, C: int) -> dict[str, int]:
-    """chunk_prep's: k | q rows, [β e^G K | β V]ᵀ and T planes; A, G and β."""
+    """chunk_prep's: k | q rows, [β e^G K | β V]ᵀ and T planes; A, G and β; the raw float32
+    rows k | q | v of a chunk as they arrive."""
     return _layout((("kq", 2 * C, dk), ("bkv", dk + dv, C), ("tt", C, C)),
-                   (("am", C * C), ("g", C), ("beta", C)))
+                   (("am", C * C), ("g", C), ("beta", C), ("raw", C * (2 * dk + dv))))
 
 
 def _recur_layout(dk: int, dvp: int, C: int) -> dict[str, int]:
@@ -253,40 +249,66 @@ def _transposed_stager(n_plane: int, C: int, value):
 
 
 @functools.cache
-def _prep_load_fn(dk: int, dv: int, C: int):
-    L = _prep_layout(dk, dv, C)
-    kq, bkv = _plane(L, "kq"), _plane(L, "bkv")
-    g_at, b_at, g_col = L["g"], L["beta"], dk + dv + C
+def _prep_copy_fn(dk: int, dv: int, C: int):
+    """copy(u, smf, offs, dest): start the copies of a chunk's rows < n_c (k | q | v, 16 bytes
+    a cp.async) into the raw rows."""
+    raw, rs = _prep_layout(dk, dv, C)["raw"], 2 * dk + dv
+    pieces, k4 = rs // 4, dk // 4
 
     @device_function
-    def kq_pair(args, row, c, col):
+    def copy(u, smf, offs, dest):
+        u_stride, q_off, k_off, v_off = offs
+        for e in range(cuda.threadIdx.x, C * pieces, THREADS):
+            c, p = e // pieces, e % pieces
+            if c < dest[1]:
+                col = k_off + 4 * p if p < k4 else \
+                    q_off + 4 * (p - k4) if p < 2 * k4 else v_off + 4 * (p - 2 * k4)
+                src = (dest[0] + c) * u_stride + col
+                cp_async_16(smf, 4 * (raw + c * rs + 4 * p), u, 4 * src)
+    return copy
+
+
+@device_function
+def _gates(a, b, dest):
+    """The log-decay and β of this thread's chunk row (threads < n_c; zero for the others)."""
+    c = cuda.threadIdx.x
+    if c < dest[1]:
+        i = (dest[0] + c) * dest[3] + dest[2]
+        return a[i], b[i]
+    return float32(0.0), float32(0.0)
+
+
+@functools.cache
+def _prep_stage_fn(dk: int, dv: int, C: int):
+    L = _prep_layout(dk, dv, C)
+    kq, bkv = _plane(L, "kq"), _plane(L, "bkv")
+    g_at, b_at, g_col, raw, rs = L["g"], L["beta"], dk + dv + C, L["raw"], 2 * dk + dv
+
+    @device_function
+    def kq_pair(smf, row, c, col):
         """k_c (rows < C) or q_c (the next C) at columns col, col + 1."""
-        u, r, u_stride, q_off, k_off = args
-        src = (r + c) * u_stride + (q_off if row >= C else k_off) + col
-        return u[src], u[src + 1]
+        at = raw + c * rs + (dk if row >= C else 0) + col
+        return smf[at], smf[at + 1]
 
     stage_kq = _row_stager(2 * C, dk, C, kq_pair)
 
     @device_function
-    def bkv_value(args, c, i):
-        """[β e^G K | β V][c][i]."""
-        u, smf, r, u_stride, k_off, v_off = args
+    def bkv_value(smf, c, i):
+        """[β e^G K | β V][c][i] (a raw row: k | q | v)."""
         scale = smf[b_at + c] * (math.exp(smf[g_at + c]) if i < dk else float32(1.0))
-        return scale * u[(r + c) * u_stride + (k_off + i if i < dk else v_off + i - dk)]
+        return scale * smf[raw + c * rs + (i if i < dk else dk + i)]
 
     stage_bkv = _transposed_stager(dk + dv, C, bkv_value)
 
     @device_function
-    def load(u, a, b, smw, smf, offs, dest, scratch):
-        """Stage the chunk's rows (rows past n_c zero: they neither decay nor write): k | q rows,
-        G (the log-decays summed over the chunk, also to the scratch), β and [β e^G K | β V]ᵀ."""
-        u_stride, q_off, k_off, v_off = offs
-        r, n_c, h, n_v_heads = dest[0], dest[1], dest[2], dest[3]
-        tid = cuda.threadIdx.x
-        stage_kq(smw, kq, n_c, (u, r, u_stride, q_off, k_off))
-        for c in range(tid, C, THREADS):
-            smf[g_at + c] = a[(r + c) * n_v_heads + h] if c < n_c else float32(0.0)
-            smf[b_at + c] = b[(r + c) * n_v_heads + h] if c < n_c else float32(0.0)
+    def stage(smw, smf, dest, gates, scratch):
+        """The chunk's planes from its raw rows and gates (rows past n_c zero: they neither decay
+        nor write): k | q rows, G (the log-decays summed over the chunk, also to the scratch), β
+        and [β e^G K | β V]ᵀ."""
+        n_c, tid = dest[1], cuda.threadIdx.x
+        stage_kq(smw, kq, n_c, smf)
+        if tid < C:
+            smf[g_at + tid], smf[b_at + tid] = gates
         cuda.syncthreads()
         if tid == 0:
             for c in range(1, C):
@@ -294,8 +316,8 @@ def _prep_load_fn(dk: int, dv: int, C: int):
         cuda.syncthreads()
         if tid < n_c:
             scratch[_scratch_at(dest, tid) + g_col] = smf[g_at + tid]
-        stage_bkv(smw, bkv, n_c, (u, smf, r, u_stride, k_off, v_off))
-    return load
+        stage_bkv(smw, bkv, n_c, smf)
+    return stage
 
 
 @functools.cache
@@ -370,32 +392,49 @@ def _wy_fn(dk: int, dv: int, C: int):
 def _prep_kernel(dk: int, dv: int, C: int):
     """chunk_prep: a block per value head and chunks y, y + grid rows, … of the pass's list."""
     L = _prep_layout(dk, dv, C)
-    load = _prep_load_fn(dk, dv, C)
+    copy, stage = _prep_copy_fn(dk, dv, C), _prep_stage_fn(dk, dv, C)
     token_products = _token_products_fn(dk, dv, C)
     invert = _inverse_fn(C, L["am"], *_plane(L, "tt"))
     wy = _wy_fn(dk, dv, C)
     n_scratch = scratch_cols(dk, dv, C)
 
-    @kernel(fastmath=True, max_registers=PREP_MAX_REGISTERS)
+    @kernel(fastmath=True)
     def chunk_prep(u, a, b, chunk_lo, chunk_n, n_k_heads, head_map_mod, scratch):
         chain_start()
-        h, n_v_heads = cuda.blockIdx.x, cuda.gridDim.x
+        h, n_v_heads, i = cuda.blockIdx.x, cuda.gridDim.x, cuda.blockIdx.y
         smw = cuda.shared.array(0, uint32)  # f16 planes (_prep_layout)
         smf = cuda.shared.array(0, float32)  # the same memory: the float32 part
         kh = h % n_k_heads if head_map_mod else h // (n_v_heads // n_k_heads)
         key_dim = n_k_heads * dk
         offs = (2 * key_dim + n_v_heads * dv, kh * dk, key_dim + kh * dk, 2 * key_dim + h * dv)
-        for i in range(cuda.blockIdx.y, chunk_lo.size, cuda.gridDim.y):
-            if chunk_lo[i] < 0:
-                return
-            dest = (chunk_lo[i], chunk_n[i], h, n_v_heads, n_scratch)
-            load(u, a, b, smw, smf, offs, dest, scratch)
+        if i >= chunk_lo.size or chunk_lo[i] < 0:
+            return
+        dest = (chunk_lo[i], chunk_n[i], h, n_v_heads, n_scratch)
+        copy(u, smf, offs, dest)
+        cp_async_commit()
+        gates = _gates(a, b, dest)
+        while True:
+            cp_async_wait(0)
+            cuda.syncthreads()
+            stage(smw, smf, dest, gates, scratch)
+            cuda.syncthreads()  # the raw rows are free: the block's next chunk's copies go out
+            i += cuda.gridDim.y
+            more = i < chunk_lo.size and chunk_lo[i] >= 0
+            follow, next_gates = dest, gates
+            if more:
+                follow = (chunk_lo[i], chunk_n[i], h, n_v_heads, n_scratch)
+                copy(u, smf, offs, follow)
+                cp_async_commit()
+                next_gates = _gates(a, b, follow)
             token_products(smw, smf, scratch, dest)
             cuda.syncthreads()
             invert(smw, smf)
             cuda.syncthreads()
             wy(smw, scratch, dest)
-            cuda.syncthreads()  # before the next chunk's loads overwrite shared memory
+            cuda.syncthreads()  # before the next chunk's staging overwrites shared memory
+            if not more:
+                return
+            dest, gates = follow, next_gates
     return chunk_prep
 
 
@@ -763,9 +802,10 @@ def launch_prep(u, a, b, chunks: ChunkedPass, *, n_k_heads: int, head_map_mod: b
     checked there)."""
     n_rows, n_v_heads = a.shape
     dv = (u.shape[1] - 2 * n_k_heads * dk) // n_v_heads
-    # blocks enough for the chunks of a pass of whole chunks and SEQ_BLOCKS partial ones; more
-    # chunks than that, and blocks take several
-    prep_rows = min(chunks.chunk_lo.size, cdiv(n_rows, chunk) + SEQ_BLOCKS)
+    # one block an SM (shared memory), each walking its chunks y, y + grid rows, … with the
+    # next one's copies in flight while it works on one
+    prep_rows = min(chunks.chunk_lo.size, cdiv(n_rows, chunk) + SEQ_BLOCKS,
+                    max(1, multiprocessors() // n_v_heads))
     _prep_kernel(dk, dv, chunk)[(n_v_heads, prep_rows), THREADS, stream,
                                 4 * _prep_layout(dk, dv, chunk)["words"]](
         u.reshape(u.size), a.reshape(a.size), b.reshape(b.size), chunks.chunk_lo, chunks.chunk_n,

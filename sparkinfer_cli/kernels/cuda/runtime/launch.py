@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from numba import cuda
 
@@ -13,6 +15,13 @@ def cdiv(a: int, b: int) -> int:
 def next_pow2(n: int) -> int:
     """The smallest power of two ≥ n (1 for n ≤ 1)."""
     return 1 << max(n - 1, 0).bit_length()
+
+
+@functools.cache
+def multiprocessors() -> int:
+    """The current device's SM count; 2 under the simulator, so that kernels whose blocks walk
+    several work items (a grid of one wave) do so in the tests too."""
+    return getattr(cuda.get_current_device(), "MULTIPROCESSOR_COUNT", None) or 2
 
 
 def check_array(name: str, arr, dtype, shape: tuple[int, ...] | None = None) -> None:
