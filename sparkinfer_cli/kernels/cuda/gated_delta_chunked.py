@@ -571,12 +571,14 @@ def _state_fns(dk: int, dvp: int, C: int):
 
     @device_function(numba_inline=True)  # s: the kernel's registers
     def load(state, base, smw, s):
-        """s ← Sᵀ of the part from the global state (S[j][i], i contiguous), and its planes."""
+        """s ← Sᵀ of the part from the global state (S[j][i], i contiguous), and its planes;
+        the accumulators of a warp's idle tiles zero (update scales them all)."""
         warp = cuda.threadIdx.x >> 5
         for q in range(per_warp):
             t = warp + WARPS * q
-            if t < row_tiles * col_tiles:
-                for e in range(4):
+            for e in range(4):
+                s[4 * q + e] = float32(0.0)
+                if t < row_tiles * col_tiles:
                     j, i = _tile_element(16 * (warp % row_tiles), 8 * (t // row_tiles), e)
                     s[4 * q + e] = state[base + j * dk + i]
         to_planes(smw, s)
