@@ -17,9 +17,9 @@ sequence's chunks — the only sequential part, three products a chunk: [W; Q]·
 Every product runs on mma.sync m16n8k16 over operands staged in shared memory as two f16 planes,
 x ≈ hi + lo with hi = f16(x), lo = f16(x − hi), three mma a tile (hi·hi + hi·lo + lo·hi, f32
 sums): about float32's precision. A recurrence block keeps its COLS value columns of Sᵀ in its
-warps' accumulator registers over the whole sequence, and copies a chunk's rows in with cp.async
-(no thread waits on one load before issuing the next; a load-then-store loop per element made
-each chunk a chain of global round trips) while it works on the chunk before.
+warps' accumulator registers over the whole sequence. Both kernels copy a chunk's float32 rows
+into shared memory with cp.async and stage the planes from there, so that no thread waits on one
+global load before issuing the next; each walks its chunks with the next one's copies in flight.
 
 Inputs are prepared (gated_delta's prepare step with log_decay): q, k L2-normalised (q also
 / sqrt(dk)), a the log-decay, b the β. Opt-in (SPARKINFER_GDN_CHUNKED) until measured faster than
