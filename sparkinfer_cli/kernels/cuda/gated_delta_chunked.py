@@ -571,8 +571,7 @@ def _state_fns(dk: int, dvp: int, C: int):
 
     @device_function(numba_inline=True)  # s: the kernel's registers
     def load(state, base, smw, s):
-        """s ← Sᵀ of the part from the global state (S[j][i], i contiguous), and its planes;
-        the accumulators of a warp's idle tiles zero (update scales them all)."""
+        """s ← the part's Sᵀ (global S[j][i], i contiguous) and its planes; idle tiles zero."""
         warp = cuda.threadIdx.x >> 5
         for q in range(per_warp):
             t = warp + WARPS * q
