@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 from numba import cuda
@@ -185,8 +187,19 @@ def test_delta_rule_seq_qwen36_shape(lengths, prepare, chunked):
                                     True, prepare, chunked)
     ref_out, ref_state = _delta_seq_reference(u, a, b, ssm_a, dt_bias, state, slots, lo, lengths,
                                               n_k, True)
-    np.testing.assert_allclose(out, ref_out, rtol=1e-3, atol=1e-4)
-    np.testing.assert_allclose(new_state, ref_state, rtol=1e-3, atol=1e-4)
+    close = assert_f16_close if chunked else functools.partial(np.testing.assert_allclose,
+                                                              rtol=1e-3, atol=1e-4)
+    close(out, ref_out)
+    close(new_state, ref_state)
+
+
+def assert_f16_close(got: np.ndarray, ref: np.ndarray) -> None:
+    """Within what f16 operands (2⁻¹¹ a rounding) with float32 sums allow (the chunked kernels):
+    relative RMS error ≤ 2e-3, as the public kernels' bf16 tests bound it, and no element off by
+    more than 1 % of the largest. A wrong index, mask or decay is off by far more."""
+    err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+    worst = np.abs(got - ref).max() / np.abs(ref).max()
+    assert err <= 2e-3 and worst <= 1e-2, f"relative RMS error {err:.2e}, worst {worst:.2e}"
 
 
 # a check's states after its rows: sequence 1 (rows 3 .. 6) keeps its state after rows 4 and 5

@@ -10,6 +10,7 @@ from test_cuda_gated_delta import (
     _delta_inputs,
     _delta_seq_reference,
     _run_delta_seq,
+    assert_f16_close,
 )
 
 from sparkinfer_cli.kernels.cuda import gated_delta_chunked as gdc
@@ -79,9 +80,9 @@ def test_chunked_delta_rule_matches_reference(chunk, cols, head_map_mod):
                            head_map_mod=head_map_mod, chunk=chunk, cols=cols)
     ref_out, ref_state = _reference(q, k, v, log_decay, beta, state, slots, lo, n, head_map_mod)
     got_state = dev_state.copy_to_host()
-    np.testing.assert_allclose(out.copy_to_host()[1:], ref_out[1:], rtol=1e-4, atol=2e-5)
+    assert_f16_close(out.copy_to_host()[1:], ref_out[1:])
     np.testing.assert_array_equal(out.copy_to_host()[0], 7)
-    np.testing.assert_allclose(got_state, ref_state, rtol=1e-4, atol=2e-5)
+    assert_f16_close(got_state, ref_state)
     np.testing.assert_array_equal(got_state[3], state[3])
 
 
@@ -102,8 +103,8 @@ def test_chunks_of_64_tokens_match_reference():
                            out, _chunked_pass(scratch, lo, n, 64), n_k_heads=n_k,
                            head_map_mod=True, chunk=64)
     ref_out, ref_state = _reference(q, k, v, log_decay, beta, state, slots, lo, n, True)
-    np.testing.assert_allclose(out.copy_to_host(), ref_out, rtol=1e-4, atol=2e-5)
-    np.testing.assert_allclose(dev_state.copy_to_host(), ref_state, rtol=1e-4, atol=2e-5)
+    assert_f16_close(out.copy_to_host(), ref_out)
+    assert_f16_close(dev_state.copy_to_host(), ref_state)
 
 
 @pytest.mark.slow
@@ -118,5 +119,5 @@ def test_delta_rule_seq_chunked_prepares_and_matches_reference():
                                     prepare=True, chunked=True)
     ref_out, ref_state = _delta_seq_reference(u, a, b, ssm_a, dt_bias, state, slots, lo, n, n_k,
                                               True)
-    np.testing.assert_allclose(out, ref_out, rtol=1e-4, atol=2e-5)
-    np.testing.assert_allclose(new_state, ref_state, rtol=1e-4, atol=2e-5)
+    assert_f16_close(out, ref_out)
+    assert_f16_close(new_state, ref_state)

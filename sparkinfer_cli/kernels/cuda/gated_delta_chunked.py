@@ -14,11 +14,12 @@ Two kernels, as the fast public implementations split it (docs/gated-deltanet-pr
 first (`chunk_prep`) computes G, P, T, W and U for every chunk of every sequence and value head at
 once, in parallel, into a scratch buffer; the second (`chunk_recur`) carries the state across a
 sequence's chunks — the only sequential part, three products a chunk: [W; Q]·S₀, P·V' and V'ᵀ·K̃.
-Every product runs on mma.sync m16n8k16 over operands staged in shared memory as two f16 planes,
-x ≈ hi + lo with hi = f16(x), lo = f16(x − hi), three mma a tile (hi·hi + hi·lo + lo·hi, f32
-sums): about float32's precision. A recurrence block keeps its COLS value columns of Sᵀ in its
+Every product runs on mma.sync m16n8k16 over f16 operands staged in shared memory, with float32
+sums; the state itself stays float32 (only its copy as an operand is rounded), as in the public
+kernels (FLA and vLLM/SGLang use bf16 operands): the projections that make q, k and v already
+multiply f16 activations. A recurrence block keeps its COLS value columns of Sᵀ in its
 warps' accumulator registers over the whole sequence. Both kernels copy a chunk's float32 rows
-into shared memory with cp.async and stage the planes from there, so that no thread waits on one
+into shared memory with cp.async and stage the operands from there, so that no thread waits on one
 global load before issuing the next; each walks its chunks with the next one's copies in flight.
 
 Inputs are prepared (gated_delta's prepare step with log_decay): q, k L2-normalised (q also
@@ -57,6 +58,11 @@ SEQ_BLOCKS = 64  # recurrence grid rows; block row y runs sequence entries y, y 
 MAX_DK = 128  # shared memory: a chunk's rows as f16 planes, under 227 KiB
 ROW_PAD = 8  # halves padding a staged row: a fragment load's 8 rows × 4 words hit 32 banks
 MAX_SHARED_BYTES = 227 * 1024  # a block's shared memory on sm_90
+# chunk_prep: two blocks an SM (under 114 KB of shared memory and 128 registers a thread each), so
+# that one's barriers and inverse are covered by the other's work. chunk_recur keeps what it
+# needs (~200): a long prompt's recurrence has a block an SM anyway (value heads × column parts)
+PREP_BLOCKS_PER_SM = 2
+PREP_MAX_REGISTERS = 128
 
 
 def supports(dk: int, dv: int) -> bool:
@@ -99,14 +105,14 @@ def _cols(dv: int) -> int:
 @functools.cache
 def _layout(planes: tuple[tuple[str, int, int], ...],
             floats: tuple[tuple[str, int], ...]) -> dict[str, int]:
-    """Word offsets of a block's shared memory: f16 planes (hi at `name`, lo at `name_lo`, rows
-    of `name_w` words) of (name, rows, halves a row), then float32 arrays (name, size), each
-    16-byte aligned; `words` in all."""
+    """Word offsets of a block's shared memory: f16 planes (at `name`, rows of `name_w` words) of
+    (name, rows, halves a row), then float32 arrays (name, size), each 16-byte aligned; `words`
+    in all."""
     at, out = 0, {}
     for name, rows, cols in planes:
         w = (cols + ROW_PAD) // 2
-        out[name], out[name + "_lo"], out[name + "_w"] = at, at + rows * w, w
-        at += 2 * rows * w
+        out[name], out[name + "_w"] = at, w
+        at += rows * w
     for name, size in floats:
         at = -(-at // 4) * 4  # 16-byte aligned: cp.async writes the raw rows
         out[name] = at
@@ -116,9 +122,9 @@ def _layout(planes: tuple[tuple[str, int, int], ...],
 
 
 def _prep_layout(dk: int, dv: int, C: int) -> dict[str, int]:
-    """chunk_prep's: k | q rows, [β e^G K | β V]ᵀ and T planes; A, G and β; the raw float32
-    rows k | q | v of a chunk as they arrive."""
-    return _layout((("kq", 2 * C, dk), ("bkv", dk + dv, C), ("tt", C, C)),
+    """chunk_prep's: k | q rows, [β e^G K | β V]ᵀ, what f16 lost of β Vᵀ, and T planes; A, G and
+    β; the raw float32 rows k | q | v of a chunk as they arrive."""
+    return _layout((("kq", 2 * C, dk), ("bkv", dk + dv, C), ("bv_lo", dv, C), ("tt", C, C)),
                    (("am", C * C), ("g", C), ("beta", C), ("raw", C * (2 * dk + dv))))
 
 
@@ -137,9 +143,9 @@ def _raw_row(dk: int, dvp: int, C: int) -> int:
     return 3 * dk + C + dvp + 4
 
 
-def _plane(layout: dict[str, int], name: str) -> tuple[int, int, int]:
-    """(hi word, lo word, words a row) of one of a layout's f16 planes."""
-    return layout[name], layout[name + "_lo"], layout[name + "_w"]
+def _plane(layout: dict[str, int], name: str) -> tuple[int, int]:
+    """(first word, words a row) of one of a layout's f16 planes."""
+    return layout[name], layout[name + "_w"]
 
 
 def _warp_share(row_tiles: int, col_tiles: int) -> tuple[int, int]:
@@ -149,11 +155,9 @@ def _warp_share(row_tiles: int, col_tiles: int) -> tuple[int, int]:
 
 
 @device_function
-def _put_pair(smw, hi_at, lo_at, x, y):
-    """f16 planes ← floats x, y (adjacent halves of one word): hi = f16, lo = f16(rest)."""
-    h = pack_f16x2(x, y)
-    smw[uint32(hi_at)] = h
-    smw[uint32(lo_at)] = pack_f16x2(x - f16_bits_to_f32(h & 0xFFFF), y - f16_bits_to_f32(h >> 16))
+def _put_pair(smw, at, x, y):
+    """A word of an f16 plane ← floats x, y (its two halves)."""
+    smw[uint32(at)] = pack_f16x2(x, y)
 
 
 @device_function
@@ -173,22 +177,12 @@ def _frag_b(smw, at, w, n0, kw):
     return smw[i], smw[uint32(i + 4)]
 
 
-@device_function
-def _frags_a(smw, a_hi, a_lo, aw, row0, kw):
-    """The A fragments of both planes."""
-    return _frag_a(smw, a_hi, aw, row0, kw), _frag_a(smw, a_lo, aw, row0, kw)
-
-
 @device_function(numba_inline=True)
-def _mma3(acc, i, a, smw, b_hi, b_lo, bw, n0, kw):
-    """acc[i..i+3] += A·B for one m16n8k16 tile, A (its fragments of both planes: _frags_a) and
-    B as f16 planes hi + lo."""
-    ah, al = a
-    bh0, bh1 = _frag_b(smw, b_hi, bw, n0, kw)
-    bl0, bl1 = _frag_b(smw, b_lo, bw, n0, kw)
-    mma_into(acc, i, al, bh0, bh1)
-    mma_into(acc, i, ah, bl0, bl1)
-    mma_into(acc, i, ah, bh0, bh1)
+def _mma(acc, i, a, smw, b_at, bw, n0, kw):
+    """acc[i..i+3] += A·B for one m16n8k16 tile, A its fragment (_frag_a) and B the plane at
+    b_at."""
+    b0, b1 = _frag_b(smw, b_at, bw, n0, kw)
+    mma_into(acc, i, a, b0, b1)
 
 
 @device_function
@@ -206,7 +200,7 @@ def _scratch_at(dest, c):
 
 
 def _row_stager(n_plane: int, cols: int, C: int, pair):
-    """stage(smw, plane, n_c, args): the f16 planes (hi, lo, words a row) of an n_plane × cols
+    """stage(smw, plane, n_c, args): the f16 plane (first word, words a row) of an n_plane × cols
     matrix whose row `row` is chunk row c = row % C; (M[row][col], M[row][col + 1]) =
     pair(args, row, c, col) for c < n_c, zero past them. A fixed count of loads a thread, so
     that they all go out at once."""
@@ -214,29 +208,33 @@ def _row_stager(n_plane: int, cols: int, C: int, pair):
 
     @device_function
     def stage(smw, plane, n_c, args):
-        hi, lo, w = plane
+        at, w = plane
         for q in range(-(-n_plane * half // THREADS)):
-            e = cuda.threadIdx.x + q * THREADS
+            e = uint32(cuda.threadIdx.x + q * THREADS)
             row, wd = e // half, e % half
             x, y = float32(0.0), float32(0.0)
             if row % C < n_c and row < n_plane:
                 x, y = pair(args, row, row % C, 2 * wd)
             if row < n_plane:
-                _put_pair(smw, hi + row * w + wd, lo + row * w + wd, x, y)
+                _put_pair(smw, at + row * w + wd, x, y)
     return stage
 
 
-def _transposed_stager(n_plane: int, C: int, value):
-    """stage(smw, plane, n_c, args): the f16 planes (hi, lo, words a row) of an n_plane × C
+def _transposed_stager(n_plane: int, C: int, value, remainder: tuple[int, int, int] = (-1, 0, 0)):
+    """stage(smw, plane, n_c, args): the f16 plane (first word, words a row) of an n_plane × C
     matrix Mᵀ, Mᵀ[i][c] = value(args, c, i) for rows c < n_c, zero past them; a thread a pair of
-    rows of one i, i fastest (a warp reads a token row's consecutive floats)."""
+    rows of one i, i fastest (a warp reads a token row's consecutive floats). remainder = (first
+    row, plane's first word, words a row): rows from the first on also put what f16 lost of them
+    in that plane (row i at i − first), so that hi + lo carries them at about float32's
+    precision."""
     half_c = C // 2
+    lo_from, lo_at, lo_w = remainder if remainder[0] >= 0 else (n_plane, 0, 0)
 
     @device_function
     def stage(smw, plane, n_c, args):
-        hi, lo, w = plane
+        at, w = plane
         for q in range(-(-n_plane * half_c // THREADS)):
-            e = cuda.threadIdx.x + q * THREADS
+            e = uint32(cuda.threadIdx.x + q * THREADS)
             cw, i = e // n_plane, e % n_plane
             xy = cuda.local.array(2, float32)
             for m in range(2):
@@ -244,7 +242,11 @@ def _transposed_stager(n_plane: int, C: int, value):
                 if 2 * cw + m < n_c and cw < half_c:
                     xy[m] = value(args, 2 * cw + m, i)
             if cw < half_c:
-                _put_pair(smw, hi + i * w + cw, lo + i * w + cw, xy[0], xy[1])
+                h = pack_f16x2(xy[0], xy[1])
+                smw[uint32(at + i * w + cw)] = h
+                if i >= lo_from:
+                    smw[uint32(lo_at + (i - lo_from) * lo_w + cw)] = pack_f16x2(
+                        xy[0] - f16_bits_to_f32(h & 0xFFFF), xy[1] - f16_bits_to_f32(h >> 16))
     return stage
 
 
@@ -259,7 +261,7 @@ def _prep_copy_fn(dk: int, dv: int, C: int):
     def copy(u, smf, offs, dest):
         u_stride, q_off, k_off, v_off = offs
         for e in range(cuda.threadIdx.x, C * pieces, THREADS):
-            c, p = e // pieces, e % pieces
+            c, p = uint32(e) // pieces, uint32(e) % pieces
             if c < dest[1]:
                 col = k_off + 4 * p if p < k4 else \
                     q_off + 4 * (p - k4) if p < 2 * k4 else v_off + 4 * (p - 2 * k4)
@@ -274,7 +276,7 @@ def _gates(a, b, dest):
     c = cuda.threadIdx.x
     if c < dest[1]:
         i = (dest[0] + c) * dest[3] + dest[2]
-        return a[i], b[i]
+        return a[uint32(i)], b[uint32(i)]
     return float32(0.0), float32(0.0)
 
 
@@ -287,7 +289,7 @@ def _prep_stage_fn(dk: int, dv: int, C: int):
     @device_function
     def kq_pair(smf, row, c, col):
         """k_c (rows < C) or q_c (the next C) at columns col, col + 1."""
-        at = raw + c * rs + (dk if row >= C else 0) + col
+        at = uint32(raw + c * rs + (dk if row >= C else 0) + col)
         return smf[at], smf[at + 1]
 
     stage_kq = _row_stager(2 * C, dk, C, kq_pair)
@@ -295,10 +297,13 @@ def _prep_stage_fn(dk: int, dv: int, C: int):
     @device_function
     def bkv_value(smf, c, i):
         """[β e^G K | β V][c][i] (a raw row: k | q | v)."""
-        scale = smf[b_at + c] * (math.exp(smf[g_at + c]) if i < dk else float32(1.0))
-        return scale * smf[raw + c * rs + (i if i < dk else dk + i)]
+        scale = smf[uint32(b_at + c)] * (math.exp(smf[uint32(g_at + c)]) if i < dk else
+                                         float32(1.0))
+        return scale * smf[uint32(raw + c * rs + (i if i < dk else dk + i))]
 
-    stage_bkv = _transposed_stager(dk + dv, C, bkv_value)
+    # β V in two planes: where a key repeats, the chunk's new values U − W·S₀ cancel most of U,
+    # and U from f16 values alone would leave the rounding of v in place of what is left
+    stage_bkv = _transposed_stager(dk + dv, C, bkv_value, (dk, *_plane(L, "bv_lo")))
 
     @device_function
     def stage(smw, smf, dest, gates, scratch):
@@ -308,14 +313,14 @@ def _prep_stage_fn(dk: int, dv: int, C: int):
         n_c, tid = dest[1], cuda.threadIdx.x
         stage_kq(smw, kq, n_c, smf)
         if tid < C:
-            smf[g_at + tid], smf[b_at + tid] = gates
+            smf[uint32(g_at + tid)], smf[uint32(b_at + tid)] = gates
         cuda.syncthreads()
         if tid == 0:
             for c in range(1, C):
-                smf[g_at + c] += smf[g_at + c - 1]
+                smf[uint32(g_at + c)] += smf[uint32(g_at + c - 1)]
         cuda.syncthreads()
         if tid < n_c:
-            scratch[_scratch_at(dest, tid) + g_col] = smf[g_at + tid]
+            scratch[uint32(_scratch_at(dest, tid) + g_col)] = smf[uint32(g_at + tid)]
         stage_bkv(smw, bkv, n_c, smf)
     return stage
 
@@ -325,7 +330,7 @@ def _token_products_fn(dk: int, dv: int, C: int):
     """token_products: A (float32 in shared memory, strictly lower) and P (to the scratch, lower
     with the diagonal) from [K; Q]·Kᵀ: a warp per 16 rows × 16 columns of the 2C × C product."""
     L = _prep_layout(dk, dv, C)
-    kq, kq_lo, kq_w = _plane(L, "kq")
+    kq, kq_w = _plane(L, "kq")
     am, g_at, b_at, p_col = L["am"], L["g"], L["beta"], dk + dv
     tiles = (2 * C // 16) * (C // 16)  # warp tiles of 16 × 16
 
@@ -335,8 +340,8 @@ def _token_products_fn(dk: int, dv: int, C: int):
         c = row if row < C else row - C
         if c2 > c or (row < C and c2 == c):
             return float32(0.0)
-        v *= math.exp(smf[g_at + c] - smf[g_at + c2])
-        return v * smf[b_at + c] if row < C else v
+        v *= math.exp(smf[uint32(g_at + c)] - smf[uint32(g_at + c2)])
+        return v * smf[uint32(b_at + c)] if row < C else v
 
     @device_function
     def token_products(smw, smf, scratch, dest):
@@ -347,9 +352,9 @@ def _token_products_fn(dk: int, dv: int, C: int):
             for i in range(8):
                 acc[i] = 0.0
             for kw in range(0, dk // 2, 8):
-                a = _frags_a(smw, kq, kq_lo, kq_w, row0, kw)
+                a = _frag_a(smw, kq, kq_w, row0, kw)
                 for nt in range(2):
-                    _mma3(acc, 4 * nt, a, smw, kq, kq_lo, kq_w, n0 + 8 * nt, kw)
+                    _mma(acc, 4 * nt, a, smw, kq, kq_w, n0 + 8 * nt, kw)
             for nt in range(2):
                 for e in range(4):
                     row, c2 = _tile_element(row0, n0 + 8 * nt, e)
@@ -357,17 +362,18 @@ def _token_products_fn(dk: int, dv: int, C: int):
                     if row < C:
                         smf[uint32(am + row * C + c2)] = v
                     elif row - C < dest[1]:
-                        scratch[_scratch_at(dest, row - C) + p_col + c2] = v
+                        scratch[uint32(_scratch_at(dest, row - C) + p_col + c2)] = v
     return token_products
 
 
 @functools.cache
 def _wy_fn(dk: int, dv: int, C: int):
     """wy: [W | U] = T·[β e^G K | β V] (C × (dk + dv)) to the scratch, 16 × 8 tiles over the
-    warps."""
+    warps; U's tiles also take T times β V's remainder plane."""
     L = _prep_layout(dk, dv, C)
-    tt, tt_lo, tt_w = _plane(L, "tt")
-    bkv, bkv_lo, bkv_w = _plane(L, "bkv")
+    tt, tt_w = _plane(L, "tt")
+    bkv, bkv_w = _plane(L, "bkv")
+    bv_lo, bv_lo_w = _plane(L, "bv_lo")
     row_tiles, tiles = C // 16, (C // 16) * ((dk + dv) // 8)
 
     @device_function
@@ -379,12 +385,14 @@ def _wy_fn(dk: int, dv: int, C: int):
             for i in range(4):
                 acc[i] = 0.0
             for kw in range(0, C // 2, 8):
-                _mma3(acc, 0, _frags_a(smw, tt, tt_lo, tt_w, row0, kw), smw, bkv, bkv_lo, bkv_w,
-                      n0, kw)
+                a = _frag_a(smw, tt, tt_w, row0, kw)
+                _mma(acc, 0, a, smw, bkv, bkv_w, n0, kw)
+                if n0 >= dk:
+                    _mma(acc, 0, a, smw, bv_lo, bv_lo_w, n0 - dk, kw)
             for e in range(4):
                 c, n = _tile_element(row0, n0, e)
                 if c < dest[1]:
-                    scratch[_scratch_at(dest, c) + n] = acc[e]
+                    scratch[uint32(_scratch_at(dest, c) + n)] = acc[e]
     return wy
 
 
@@ -398,7 +406,7 @@ def _prep_kernel(dk: int, dv: int, C: int):
     wy = _wy_fn(dk, dv, C)
     n_scratch = scratch_cols(dk, dv, C)
 
-    @kernel(fastmath=True)
+    @kernel(fastmath=True, max_registers=PREP_MAX_REGISTERS)
     def chunk_prep(u, a, b, chunk_lo, chunk_n, n_k_heads, head_map_mod, scratch):
         chain_start()
         h, n_v_heads, i = cuda.blockIdx.x, cuda.gridDim.x, cuda.blockIdx.y
@@ -439,7 +447,7 @@ def _prep_kernel(dk: int, dv: int, C: int):
 
 
 @functools.cache
-def _inverse_fn(C: int, am: int, tt: int, tt_lo: int, tt_w: int):
+def _inverse_fn(C: int, am: int, tt: int, tt_w: int):
     """invert(smw, smf): T = (I + A)⁻¹ (A strictly lower, float32 at word am) into T's f16 planes
     (rows c, k = c' contiguous), thread c' computing column c' in registers: once T[c2]
     is final, A[c][c2]·T[c2] leaves every row c below it, so the critical path is C dependent
@@ -450,7 +458,7 @@ def _inverse_fn(C: int, am: int, tt: int, tt_lo: int, tt_w: int):
         body += [f"    t{c} -= smf[{am + c * C + c2}] * t{c2}" for c in range(c2 + 1, C)]
     body += [f"    pair(smw, {c}, col, t{c})" for c in range(C)]
     source = "def column(smw, smf, col):\n" + "\n".join(body) + "\n"
-    namespace = {"__name__": __name__, "float32": float32, "pair": _pair_fn(C, tt, tt_lo, tt_w)}
+    namespace = {"__name__": __name__, "float32": float32, "pair": _pair_fn(C, tt, tt_w)}
     exec(compile(source, f"<gated_delta_chunked inverse C={C}>", "exec"), namespace)
     column = device_function(namespace["column"])
     n_threads = 32 * cdiv(C, 32)  # whole warps: pair() shuffles
@@ -463,13 +471,13 @@ def _inverse_fn(C: int, am: int, tt: int, tt_lo: int, tt_w: int):
 
 
 @functools.cache
-def _pair_fn(C: int, tt: int, tt_lo: int, tt_w: int):
+def _pair_fn(C: int, tt: int, tt_w: int):
     @device_function
     def pair(smw, c, col, v):
         """T[c][col] and T[c][col + 1] (from the next lane) into a word of T's planes."""
         right = shfl_xor(v, 1)
         if col < C and col % 2 == 0:
-            _put_pair(smw, tt + c * tt_w + col // 2, tt_lo + c * tt_w + col // 2, v, right)
+            _put_pair(smw, tt + c * tt_w + col // 2, v, right)
     return pair
 
 
@@ -478,8 +486,8 @@ def _state_products_fn(dk: int, dvp: int, C: int):
     """state_products: X = [K; Q]·S₀ (2C × dvp, float32), 16 × 8 tiles spread over the warps
     (a warp keeps one row tile: its A fragments serve all its column tiles)."""
     L = _recur_layout(dk, dvp, C)
-    kq, kq_lo, kq_w = _plane(L, "kq")
-    st, st_lo, st_w = _plane(L, "st")
+    kq, kq_w = _plane(L, "kq")
+    st, st_w = _plane(L, "st")
     x_at = L["x"]
     row_tiles, col_tiles = 2 * C // 16, dvp // 8
     per_warp = _warp_share(row_tiles, col_tiles)[0]
@@ -495,11 +503,11 @@ def _state_products_fn(dk: int, dvp: int, C: int):
             for i in range(n_acc):
                 acc[i] = 0.0
             for kw in range(0, dk // 2, 8):
-                a = _frags_a(smw, kq, kq_lo, kq_w, row0, kw)
+                a = _frag_a(smw, kq, kq_w, row0, kw)
                 for q in range(group):
                     t = warp + WARPS * (q0 + q)
                     if t < row_tiles * col_tiles:
-                        _mma3(acc, 4 * q, a, smw, st, st_lo, st_w, 8 * (t // row_tiles), kw)
+                        _mma(acc, 4 * q, a, smw, st, st_w, 8 * (t // row_tiles), kw)
             for q in range(group):
                 t = warp + WARPS * (q0 + q)
                 if t < row_tiles * col_tiles:
@@ -513,8 +521,8 @@ def _state_products_fn(dk: int, dvp: int, C: int):
 def _outputs_fn(dk: int, dvp: int, C: int):
     """outputs: o = e^G S₀q + P·V' for the chunk's rows < n_c, 16 × 8 tiles over the warps."""
     L = _recur_layout(dk, dvp, C)
-    pp, pp_lo, pp_w = _plane(L, "pp")
-    dt, dt_lo, dt_w = _plane(L, "dt")
+    pp, pp_w = _plane(L, "pp")
+    dt, dt_w = _plane(L, "dt")
     x_at, g_at = L["x"], L["g"]
     row_tiles, col_tiles = C // 16, dvp // 8
     per_warp, n_acc = _warp_share(row_tiles, col_tiles)
@@ -530,19 +538,20 @@ def _outputs_fn(dk: int, dvp: int, C: int):
                 c, j = _tile_element(row0, 8 * (t // row_tiles), e)
                 acc[4 * q + e] = float32(0.0)
                 if t < row_tiles * col_tiles:
-                    acc[4 * q + e] = math.exp(smf[g_at + c]) * smf[uint32(x_at + (C + c) * dvp + j)]
+                    acc[4 * q + e] = math.exp(smf[uint32(g_at + c)]) * \
+                        smf[uint32(x_at + (C + c) * dvp + j)]
         for kw in range(0, C // 2, 8):
-            a = _frags_a(smw, pp, pp_lo, pp_w, row0, kw)
+            a = _frag_a(smw, pp, pp_w, row0, kw)
             for q in range(per_warp):
                 t = warp + WARPS * q
                 if t < row_tiles * col_tiles:
-                    _mma3(acc, 4 * q, a, smw, dt, dt_lo, dt_w, 8 * (t // row_tiles), kw)
+                    _mma(acc, 4 * q, a, smw, dt, dt_w, 8 * (t // row_tiles), kw)
         for q in range(per_warp):
             t = warp + WARPS * q
             for e in range(4):
                 c, j = _tile_element(row0, 8 * (t // row_tiles), e)
                 if t < row_tiles * col_tiles and c < n_c:
-                    out[(r + c) * o_row + o_base + j] = acc[4 * q + e]
+                    out[uint32((r + c) * o_row + o_base + j)] = acc[4 * q + e]
     return outputs
 
 
@@ -551,9 +560,9 @@ def _state_fns(dk: int, dvp: int, C: int):
     """The block's part of Sᵀ (dvp × dk) lives in its warps' accumulators: 16 × 8 tiles, a warp
     keeping one row tile of value columns. Returns (accumulators a lane, load, update, store)."""
     L = _recur_layout(dk, dvp, C)
-    st, st_lo, st_w = _plane(L, "st")
-    dt, dt_lo, dt_w = _plane(L, "dt")
-    kt, kt_lo, kt_w = _plane(L, "kt")
+    st, st_w = _plane(L, "st")
+    dt, dt_w = _plane(L, "dt")
+    kt, kt_w = _plane(L, "kt")
     g_at, row_tiles, col_tiles = L["g"], dvp // 16, dk // 8
     per_warp, n_acc = _warp_share(row_tiles, col_tiles)
 
@@ -567,7 +576,7 @@ def _state_fns(dk: int, dvp: int, C: int):
                 for e in range(0, 4, 2):
                     j, i = _tile_element(16 * (warp % row_tiles), 8 * (t // row_tiles), e)
                     wd = j * st_w + i // 2
-                    _put_pair(smw, st + wd, st_lo + wd, s[4 * q + e], s[4 * q + e + 1])
+                    _put_pair(smw, st + wd, s[4 * q + e], s[4 * q + e + 1])
 
     @device_function(numba_inline=True)  # s: the kernel's registers
     def load(state, base, smw, s):
@@ -579,22 +588,22 @@ def _state_fns(dk: int, dvp: int, C: int):
                 s[4 * q + e] = float32(0.0)
                 if t < row_tiles * col_tiles:
                     j, i = _tile_element(16 * (warp % row_tiles), 8 * (t // row_tiles), e)
-                    s[4 * q + e] = state[base + j * dk + i]
+                    s[4 * q + e] = state[uint32(base + j * dk + i)]
         to_planes(smw, s)
 
     @device_function(numba_inline=True)  # s: the kernel's registers
     def update(smw, smf, s):
         """Sᵀ ← e^(G_last) Sᵀ + V'ᵀ·K̃ (V'ᵀ in the planes named dt)."""
         warp = cuda.threadIdx.x >> 5
-        decay = math.exp(smf[g_at + C - 1])
+        decay = math.exp(smf[uint32(g_at + C - 1)])
         for i in range(n_acc):
             s[i] *= decay
         for kw in range(0, C // 2, 8):
-            a = _frags_a(smw, dt, dt_lo, dt_w, 16 * (warp % row_tiles), kw)
+            a = _frag_a(smw, dt, dt_w, 16 * (warp % row_tiles), kw)
             for q in range(per_warp):
                 t = warp + WARPS * q
                 if t < row_tiles * col_tiles:
-                    _mma3(s, 4 * q, a, smw, kt, kt_lo, kt_w, 8 * (t // row_tiles), kw)
+                    _mma(s, 4 * q, a, smw, kt, kt_w, 8 * (t // row_tiles), kw)
         to_planes(smw, s)
 
     @device_function(numba_inline=True)  # s: the kernel's registers
@@ -605,7 +614,7 @@ def _state_fns(dk: int, dvp: int, C: int):
             if t < row_tiles * col_tiles:
                 for e in range(4):
                     j, i = _tile_element(16 * (warp % row_tiles), 8 * (t // row_tiles), e)
-                    state[base + j * dk + i] = s[4 * q + e]
+                    state[uint32(base + j * dk + i)] = s[4 * q + e]
     return n_acc, load, update, store
 
 
@@ -631,7 +640,7 @@ def _recur_copy_fn(dk: int, dv: int, dvp: int, C: int):
     def copy(u, scratch, smf, offs, dest):
         u_stride, q_off, k_off, u_col = offs
         for e in range(cuda.threadIdx.x, C * pieces, THREADS):
-            c, p = e // pieces, e % pieces
+            c, p = uint32(e) // pieces, uint32(e) % pieces
             if c < dest[1]:
                 to = 4 * (raw + c * rs + 4 * p)
                 if w4 <= p < 3 * w4:
@@ -655,12 +664,12 @@ def _recur_stage_fn(dk: int, dvp: int, C: int):
     @device_function
     def wq_pair(smf, row, c, col):
         """W[c] (rows < C) or q_c (the next C) at columns col, col + 1."""
-        at = raw + c * rs + (dk if row >= C else 0) + col
+        at = uint32(raw + c * rs + (dk if row >= C else 0) + col)
         return smf[at], smf[at + 1]
 
     @device_function
     def p_pair(smf, row, c, col):
-        at = raw + c * rs + p_at + col
+        at = uint32(raw + c * rs + p_at + col)
         return smf[at], smf[at + 1]
 
     stage_wq, stage_p = _row_stager(2 * C, dk, C, wq_pair), _row_stager(C, C, C, p_pair)
@@ -669,8 +678,8 @@ def _recur_stage_fn(dk: int, dvp: int, C: int):
     def kt_value(args, c, i):
         """K̃[c][i] = k_c[i] e^(G_last − G_c)."""
         smf, g_last = args
-        at = raw + c * rs
-        return smf[at + 2 * dk + i] * math.exp(g_last - smf[at + g_col])
+        at = uint32(raw + c * rs)
+        return smf[at + uint32(2 * dk + i)] * math.exp(g_last - smf[at + uint32(g_col)])
 
     stage_kt = _transposed_stager(dk, C, kt_value)
 
@@ -680,33 +689,35 @@ def _recur_stage_fn(dk: int, dvp: int, C: int):
         stage_wq(smw, kq, n_c, smf)
         stage_p(smw, pp, n_c, smf)
         for q in range(-(-C * dvp // THREADS)):
-            e = tid + q * THREADS
+            e = uint32(tid + q * THREADS)
             c, j = e // dvp, e % dvp
             if c < C:
-                smf[uu + e] = smf[raw + c * rs + u_at + j] if c < n_c else float32(0.0)
+                smf[uint32(uu + e)] = smf[uint32(raw + c * rs + u_at + j)] if c < n_c else \
+                    float32(0.0)
         for c in range(tid, C, THREADS):
-            smf[g_at + c] = smf[raw + min(c, n_c - 1) * rs + g_col]
-        stage_kt(smw, kt, n_c, (smf, smf[raw + (n_c - 1) * rs + g_col]))
+            smf[uint32(g_at + c)] = smf[uint32(raw + min(c, n_c - 1) * rs + g_col)]
+        stage_kt(smw, kt, n_c, (smf, smf[uint32(raw + (n_c - 1) * rs + g_col)]))
     return stage
 
 
 @functools.cache
 def _new_values_fn(dk: int, dvp: int, C: int):
     L = _recur_layout(dk, dvp, C)
-    dt, dt_lo, dt_w = _plane(L, "dt")
+    dt, dt_w = _plane(L, "dt")
     x_at, uu, half_c = L["x"], L["uu"], C // 2
 
     @device_function
     def new_values(smw, smf):
         """V'ᵀ's planes: V'[c][j] = U[c][j] − (W·S₀)[c][j] (rows past n_c: U and W zero)."""
         for q in range(-(-dvp * half_c // THREADS)):
-            e = cuda.threadIdx.x + q * THREADS
+            e = uint32(cuda.threadIdx.x + q * THREADS)
             cw, j = e // dvp, e % dvp
             if cw < half_c:
                 c = 2 * cw
-                _put_pair(smw, dt + j * dt_w + cw, dt_lo + j * dt_w + cw,
-                          smf[uu + c * dvp + j] - smf[uint32(x_at + c * dvp + j)],
-                          smf[uu + (c + 1) * dvp + j] - smf[uint32(x_at + (c + 1) * dvp + j)])
+                _put_pair(smw, dt + j * dt_w + cw,
+                          smf[uint32(uu + c * dvp + j)] - smf[uint32(x_at + c * dvp + j)],
+                          smf[uint32(uu + (c + 1) * dvp + j)] -
+                          smf[uint32(x_at + (c + 1) * dvp + j)])
     return new_values
 
 
@@ -803,10 +814,10 @@ def launch_prep(u, a, b, chunks: ChunkedPass, *, n_k_heads: int, head_map_mod: b
     checked there)."""
     n_rows, n_v_heads = a.shape
     dv = (u.shape[1] - 2 * n_k_heads * dk) // n_v_heads
-    # one block an SM (shared memory), each walking its chunks y, y + grid rows, … with the
-    # next one's copies in flight while it works on one
+    # one wave of blocks, each walking its chunks y, y + grid rows, … with the next one's copies
+    # in flight while it works on one
     prep_rows = min(chunks.chunk_lo.size, cdiv(n_rows, chunk) + SEQ_BLOCKS,
-                    max(1, multiprocessors() // n_v_heads))
+                    max(1, PREP_BLOCKS_PER_SM * multiprocessors() // n_v_heads))
     _prep_kernel(dk, dv, chunk)[(n_v_heads, prep_rows), THREADS, stream,
                                 4 * _prep_layout(dk, dv, chunk)["words"]](
         u.reshape(u.size), a.reshape(a.size), b.reshape(b.size), chunks.chunk_lo, chunks.chunk_n,

@@ -445,16 +445,27 @@ def test_prefill_of_padded_buckets_matches_cpu(family: str, n_tokens: int) -> No
 @pytest.mark.parametrize("n_tokens", (300, 700))
 def test_chunked_gated_delta_prefill_matches_cpu(n_tokens: int, monkeypatch) -> None:
     """SPARKINFER_GDN_CHUNKED: the hybrid model's prefill through the chunked Gated DeltaNet
-    kernels (many chunks, a partial last one, padded rows) gives the CPU model's logits."""
+    kernels (many chunks, a partial last one, padded rows; f16 operands) gives the CPU model's
+    top-1 wherever its margin is clear, and every logit within 1 % of the largest. The prompt
+    repeats, so keys repeat within chunks: with β V as one f16 plane, its rounding reached the
+    states and flipped the tiny router's choices (logits off by 9 % of the largest)."""
     monkeypatch.setenv("SPARKINFER_GDN_CHUNKED", "1")
-    _assert_prefill_matches_cpu("qwen35moe", n_tokens)
+    cpu, gpu = _prefills("qwen35moe", n_tokens)
+    clear = _top1_margin(cpu) > NATIVE_MARGIN
+    assert (gpu.argmax(1) == cpu.argmax(1))[clear].all()
+    assert np.abs(gpu - cpu).max() <= 0.01 * np.abs(cpu).max()
 
 
 def _assert_prefill_matches_cpu(family: str, n_tokens: int) -> None:
+    cpu, gpu = _prefills(family, n_tokens)
+    assert np.abs(gpu - cpu).max() <= DEQF32_TOL
+
+
+def _prefills(family: str, n_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every logit row of an n_tokens prompt on the CPU model and the exact GPU model."""
     path = TINY / family / f"{family}-Q8_0.gguf"
     ids = np.resize(_goldens(family)["prompt_long"], n_tokens).astype(np.int32)
-    cpu, gpu = _prefill(load_model(path), ids), _prefill(_gpu_model(path, True), ids)
-    assert np.abs(gpu - cpu).max() <= DEQF32_TOL
+    return _prefill(load_model(path), ids), _prefill(_gpu_model(path, True), ids)
 
 
 @pytest.mark.gpu
