@@ -220,7 +220,7 @@ def _row_stager(n_plane: int, cols: int, C: int, pair):
     return stage
 
 
-def _transposed_stager(n_plane: int, C: int, value, remainder: tuple[int, int, int] = (-1, 0, 0)):
+def _transposed_stager(n_plane: int, C: int, value, remainder: tuple[int, int, int] | None = None):
     """stage(smw, plane, n_c, args): the f16 plane (first word, words a row) of an n_plane × C
     matrix Mᵀ, Mᵀ[i][c] = value(args, c, i) for rows c < n_c, zero past them; a thread a pair of
     rows of one i, i fastest (a warp reads a token row's consecutive floats). remainder = (first
@@ -228,7 +228,7 @@ def _transposed_stager(n_plane: int, C: int, value, remainder: tuple[int, int, i
     in that plane (row i at i − first), so that hi + lo carries them at about float32's
     precision."""
     half_c = C // 2
-    lo_from, lo_at, lo_w = remainder if remainder[0] >= 0 else (n_plane, 0, 0)
+    lo_from, lo_at, lo_w = remainder or (n_plane, 0, 0)  # (n_plane, …): no row has one
 
     @device_function
     def stage(smw, plane, n_c, args):
@@ -301,8 +301,9 @@ def _prep_stage_fn(dk: int, dv: int, C: int):
                                          float32(1.0))
         return scale * smf[uint32(raw + c * rs + (i if i < dk else dk + i))]
 
-    # β V in two planes: where a key repeats, the chunk's new values U − W·S₀ cancel most of U,
-    # and U from f16 values alone would leave the rounding of v in place of what is left
+    # β V in two planes: where keys repeat within a chunk, T's rows cancel most of T·βV's terms,
+    # and from f16 values alone U (and through it the state) keeps their rounding
+    # (bench/probes/gdn_rounding_emulation.py)
     stage_bkv = _transposed_stager(dk + dv, C, bkv_value, (dk, *_plane(L, "bv_lo")))
 
     @device_function
