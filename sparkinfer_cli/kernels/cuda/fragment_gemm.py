@@ -29,6 +29,9 @@ rounds the float32 q·s + m once); activations are f16 in both.
   so a lane holds the gate and up sums of one output in its C elements e and e + 2.
 - Split-K over grid.z and the output parts as mma_gemm (same partials layout, so its
   add_partials finishes a split product).
+
+What bounds the expert products in each serving regime, what the fast public MoE kernels do
+differently, and the changes ranked: docs/moe-expert-gemm.md.
 """
 
 from __future__ import annotations
